@@ -1,0 +1,22 @@
+"""The unit of work the scheduler hands the model runner: spans of tokens per sequence."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(slots=True)
+class SeqSpan:
+    """Run `token_ids` for one sequence whose first `start_pos` tokens are already in the KV cache.
+
+    Prefill is a span starting at 0, a prefill chunk starts later, decode is a span of one token.
+    The runner writes the span's K/V into the slots given by `block_table` and returns logits
+    for the last token ("last"), every token ("all", for prefill logprobs) or nothing ("none",
+    an unfinished prefill chunk).
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    logits: Literal["none", "last", "all"] = "last"

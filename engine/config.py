@@ -1,0 +1,44 @@
+"""EngineConfig: everything the launcher decides, passed to the engine core and the server."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    # model
+    model_id: str = ""                  # local snapshot directory
+    revision: str | None = None
+    dtype: str | None = None            # None = config's dtype on GPU, float32 on CPU
+    load_format: str = "safetensors"    # "safetensors" | "dummy" (random weights, config shape)
+    trust_remote_code: bool = False
+    # parallelism
+    num_shard: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    device: str | None = None           # None = cuda if available else cpu
+    # TGI limits (names and defaults follow text-generation-launcher)
+    max_concurrent_requests: int = 128
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_input_tokens: int | None = None     # None = derived from the model (max_total_tokens - 1)
+    max_total_tokens: int | None = None     # None = min(model max positions, 4096)
+    max_batch_prefill_tokens: int | None = None  # None = max_input_tokens + 50
+    max_batch_total_tokens: int | None = None    # None = what the KV cache holds
+    max_batch_size: int | None = None
+    waiting_served_ratio: float = 0.3
+    # memory
+    cuda_memory_fraction: float = 1.0
+    gpu_memory_utilization: float = 0.9     # of what cuda_memory_fraction leaves
+    cpu_kv_cache_bytes: int = 512 * 1024**2  # KV budget on CPU
+    block_size: int = 16                    # tokens per KV block (256 when flash-attn paged kernel is used)
+    enforce_eager: bool = False             # no CUDA graphs
+    attention_backend: str = "auto"         # "auto" | "sdpa" | "flash"
+    # server
+    hostname: str = "0.0.0.0"
+    port: int = 3000
+    api_key: str | None = field(default=None, repr=False)
+    cors_allow_origin: list[str] = field(default_factory=list)
+    json_output: bool = False
+    served_model_name: str | None = None

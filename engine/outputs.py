@@ -1,0 +1,33 @@
+"""What the engine core reports per step; no HTTP types here."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["length", "eos_token", "stop_sequence", "aborted"]
+
+
+@dataclass(slots=True)
+class TokenInfo:
+    id: int
+    text: str                               # this token's own text (tokenizer.decode([id]))
+    logprob: float | None
+    special: bool
+    top_tokens: list["TokenInfo"] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One step's news for one request: zero or more new tokens, and the end if it came."""
+
+    request_id: str
+    tokens: list[TokenInfo]                 # new generated tokens this step
+    text: str                               # new text this step (incremental detokenizer; held back until stable)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    generated_text: str | None = None       # whole text, on the final output only (stop sequence cut off)
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    seed: int | None = None
+    prefill_tokens: list[TokenInfo] | None = None  # with prefill_logprobs, on the first output
+    error: str | None = None                # set when the engine failed this request

@@ -1,0 +1,63 @@
+"""Shared fixtures: test models, hostile strings, and the engine/cluster markers' skips."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+
+# Strings that would run code if they reached a shell unquoted (submitit's weird_tmp_path, and more).
+HOSTILE = [
+    "x/$(touch {marker})",
+    "x/`touch {marker}`",
+    "a'; touch {marker}; echo '",
+    'a"; touch {marker}; echo "',
+    "a\ntouch {marker}\n",
+    "a b; touch {marker} #",
+    "$(touch {marker})",
+    "a && touch {marker}",
+    "${{IFS}}touch${{IFS}}{marker}",
+]
+
+
+@pytest.fixture
+def hostile(tmp_path):
+    """(value, marker path): executing anything built from `value` must not create `marker`."""
+    marker = tmp_path / "pwned"
+    return [(template.format(marker=marker), marker) for template in HOSTILE]
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    """model_path("smollm2") -> snapshot dir (built once, cached; see scripts/make_models.py)."""
+    from make_models import ensure_model
+
+    return ensure_model
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_config(tmp_path_factory, monkeypatch):
+    """No test reads the developer's own tgi-hpc config or HF token."""
+    home = tmp_path_factory.mktemp("config")
+    monkeypatch.setenv("TGI_HPC_CONFIG_DIR", str(home))
+    for var in ("TGI_HPC_CLUSTER", "TGI_HPC_SET", "TGI_HPC_JSON", "TGI_HPC_REMOTE", "TGI_HPC_ACCOUNT", "HF_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")

@@ -1,0 +1,49 @@
+"""A stand-in for `python -m engine` in lifecycle tests that must not depend on a model.
+
+It answers /health and /generate like the engine, enforces API_KEY from the environment, and
+records its argv and environment (minus secrets' values) to $STANDIN_RECORD if set.
+"""
+import json
+import os
+import signal
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+host = args[args.index("--hostname") + 1] if "--hostname" in args else "0.0.0.0"
+key = os.environ.get("API_KEY")
+if os.environ.get("STANDIN_RECORD"):
+    with open(os.environ["STANDIN_RECORD"], "w") as fh:
+        json.dump({"argv": sys.argv, "has_api_key": bool(key)}, fh)
+
+
+class Handler(BaseHTTPRequestHandler):
+    def _send(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send(200, {}) if self.path == "/health" else self._send(404, {"error": "not found", "error_type": "not_found"})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if key and self.headers.get("Authorization") != f"Bearer {key}":
+            return self._send(401, {"error": "Unauthorized", "error_type": "unauthorized"})
+        self._send(200, {"generated_text": " world"})
+
+    def log_message(self, *a):
+        pass
+
+
+server = ThreadingHTTPServer((host, port), Handler)
+signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(SystemExit(0)))
+print(f"stand-in engine on {host}:{port}", file=sys.stderr, flush=True)
+try:
+    server.serve_forever()
+except SystemExit:
+    pass

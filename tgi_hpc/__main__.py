@@ -1,0 +1,5 @@
+import sys
+
+from tgi_hpc.cli import main
+
+sys.exit(main())

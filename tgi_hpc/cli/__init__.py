@@ -1,0 +1,55 @@
+"""The `tgi-hpc` command. Wiring only: each command lives in its own module and calls one library function."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from tgi_hpc import __version__
+from tgi_hpc.cli.compile import compile_command, release
+from tgi_hpc.cli.completion import completion
+from tgi_hpc.cli.download import download, models
+from tgi_hpc.cli.jobs import logs, status, stop
+from tgi_hpc.cli.profiles import profiles
+from tgi_hpc.cli.serve import serve
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="tgi-hpc")
+def cli() -> None:
+    """Serve open LLMs on Slurm clusters (Mila, DRAC) with a TGI/OpenAI-compatible engine.
+
+    \b
+    tgi-hpc download --model ORG/NAME      store weights in the cluster's model store
+    tgi-hpc compile                        build the offline engine release once
+    tgi-hpc serve --model ORG/NAME --wait  submit a server job and wait until it answers
+    tgi-hpc status | logs JOB | stop JOB   watch and manage your jobs
+    """
+
+
+for command in (serve, status, logs, stop, download, models, compile_command, release, profiles, completion):
+    cli.add_command(command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: the one place where toolkit errors become messages and exit codes."""
+    from tgi_hpc.errors import TgiHpcError
+
+    try:
+        cli.main(args=argv, prog_name="tgi-hpc", standalone_mode=False)
+    except TgiHpcError as exc:
+        click.echo(f"error: {exc}", err=True)
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

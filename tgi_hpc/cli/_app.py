@@ -1,0 +1,74 @@
+"""The object every command receives: output mode, verbosity, and the cluster it works on."""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+
+
+@dataclass
+class App:
+    cluster_name: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    json_output: bool = False
+    verbosity: int = 0
+    remote: bool | None = None
+
+    def cluster(self, *, strict_paths: bool = True):
+        from tgi_hpc.cluster import open_cluster
+
+        return open_cluster(self.cluster_name, self.overrides, remote=self.remote, strict_paths=strict_paths)
+
+    def emit(self, data: Any, human: Callable[[], None] | str | None = None) -> None:
+        """Results go to stdout: JSON with --json, else the human form."""
+        if self.json_output:
+            click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+        elif callable(human):
+            human()
+        elif human is not None:
+            click.echo(human)
+
+    def info(self, message: str) -> None:
+        """Progress and hints go to stderr, so stdout stays parseable."""
+        if self.verbosity >= 0:
+            click.echo(message, err=True)
+
+
+def setup_logging(verbosity: int) -> None:
+    level = logging.WARNING - 10 * verbosity
+    logging.basicConfig(level=max(logging.DEBUG, level), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def with_app(func):
+    """Give a command the App built from --cluster, --set, --json, -v/-q, --remote (each with a TGI_HPC_* twin)."""
+
+    @functools.wraps(func)
+    def wrapper(*args, cluster_name, overrides, json_output, verbose, quiet, remote, **kwargs):
+        setup_logging(verbose - quiet)
+        app = App(cluster_name, list(overrides), json_output, verbose - quiet, remote)
+        return func(app, *args, **kwargs)
+
+    options = [
+        click.option("--cluster", "-c", "cluster_name", envvar="TGI_HPC_CLUSTER",
+                     help="Profile or cluster: local, mila, computecanada, fir, nibi, rorqual, narval, trillium, "
+                          "or a YAML path. Default: detected on the login node, else local. [env: TGI_HPC_CLUSTER]"),
+        click.option("--set", "overrides", multiple=True, envvar="TGI_HPC_SET", metavar="KEY=VALUE",
+                     help="Override a profile value, e.g. --set slurm.account=def-x. [env: TGI_HPC_SET]"),
+        click.option("--json", "json_output", is_flag=True, envvar="TGI_HPC_JSON",
+                     help="Print results as JSON. [env: TGI_HPC_JSON]"),
+        click.option("-v", "--verbose", count=True, envvar="TGI_HPC_VERBOSE", help="More logs on stderr. [env: TGI_HPC_VERBOSE]"),
+        click.option("-q", "--quiet", count=True, help="Fewer messages on stderr."),
+        click.option("--remote/--no-remote", default=None, envvar="TGI_HPC_REMOTE",
+                     help="Run Slurm commands on the profile's login host over SSH. Default: only when "
+                          "sbatch is missing here. [env: TGI_HPC_REMOTE]"),
+    ]
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper

@@ -1,0 +1,69 @@
+"""`tgi-hpc download` (weights into the model store) and `tgi-hpc models` (what is stored)."""
+from __future__ import annotations
+
+import click
+
+from tgi_hpc.cli._app import App, with_app
+
+
+@click.command()
+@click.option("--model", "-m", required=True, help="Hub id ORG/NAME.")
+@click.option("--revision", default="main", show_default=True)
+@click.option("--here/--job", "here", default=None,
+              help="Download in this process (login node) or in a job on a partition with internet. "
+                   "Default: the profile's network.download_on.")
+@click.option("--store", help="Model store directory (default: the profile's paths.models).")
+@click.option("--wait/--no-wait", "wait_done", default=False, help="With --job: wait until the job ends.")
+@click.option("--dry-run", is_flag=True, help="With --job: print the job script; submit nothing.")
+@with_app
+def download(app: App, model, revision, here, store, wait_done, dry_run) -> None:
+    """Store MODEL's safetensors, config and tokenizer in the model store."""
+    from tgi_hpc.prepare import run_download
+
+    result = run_download(app.cluster(strict_paths=not dry_run), model, revision, here=here, store=store,
+                          wait=wait_done, dry_run=dry_run, progress=app.info)
+    app.emit(result.to_dict(), result.summary())
+
+
+@click.group(invoke_without_command=True)
+@click.pass_context
+def models(ctx: click.Context) -> None:
+    """List stored models (`models rm ID` removes one)."""
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(list_models_command)
+
+
+@models.command("list")
+@with_app
+def list_models_command(app: App) -> None:
+    """List the models in the store: id, revision, size, format."""
+    from pathlib import Path
+
+    from tgi_hpc.model_store import list_models
+
+    cluster = app.cluster()
+    stored = list_models(Path(cluster.expand(cluster.profile.paths.models)))
+    rows = [{"model_id": m.model_id, "revision": m.revision, "size_bytes": m.size_bytes, "format": m.format,
+             "complete": m.complete, "path": str(m.path)} for m in stored]
+
+    def human() -> None:
+        for r in rows:
+            flag = "" if r["complete"] else "  (incomplete)"
+            click.echo(f"{r['model_id']}@{r['revision']}  {r['size_bytes'] / 1e9:.2f} GB  {r['format']}{flag}")
+
+    app.emit(rows, human)
+
+
+@models.command("rm")
+@click.argument("model_id")
+@click.option("--revision", help="Only this revision (default: all).")
+@with_app
+def remove_command(app: App, model_id, revision) -> None:
+    """Remove MODEL_ID from the store."""
+    from pathlib import Path
+
+    from tgi_hpc.model_store import remove_model
+
+    cluster = app.cluster()
+    removed = remove_model(Path(cluster.expand(cluster.profile.paths.models)), model_id, revision)
+    app.emit({"removed": [str(p) for p in removed]}, "\n".join(f"removed {p}" for p in removed) or "nothing removed")

@@ -1,0 +1,65 @@
+"""`tgi-hpc status`, `logs`, `stop`: watch and manage jobs."""
+from __future__ import annotations
+
+import click
+
+from tgi_hpc.cli._app import App, with_app
+
+
+def _table(rows) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False)
+    for column in ("JOB", "KIND", "STATE", "REASON", "NODE", "URL"):
+        table.add_column(column)
+    for st in rows:
+        table.add_row(st.job_id, st.kind, st.state, st.reason or st.detail, st.node, st.url)
+    Console(soft_wrap=True).print(table)
+
+
+@click.command()
+@click.argument("job_ids", nargs=-1)
+@click.option("--no-probe", is_flag=True, help="Do not probe running servers (faster).")
+@with_app
+def status(app: App, job_ids, no_probe) -> None:
+    """State of JOB_IDS, or of all my tgi-hpc jobs: PENDING, STARTING, READY, or how they ended."""
+    from tgi_hpc import jobs
+
+    rows = jobs.status(app.cluster(), list(job_ids) or None, with_probe=not no_probe)
+    if not rows and not app.json_output:
+        app.info("no tgi-hpc jobs")
+        return
+    app.emit([st.to_dict() for st in rows], lambda: _table(rows))
+
+
+@click.command()
+@click.argument("job_id")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new output until the job ends.")
+@with_app
+def logs(app: App, job_id, follow) -> None:
+    """Print the output of JOB_ID."""
+    from tgi_hpc import jobs
+
+    cluster = app.cluster()
+    if not follow:
+        text = jobs.logs(cluster, job_id)
+        app.emit({"job_id": job_id, "log": text}, lambda: click.echo(text, nl=False))
+        return
+    for chunk in jobs.follow(cluster, job_id):
+        click.echo(chunk, nl=False)
+
+
+@click.command()
+@click.argument("job_ids", nargs=-1)
+@click.option("--all", "all_jobs", is_flag=True, help="Stop all my tgi-hpc jobs.")
+@with_app
+def stop(app: App, job_ids, all_jobs) -> None:
+    """Cancel JOB_IDS (or --all of my tgi-hpc jobs)."""
+    from tgi_hpc import jobs
+    from tgi_hpc.errors import UsageError
+
+    if bool(job_ids) == all_jobs:
+        raise UsageError("give job ids or --all (not both)")
+    stopped = jobs.stop(app.cluster(), list(job_ids) or None)
+    app.emit({"stopped": stopped}, f"stopped {' '.join(stopped)}" if stopped else "nothing to stop")

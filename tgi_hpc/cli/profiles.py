@@ -1,0 +1,40 @@
+"""`tgi-hpc profiles [show NAME]`: the clusters tgi-hpc knows, and one profile fully merged."""
+from __future__ import annotations
+
+import click
+
+from tgi_hpc.cli._app import App, with_app
+
+
+@click.group(invoke_without_command=True)
+@click.pass_context
+def profiles(ctx: click.Context) -> None:
+    """List the known profiles (and clusters), or show one with `profiles show NAME`."""
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(list_command)
+
+
+@profiles.command("list")
+@with_app
+def list_command(app: App) -> None:
+    """List profiles: built-in local, shipped ones, and yours."""
+    from tgi_hpc.profile import detect_cluster, list_profiles
+
+    names = list_profiles()
+    detected = detect_cluster()
+    app.emit({"profiles": names, "detected": detected},
+             "\n".join(names) + (f"\n(detected here: {'/'.join(filter(None, detected))})" if detected else ""))
+
+
+@profiles.command("show")
+@click.argument("name", required=False)
+@with_app
+def show(app: App, name) -> None:
+    """Print profile NAME (default: --cluster or the detected one) after every merge and override."""
+    import yaml
+
+    from tgi_hpc.profile import load_profile
+
+    profile = load_profile(name or app.cluster_name, overrides=app.overrides)
+    data = profile.model_dump(mode="json")
+    app.emit(data, lambda: click.echo(yaml.safe_dump(data, sort_keys=False), nl=False))

@@ -1,0 +1,50 @@
+"""`tgi-hpc serve`: render the serve job, submit it, optionally wait until it really answers."""
+from __future__ import annotations
+
+import click
+
+from tgi_hpc.cli._app import App, with_app
+
+LIMITS = ("max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens",
+          "max_concurrent_requests", "max_best_of", "max_stop_sequences")
+
+
+def _limit_options(func):
+    for name in reversed(LIMITS):
+        func = click.option(f"--{name.replace('_', '-')}", name, type=click.IntRange(min=1),
+                            help="Engine limit (TGI's name and meaning).")(func)
+    return func
+
+
+@click.command()
+@click.option("--model", "-m", required=True, help="Hub id in the model store (ORG/NAME) or a local snapshot directory.")
+@click.option("--revision", default="main", show_default=True, help="Revision of a stored Hub model.")
+@click.option("--gpus", "--num-shard", "gpus", type=click.IntRange(min=0), help="GPUs = tensor-parallel shards. Default: from the model size.")
+@click.option("--time", "time_", help="Slurm time limit, e.g. 3:00:00.")
+@click.option("--partition", "-p", help="Slurm partition. Default: the profile's serve partition.")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), help="Weights and compute dtype.")
+@click.option("--quantize", help="Quantization (not supported by the engine yet; refused with a clear error).")
+@_limit_options
+@click.option("--env", "env", multiple=True, metavar="NAME=VALUE", help="Extra environment variable for the job.")
+@click.option("--engine-arg", "engine_args", multiple=True, metavar="FLAG=VALUE", help="Other engine flag, checked against the known ones.")
+@click.option("--release", help="Engine release directory. Default: the profile's current release.")
+@click.option("--keep-alive", is_flag=True, help="Requeue the job before its time limit and on preemption (same job id and port).")
+@click.option("--no-api-key", is_flag=True, help="Serve without an API key (anyone on the cluster network can use it).")
+@click.option("--wait/--no-wait", "wait_ready", default=False, help="Wait until the server is READY.")
+@click.option("--timeout", default=1800.0, show_default=True, help="Seconds to wait with --wait.")
+@click.option("--dry-run", is_flag=True, help="Print the job script; submit nothing.")
+@with_app
+def serve(app: App, model, revision, gpus, time_, partition, dtype, quantize, env, engine_args, release,
+          keep_alive, no_api_key, wait_ready, timeout, dry_run, **limits) -> None:
+    """Submit a server job for MODEL and print its job id and endpoint."""
+    from tgi_hpc.serve import ServeOptions, run_serve
+
+    limits.update(dtype=dtype, quantize=quantize)
+    opts = ServeOptions(model=model, revision=revision, gpus=gpus, time=time_, partition=partition, limits=limits,
+                        env=list(env), engine_args=list(engine_args), keep_alive=keep_alive, api_key=not no_api_key)
+    result = run_serve(app.cluster(strict_paths=not dry_run), opts, release=release, dry_run=dry_run,
+                       wait=wait_ready, timeout=timeout, progress=app.info)
+    if dry_run:
+        app.emit({"script": result.script}, lambda: click.echo(result.script, nl=False))
+        return
+    app.emit(result.to_dict(), result.summary())

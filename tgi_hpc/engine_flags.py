@@ -1,0 +1,33 @@
+"""Engine flags `serve` may pass through (`--engine-arg FLAG=VALUE`), checked before rendering."""
+from __future__ import annotations
+
+from tgi_hpc.errors import UsageError
+
+# Launcher flags (TGI's names) a user may set; value-less ones are switches.
+VALUE_FLAGS = {
+    "--dtype", "--revision", "--max-concurrent-requests", "--max-best-of", "--max-stop-sequences",
+    "--max-top-n-tokens", "--max-input-tokens", "--max-input-length", "--max-total-tokens",
+    "--max-batch-prefill-tokens", "--max-batch-total-tokens", "--max-batch-size",
+    "--waiting-served-ratio", "--cuda-memory-fraction", "--cors-allow-origin", "--load-format",
+    "--quantize", "--served-model-name", "--kv-cache-bytes",
+}
+SWITCH_FLAGS = {"--json-output"}
+# Set by the job itself; --api-key in particular must never be on a command line.
+RESERVED = {"--model-id", "--port", "--hostname", "--master-port", "--master-addr", "--num-shard", "--api-key"}
+
+
+def engine_args(pairs: list[str]) -> list[str]:
+    """Turn ["--max-top-n-tokens=5", "--json-output"] into argv words, refusing unknown flags."""
+    argv: list[str] = []
+    for item in pairs:
+        flag, has_value, value = item.partition("=")
+        if flag in RESERVED:
+            raise UsageError(f"--engine-arg {flag} is set by tgi-hpc itself; use the serve option instead")
+        if flag in SWITCH_FLAGS and not has_value:
+            argv.append(flag)
+        elif flag in VALUE_FLAGS and has_value:
+            argv += [flag, value]
+        else:
+            known = ", ".join(sorted(VALUE_FLAGS | SWITCH_FLAGS))
+            raise UsageError(f"--engine-arg {item!r} is not an engine flag (FLAG=VALUE or a switch). Known: {known}")
+    return argv

@@ -1,0 +1,101 @@
+"""Helpers that run inside a job (`python -m tgi_hpc.job ...`): port, API key, endpoint, staging.
+
+They live in Python, not in the template, so they are tested like the rest of the code.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+from tgi_hpc.endpoint import Endpoint, write_atomic
+from tgi_hpc.ports import pick_port
+
+
+def job_id(env: dict[str, str] | os._Environ = os.environ) -> str:
+    value = env.get("SLURM_JOB_ID") or env.get("TGI_HPC_JOB_ID")
+    if not value:
+        raise SystemExit("tgi_hpc.job: neither SLURM_JOB_ID nor TGI_HPC_JOB_ID is set")
+    return value
+
+
+def ensure_api_key(path: Path) -> None:
+    """Create a random key (mode 0600) once; a requeued job keeps the key its users already have."""
+    if path.exists() and path.read_text().strip():
+        return
+    write_atomic(path, secrets.token_urlsafe(32) + "\n", mode=0o600)
+
+
+def stage(src: Path, dst: Path) -> Path:
+    """Copy a snapshot to node-local disk, skipping files whose size and mtime already match."""
+    if not (src / "config.json").is_file():
+        raise SystemExit(f"tgi_hpc.job: no model at {src} (config.json missing)")
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if path.is_dir() or any(part.startswith(".") for part in rel.parts):
+            continue
+        target = dst / rel
+        stat = path.stat()
+        if target.exists():
+            tstat = target.stat()
+            if tstat.st_size == stat.st_size and int(tstat.st_mtime) == int(stat.st_mtime):
+                continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+    return dst
+
+
+def write_endpoint(path: Path, port: int, api_key_file: str, model: str) -> Endpoint:
+    endpoint = Endpoint(
+        job_id=job_id(),
+        node=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        host=socket.gethostname(),
+        port=port,
+        api_key_file=api_key_file,
+        model=model,
+        restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+        started_at=time.time(),
+    )
+    write_atomic(path, endpoint.to_json() + "\n", mode=0o644)
+    return endpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tgi_hpc.job")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pick-port")
+    p.add_argument("--base", type=int, default=10000)
+    p.add_argument("--exclude", type=int, action="append", default=[])
+    p = sub.add_parser("api-key")
+    p.add_argument("--file", type=Path, required=True)
+    p = sub.add_parser("write-endpoint")
+    p.add_argument("--file", type=Path, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--api-key-file", default="")
+    p.add_argument("--model", default="")
+    p = sub.add_parser("stage")
+    p.add_argument("--src", type=Path, required=True)
+    p.add_argument("--dst", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    if args.cmd == "pick-port":
+        port = pick_port(job_id(), base=args.base, exclude=set(args.exclude))
+        print(f"[tgi-hpc] port {port} (job {job_id()})", file=sys.stderr)
+        print(port)
+    elif args.cmd == "api-key":
+        ensure_api_key(args.file)
+    elif args.cmd == "write-endpoint":
+        endpoint = write_endpoint(args.file, args.port, args.api_key_file, args.model)
+        print(f"[tgi-hpc] endpoint {endpoint.url} written to {args.file}", file=sys.stderr)
+    elif args.cmd == "stage":
+        print(stage(args.src, args.dst))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

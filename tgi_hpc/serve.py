@@ -1,0 +1,154 @@
+"""Turn `tgi-hpc serve` options into a ServeSpec: resolve the model, size the job, check engine flags."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tgi_hpc.cluster import Cluster
+from tgi_hpc.engine_flags import engine_args
+from tgi_hpc.errors import ModelNotFoundError, UsageError
+from tgi_hpc.jobspec import ServeSpec, ShellPath
+from tgi_hpc.model_size import estimate_params_b
+from tgi_hpc.model_store import model_dir, validate_model_id
+from tgi_hpc.profile import Resources, require_account, resources_for
+from tgi_hpc.quoting import sh
+
+# serve option -> engine (TGI launcher) flag
+LIMIT_FLAGS = {
+    "max_input_tokens": "--max-input-tokens", "max_total_tokens": "--max-total-tokens",
+    "max_batch_prefill_tokens": "--max-batch-prefill-tokens", "max_batch_total_tokens": "--max-batch-total-tokens",
+    "max_concurrent_requests": "--max-concurrent-requests", "max_best_of": "--max-best-of",
+    "max_stop_sequences": "--max-stop-sequences", "quantize": "--quantize", "dtype": "--dtype",
+}
+
+
+@dataclass
+class ServeOptions:
+    model: str
+    revision: str = "main"
+    gpus: int | None = None
+    time: str | None = None
+    partition: str | None = None
+    limits: dict[str, object] = field(default_factory=dict)   # keys of LIMIT_FLAGS
+    env: list[str] = field(default_factory=list)              # K=V
+    engine_args: list[str] = field(default_factory=list)      # FLAG=VALUE
+    keep_alive: bool = False
+    api_key: bool = True
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--env {item!r}: expected NAME=VALUE with NAME a valid variable name")
+        if key in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "API_KEY"):
+            raise UsageError(f"--env {key}=... would write a secret into the job script; "
+                             "export it in your shell instead (sbatch passes the environment on)")
+        env[key] = value
+    return env
+
+
+def _model_location(cluster: Cluster, model: str, revision: str) -> tuple[ShellPath, Path | None]:
+    """(where the job finds the weights, a local path to read config.json from if we can)."""
+    local = Path(model).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ModelNotFoundError(f"{local} is a directory without config.json: not a model snapshot")
+        return ShellPath("", str(local.resolve())), local.resolve()
+    if model.startswith(("/", ".", "~")):
+        raise ModelNotFoundError(f"no model directory at {model}")
+    rel = model_dir(Path("/"), validate_model_id(model), revision).relative_to("/")
+    store = cluster.expand(cluster.profile.paths.models, strict=False)
+    candidate = Path(store) / rel
+    return ShellPath(cluster.profile.paths.models, str(rel)), candidate if "$" not in store else None
+
+
+def check_model_present(cluster: Cluster, spec: ServeSpec) -> None:
+    """Before submitting: the weights must be in the store (where the jobs run)."""
+    path = cluster.expand(str(spec.model_dir))
+    result = cluster.runner.run(["test", "-f", f"{path}/config.json"])
+    if result.returncode != 0:
+        raise ModelNotFoundError(f"{spec.model} is not in the model store ({path}): "
+                                 f"run `tgi-hpc download --model {sh(spec.model)}` first")
+
+
+def build_serve_spec(cluster: Cluster, opts: ServeOptions) -> ServeSpec:
+    profile = cluster.profile
+    require_account(profile)
+    where, readable = _model_location(cluster, opts.model, opts.revision)
+    size = estimate_params_b(opts.model, readable)
+    resources = resources_for(profile, "serve", size, opts.gpus)
+    choices = {k: v for k, v in (("partition", opts.partition), ("time", opts.time)) if v}
+    if choices:
+        resources = resources.model_copy(update=choices)
+    num_shard = max(1, opts.gpus if opts.gpus is not None else (resources.gpus or 1))
+    argv = []
+    for key, value in opts.limits.items():
+        if value is not None:
+            argv += [LIMIT_FLAGS[key], str(value)]
+    argv += engine_args(opts.engine_args)
+    return ServeSpec(
+        kind="serve", resources=resources, keep_alive=opts.keep_alive, env=parse_env(opts.env),
+        model=opts.model, model_dir=where, num_shard=num_shard, engine_args=tuple(argv),
+        api_key=opts.api_key, stage_model=cluster.uses_slurm,
+    )
+
+
+def release_dir(cluster: Cluster, release: str | None) -> ShellPath:
+    """--release DIR, else the profile's current release; without Slurm, this very environment."""
+    if release:
+        return ShellPath("", str(Path(release).expanduser().resolve()))
+    if not cluster.uses_slurm:
+        return ShellPath("", sys.prefix)
+    return ShellPath(cluster.profile.paths.releases, "current")
+
+
+__all__ = ["ServeOptions", "build_serve_spec", "check_model_present", "release_dir", "Resources"]
+
+
+@dataclass
+class ServeResult:
+    script: str
+    job_id: str | None = None
+    script_path: str | None = None
+    log_path: str | None = None
+    status: dict | None = None
+
+    def to_dict(self) -> dict:
+        return {"job_id": self.job_id, "script_path": self.script_path, "log": self.log_path, "status": self.status}
+
+    def summary(self) -> str:
+        lines = [f"job {self.job_id} submitted", f"  log:    {self.log_path}", f"  script: {self.script_path}"]
+        if self.status and self.status.get("state") == "READY":
+            url, key = self.status["url"], self.status.get("api_key_file")
+            lines += [f"  READY at {url} on {self.status['node']}"]
+            auth = f' -H "Authorization: Bearer $(cat {sh(key)})"' if key else ""
+            lines += [f"  api key file: {key or '(none)'}",
+                      f"  try: curl {url}/generate{auth} -H 'Content-Type: application/json' "
+                      "-d '{\"inputs\": \"Hello\", \"parameters\": {\"max_new_tokens\": 20}}'"]
+        else:
+            lines += [f"  follow it with: tgi-hpc status {self.job_id}"]
+        return "\n".join(lines)
+
+
+def run_serve(cluster: Cluster, opts: ServeOptions, *, release: str | None = None, dry_run: bool = False,
+              wait: bool = False, timeout: float = 1800, progress=lambda message: None) -> ServeResult:
+    """Build, render, and (unless dry_run) submit; with wait, block until READY."""
+    from tgi_hpc import jobs
+
+    spec = build_serve_spec(cluster, opts)
+    rel = release_dir(cluster, release)
+    if dry_run:
+        return ServeResult(jobs.render(cluster, spec, release_dir=rel))
+    check_model_present(cluster, spec)
+    sub = jobs.submit(cluster, spec, release_dir=rel)
+    progress(f"submitted job {sub.job_id} ({spec.model}, {spec.num_shard} shard(s)); log: {sub.log_path}")
+    result = ServeResult(sub.script, sub.job_id, sub.script_path, sub.log_path)
+    if wait:
+        def show(st):
+            progress(f"job {st.job_id}: {st.state}" + (f" ({st.reason})" if st.reason else "")
+                     + (f" on {st.node}" if st.node else ""))
+        result.status = jobs.wait(cluster, sub.job_id, until={"READY"}, timeout=timeout, on_change=show).to_dict()
+    return result
