@@ -54,7 +54,7 @@ class SlurmBackend:
         tmp = f"{self.job_dir.rstrip('/')}/.submit-{secrets.token_hex(6)}.sbatch"
         self.runner.write_file(tmp, script, mode=0o600)
         try:
-            job_id = slurm.submit(self.runner, tmp, env=env)
+            job_id = slurm.submit(self.runner, tmp, cwd=self.job_dir, env=env)
         except SlurmError:
             self.runner.run(["rm", "-f", tmp])
             raise

@@ -58,6 +58,16 @@ def _submit(cluster: Cluster, spec: JobSpec, *, wait: bool, dry_run: bool, progr
     return result
 
 
+def _hub_client_settings(cluster: Cluster) -> None:
+    """Profile settings for the Hub client when it runs here rather than in a job (DRAC asks for
+    HF_HUB_DISABLE_XET=1 on login nodes). HF_HUB_OFFLINE is for offline jobs, never for a download."""
+    import os
+
+    value = cluster.profile.environment.env.get("HF_HUB_DISABLE_XET")
+    if value is not None:
+        os.environ.setdefault("HF_HUB_DISABLE_XET", value)
+
+
 def run_download(cluster: Cluster, model: str, revision: str = "main", *, here: bool | None = None,
                  store: str | None = None, wait: bool = False, dry_run: bool = False,
                  progress: Callable[[str], None] = lambda m: None) -> PrepareResult:
@@ -70,6 +80,7 @@ def run_download(cluster: Cluster, model: str, revision: str = "main", *, here: 
         from tgi_hpc.hf_token import find_token
 
         target = Path(store or cluster.expand(cluster.profile.paths.models))
+        _hub_client_settings(cluster)
         stored = download_model(model, target, revision=revision, token=find_token(), progress=True)
         return PrepareResult("download", "here", details={"model": stored.model_id, "revision": stored.revision,
                                                          "path": str(stored.path), "size_bytes": stored.size_bytes,

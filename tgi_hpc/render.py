@@ -64,8 +64,9 @@ def sbatch_flags(profile: Profile, spec: JobSpec, log_dir: str) -> dict[str, str
     """The job's Slurm options, as {flag: value}; True is a bare flag."""
     res, slurm = spec.resources, profile.slurm
     # append: a requeued run keeps the earlier runs' output in the same log
+    # chdir: the job runs in the job dir on scratch ($HOME is read-only on some compute nodes)
     flags: dict[str, str | bool] = {"job-name": spec.name, "output": f"{log_dir.rstrip('/')}/%j.out",
-                                    "open-mode": "append"}
+                                    "open-mode": "append", "chdir": log_dir}
     for key, value in (("partition", res.partition), ("time", res.time), ("mem", res.mem),
                        ("cpus-per-task", res.cpus_per_task), ("constraint", res.constraint),
                        ("account", slurm.account if slurm else None)):

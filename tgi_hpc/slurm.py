@@ -74,8 +74,10 @@ def _check(result, what: str) -> str:
     return result.stdout
 
 
-def submit(runner: Runner, script_path: str, env: dict[str, str] | None = None) -> str:
-    return parse_sbatch(_check(runner.run(["sbatch", "--parsable", script_path], env=env), "sbatch"))
+def submit(runner: Runner, script_path: str, cwd: str, env: dict[str, str] | None = None) -> str:
+    """sbatch from `cwd` (scratch): some clusters refuse jobs submitted from $HOME (Trillium, Cedar)."""
+    argv = ["env", "-C", cwd, "sbatch", "--parsable", script_path]
+    return parse_sbatch(_check(runner.run(argv, env=env), "sbatch"))
 
 
 def squeue(runner: Runner, job_ids: list[str] | None = None) -> list[SlurmJob]:

@@ -141,3 +141,17 @@ def test_unknown_account_is_rejected_at_submit(cli, local_cluster, model_path, r
               "--set", "slurm.account=def-nobody", check=False)
     assert out.returncode == 5
     assert "sbatch failed" in out.stderr
+
+
+def test_preempted_server_comes_back_with_the_same_job_id_and_port(cli, local_cluster, model_path, release):
+    result = _serve(cli, model_path("tiny-llama"), release, "--keep-alive", "--partition", "long",
+                    "--gpus", str(local_cluster.gpus))
+    job_id, port = result["job_id"], result["status"]["port"]
+    urgent = local_cluster.sbatch("-p", "unkillable", "-n1", "--gpus-per-task=1", "-o", "/dev/null",
+                                  "--wrap", "sleep 2")
+    local_cluster.wait_for_state(urgent, {"RUNNING", "COMPLETED"}, timeout=30)
+    assert local_cluster.show_job(job_id)["Restarts"] == "1"
+    local_cluster.wait_for_state(urgent, "COMPLETED", timeout=30)
+    st = _wait_state(cli, job_id, {"READY"}, timeout=90)
+    assert (st["state"], st["port"]) == ("READY", port), st
+    cli("stop", job_id)

