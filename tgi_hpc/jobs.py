@@ -92,9 +92,9 @@ def _status(cluster: Cluster, job_id: str, job: SlurmJob | None, with_probe: boo
             status.url, status.port, status.api_key_file = endpoint.url, endpoint.port, endpoint.api_key_file
             status.endpoint = {"host": endpoint.host, "node": endpoint.node, "port": endpoint.port}
             if with_probe:
-                from tgi_hpc.readiness import probe  # httpx: only when a server is there to probe
+                from tgi_hpc.readiness import probe_from  # httpx: only when a server is there to probe
 
-                result = probe(endpoint.url, read_api_key(cluster, endpoint))
+                result = probe_from(cluster.runner, endpoint.url, read_api_key(cluster, endpoint))
                 status.detail = result.detail
                 if result.ready:
                     status.state = "READY"

@@ -12,6 +12,7 @@ from tgi_hpc.cli.download import download, models
 from tgi_hpc.cli.jobs import logs, status, stop
 from tgi_hpc.cli.profiles import profiles
 from tgi_hpc.cli.serve import serve
+from tgi_hpc.cli.tunnel import ssh_config, tunnel
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -27,7 +28,8 @@ def cli() -> None:
     """
 
 
-for command in (serve, status, logs, stop, download, models, compile_command, release, profiles, completion):
+for command in (serve, status, logs, stop, download, models, compile_command, release, profiles, tunnel,
+                ssh_config, completion):
     cli.add_command(command)
 
 

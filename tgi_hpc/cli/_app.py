@@ -44,6 +44,8 @@ def setup_logging(verbosity: int) -> None:
     level = logging.WARNING - 10 * verbosity
     logging.basicConfig(level=max(logging.DEBUG, level), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore", "paramiko"):  # one line per request/packet: only with -vv
+        logging.getLogger(noisy).setLevel(max(level, logging.WARNING if verbosity < 2 else logging.DEBUG))
 
 
 def with_app(func):

@@ -32,19 +32,32 @@ def _limit_options(func):
 @click.option("--no-api-key", is_flag=True, help="Serve without an API key (anyone on the cluster network can use it).")
 @click.option("--wait/--no-wait", "wait_ready", default=False, help="Wait until the server is READY.")
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds to wait with --wait.")
+@click.option("--tunnel", "open_tunnel", is_flag=True,
+              help="From a laptop: wait for READY, then forward 127.0.0.1:PORT here to the server until Ctrl-C.")
+@click.option("--local-port", type=click.IntRange(0, 65535), help="With --tunnel: port here (default: the job's).")
+@click.option("--stop-on-exit", is_flag=True, help="With --tunnel: stop the job when the tunnel closes.")
 @click.option("--dry-run", is_flag=True, help="Print the job script; submit nothing.")
 @with_app
 def serve(app: App, model, revision, gpus, time_, partition, dtype, quantize, env, engine_args, release,
-          keep_alive, no_api_key, wait_ready, timeout, dry_run, **limits) -> None:
+          keep_alive, no_api_key, wait_ready, timeout, open_tunnel, local_port, stop_on_exit, dry_run, **limits) -> None:
     """Submit a server job for MODEL and print its job id and endpoint."""
     from tgi_hpc.serve import ServeOptions, run_serve
 
     limits.update(dtype=dtype, quantize=quantize)
     opts = ServeOptions(model=model, revision=revision, gpus=gpus, time=time_, partition=partition, limits=limits,
                         env=list(env), engine_args=list(engine_args), keep_alive=keep_alive, api_key=not no_api_key)
-    result = run_serve(app.cluster(strict_paths=not dry_run), opts, release=release, dry_run=dry_run,
-                       wait=wait_ready, timeout=timeout, progress=app.info)
+    cluster = app.cluster(strict_paths=not dry_run)
+    result = run_serve(cluster, opts, release=release, dry_run=dry_run, wait=wait_ready or open_tunnel,
+                       timeout=timeout, progress=app.info)
     if dry_run:
         app.emit({"script": result.script}, lambda: click.echo(result.script, nl=False))
         return
-    app.emit(result.to_dict(), result.summary())
+    if not open_tunnel:
+        app.emit(result.to_dict(), result.summary())
+        return
+    from tgi_hpc.cli.tunnel import hold
+    from tgi_hpc.tunnel_session import instructions, open_tunnel as start_tunnel
+
+    tunnel_obj, info = start_tunnel(cluster, result.job_id, local_port=local_port, timeout=timeout)
+    app.emit({**result.to_dict(), "tunnel": info.to_dict()}, instructions(info))
+    hold(app, tunnel_obj, info, cluster, stop_job=stop_on_exit)

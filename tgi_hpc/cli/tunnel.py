@@ -1,0 +1,121 @@
+"""`tgi-hpc tunnel [JOB]`, `tunnel list`, `tunnel stop`, and `tgi-hpc ssh-config CLUSTER`."""
+from __future__ import annotations
+
+import click
+
+from tgi_hpc.cli._app import App, with_app
+
+
+class _DefaultToOpen(click.Group):
+    """`tgi-hpc tunnel 4148` means `tgi-hpc tunnel open 4148`."""
+
+    def parse_args(self, ctx, args):
+        if not args or (args[0] not in self.commands and args[0] not in ("-h", "--help")):
+            args = ["open", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_DefaultToOpen)
+def tunnel() -> None:
+    """Forward a port on this machine to a serve job (through the login node), or manage background tunnels."""
+
+
+def hold(app: App, tunnel_obj, info, cluster, stop_job: bool) -> None:
+    """Keep a foreground tunnel open until Ctrl-C; then say how to come back (or stop the job)."""
+    import time
+
+    from tgi_hpc import jobs
+
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        tunnel_obj.close()
+    if stop_job:
+        jobs.stop(cluster, [info.job_id])
+        app.info(f"tunnel closed; job {info.job_id} stopped")
+    else:
+        app.info(f"tunnel closed; job {info.job_id} keeps running. Reconnect: tgi-hpc tunnel {info.job_id}"
+                 f" --cluster {info.cluster}   Stop it: tgi-hpc stop {info.job_id} --cluster {info.cluster}")
+
+
+@tunnel.command("open")
+@click.argument("job_id", required=False)
+@click.option("--local-port", type=click.IntRange(0, 65535), help="Port on this machine (default: the job's port, if free).")
+@click.option("--background", is_flag=True, help="Detach; manage it with `tunnel list` / `tunnel stop`.")
+@click.option("--accept-host-key", is_flag=True, help="Trust and record an unknown SSH host key.")
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the job to be READY.")
+@click.option("--foreground-child", is_flag=True, hidden=True)
+@with_app
+def open_command(app: App, job_id, local_port, background, accept_host_key, timeout, foreground_child) -> None:
+    """Forward 127.0.0.1:PORT here to JOB's server (default: my newest running serve job)."""
+    from tgi_hpc import tunnel_session as ts
+
+    cluster = app.cluster()
+    job_id = ts.pick_job(cluster, job_id)
+    if background:
+        argv = ["tunnel", "open", job_id, "--foreground-child", "--timeout", str(timeout)]
+        argv += ["--cluster", app.cluster_name] if app.cluster_name else []
+        argv += [f"--set={item}" for item in app.overrides]
+        argv += ["--local-port", str(local_port)] if local_port is not None else []
+        argv += ["--accept-host-key"] if accept_host_key else []
+        info = ts.start_background(argv, job_id, timeout=timeout + 60)
+        app.emit(info.to_dict(), ts.instructions(info))
+        return
+    tunnel_obj, info = ts.open_tunnel(cluster, job_id, local_port=local_port, accept_host_key=accept_host_key,
+                                      timeout=timeout)
+    if foreground_child:
+        ts.register(info)
+    app.emit(info.to_dict(), ts.instructions(info))
+    try:
+        hold(app, tunnel_obj, info, cluster, stop_job=False)
+    finally:
+        if foreground_child:
+            ts.unregister(info.job_id)
+
+
+@tunnel.command("list")
+@with_app
+def list_command(app: App) -> None:
+    """Background tunnels still running."""
+    from tgi_hpc.tunnel_session import list_tunnels
+
+    infos = list_tunnels()
+    app.emit([i.to_dict() for i in infos],
+             "\n".join(f"{i.job_id}  {i.url}  -> {i.remote}  ({i.cluster}, pid {i.pid})" for i in infos) or "no tunnels")
+
+
+@tunnel.command("stop")
+@click.argument("job_ids", nargs=-1)
+@with_app
+def stop_command(app: App, job_ids) -> None:
+    """Stop background tunnels (all of them without JOB_IDS)."""
+    from tgi_hpc.tunnel_session import stop_tunnels
+
+    stopped = stop_tunnels(list(job_ids) or None)
+    app.emit({"stopped": stopped}, f"stopped tunnels: {' '.join(stopped)}" if stopped else "no tunnel stopped")
+
+
+@click.command("ssh-config")
+@click.argument("cluster_name", metavar="CLUSTER")
+@click.option("--user", "-u", required=True, help="Your username on the cluster.")
+@click.option("--append", is_flag=True, help="Append to ~/.ssh/config after asking.")
+def ssh_config(cluster_name, user, append) -> None:
+    """Print the ~/.ssh/config entries CLUSTER needs (2FA connection sharing, compute-node hops)."""
+    from pathlib import Path
+
+    from tgi_hpc.ssh_config import render_ssh_config
+
+    text = render_ssh_config(cluster_name, user)
+    if not append:
+        click.echo(text, nl=False)
+        return
+    path = Path.home() / ".ssh" / "config"
+    click.echo(text, nl=False)
+    if click.confirm(f"Append these entries to {path}?", err=True):
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        with path.open("a") as fh:
+            fh.write("\n" + text)
+        click.echo(f"appended to {path}", err=True)
