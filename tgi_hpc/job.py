@@ -66,6 +66,16 @@ def write_endpoint(path: Path, port: int, api_key_file: str, model: str) -> Endp
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tgi_hpc.errors import TgiHpcError
+
+    try:
+        return _main(argv)
+    except TgiHpcError as exc:
+        print(f"[tgi-hpc] error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tgi_hpc.job")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pick-port")
@@ -81,6 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("stage")
     p.add_argument("--src", type=Path, required=True)
     p.add_argument("--dst", type=Path, required=True)
+    p = sub.add_parser("download")
+    p.add_argument("--model", required=True)
+    p.add_argument("--revision", default="main")
+    p.add_argument("--store", type=Path, required=True)
+    p = sub.add_parser("compile")
+    p.add_argument("--release-dir", type=Path, required=True)
+    p.add_argument("--cuda-archs", default="")
+    p.add_argument("--with-kernels", action="store_true")
     args = parser.parse_args(argv)
 
     if args.cmd == "pick-port":
@@ -94,6 +112,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[tgi-hpc] endpoint {endpoint.url} written to {args.file}", file=sys.stderr)
     elif args.cmd == "stage":
         print(stage(args.src, args.dst))
+    elif args.cmd == "download":
+        from tgi_hpc.download import download_model
+
+        stored = download_model(args.model, args.store, revision=args.revision)  # token: HF_TOKEN or stored login
+        print(f"[tgi-hpc] stored {stored.model_id}@{stored.revision} in {stored.path}", file=sys.stderr)
+    elif args.cmd == "compile":
+        from tgi_hpc.release import ReleaseSpec, build_release
+
+        archs = [a for a in args.cuda_archs.replace(",", ";").split(";") if a]
+        build_release(ReleaseSpec(release_dir=args.release_dir, cuda_archs=archs, with_kernels=args.with_kernels),
+                      progress=lambda message: print(f"[tgi-hpc] {message}", file=sys.stderr))
     return 0
 
 

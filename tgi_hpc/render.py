@@ -102,7 +102,6 @@ def _common(profile: Profile, spec: JobSpec, job_dir: str) -> dict[str, object]:
     return {
         "title": sh_comment(TITLES[spec.kind]),
         "version": sh_comment(__version__),
-        "profile_name": sh(profile.name),
         "profile_label": sh_comment(profile.name + (f" (cluster {profile.cluster})" if profile.cluster else "")),
         "directives": sbatch_directives(sbatch_flags(profile, spec, job_dir)) if profile.slurm else [],
         "job_dir": sh_env(job_dir),

@@ -74,3 +74,19 @@ def with_app(func):
     for option in reversed(options):
         wrapper = option(wrapper)
     return wrapper
+
+
+class DefaultGroup(click.Group):
+    """A group whose first argument, when it is not a subcommand, goes to `default_command`
+    (`tgi-hpc models --json` = `models list --json`; `tgi-hpc tunnel 4148` = `tunnel open 4148`)."""
+
+    default_command = "list"
+
+    def parse_args(self, ctx, args):
+        if not args or (args[0] not in self.commands and args[0] not in ("-h", "--help")):
+            args = [self.default_command, *args]
+        return super().parse_args(ctx, args)
+
+
+class OpenByDefault(DefaultGroup):
+    default_command = "open"

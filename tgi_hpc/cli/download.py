@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from tgi_hpc.cli._app import App, with_app
+from tgi_hpc.cli._app import App, DefaultGroup, with_app
 
 
 @click.command()
@@ -25,12 +25,9 @@ def download(app: App, model, revision, here, store, wait_done, dry_run) -> None
     app.emit(result.to_dict(), result.summary())
 
 
-@click.group(invoke_without_command=True)
-@click.pass_context
-def models(ctx: click.Context) -> None:
+@click.group(cls=DefaultGroup)
+def models() -> None:
     """List stored models (`models rm ID` removes one)."""
-    if ctx.invoked_subcommand is None:
-        ctx.invoke(list_models_command)
 
 
 @models.command("list")

@@ -3,15 +3,12 @@ from __future__ import annotations
 
 import click
 
-from tgi_hpc.cli._app import App, with_app
+from tgi_hpc.cli._app import App, DefaultGroup, with_app
 
 
-@click.group(invoke_without_command=True)
-@click.pass_context
-def profiles(ctx: click.Context) -> None:
+@click.group(cls=DefaultGroup)
+def profiles() -> None:
     """List the known profiles (and clusters), or show one with `profiles show NAME`."""
-    if ctx.invoked_subcommand is None:
-        ctx.invoke(list_command)
 
 
 @profiles.command("list")

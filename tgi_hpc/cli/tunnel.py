@@ -3,19 +3,10 @@ from __future__ import annotations
 
 import click
 
-from tgi_hpc.cli._app import App, with_app
+from tgi_hpc.cli._app import App, OpenByDefault, with_app
 
 
-class _DefaultToOpen(click.Group):
-    """`tgi-hpc tunnel 4148` means `tgi-hpc tunnel open 4148`."""
-
-    def parse_args(self, ctx, args):
-        if not args or (args[0] not in self.commands and args[0] not in ("-h", "--help")):
-            args = ["open", *args]
-        return super().parse_args(ctx, args)
-
-
-@click.group(cls=_DefaultToOpen)
+@click.group(cls=OpenByDefault)
 def tunnel() -> None:
     """Forward a port on this machine to a serve job (through the login node), or manage background tunnels."""
 
