@@ -98,7 +98,9 @@ def open_tunnel(cluster: Cluster, job_id: str, *, local_port: int | None = None,
         return current.host, current.port
 
     port = local_port if local_port is not None else (endpoint.port if _free(endpoint.port) else 0)
-    tunnel = Tunnel(_connector(cluster, accept_host_key), endpoint.host, target, local_port=port).start()
+    shared = not isinstance(cluster.runner, LocalRunner)  # the runner's connection outlives the tunnel
+    tunnel = Tunnel(_connector(cluster, accept_host_key), endpoint.host, target, local_port=port,
+                    close_connection=not shared).start()
     try:
         wait_http_ready(tunnel.url, timeout=60)
     except BaseException:
