@@ -1,0 +1,190 @@
+"""AsyncEngine: LLMEngine.step() in a background thread, one asyncio queue per request."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step thread has stopped (crashed or closed); no request can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed one request (RequestOutput.error) or died while it ran."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    """Drive any object with LLMEngine's add_request/abort/step/has_unfinished_requests from asyncio.
+
+    The step loop runs in one daemon thread; outputs are handed to the owning event loop with
+    call_soon_threadsafe. Leaving `generate()` early (client gone, task cancelled) aborts the
+    request in the engine, which frees its KV blocks.
+    """
+
+    def __init__(self, engine: Any, *, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self.error: BaseException | None = None
+        self.last_step_time = time.monotonic()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        self._health_lock: asyncio.Lock | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> "AsyncEngine":
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self.engine.close()
+
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None and self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    def stats(self) -> Any:
+        return self.engine.stats()
+
+    # --- requests ---------------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yield the engine's incremental outputs for one request until the finished one."""
+        if not self.is_alive:
+            raise EngineDeadError(self._dead_reason())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._streams[request_id] = stream
+        finished = False
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, params)
+            self._wakeup.set()
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise RequestFailedError(f"engine stopped: {item}") from item
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailedError(item.error)
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception:  # an engine that already forgot the id is fine
+            logger.debug("abort of %s failed", request_id, exc_info=True)
+        self._wakeup.set()
+
+    # --- health -----------------------------------------------------------------------------------
+
+    async def check_health(self, timeout_s: float = 30.0, recent_s: float = 5.0) -> bool:
+        """True when the engine can generate: recent progress while busy, else a one-token probe."""
+        if not self.is_alive:
+            return False
+        if self._streams and time.monotonic() - self.last_step_time < recent_s:
+            return True
+        if self._health_lock is None:
+            self._health_lock = asyncio.Lock()
+        async with self._health_lock:
+            return await self._probe(timeout_s)
+
+    async def _probe(self, timeout_s: float) -> bool:
+        params = SamplingParams(max_new_tokens=1, logprobs=False, ignore_eos=True)
+        request_id = f"health-{uuid.uuid4().hex}"
+
+        async def run() -> bool:
+            async for out in self.generate(request_id, [self._probe_token_id()], params):
+                if out.finished:
+                    return True
+            return False
+
+        try:
+            return await asyncio.wait_for(run(), timeout_s)
+        except (asyncio.TimeoutError, RequestFailedError, EngineDeadError) as exc:
+            logger.warning("health probe failed: %s", exc)
+            return False
+
+    def _probe_token_id(self) -> int:
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        for token_id in (getattr(tokenizer, "bos_token_id", None), *getattr(self.engine, "eos_token_ids", [])):
+            if token_id is not None:
+                return int(token_id)
+        return 0
+
+    # --- step thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wakeup.clear()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait(self.idle_wait_s)
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as exc:  # the thread dies; health turns 503 and every stream fails
+                logger.exception("engine step failed; the engine is stopped")
+                self.error = exc
+                self._fail_all(exc)
+                return
+            self.last_step_time = time.monotonic()
+            for out in outputs:
+                self._dispatch(out.request_id, out)
+        self._fail_all(EngineDeadError("engine closed"))
+
+    def _dispatch(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is None:  # the client left; its abort is already on its way
+            return
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed (server shutting down)
+            pass
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            ids = list(self._streams)
+        for request_id in ids:
+            self._dispatch(request_id, exc)
+
+    def _dead_reason(self) -> str:
+        if self.error is not None:
+            return f"engine stopped after an error: {type(self.error).__name__}: {self.error}"
+        return "engine is not running"

@@ -1,0 +1,241 @@
+"""`python -m engine`: text-generation-launcher's flags (each with its env twin) -> EngineConfig -> LLMEngine -> uvicorn."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import re
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+
+logger = logging.getLogger("engine.launcher")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse's usage dump buries the one line that matters
+        self.exit(2, f"{self.prog}: error: {message}\n(run `{self.prog} --help` for the flags)\n")
+
+
+def _size(text: str) -> int:
+    """Bytes from '536870912', '512MiB', '2G' (powers of 1024)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}; use bytes or a K/M/G/T suffix, e.g. 2GiB")
+    number, unit, _ = match.groups()
+    power = "kmgt".find(unit.lower()) + 1 if unit else 0
+    return int(float(number) * 1024**power)
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"invalid boolean {text!r}; use true or false")
+
+
+# (flag and aliases, env twin, argparse keywords); the env value is the default, a flag overrides it
+_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
+    (("--model-id",), "MODEL_ID", dict(help="local snapshot directory, or a Hub id already in the local HF cache")),
+    (("--revision",), "REVISION", dict(help="Hub revision when --model-id is a Hub id")),
+    (("--served-model-name",), "SERVED_MODEL_NAME", dict(help="name reported by /info and /v1/models")),
+    (("--dtype",), "DTYPE", dict(choices=["float16", "bfloat16", "float32"], help="weights and activations dtype")),
+    (("--load-format",), "LOAD_FORMAT", dict(default="safetensors", choices=["safetensors", "dummy"],
+                                             help="'dummy' = random weights of the checkpoint's shape")),
+    (("--quantize",), "QUANTIZE", dict(help="accepted for compatibility; only 'none' works")),
+    (("--trust-remote-code",), "TRUST_REMOTE_CODE", dict(default=False, type=_bool, nargs="?", const=True,
+                                                         help="allow custom tokenizer code from the snapshot")),
+    (("--num-shard",), "NUM_SHARD", dict(default=1, type=int, help="tensor-parallel ranks (one GPU each)")),
+    (("--master-addr",), "MASTER_ADDR", dict(default="127.0.0.1", help="torch.distributed rendezvous address")),
+    (("--master-port",), "MASTER_PORT", dict(default=29500, type=int, help="torch.distributed rendezvous port")),
+    (("--device",), "DEVICE", dict(help="cpu or cuda (default: cuda when available)")),
+    (("--hostname",), "HOSTNAME", dict(default="0.0.0.0", help="address to listen on")),
+    (("--port",), "PORT", dict(default=3000, type=int, help="port to listen on; 0 picks a free one")),
+    (("--ready-file",), "READY_FILE", dict(help='write {"host", "port", "pid"} here (atomically) once serving')),
+    (("--api-key",), "API_KEY", dict(help="require 'Authorization: Bearer KEY' on generation routes; prefer the env "
+                                          "variable, argv is visible to every user in ps")),
+    (("--json-output",), "JSON_OUTPUT", dict(default=False, type=_bool, nargs="?", const=True,
+                                             help="log as JSON lines")),
+    (("--max-concurrent-requests",), "MAX_CONCURRENT_REQUESTS",
+     dict(default=128, type=int, help="requests in the system before new ones get 429")),
+    (("--max-best-of",), "MAX_BEST_OF", dict(default=2, type=int, help="largest best_of accepted")),
+    (("--max-stop-sequences",), "MAX_STOP_SEQUENCES", dict(default=4, type=int, help="stop sequences per request")),
+    (("--max-top-n-tokens",), "MAX_TOP_N_TOKENS", dict(default=5, type=int, help="largest top_n_tokens accepted")),
+    (("--max-input-tokens", "--max-input-length"), "MAX_INPUT_TOKENS",
+     dict(type=int, help="longest prompt (default: max-total-tokens - 1; env MAX_INPUT_LENGTH works too)")),
+    (("--max-total-tokens",), "MAX_TOTAL_TOKENS",
+     dict(type=int, help="prompt + generated tokens per request (default: min(model context, 4096))")),
+    (("--max-batch-prefill-tokens",), "MAX_BATCH_PREFILL_TOKENS", dict(type=int, help="prefill tokens per step")),
+    (("--max-batch-total-tokens",), "MAX_BATCH_TOTAL_TOKENS",
+     dict(type=int, help="tokens of all running requests (default: what the KV cache holds)")),
+    (("--max-batch-size",), "MAX_BATCH_SIZE", dict(type=int, help="requests per step")),
+    (("--waiting-served-ratio",), "WAITING_SERVED_RATIO", dict(default=0.3, type=float, help="as in TGI")),
+    (("--cuda-memory-fraction",), "CUDA_MEMORY_FRACTION",
+     dict(default=1.0, type=float, help="share of the GPU this process may use")),
+    (("--kv-cache-bytes",), "KV_CACHE_BYTES", dict(type=_size, help="KV-cache budget on CPU, e.g. 512MiB")),
+]
+
+
+def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    env = os.environ if environ is None else environ
+    parser = _Parser(prog="python -m engine",
+                     description="Serve one model with a TGI- and OpenAI-compatible HTTP API. Every flag can also "
+                                 "be set through the environment variable shown in its help.")
+    env_vars: dict[str, str] = {}
+    for flags, var, kw in _FLAGS:
+        default = kw.get("default")
+        shown = f" (default: {default})" if default is not None else ""
+        options = {**kw, "help": f"{kw['help']} [env: {var}]{shown}"}
+        if env.get(var) is not None:
+            options["default"] = env[var]  # a string: argparse runs it through `type` like a flag value
+        parser.add_argument(*flags, **options)
+        env_vars[flags[0].lstrip("-").replace("-", "_")] = var
+    parser.add_argument("--cors-allow-origin", action="append",
+                        help="allowed CORS origin; repeat the flag [env: CORS_ALLOW_ORIGIN, comma-separated]")
+    if env.get("MAX_INPUT_LENGTH") and not env.get("MAX_INPUT_TOKENS"):
+        parser.set_defaults(max_input_tokens=env["MAX_INPUT_LENGTH"])
+    parser.set_defaults(_env_vars=env_vars)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> argparse.Namespace:
+    env = os.environ if environ is None else environ
+    parser = build_parser(env)
+    args = parser.parse_args(argv)
+    for action in parser._actions:  # argparse skips `choices` for defaults, which is where env values land
+        value = getattr(args, action.dest, None)
+        if action.choices and value is not None and value not in action.choices:
+            var = args._env_vars.get(action.dest, action.dest)
+            parser.error(f"{var}={value!r} is not one of {', '.join(map(str, action.choices))}")
+    if args.model_id is None:
+        parser.error("--model-id is required (or set MODEL_ID)")
+    if args.quantize not in (None, "", "none"):
+        parser.error(f"--quantize {args.quantize} is not supported yet; serve an unquantized checkpoint "
+                     "(--dtype bfloat16 or float16)")
+    if isinstance(args.max_input_tokens, str):  # MAX_INPUT_LENGTH went in as a raw default
+        args.max_input_tokens = int(args.max_input_tokens)
+    if args.cors_allow_origin is None and env.get("CORS_ALLOW_ORIGIN"):
+        args.cors_allow_origin = [o.strip() for o in env["CORS_ALLOW_ORIGIN"].split(",") if o.strip()]
+    return args
+
+
+def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
+    config = EngineConfig(
+        model_id=model_dir, revision=args.revision, dtype=args.dtype, load_format=args.load_format,
+        trust_remote_code=args.trust_remote_code, num_shard=args.num_shard, master_addr=args.master_addr,
+        master_port=args.master_port, device=args.device, max_concurrent_requests=args.max_concurrent_requests,
+        max_best_of=args.max_best_of, max_stop_sequences=args.max_stop_sequences,
+        max_top_n_tokens=args.max_top_n_tokens, max_input_tokens=args.max_input_tokens,
+        max_total_tokens=args.max_total_tokens, max_batch_prefill_tokens=args.max_batch_prefill_tokens,
+        max_batch_total_tokens=args.max_batch_total_tokens, max_batch_size=args.max_batch_size,
+        waiting_served_ratio=args.waiting_served_ratio, cuda_memory_fraction=args.cuda_memory_fraction,
+        hostname=args.hostname, port=args.port, api_key=args.api_key or None,
+        cors_allow_origin=list(args.cors_allow_origin or []), json_output=args.json_output,
+        served_model_name=args.served_model_name or args.model_id)
+    if args.kv_cache_bytes is not None:
+        config.cpu_kv_cache_bytes = args.kv_cache_bytes
+    return config
+
+
+def resolve_model_dir(model_id: str, revision: str | None) -> str:
+    """A local directory as is; a Hub id from the local HF cache only (compute nodes are offline)."""
+    if Path(model_id).is_dir():
+        return str(Path(model_id).resolve())
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(model_id, revision=revision, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not available here"
+        raise SystemExit(f"error: --model-id {model_id!r} is neither a directory nor in the local Hugging Face "
+                         f"cache ({type(exc).__name__}); download it first on a node with internet, e.g. "
+                         f"`hf download {model_id}`, or pass the snapshot directory") from None
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"timestamp": self.formatTime(record), "level": record.levelname, "target": record.name,
+                 "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(json_output: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if json_output else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror}; pick another --port "
+                         "(0 = any free port)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def write_ready_file(path: str, payload: dict[str, Any]) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f)
+    os.replace(tmp, target)  # readers never see a half-written file
+
+
+async def _serve(server: Any, sock: socket.socket, ready_file: str | None) -> None:
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        host, port = sock.getsockname()[:2]
+        logger.info("serving on http://%s:%d", host, port)
+        if ready_file:
+            write_ready_file(ready_file, {"host": host, "port": port, "pid": os.getpid()})
+    await task
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging(args.json_output)
+    if argv is None and any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv[1:]):
+        logger.warning("--api-key on the command line is visible to other users (ps); set API_KEY instead")
+    config = to_config(args, resolve_model_dir(args.model_id, args.revision))
+    logger.info("config: %r; API key %s", config, "required" if config.api_key else "not set")
+    sock = bind_socket(config.hostname, config.port)  # fail fast, before minutes of weight loading
+
+    import uvicorn
+
+    from engine.async_engine import AsyncEngine
+    from engine.llm_engine import LLMEngine
+    from engine.server.app import build_app
+    try:
+        llm = LLMEngine(config)
+    except (ValueError, FileNotFoundError) as exc:
+        logger.error("cannot start the engine: %s", exc)
+        return 1
+    engine = AsyncEngine(llm).start()
+    try:
+        app = build_app(engine, config)
+        server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", timeout_graceful_shutdown=5))
+        asyncio.run(_serve(server, sock, args.ready_file))
+    finally:
+        engine.close()
+    return 0

@@ -1,0 +1,211 @@
+"""build_app(): the Starlette app with TGI's routes (router/src/server.rs) plus the OpenAI ones."""
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.server import openai_routes, openapi, sse
+from engine.server.auth import ApiKeyMiddleware
+from engine.server.errors import EXCEPTION_HANDLERS, UnhealthyError
+from engine.server.infer import Generation, Infer, StreamEvent
+from engine.server.metrics import CONTENT_TYPE, ServerMetrics
+from engine.server.protocol import (BestOfSequence, CompatGenerateRequest, Details, GenerateRequest,
+                                    GenerateResponse, Info, PrefillToken, SimpleToken, StreamDetails,
+                                    StreamResponse, Token, TokenizeRequest, dump)
+from engine.server.state import ServerState
+from engine.server.streaming import open_stream, unless_disconnected
+from engine.server.validation import Limits, ValidRequest, Validator, parse_body
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(engine: AsyncEngine, config: EngineConfig) -> Starlette:
+    state = _build_state(engine, config)
+    routes = [
+        Route("/", compat_generate, methods=["POST"]),
+        Route("/", health, methods=["GET"]),
+        Route("/generate", generate, methods=["POST"]),
+        Route("/generate_stream", generate_stream, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/info", info, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/docs", openapi.docs, methods=["GET"]),
+        Route("/api-doc/openapi.json", openapi.spec, methods=["GET"]),
+        *openai_routes.ROUTES,
+    ]
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(config.cors_allow_origin), allow_methods=["*"],
+                             allow_headers=["*"])] if config.cors_allow_origin else []
+    if config.api_key:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key))
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
+    app.state.server = state
+    return app
+
+
+def _build_state(engine: AsyncEngine, config: EngineConfig) -> ServerState:
+    llm = engine.engine
+    limits = Limits(max_best_of=config.max_best_of, max_stop_sequences=config.max_stop_sequences,
+                    max_top_n_tokens=config.max_top_n_tokens, max_input_tokens=llm.max_input_tokens,
+                    max_total_tokens=llm.max_total_tokens)
+    metrics = ServerMetrics(engine.stats)
+    return ServerState(engine=engine, config=config, tokenizer=llm.tokenizer,
+                       validator=Validator(llm.tokenizer, limits),
+                       infer=Infer(engine, metrics, config.max_concurrent_requests),
+                       metrics=metrics, info=_build_info(llm, config))
+
+
+def _build_info(llm: Any, config: EngineConfig) -> Info:
+    stats = llm.stats()
+    runner = getattr(llm, "runner", llm)  # LLMEngine keeps dtype/device on its model runner
+    try:
+        version = importlib.metadata.version("tgi-hpc")
+    except importlib.metadata.PackageNotFoundError:
+        version = "0.1.0"
+    return Info(
+        model_id=config.served_model_name or config.model_id,
+        model_sha=config.revision, model_dtype=str(getattr(runner, "dtype", None) or config.dtype),
+        model_device_type=str(getattr(getattr(runner, "device", None), "type", None) or config.device or "cpu"),
+        max_concurrent_requests=config.max_concurrent_requests, max_best_of=config.max_best_of,
+        max_stop_sequences=config.max_stop_sequences, max_input_tokens=llm.max_input_tokens,
+        max_total_tokens=llm.max_total_tokens, max_top_n_tokens=config.max_top_n_tokens,
+        max_batch_prefill_tokens=llm.max_batch_prefill_tokens, max_batch_total_tokens=llm.max_batch_total_tokens,
+        num_shard=config.num_shard, attention_backend=str(stats.attention_backend), block_size=stats.block_size,
+        version=version)
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server  # type: ignore[no-any-return]
+
+
+# --- TGI routes ---------------------------------------------------------------------------------
+
+async def generate(request: Request) -> Response:
+    state = server_state(request)
+    with state.request() as arrival, state.infer.permit():
+        req = parse_body(GenerateRequest, await request.body())
+        return await unless_disconnected(request, _generate(state, req, arrival, wrap_in_list=False))
+
+
+async def generate_stream(request: Request) -> Response:
+    state = server_state(request)
+    with state.request() as arrival:
+        req = parse_body(GenerateRequest, await request.body())
+        return _generate_stream(state, req, arrival)
+
+
+async def compat_generate(request: Request) -> Response:
+    state = server_state(request)
+    with state.request() as arrival:
+        req = parse_body(CompatGenerateRequest, await request.body())
+        if req.stream:
+            return _generate_stream(state, req, arrival)
+        with state.infer.permit():
+            # api-inference returns a list
+            return await unless_disconnected(request, _generate(state, req, arrival, wrap_in_list=True))
+
+
+async def _generate(state: ServerState, req: GenerateRequest, arrival: float, wrap_in_list: bool) -> Response:
+    valid = state.validator.validate(req)
+    gen, others = await state.infer.generate(valid, arrival)
+    prefix = valid.inputs if valid.return_full_text else ""
+    details = None
+    if valid.details:
+        details = Details(finish_reason=gen.finish_reason, generated_tokens=gen.generated_tokens,
+                          seed=gen.seed, prefill=_prefill(gen, valid), tokens=[_token(t) for t in gen.tokens],
+                          top_tokens=_top_tokens(gen, valid),
+                          best_of_sequences=[_best_of(g, valid, prefix) for g in others] or None)
+    body = dump(GenerateResponse(generated_text=prefix + gen.text, details=details))
+    if details is None:  # TGI leaves the key out
+        del body["details"]
+    headers = _timing_headers(gen, len(valid.inputs), state.info.model_device_type)
+    return JSONResponse([body] if wrap_in_list else body, headers=headers)
+
+
+def _generate_stream(state: ServerState, req: GenerateRequest, arrival: float) -> Response:
+    def render(ev: StreamEvent, valid: ValidRequest) -> list[bytes]:
+        return [sse.encode_event(dump(_stream_response(ev, valid)))]
+    return open_stream(state, req, arrival, render)
+
+
+def _stream_response(ev: StreamEvent, valid: ValidRequest) -> StreamResponse:
+    token = Token(id=ev.token.id, text=ev.text, logprob=ev.token.logprob, special=ev.token.special)
+    details = generated_text = None
+    if ev.end is not None:
+        generated_text = (valid.inputs if valid.return_full_text else "") + ev.end.text
+        if valid.details:
+            details = StreamDetails(finish_reason=ev.end.finish_reason, generated_tokens=ev.end.generated_tokens,
+                                    seed=ev.end.seed, input_length=ev.end.input_length)
+    return StreamResponse(index=ev.index, token=token, top_tokens=[_token(t) for t in ev.token.top_tokens],
+                          generated_text=generated_text, details=details)
+
+
+def _token(t: Any) -> Token:
+    return Token(id=t.id, text=t.text, logprob=t.logprob, special=t.special)
+
+
+def _prefill(gen: Generation, valid: ValidRequest) -> list[PrefillToken]:
+    if not valid.decoder_input_details:
+        return []
+    return [PrefillToken(id=t.id, text=t.text, logprob=t.logprob) for t in gen.prefill]
+
+
+def _top_tokens(gen: Generation, valid: ValidRequest) -> list[list[Token]] | None:
+    if not valid.params.top_n_tokens:
+        return None
+    return [[_token(t) for t in tok.top_tokens] for tok in gen.tokens]
+
+
+def _best_of(gen: Generation, valid: ValidRequest, prefix: str) -> BestOfSequence:
+    return BestOfSequence(generated_text=prefix + gen.text, finish_reason=gen.finish_reason,
+                          generated_tokens=gen.generated_tokens, seed=gen.seed, prefill=_prefill(gen, valid),
+                          tokens=[_token(t) for t in gen.tokens], top_tokens=_top_tokens(gen, valid))
+
+
+def _timing_headers(gen: Generation, num_chars: int, device_type: str) -> dict[str, str]:
+    t = gen.timings
+    ms = lambda s: str(int(s * 1000))  # noqa: E731
+    return {
+        "x-compute-type": "gpu+optimized" if device_type == "cuda" else device_type,
+        "x-compute-time": f"{t.total_s:.6f}", "x-compute-characters": str(num_chars),
+        "x-total-time": ms(t.total_s), "x-validation-time": ms(t.validation_s), "x-queue-time": ms(t.queue_s),
+        "x-inference-time": ms(t.inference_s),
+        "x-time-per-token": ms(t.inference_s / max(gen.generated_tokens, 1)),
+        "x-prompt-tokens": str(gen.input_length), "x-generated-tokens": str(gen.generated_tokens),
+    }
+
+
+async def tokenize(request: Request) -> Response:
+    state = server_state(request)
+    req = parse_body(TokenizeRequest, await request.body())
+    enc = state.tokenizer(req.inputs, add_special_tokens=True, return_offsets_mapping=True)
+    tokens = [SimpleToken(id=i, text=req.inputs[a:b], start=a, stop=b)
+              for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]
+    return JSONResponse([t.model_dump() for t in tokens])
+
+
+# --- service routes -----------------------------------------------------------------------------
+
+async def health(request: Request) -> Response:
+    if not await server_state(request).engine.check_health():
+        raise UnhealthyError()
+    return Response(status_code=200)
+
+
+async def info(request: Request) -> Response:
+    return JSONResponse(server_state(request).info.model_dump())
+
+
+async def metrics(request: Request) -> Response:
+    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)

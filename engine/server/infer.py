@@ -1,0 +1,196 @@
+"""Infer: admission (max_concurrent_requests), one request or best_of, collected or streamed, with timings.
+
+The server's only link to the engine: it turns AsyncEngine outputs into Generation/StreamEvent and
+engine failures into GenerationError; the routes turn those into wire types.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from engine.outputs import RequestOutput, TokenInfo
+from engine.server.errors import GenerationError, IncompleteGenerationError, OverloadedError, ValidationError
+from engine.server.metrics import ServerMetrics
+from engine.server.validation import ValidRequest
+
+
+@dataclass(slots=True)
+class Timings:
+    arrival: float                      # request received
+    queued: float = 0.0                 # handed to the engine
+    start: float | None = None          # first engine output (prefill done)
+    end: float = 0.0
+
+    @property
+    def validation_s(self) -> float:
+        return self.queued - self.arrival
+
+    @property
+    def queue_s(self) -> float:
+        return (self.start or self.end) - self.queued
+
+    @property
+    def inference_s(self) -> float:
+        return self.end - (self.start or self.end)
+
+    @property
+    def total_s(self) -> float:
+        return self.end - self.arrival
+
+
+@dataclass(slots=True)
+class Generation:
+    """One finished sequence."""
+
+    text: str
+    finish_reason: str
+    tokens: list[TokenInfo]
+    prefill: list[TokenInfo]
+    seed: int | None
+    input_length: int
+    timings: Timings
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def mean_logprob(self) -> float:
+        # TGI's best_of criterion (infer/mod.rs generate_best_of): mean, so length is not penalised
+        return sum(t.logprob or 0.0 for t in self.tokens) / max(len(self.tokens), 1)
+
+
+@dataclass(slots=True)
+class StreamEvent:
+    """One generated token with the text it completes; `end` is set on the last one."""
+
+    index: int
+    token: TokenInfo
+    text: str
+    end: Generation | None = None
+
+
+@dataclass(slots=True)
+class _Collector:
+    input_length: int
+    timings: Timings
+    tokens: list[TokenInfo] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    prefill: list[TokenInfo] = field(default_factory=list)
+    seed: int | None = None
+
+    def add(self, out: RequestOutput) -> Generation | None:
+        if self.timings.start is None:
+            self.timings.start = time.monotonic()
+        self.tokens.extend(out.tokens)
+        self.texts.append(out.text)
+        if out.prefill_tokens:
+            self.prefill = list(out.prefill_tokens)
+        if out.seed is not None:
+            self.seed = out.seed
+        if not out.finished:
+            return None
+        if out.finish_reason in (None, "aborted"):  # the engine ended it, not the client: it ended early
+            raise IncompleteGenerationError()
+        self.timings.end = time.monotonic()
+        text = out.generated_text if out.generated_text is not None else "".join(self.texts)
+        return Generation(text, out.finish_reason, self.tokens, self.prefill, self.seed,
+                          self.input_length, self.timings)
+
+
+class Infer:
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, max_concurrent_requests: int) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_concurrent_requests = max_concurrent_requests
+        self.num_in_flight = 0
+
+    @contextlib.contextmanager
+    def permit(self) -> Iterator[None]:
+        """Admission control: refuse up front instead of queueing forever (TGI's semaphore)."""
+        if self.num_in_flight >= self.max_concurrent_requests:
+            raise OverloadedError()
+        self.num_in_flight += 1
+        try:
+            yield
+        finally:
+            self.num_in_flight -= 1
+
+    async def generate(self, valid: ValidRequest, arrival: float) -> tuple[Generation, list[Generation]]:
+        """Run the request (best_of sampled copies when asked); return the best and the others."""
+        self.metrics.input_length.observe(valid.input_length)
+        if valid.best_of == 1:
+            gen = await self._collect(valid, arrival)
+            others: list[Generation] = []
+        else:
+            gens = await _gather_or_cancel([self._collect(valid, arrival) for _ in range(valid.best_of)])
+            gen = max(gens, key=lambda g: g.mean_logprob)
+            others = [g for g in gens if g is not gen]
+        self._record_success(gen)
+        return gen, others
+
+    async def stream(self, valid: ValidRequest, arrival: float) -> AsyncIterator[StreamEvent]:
+        """Yield one StreamEvent per generated token; the last carries the finished Generation."""
+        self.metrics.input_length.observe(valid.input_length)
+        collector = _Collector(valid.input_length, Timings(arrival))
+        index, last_token = 0, None
+        async with contextlib.aclosing(self._outputs(valid, collector.timings)) as outputs:
+            async for out in outputs:
+                end = collector.add(out)
+                tokens = list(out.tokens)
+                if end is not None and not tokens and last_token is not None:
+                    # the end came without a new token: close on the last token with the remaining text
+                    tokens = [replace(last_token, text="")]
+                for i, token in enumerate(tokens):
+                    index += 1
+                    last = i == len(tokens) - 1
+                    yield StreamEvent(index, token, out.text if last else "", end if last else None)
+                    last_token = token
+                if end is not None:
+                    self._record_success(end)
+                    return
+        raise IncompleteGenerationError()
+
+    async def _collect(self, valid: ValidRequest, arrival: float) -> Generation:
+        collector = _Collector(valid.input_length, Timings(arrival))
+        async with contextlib.aclosing(self._outputs(valid, collector.timings)) as outputs:
+            async for out in outputs:
+                end = collector.add(out)
+                if end is not None:
+                    return end
+        raise IncompleteGenerationError()
+
+    async def _outputs(self, valid: ValidRequest, timings: Timings) -> AsyncIterator[RequestOutput]:
+        request_id = uuid.uuid4().hex
+        timings.queued = time.monotonic()
+        params = replace(valid.params, stop=list(valid.params.stop))
+        try:
+            async with contextlib.aclosing(self.engine.generate(request_id, valid.prompt_token_ids, params)) as outs:
+                async for out in outs:
+                    yield out
+        except (RequestFailedError, EngineDeadError) as exc:
+            raise GenerationError(str(exc)) from None
+        except ValueError as exc:  # LLMEngine.add_request's own checks on a request we let through
+            raise ValidationError(str(exc)) from None
+
+    def _record_success(self, gen: Generation) -> None:
+        t = gen.timings
+        self.metrics.success(total_s=t.total_s, validation_s=t.validation_s, queue_s=t.queue_s,
+                             inference_s=t.inference_s, generated_tokens=gen.generated_tokens)
+
+
+async def _gather_or_cancel(coros: list[Coroutine[Any, Any, Generation]]) -> list[Generation]:
+    """asyncio.gather that cancels (and so aborts) the siblings of a failed or cancelled sub-request."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,169 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models (n=1, no tools).
+
+Like TGI, requests become a GenerateRequest and go through the same validation and Infer; errors keep
+TGI's {"error", "error_type"} body with the TGI status codes.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine.server import sse
+from engine.server.errors import ValidationError
+from engine.server.infer import Generation, StreamEvent
+from engine.server.protocol import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionMessage,
+                                    ChatCompletionRequest, ChatChunkChoice, ChatDelta, ChatLogprob, ChatLogprobs,
+                                    Completion, CompletionChoice, CompletionRequest, GenerateParameters,
+                                    GenerateRequest, ModelCard, ModelList, TopLogprob, Usage, OpenAIRequest, dump)
+from engine.server.state import ServerState
+from engine.server.streaming import Renderer, open_stream, unless_disconnected
+from engine.server.validation import ValidRequest, parse_body
+
+# a chunk builder gets (event or None for the usage chunk, usage or None)
+ChunkBuilder = Callable[[StreamEvent | None, Usage | None], dict[str, Any]]
+
+
+async def chat_completions(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    with state.request() as arrival:
+        req = parse_body(ChatCompletionRequest, await request.body())
+        _check_common(req)
+        if req.tools:
+            raise ValidationError("`tools` are not supported by this server")
+        if req.response_format and req.response_format.get("type") not in (None, "text"):
+            raise ValidationError("`response_format` other than text is not supported by this server")
+        top_n = (req.top_logprobs or 0) if req.logprobs else 0
+        prompt = _apply_chat_template(state, req)
+        params = _parameters(req, req.max_completion_tokens or req.max_tokens, top_n)
+        created, rid, logprobs = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", bool(req.logprobs)
+        if req.stream:
+            def chunk(ev: StreamEvent | None, usage: Usage | None) -> dict[str, Any]:
+                choices = [] if ev is None else [ChatChunkChoice(
+                    delta=ChatDelta(content=ev.text), logprobs=_chat_logprobs([ev.token]) if logprobs else None,
+                    finish_reason=_finish(ev.end))]
+                return dump(ChatCompletionChunk(id=rid, created=created, model=state.model_name, usage=usage,
+                                                system_fingerprint=state.system_fingerprint, choices=choices))
+            return open_stream(state, GenerateRequest(inputs=prompt, parameters=params), arrival,
+                               _renderer(chunk, req), openai=True, add_special_tokens=False)
+        with state.infer.permit():
+            valid = state.validator.validate(GenerateRequest(inputs=prompt, parameters=params),
+                                             add_special_tokens=False)
+            gen, _ = await unless_disconnected(request, state.infer.generate(valid, arrival))
+        choice = ChatCompletionChoice(message=ChatCompletionMessage(content=gen.text), finish_reason=_finish(gen),
+                                      logprobs=_chat_logprobs(gen.tokens) if logprobs else None)
+        body = ChatCompletion(id=rid, created=created, model=state.model_name, choices=[choice], usage=_usage(gen),
+                              system_fingerprint=state.system_fingerprint)
+        return JSONResponse(dump(body))
+
+
+async def completions(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    with state.request() as arrival:
+        req = parse_body(CompletionRequest, await request.body())
+        _check_common(req)
+        if req.suffix:
+            raise ValidationError("Suffix is not supported and can be achieved by preprocessing the prompt.")
+        if req.logprobs:
+            raise ValidationError("`logprobs` is not supported on /v1/completions; use /generate with `details`")
+        if req.echo and req.stream:
+            raise ValidationError("`echo` is not supported when streaming")
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if len(prompts) != 1:
+            raise ValidationError(f"exactly one prompt is supported per request. Given: {len(prompts)}")
+        params = _parameters(req, req.max_tokens, 0)
+        gen_req = GenerateRequest(inputs=prompts[0], parameters=params)
+        created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            def chunk(ev: StreamEvent | None, usage: Usage | None) -> dict[str, Any]:
+                choices = [] if ev is None else [CompletionChoice(text=ev.text, finish_reason=_finish(ev.end))]
+                return dump(Completion(id=rid, created=created, model=state.model_name, usage=usage,
+                                       system_fingerprint=state.system_fingerprint, choices=choices))
+            return open_stream(state, gen_req, arrival, _renderer(chunk, req), openai=True)
+        with state.infer.permit():
+            valid = state.validator.validate(gen_req)
+            gen, _ = await unless_disconnected(request, state.infer.generate(valid, arrival))
+        text = (valid.inputs if req.echo else "") + gen.text
+        body = Completion(id=rid, created=created, model=state.model_name, usage=_usage(gen),
+                          system_fingerprint=state.system_fingerprint,
+                          choices=[CompletionChoice(text=text, finish_reason=_finish(gen))])
+        return JSONResponse(dump(body))
+
+
+async def models(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    return JSONResponse(dump(ModelList(data=[ModelCard(id=state.model_name, owned_by="tgi-hpc")])))
+
+
+ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", models, methods=["GET"]),
+]
+
+
+# --- request -> GenerateParameters --------------------------------------------------------------
+
+def _check_common(req: OpenAIRequest) -> None:
+    if req.n not in (None, 1):
+        raise ValidationError(f"`n` must be 1 on this server. Given: {req.n}")
+    if req.presence_penalty:
+        raise ValidationError("`presence_penalty` is not supported by this server; use `frequency_penalty`")
+
+
+def _parameters(req: OpenAIRequest, max_tokens: int | None, top_n_tokens: int) -> GenerateParameters:
+    # as in TGI: temperature 0 means greedy, anything else samples
+    greedy = req.temperature == 0
+    return GenerateParameters(
+        do_sample=not greedy, temperature=None if greedy else req.temperature, top_p=req.top_p,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, seed=req.seed,
+        max_new_tokens=max_tokens, stop=req.stop_list(), top_n_tokens=top_n_tokens or None, details=True)
+
+
+def _apply_chat_template(state: ServerState, req: ChatCompletionRequest) -> str:
+    if not getattr(state.tokenizer, "chat_template", None):
+        raise ValidationError("this model has no chat template; use /v1/completions or /generate")
+    for message in req.messages:
+        if isinstance(message.content, list) and any(p.get("type") != "text" for p in message.content):
+            raise ValidationError("only text content parts are supported")
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        return str(state.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    except Exception as exc:  # jinja errors (e.g. "roles must alternate") are the caller's to fix
+        raise ValidationError(f"chat template error: {exc}") from None
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+def _finish(gen: Generation | None) -> str | None:
+    if gen is None:
+        return None
+    return "length" if gen.finish_reason == "length" else "stop"
+
+
+def _usage(gen: Generation) -> Usage:
+    return Usage(prompt_tokens=gen.input_length, completion_tokens=gen.generated_tokens,
+                 total_tokens=gen.input_length + gen.generated_tokens)
+
+
+def _chat_logprobs(tokens: list[Any]) -> ChatLogprobs:
+    return ChatLogprobs(content=[
+        ChatLogprob(token=t.text, logprob=t.logprob or 0.0,
+                    top_logprobs=[TopLogprob(token=a.text, logprob=a.logprob or 0.0) for a in t.top_tokens])
+        for t in tokens])
+
+
+def _renderer(chunk: ChunkBuilder, req: OpenAIRequest) -> Renderer:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def render(ev: StreamEvent, valid: ValidRequest) -> list[bytes]:
+        chunks = [sse.encode_event(chunk(ev, None), space=True)]
+        if ev.end is not None and include_usage:  # OpenAI: one more chunk, no choices, just usage
+            chunks.append(sse.encode_event(chunk(None, _usage(ev.end)), space=True))
+        return chunks
+    return render

@@ -1,0 +1,321 @@
+"""Wire types: TGI's names (router/src/lib.rs) and the OpenAI subset we serve. No engine types here."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+FinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+
+class _Wire(BaseModel):
+    # unknown fields are ignored, as serde does for TGI's request types
+    model_config = ConfigDict(extra="ignore")
+
+
+# --- TGI requests -------------------------------------------------------------------------------
+
+class GenerateParameters(_Wire):
+    best_of: int | None = Field(default=None, gt=0)
+    temperature: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    typical_p: float | None = None
+    do_sample: bool = False
+    max_new_tokens: int | None = Field(default=None, ge=0)
+    return_full_text: bool | None = None
+    stop: list[str] = Field(default_factory=list)
+    truncate: int | None = Field(default=None, ge=0)
+    watermark: bool = False
+    details: bool = False
+    decoder_input_details: bool = False
+    seed: int | None = Field(default=None, ge=0)
+    top_n_tokens: int | None = Field(default=None, ge=0)
+    grammar: Any | None = None
+    adapter_id: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _null_stop(cls, value: Any) -> Any:
+        return [] if value is None else value
+
+
+def _default_parameters() -> GenerateParameters:
+    # TGI samples when a request has no `parameters` object at all (lib.rs default_parameters)
+    return GenerateParameters(do_sample=True)
+
+
+class GenerateRequest(_Wire):
+    inputs: str
+    parameters: GenerateParameters = Field(default_factory=_default_parameters)
+
+
+class CompatGenerateRequest(GenerateRequest):
+    stream: bool = False
+
+
+class TokenizeRequest(GenerateRequest):
+    pass
+
+
+# --- TGI responses ------------------------------------------------------------------------------
+
+class Token(_Wire):
+    id: int
+    text: str
+    logprob: float | None = None
+    special: bool = False
+
+
+class PrefillToken(_Wire):
+    id: int
+    text: str
+    logprob: float | None = None
+
+
+class BestOfSequence(_Wire):
+    generated_text: str
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[PrefillToken]
+    tokens: list[Token]
+    top_tokens: list[list[Token]] | None = None
+
+
+class Details(_Wire):
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[PrefillToken]
+    tokens: list[Token]
+    top_tokens: list[list[Token]] | None = None
+    best_of_sequences: list[BestOfSequence] | None = None
+
+
+class GenerateResponse(_Wire):
+    generated_text: str
+    details: Details | None = None
+
+
+class StreamDetails(_Wire):
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None = None
+    input_length: int
+
+
+class StreamResponse(_Wire):
+    index: int
+    token: Token
+    top_tokens: list[Token] | None = None
+    generated_text: str | None = None
+    details: StreamDetails | None = None
+
+
+class SimpleToken(_Wire):
+    id: int
+    text: str
+    start: int
+    stop: int
+
+
+class ErrorResponse(_Wire):
+    error: str
+    error_type: str
+
+
+class Info(_Wire):
+    model_id: str
+    model_sha: str | None = None
+    model_dtype: str
+    model_device_type: str
+    model_pipeline_tag: str | None = "text-generation"
+    max_concurrent_requests: int
+    max_best_of: int
+    max_stop_sequences: int
+    max_input_tokens: int
+    max_total_tokens: int
+    max_top_n_tokens: int
+    max_batch_prefill_tokens: int
+    max_batch_total_tokens: int
+    max_client_batch_size: int = 1
+    validation_workers: int = 1
+    num_shard: int
+    attention_backend: str
+    block_size: int
+    router: str = "tgi-hpc-engine"
+    version: str
+    sha: str | None = None
+    docker_label: str | None = None
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    """JSON-ready dict with TGI's omissions: empty/absent `top_tokens` and `best_of_sequences` are left out."""
+    data = model.model_dump(mode="json")
+    _drop_empty(data)
+    return data
+
+
+def _drop_empty(data: Any) -> None:
+    if isinstance(data, dict):
+        for key in ("top_tokens", "best_of_sequences"):
+            if key in data and not data[key]:
+                del data[key]
+        for value in data.values():
+            _drop_empty(value)
+    elif isinstance(data, list):
+        for value in data:
+            _drop_empty(value)
+
+
+# --- OpenAI requests ----------------------------------------------------------------------------
+
+class StreamOptions(_Wire):
+    include_usage: bool = False
+
+
+class ChatMessage(_Wire):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """Plain text of the message; list content keeps its `text` parts (images are rejected upstream)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.get("text", "") for part in self.content)
+
+
+class OpenAIRequest(_Wire):
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = Field(default=None, ge=0)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str | list[str]
+    suffix: str | None = None
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0)
+
+
+# --- OpenAI responses ---------------------------------------------------------------------------
+
+class Usage(_Wire):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(_Wire):
+    token: str
+    logprob: float
+
+
+class ChatLogprob(_Wire):
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Wire):
+    content: list[ChatLogprob]
+
+
+class ChatCompletionMessage(_Wire):
+    role: str = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(_Wire):
+    index: int = 0
+    message: ChatCompletionMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str
+
+
+class ChatCompletion(_Wire):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class ChatDelta(_Wire):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChunkChoice(_Wire):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Wire):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(_Wire):
+    index: int = 0
+    text: str
+    logprobs: Any | None = None
+    finish_reason: str | None = None
+
+
+class Completion(_Wire):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Wire):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str
+
+
+class ModelList(_Wire):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

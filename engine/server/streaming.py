@@ -1,0 +1,99 @@
+"""A request's life against its client's connection: SSE streams that abort on disconnect, and the same for
+non-streaming work (vLLM's `with_cancellation`)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine.server import sse
+from engine.server.errors import ClientDisconnectedError, GenerationError, ServerError
+from engine.server.infer import StreamEvent
+from engine.server.protocol import GenerateRequest
+from engine.server.state import ServerState
+from engine.server.validation import ValidRequest
+
+T = TypeVar("T")
+Renderer = Callable[[StreamEvent, ValidRequest], list[bytes]]
+logger = logging.getLogger(__name__)
+
+
+class EventStream(StreamingResponse):
+    """SSE response that always closes its generator (so the engine request is aborted at once when
+    the client leaves) and then runs `on_close` (releases the admission permit)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            finally:
+                self.on_close()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await a non-streaming request's work, cancelling it (so the engine aborts the request and frees
+    its blocks) when the client disconnects first, as vLLM's `with_cancellation` does."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnectedError()
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # the body has been read, so the next ASGI message can only be the disconnect
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def open_stream(state: ServerState, req: GenerateRequest, arrival: float, render: Renderer, *, openai: bool = False,
+                add_special_tokens: bool = True) -> EventStream:
+    """Admit and validate now (so 429/422 are real statuses), then stream `render(event)` chunks.
+
+    Once the stream is open an error can only be its last event; OpenAI streams end with [DONE].
+    """
+    stack = contextlib.ExitStack()
+    stack.enter_context(state.infer.permit())
+    try:
+        valid = state.validator.validate(req, stream=True, add_special_tokens=add_special_tokens)
+    except ServerError:
+        stack.close()
+        raise
+    return EventStream(_events(state, valid, arrival, render, openai), on_close=stack.close)
+
+
+async def _events(state: ServerState, valid: ValidRequest, arrival: float, render: Renderer,
+                  openai: bool) -> AsyncIterator[bytes]:
+    try:
+        async with contextlib.aclosing(state.infer.stream(valid, arrival)) as events:
+            async for ev in events:
+                for chunk in render(ev, valid):
+                    yield chunk
+    except ServerError as err:
+        state.metrics.failure(err.error_type)
+        yield sse.encode_error(err, space=openai)
+    except Exception as exc:  # noqa: BLE001 - logged here, the client gets an error event, not a traceback
+        logger.exception("stream failed")
+        state.metrics.failure("generation")
+        yield sse.encode_error(GenerationError(type(exc).__name__), space=openai)
+    if openai:
+        yield sse.DONE

@@ -1,0 +1,126 @@
+"""`python -m engine`: flags, env twins, clear errors, and a real server whose API key came from the env
+(enforced, never in argv or logs); the real engine frees a disconnected stream's KV blocks."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.launcher import parse_args, to_config, write_ready_file
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_launcher(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def test_unknown_flag_is_a_clear_error():
+    result = run_launcher("--model-id", "x", "--max-input-lenght", "5")
+    assert result.returncode == 2
+    assert "error: unrecognized arguments: --max-input-lenght 5" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_quantize_and_missing_model_are_clear_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model-id", "m", "--quantize", "awq"], environ={})
+    assert exc.value.code == 2
+    assert "--quantize awq is not supported yet" in capsys.readouterr().err
+    parse_args(["--model-id", "m", "--quantize", "none"], environ={})  # the TGI default is fine
+    with pytest.raises(SystemExit):
+        parse_args([], environ={})
+    assert "--model-id is required (or set MODEL_ID)" in capsys.readouterr().err
+    result = run_launcher("--model-id", str(tmp_path / "nope"), env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode != 0
+    assert "is neither a directory nor in the local Hugging Face cache" in result.stderr
+
+
+def test_defaults_follow_tgi():
+    args = parse_args(["--model-id", "m"], environ={})
+    config = to_config(args, "/snap")
+    assert (config.hostname, config.port, config.num_shard, config.max_concurrent_requests) == ("0.0.0.0", 3000, 1, 128)
+    assert (config.max_best_of, config.max_stop_sequences, config.max_top_n_tokens) == (2, 4, 5)
+    assert config.api_key is None and config.model_id == "/snap" and config.served_model_name == "m"
+
+
+def test_env_twins_and_flags_override_env():
+    env = {"MODEL_ID": "/m", "REVISION": "abc", "NUM_SHARD": "2", "HOSTNAME": "10.0.0.7", "PORT": "8080",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29600", "DTYPE": "bfloat16", "API_KEY": "k",
+           "MAX_INPUT_LENGTH": "100", "MAX_TOTAL_TOKENS": "200", "CORS_ALLOW_ORIGIN": "https://a, https://b",
+           "JSON_OUTPUT": "true", "KV_CACHE_BYTES": "256MiB", "MAX_CONCURRENT_REQUESTS": "7"}
+    config = to_config(parse_args([], environ=env), "/m")
+    assert (config.revision, config.num_shard, config.hostname, config.port) == ("abc", 2, "10.0.0.7", 8080)
+    assert (config.master_addr, config.master_port, config.dtype, config.api_key) == ("10.0.0.1", 29600, "bfloat16", "k")
+    assert (config.max_input_tokens, config.max_total_tokens, config.max_concurrent_requests) == (100, 200, 7)
+    assert config.cors_allow_origin == ["https://a", "https://b"] and config.json_output is True
+    assert config.cpu_kv_cache_bytes == 256 * 1024**2
+    args = parse_args(["--port", "9000", "--max-input-tokens", "50", "--cors-allow-origin", "https://c"], environ=env)
+    assert (args.port, args.max_input_tokens, args.cors_allow_origin) == (9000, 50, ["https://c"])
+    assert parse_args(["--max-input-length", "60"], environ=env).max_input_tokens == 60
+
+
+def test_bad_env_values_name_the_variable(capsys):
+    with pytest.raises(SystemExit):
+        parse_args([], environ={"MODEL_ID": "m", "DTYPE": "float8"})
+    assert "DTYPE='float8' is not one of float16, bfloat16, float32" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args([], environ={"MODEL_ID": "m", "PORT": "http"})
+    assert "--port" in capsys.readouterr().err
+
+
+def test_api_key_stays_out_of_repr():
+    config = to_config(parse_args(["--model-id", "m"], environ={"API_KEY": "hunter2"}), "/m")
+    assert config.api_key == "hunter2" and "hunter2" not in repr(config)
+
+
+def test_ready_file_is_written_atomically(tmp_path):
+    target = tmp_path / "sub" / "ready.json"
+    write_ready_file(str(target), {"port": 1234})
+    assert json.loads(target.read_text()) == {"port": 1234}
+    assert [p.name for p in target.parent.iterdir()] == ["ready.json"]
+
+
+def test_real_server_with_env_api_key(model_path, tmp_path):
+    from test_clients import start_server, stop_server
+
+    secret = "env-secret-93d1"
+    proc, url, log = start_server(model_path("smollm2"), tmp_path, "--json-output", "--max-total-tokens", "1024",
+                                  env={"API_KEY": secret})
+    try:
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert secret.encode() not in cmdline
+        auth = {"Authorization": f"Bearer {secret}"}
+        body = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 500}}
+        assert httpx.post(f"{url}/generate", json=body).status_code == 401
+        assert httpx.get(f"{url}/health").status_code == 200  # probes carry no token
+        with httpx.Client(base_url=url, headers=auth, timeout=60) as http:
+            with http.stream("POST", "/generate_stream", json=body) as r:
+                assert r.status_code == 200
+                assert next(r.iter_lines()).startswith("data:{")
+                assert blocks(url)[0] < blocks(url)[1]  # the running request holds KV blocks
+            # the client left after one token: the engine aborts the request and frees its blocks
+            deadline = time.monotonic() + 10
+            while (b := blocks(url))[0] != b[1]:
+                assert time.monotonic() < deadline, b
+                time.sleep(0.05)
+            assert "tgi_request_success 0.0" in http.get("/metrics").text
+    finally:
+        stop_server(proc)
+    text = log.read_text()
+    assert secret not in text
+    assert any(json.loads(line).get("message", "").startswith("serving on") for line in text.splitlines()
+               if line.startswith("{"))
+
+
+def blocks(url: str) -> tuple[float, float]:
+    lines = {line.split()[0]: float(line.split()[1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
+             if line.startswith("tgi_kv_cache_blocks")}
+    return lines["tgi_kv_cache_blocks_free"], lines["tgi_kv_cache_blocks_total"]

@@ -1,0 +1,598 @@
+"""engine.server over a FakeEngine that honours LLMEngine's contract: routes, SSE framing, errors, metrics,
+API key, health, admission and client disconnect (real uvicorn)."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+pytest.importorskip("starlette")
+uvicorn = pytest.importorskip("uvicorn")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from engine.async_engine import AsyncEngine  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.outputs import RequestOutput, TokenInfo  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.server.app import build_app  # noqa: E402
+
+SCRIPT = "the quick brown fox jumps over the lazy dog "
+BOS, EOS, OFFSET = 1, 2, 10  # token id = ord(char) + OFFSET
+
+
+class CharTokenizer:
+    """One token per character, BOS prepended; enough of the HF tokenizer API for the server."""
+
+    bos_token_id = BOS
+    chat_template = "chatml"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if text == "BOOM":
+            raise RuntimeError("tokenizer bug with a secret path /home/x")
+        return ([BOS] if add_special_tokens else []) + [ord(c) + OFFSET for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i - OFFSET) for i in ids if i >= OFFSET)
+
+    def __call__(self, text: str, add_special_tokens: bool = True, return_offsets_mapping: bool = False) -> dict:
+        ids = self.encode(text, add_special_tokens)
+        offsets = ([(0, 0)] if add_special_tokens else []) + [(i, i + 1) for i in range(len(text))]
+        return {"input_ids": ids, "offset_mapping": offsets}
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False):
+        if messages[0]["role"] == "bad":
+            raise ValueError("roles must alternate")
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+@dataclass
+class _Req:
+    prompt: list[int]
+    params: SamplingParams
+    variant: int = 0
+    generated: list[int] = field(default_factory=list)
+
+
+class FakeEngine:
+    """Deterministic LLMEngine stand-in: emits SCRIPT one character per step; holds KV blocks per token.
+
+    Prompts containing FAIL get a per-request error, ABORT ends early, EOS stops after 3 tokens, and VARY
+    shifts each new request's text by one character with a lower logprob (to tell best_of copies apart).
+    `crash = True` makes step() raise.
+    """
+
+    block_size = 4
+    num_total_blocks = 256
+
+    def __init__(self, step_delay_s: float = 0.0) -> None:
+        self.tokenizer = CharTokenizer()
+        self.eos_token_ids = [EOS]
+        self.max_input_tokens, self.max_total_tokens = 200, 256
+        self.max_batch_prefill_tokens, self.max_batch_total_tokens = 256, 1024
+        self.step_delay_s = step_delay_s
+        self.crash = False
+        self.aborted: list[str] = []
+        self.seen: dict[str, SamplingParams] = {}
+        self._reqs: dict[str, _Req] = {}
+        self._lock = threading.Lock()
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        with self._lock:
+            self._reqs[request_id] = _Req(list(prompt_token_ids), params, variant=len(self.seen))
+            self.seen[request_id] = params
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if self._reqs.pop(request_id, None) is not None:
+                self.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._reqs)
+
+    def stats(self) -> SimpleNamespace:
+        with self._lock:
+            used = sum(-(-(len(r.prompt) + len(r.generated)) // self.block_size) for r in self._reqs.values())
+            return SimpleNamespace(num_waiting=0, num_running=len(self._reqs), num_free_blocks=self.num_total_blocks - used,
+                                   num_total_blocks=self.num_total_blocks, block_size=self.block_size, batch_size=len(self._reqs),
+                                   attention_backend="fake")
+
+    def close(self) -> None:
+        pass
+
+    def step(self) -> list[RequestOutput]:
+        if self.crash:
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        time.sleep(self.step_delay_s)
+        with self._lock:
+            outputs = [self._advance(rid, req) for rid, req in list(self._reqs.items())]
+            for out in outputs:
+                if out.finished:
+                    del self._reqs[out.request_id]
+        return outputs
+
+    def _advance(self, rid: str, req: _Req) -> RequestOutput:
+        prompt_text = self.tokenizer.decode(req.prompt)
+        p = req.params
+        if "FAIL" in prompt_text:
+            return RequestOutput(rid, [], "", finished=True, error="CUDA out of memory")
+        n = len(req.generated)
+        if "EOS" in prompt_text and n == 3:
+            token_id, text = EOS, ""
+        else:
+            variant = req.variant if "VARY" in prompt_text else 0
+            char = SCRIPT[(n + variant) % len(SCRIPT)]
+            token_id, text = ord(char) + OFFSET, char
+        req.generated.append(token_id)
+        top = [TokenInfo(token_id + k, chr(token_id + k - OFFSET), -0.5 * (k + 1), False) for k in range(p.top_n_tokens)]
+        logprob = -0.25 * (1 + (req.variant % 7 if "VARY" in prompt_text else 0))
+        token = TokenInfo(token_id, text, logprob, token_id == EOS, top)
+        gen_text = self.tokenizer.decode(req.generated)
+        finish = None
+        if token_id == EOS:
+            finish = "eos_token"
+        elif any(s in gen_text for s in p.stop):
+            finish = "stop_sequence"
+            gen_text = gen_text[: min(gen_text.find(s) for s in p.stop if s in gen_text)]
+        elif "ABORT" in prompt_text and n == 1:
+            finish = "aborted"
+        elif len(req.generated) >= p.max_new_tokens:
+            finish = "length"
+        prefill = None
+        if n == 0 and p.prefill_logprobs:
+            prefill = [TokenInfo(t, self.tokenizer.decode([t]), None if i == 0 else -1.0, t == BOS)
+                       for i, t in enumerate(req.prompt)]
+        return RequestOutput(rid, [token], text, finished=finish is not None, finish_reason=finish,
+                             generated_text=gen_text if finish else None, num_prompt_tokens=len(req.prompt),
+                             num_generated_tokens=len(req.generated), seed=p.seed if p.seed is not None else 7,
+                             prefill_tokens=prefill)
+
+
+def make_app(fake: FakeEngine | None = None, **config_kw):
+    fake = fake or FakeEngine()
+    engine = AsyncEngine(fake).start()
+    config = EngineConfig(model_id="/models/fake", served_model_name="fake-model", **config_kw)
+    return build_app(engine, config), engine, fake
+
+
+@pytest.fixture(scope="module")
+def served():
+    app, engine, fake = make_app()
+    with TestClient(app) as client:
+        yield client, fake
+    engine.close()
+
+
+@pytest.fixture
+def client(served):
+    return served[0]
+
+
+@contextmanager
+def uvicorn_server(app) -> Iterator[str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def sse_events(body: str) -> list[str]:
+    assert body.endswith("\n\n"), body[-50:]
+    return [chunk for chunk in body.split("\n\n") if chunk]
+
+
+# --- /generate ----------------------------------------------------------------------------------
+
+def test_generate_text_details_and_headers(client):
+    r = client.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 5, "details": True,
+                                                                      "decoder_input_details": True, "seed": 3}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["generated_text"] == "the q"
+    d = body["details"]
+    assert (d["finish_reason"], d["generated_tokens"], d["seed"]) == ("length", 5, 3)
+    assert [t["text"] for t in d["tokens"]] == list("the q")
+    assert d["tokens"][0] == {"id": ord("t") + OFFSET, "text": "t", "logprob": -0.25, "special": False}
+    assert [t["id"] for t in d["prefill"]] == [BOS, ord("h") + OFFSET, ord("i") + OFFSET]
+    assert "top_tokens" not in d and "best_of_sequences" not in d
+    h = r.headers
+    assert (h["x-prompt-tokens"], h["x-generated-tokens"], h["x-compute-characters"]) == ("3", "5", "2")
+    for name in ("x-compute-type", "x-compute-time", "x-total-time", "x-validation-time", "x-queue-time",
+                 "x-inference-time", "x-time-per-token"):
+        assert name in h
+
+
+def test_generate_without_details_has_no_details_key(client):
+    body = client.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}}).json()
+    assert body == {"generated_text": "th"}
+
+
+def test_parameters_reach_the_engine(served):
+    client, fake = served
+    before = set(fake.seen)
+    client.post("/generate", json={"inputs": "hi", "parameters": {
+        "max_new_tokens": 3, "temperature": 0.5, "top_k": 5, "top_p": 0.9, "typical_p": 0.8,
+        "repetition_penalty": 1.2, "frequency_penalty": 0.3, "seed": 9, "stop": ["zz"], "top_n_tokens": 2}})
+    (rid,) = set(fake.seen) - before
+    p = fake.seen[rid]
+    assert (p.do_sample, p.temperature, p.top_k, p.top_p, p.typical_p) == (True, 0.5, 5, 0.9, 0.8)
+    assert (p.repetition_penalty, p.frequency_penalty, p.seed, p.stop, p.top_n_tokens) == (1.2, 0.3, 9, ["zz"], 2)
+    assert p.max_new_tokens == 3
+
+
+def test_greedy_when_only_do_sample_false(served):
+    client, fake = served
+    before = set(fake.seen)
+    client.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 1, "do_sample": False}})
+    (rid,) = set(fake.seen) - before
+    assert fake.seen[rid].do_sample is False
+
+
+def test_default_max_new_tokens_fills_max_total_tokens(served):
+    client, fake = served
+    before = set(fake.seen)
+    client.post("/generate", json={"inputs": "abc", "parameters": {"stop": ["brown"]}})
+    (rid,) = set(fake.seen) - before
+    assert fake.seen[rid].max_new_tokens == 256 - 4
+
+
+def test_stop_sequence_and_eos(client):
+    body = client.post("/generate", json={"inputs": "x", "parameters": {"stop": ["quick"], "details": True}}).json()
+    assert body["generated_text"] == "the "
+    assert body["details"]["finish_reason"] == "stop_sequence"
+    body = client.post("/generate", json={"inputs": "EOS", "parameters": {"details": True}}).json()
+    assert body["details"]["finish_reason"] == "eos_token"
+    assert body["details"]["tokens"][-1]["special"] is True
+
+
+def test_return_full_text_and_truncate(client):
+    body = client.post("/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 2,
+                                                                            "return_full_text": True}}).json()
+    assert body["generated_text"] == "helloth"
+    r = client.post("/generate", json={"inputs": "y" * 300, "parameters": {"max_new_tokens": 2, "truncate": 10}})
+    assert r.status_code == 200 and r.headers["x-prompt-tokens"] == "10"
+
+
+def test_top_n_tokens_in_details(client):
+    body = client.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 2, "details": True,
+                                                                        "top_n_tokens": 2}}).json()
+    top = body["details"]["top_tokens"]
+    assert len(top) == 2 and [len(t) for t in top] == [2, 2]
+    assert top[0][0]["logprob"] == -0.5
+
+
+def test_best_of_returns_the_best_and_the_others(client):
+    for _ in range(3):  # whichever copy the engine took first, the best one wins
+        body = client.post("/generate", json={"inputs": "VARY", "parameters": {"max_new_tokens": 2, "best_of": 2,
+                                                                               "do_sample": True, "details": True}})
+        details = body.json()["details"]
+        (other,) = details["best_of_sequences"]
+        assert other["generated_tokens"] == 2 and other["generated_text"] != body.json()["generated_text"]
+        assert [t["text"] for t in other["tokens"]] == list(other["generated_text"])
+        mean = lambda tokens: sum(t["logprob"] for t in tokens) / len(tokens)  # noqa: E731
+        assert mean(details["tokens"]) > mean(other["tokens"])
+
+
+def test_compat_route_wraps_in_list_and_streams(client):
+    r = client.post("/", json={"inputs": "a", "parameters": {"max_new_tokens": 2}})
+    assert r.json() == [{"generated_text": "th"}]
+    r = client.post("/", json={"inputs": "a", "stream": True, "parameters": {"max_new_tokens": 2}})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert len(sse_events(r.text)) == 2
+
+
+def test_no_parameters_means_sampling_like_tgi(served):
+    client, fake = served
+    before = set(fake.seen)
+    assert client.post("/generate", json={"inputs": "EOS"}).status_code == 200
+    (rid,) = set(fake.seen) - before
+    assert fake.seen[rid].do_sample is True
+
+
+# --- /generate_stream ---------------------------------------------------------------------------
+
+def test_stream_framing_and_last_event(client):
+    r = client.post("/generate_stream", json={"inputs": "ab", "parameters": {"max_new_tokens": 4, "details": True,
+                                                                             "top_n_tokens": 1}})
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert all(e.startswith("data:{") for e in events)
+    payloads = [json.loads(e[len("data:"):]) for e in events]
+    assert [p["index"] for p in payloads] == [1, 2, 3, 4]
+    assert "".join(p["token"]["text"] for p in payloads) == "the "
+    assert all(p["generated_text"] is None and p["details"] is None for p in payloads[:-1])
+    assert payloads[-1]["generated_text"] == "the "
+    assert payloads[-1]["details"] == {"finish_reason": "length", "generated_tokens": 4, "seed": 7, "input_length": 3}
+    assert len(payloads[0]["top_tokens"]) == 1
+
+
+def test_stream_error_is_final_event(client):
+    r = client.post("/generate_stream", json={"inputs": "FAIL", "parameters": {"max_new_tokens": 4}})
+    (event,) = sse_events(r.text)
+    assert json.loads(event[len("data:"):]) == {
+        "error": "Request failed during generation: CUDA out of memory", "error_type": "generation"}
+
+
+def test_stream_that_ends_early_is_incomplete_generation(client):
+    r = client.post("/generate_stream", json={"inputs": "ABORT", "parameters": {"max_new_tokens": 9}})
+    events = [json.loads(e[len("data:"):]) for e in sse_events(r.text)]
+    assert events[-1] == {"error": "Incomplete generation", "error_type": "incomplete_generation"}
+    r = client.post("/generate", json={"inputs": "ABORT", "parameters": {"max_new_tokens": 9}})
+    assert r.status_code == 500
+    assert r.json() == {"error": "Incomplete generation", "error_type": "incomplete_generation"}
+
+
+def test_generation_error_is_424(client):
+    r = client.post("/generate", json={"inputs": "FAIL"})
+    assert r.status_code == 424
+    assert r.json() == {"error": "Request failed during generation: CUDA out of memory", "error_type": "generation"}
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("parameters, message", [
+    ({"temperature": 0}, "`temperature` must be strictly positive"),
+    ({"temperature": -1, "do_sample": True}, "`temperature` must be strictly positive"),
+    ({"top_p": 1.0}, "`top_p` must be > 0.0 and < 1.0"),
+    ({"top_p": 0}, "`top_p` must be > 0.0 and < 1.0"),
+    ({"top_k": 0}, "`top_k` must be strictly positive"),
+    ({"typical_p": 1.5}, "`typical_p` must be > 0.0 and < 1.0"),
+    ({"repetition_penalty": 0}, "`repetition_penalty` must be strictly positive"),
+    ({"frequency_penalty": 3}, "`frequency_penalty` must be >= -2.0 and <= 2.0"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "`stop` supports up to 4 stop sequences. Given: 5"),
+    ({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive"),
+    ({"max_new_tokens": 300}, "`inputs` tokens + `max_new_tokens` must be <= 256. Given: 3 `inputs` tokens and 300 `max_new_tokens`"),
+    ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
+    ({"best_of": 3, "do_sample": True}, "`best_of` must be > 0 and <= 2. Given: 3"),
+    ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
+    ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
+    ({"watermark": True}, "`watermark` is not supported by this server"),
+    ({"grammar": {"type": "json", "value": {}}}, "grammar is not supported"),
+    ({"truncate": 0}, "`truncate` must be strictly positive and less than 200. Given: 0"),
+    ({"max_new_tokens": "many"}, "`parameters.max_new_tokens`: Input should be a valid integer, unable to parse string as an integer"),
+])
+def test_validation_errors(client, parameters, message):
+    r = client.post("/generate", json={"inputs": "ab", "parameters": parameters})
+    assert r.status_code == 422, r.text
+    assert r.json() == {"error": f"Input validation error: {message}", "error_type": "validation"}
+
+
+def test_input_too_long_empty_and_bad_json(client):
+    r = client.post("/generate", json={"inputs": "z" * 250, "parameters": {"max_new_tokens": 1}})
+    assert r.json()["error"] == "Input validation error: `inputs` must have less than 200 tokens. Given: 251"
+    r = client.post("/generate", json={"inputs": ""})
+    assert r.json()["error"] == "Input validation error: `inputs` cannot be empty"
+    r = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error_type"] == "validation"
+    assert "invalid JSON" in r.json()["error"]
+    r = client.post("/generate", json={"parameters": {}})
+    assert r.status_code == 422 and "`inputs`: Field required" in r.json()["error"]
+
+
+def test_unknown_fields_are_ignored_like_tgi(client):
+    r = client.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 1, "adapter_id": None,
+                                                                     "made_up": 1}, "extra": True})
+    assert r.status_code == 200
+
+
+def test_stream_only_limits(client):
+    r = client.post("/generate_stream", json={"inputs": "a", "parameters": {"best_of": 2, "do_sample": True}})
+    assert r.status_code == 422 and "not supported when streaming" in r.json()["error"]
+    r = client.post("/generate_stream", json={"inputs": "a", "parameters": {"decoder_input_details": True}})
+    assert r.status_code == 422 and "`decoder_input_details`" in r.json()["error"]
+
+
+def test_unexpected_error_is_a_plain_500_without_traceback():
+    app, engine, _ = make_app()
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post("/generate", json={"inputs": "BOOM"})
+        assert r.status_code == 500
+        assert r.json() == {"error": "Internal server error", "error_type": "internal"}
+    engine.close()
+
+
+def test_unknown_route_keeps_error_shape(client):
+    r = client.get("/nope")
+    assert r.status_code == 404 and set(r.json()) == {"error", "error_type"}
+    r = client.get("/generate")
+    assert r.status_code == 405 and set(r.json()) == {"error", "error_type"}
+
+
+# --- OpenAI routes ------------------------------------------------------------------------------
+
+def test_chat_completion(served):
+    client, fake = served
+    before = set(fake.seen)
+    r = client.post("/v1/chat/completions", json={
+        "model": "anything", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+        "logprobs": True, "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == "fake-model"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "the"}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len("<user>hi\n<assistant>"), "completion_tokens": 3,
+                             "total_tokens": len("<user>hi\n<assistant>") + 3}
+    assert len(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    (rid,) = set(fake.seen) - before
+    assert fake.seen[rid].do_sample is False  # temperature 0 = greedy
+
+
+def test_chat_completion_stream_with_usage(client):
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True}})
+    events = sse_events(r.text)
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks[:-1]) == "the"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_completions(client):
+    r = client.post("/v1/completions", json={"prompt": "EOS", "max_tokens": 10})
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "the"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    r = client.post("/v1/completions", json={"prompt": ["a"], "max_tokens": 2, "stream": True})
+    events = sse_events(r.text)
+    assert events[-1] == "data: [DONE]" and len(events) == 3
+
+
+@pytest.mark.parametrize("route, body, fragment", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, "`n` must be 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "bad", "content": "x"}]}, "chat template error"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "`tools`"),
+    ("/v1/chat/completions", {"messages": []}, "`messages`"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "Suffix is not supported"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 999}, "must be <= 256"),
+])
+def test_openai_validation_uses_tgi_body(client, route, body, fragment):
+    r = client.post(route, json=body)
+    assert r.status_code == 422, r.text
+    assert r.json()["error_type"] == "validation" and fragment in r.json()["error"]
+
+
+def test_models_tokenize_info(client):
+    assert client.get("/v1/models").json()["data"][0]["id"] == "fake-model"
+    toks = client.post("/tokenize", json={"inputs": "ab"}).json()
+    assert toks[1:] == [{"id": ord("a") + OFFSET, "text": "a", "start": 0, "stop": 1},
+                        {"id": ord("b") + OFFSET, "text": "b", "start": 1, "stop": 2}]
+    info = client.get("/info").json()
+    assert info["model_id"] == "fake-model" and info["max_total_tokens"] == 256
+    assert info["max_input_tokens"] == 200 and info["attention_backend"] == "fake"
+    for key in ("model_dtype", "model_device_type", "max_best_of", "max_stop_sequences", "version", "num_shard"):
+        assert key in info
+
+
+def test_docs_and_openapi(client):
+    spec = client.get("/api-doc/openapi.json").json()
+    assert {"/generate", "/generate_stream", "/v1/chat/completions", "/health"} <= set(spec["paths"])
+    assert "GenerateRequest" in spec["components"]["schemas"]
+    assert "swagger" in client.get("/docs").text.lower()
+
+
+# --- metrics and health -------------------------------------------------------------------------
+
+def test_metrics_use_tgi_names(client):
+    client.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 1}})
+    client.post("/generate", json={"inputs": "a", "parameters": {"top_k": 0}})
+    text = client.get("/metrics").text
+    for name in ("tgi_request_count", "tgi_request_success", "tgi_request_duration_bucket",
+                 "tgi_request_validation_duration_sum", "tgi_request_queue_duration_count",
+                 "tgi_request_inference_duration_sum", "tgi_request_mean_time_per_token_duration_sum",
+                 "tgi_request_input_length_bucket", "tgi_request_generated_tokens_sum", "tgi_queue_size",
+                 "tgi_batch_current_size", "tgi_batch_current_max_tokens", "tgi_kv_cache_blocks_free",
+                 "tgi_kv_cache_blocks_total", "tgi_kv_cache_usage"):
+        assert f"\n{name}" in text, name
+    assert 'tgi_request_failure{err="validation"}' in text
+    assert "tgi_request_count_total" not in text
+
+
+def test_health_ok_runs_a_probe(served):
+    client, fake = served
+    before = set(fake.seen)
+    assert client.get("/health").status_code == 200
+    assert client.get("/").status_code == 200
+    assert any(rid.startswith("health-") for rid in set(fake.seen) - before)
+
+
+def test_crashed_engine_is_503_and_424():
+    app, engine, fake = make_app()
+    with TestClient(app) as client:
+        fake.crash = True
+        r = client.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 1}})
+        assert r.status_code == 424 and r.json()["error_type"] == "generation"
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json() == {"error": "unhealthy", "error_type": "healthcheck"}
+        r = client.post("/generate", json={"inputs": "a"})
+        assert r.status_code == 424 and "engine stopped" in r.json()["error"]
+
+
+# --- API key and CORS ---------------------------------------------------------------------------
+
+def test_api_key():
+    app, engine, _ = make_app(api_key="s3cret")
+    with TestClient(app) as client:
+        for method, path in [("post", "/generate"), ("post", "/generate_stream"), ("post", "/"),
+                             ("post", "/tokenize"), ("post", "/v1/chat/completions"), ("get", "/v1/models")]:
+            r = client.request(method, path, json={"inputs": "a"})
+            assert r.status_code == 401, path
+            assert r.json() == {"error": "Unauthorized", "error_type": "unauthorized"}
+        bad = client.post("/generate", json={"inputs": "a"}, headers={"Authorization": "Bearer s3cre"})
+        assert bad.status_code == 401
+        ok = client.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 1}},
+                         headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        for path in ("/health", "/info", "/metrics", "/docs"):
+            assert client.get(path).status_code == 200, path
+    engine.close()
+
+
+def test_cors():
+    app, engine, _ = make_app(cors_allow_origin=["https://ui.example"])
+    with TestClient(app) as client:
+        r = client.options("/generate", headers={"Origin": "https://ui.example", "Access-Control-Request-Method": "POST"})
+        assert r.headers["access-control-allow-origin"] == "https://ui.example"
+    engine.close()
+
+
+# --- real uvicorn: admission and disconnect -----------------------------------------------------
+
+def test_overloaded_is_429_and_disconnect_frees_blocks():
+    fake = FakeEngine(step_delay_s=0.02)
+    app, engine, _ = make_app(fake, max_concurrent_requests=1)
+    with uvicorn_server(app) as url, httpx.Client(base_url=url, timeout=10) as http:
+        with http.stream("POST", "/generate_stream", json={"inputs": "a", "parameters": {"max_new_tokens": 200}}) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            assert first.startswith("data:{") and '"index":1' in first
+            assert fake.stats().num_free_blocks < fake.num_total_blocks
+            busy = http.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 1}})
+            assert busy.status_code == 429
+            assert busy.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
+        # the client closed the stream after one event: the request is aborted and its blocks are freed
+        deadline = time.monotonic() + 5
+        while fake.stats().num_free_blocks != fake.num_total_blocks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert fake.stats().num_free_blocks == fake.num_total_blocks
+        assert len(fake.aborted) == 1
+        # and the permit came back
+        assert http.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 1}}).status_code == 200
+        assert "tgi_kv_cache_blocks_free 256.0" in http.get("/metrics").text
+    engine.close()
+
+
+def test_non_streaming_client_disconnect_aborts():
+    fake = FakeEngine(step_delay_s=0.02)
+    app, engine, _ = make_app(fake)
+    with uvicorn_server(app) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 200}}, timeout=0.3)
+        deadline = time.monotonic() + 5
+        while not fake.aborted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(fake.aborted) == 1
+        assert fake.stats().num_free_blocks == fake.num_total_blocks
+        assert 'tgi_request_failure{err="client_disconnected"} 1.0' in httpx.get(f"{url}/metrics").text
+    engine.close()
