@@ -15,6 +15,7 @@ from tgi_hpc.endpoint import Endpoint, endpoint_file
 from tgi_hpc.errors import JobFailedError, ReadinessTimeout, SlurmError
 from tgi_hpc.jobspec import JOB_NAME_PREFIX, JobSpec
 from tgi_hpc.render import render_job
+from tgi_hpc.runner import LocalRunner
 from tgi_hpc.slurm import SlurmJob
 
 _RUNNING = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT"}
@@ -51,6 +52,8 @@ class JobStatus:
 
 
 def render(cluster: Cluster, spec: JobSpec, **kwargs) -> str:
+    if not isinstance(cluster.runner, LocalRunner):
+        kwargs.setdefault("python", "python3")
     return render_job(cluster.profile, spec, job_dir=cluster.job_dir, **kwargs)
 
 

@@ -1,9 +1,7 @@
 """Estimate a model's size (billions of parameters) from config.json, or from its name."""
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 _NAME_SIZE = re.compile(r"(?<![0-9.])(\d+(?:\.\d+)?)\s*([bBmM])(?![a-zA-Z])")
 
@@ -23,11 +21,11 @@ def params_from_config(config: dict) -> float:
     return (layers * (attn + mlp) + embed) / 1e9
 
 
-def estimate_params_b(model: str, model_dir: Path | None) -> float | None:
-    """From the snapshot's config.json when we can read it, else from a name like 'Llama-3.1-8B'."""
-    if model_dir is not None and (model_dir / "config.json").is_file():
+def estimate_params_b(model: str, config: dict | None) -> float | None:
+    """From the snapshot's config.json when we have it, else from a name like 'Llama-3.1-8B'."""
+    if config is not None:
         try:
-            return params_from_config(json.loads((model_dir / "config.json").read_text()))
+            return params_from_config(config)
         except (KeyError, ValueError, TypeError):
             pass
     sizes = [float(n) / (1000 if unit in "mM" else 1) for n, unit in _NAME_SIZE.findall(model.split("/")[-1])]

@@ -95,7 +95,7 @@ def sbatch_directives(flags: Mapping[str, str | bool]) -> list[Shell]:
     return lines
 
 
-def _common(profile: Profile, spec: JobSpec, job_dir: str) -> dict[str, object]:
+def _common(profile: Profile, spec: JobSpec, job_dir: str, python: str) -> dict[str, object]:
     env_pairs = [(sh_name(k), sh_env(v)) for k, v in profile.environment.env.items()]
     env_pairs += [(sh_name(k), sh(v)) for k, v in spec.env.items()]
     mods = profile.environment.modules
@@ -108,13 +108,18 @@ def _common(profile: Profile, spec: JobSpec, job_dir: str) -> dict[str, object]:
         "modules": sh_join(mods) if mods else "",
         "setup": [trusted(line) for line in profile.environment.setup],
         "env": env_pairs,
-        "tgi_hpc_python": sh(sys.executable),
+        "tgi_hpc_python": sh(python),
     }
 
 
-def render_job(profile: Profile, spec: JobSpec, *, job_dir: str, release_dir: ShellPath | None = None) -> str:
-    """The whole job script for `spec` on `profile`; `job_dir` holds logs, the script and endpoint."""
-    context = _common(profile, spec, job_dir)
+def render_job(profile: Profile, spec: JobSpec, *, job_dir: str, release_dir: ShellPath | None = None,
+               python: str = sys.executable) -> str:
+    """The whole job script for `spec` on `profile`; `job_dir` holds logs, the script and endpoint.
+
+    `python` runs tgi-hpc's in-job helpers for download/compile jobs: this interpreter on a login
+    node; from a laptop, the cluster's `python3` (tgi-hpc must be installed there too).
+    """
+    context = _common(profile, spec, job_dir, python)
     if isinstance(spec, ServeSpec):
         slurm = profile.slurm
         context.update(

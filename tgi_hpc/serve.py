@@ -1,6 +1,7 @@
 """Turn `tgi-hpc serve` options into a ServeSpec: resolve the model, size the job, check engine flags."""
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,7 @@ from tgi_hpc.model_size import estimate_params_b
 from tgi_hpc.model_store import model_dir, validate_model_id
 from tgi_hpc.profile import Resources, require_account, resources_for
 from tgi_hpc.quoting import sh
+from tgi_hpc.runner import LocalRunner
 
 # serve option -> engine (TGI launcher) flag
 LIMIT_FLAGS = {
@@ -50,35 +52,48 @@ def parse_env(items: list[str]) -> dict[str, str]:
     return env
 
 
-def _model_location(cluster: Cluster, model: str, revision: str) -> tuple[ShellPath, Path | None]:
-    """(where the job finds the weights, a local path to read config.json from if we can)."""
-    local = Path(model).expanduser()
-    if local.is_dir():
-        if not (local / "config.json").is_file():
-            raise ModelNotFoundError(f"{local} is a directory without config.json: not a model snapshot")
-        return ShellPath("", str(local.resolve())), local.resolve()
+def _is_path(cluster: Cluster, model: str) -> bool:
     if model.startswith(("/", ".", "~")):
-        raise ModelNotFoundError(f"no model directory at {model}")
+        return True
+    return isinstance(cluster.runner, LocalRunner) and Path(model).is_dir()
+
+
+def _model_location(cluster: Cluster, model: str, revision: str) -> ShellPath:
+    """Where the job finds the weights: a snapshot directory, or the model store's copy of a Hub id."""
+    if _is_path(cluster, model):
+        local = isinstance(cluster.runner, LocalRunner)  # a laptop's paths mean nothing on the cluster
+        return ShellPath("", str(Path(model).expanduser().resolve()) if local else model)
     rel = model_dir(Path("/"), validate_model_id(model), revision).relative_to("/")
-    store = cluster.expand(cluster.profile.paths.models, strict=False)
-    candidate = Path(store) / rel
-    return ShellPath(cluster.profile.paths.models, str(rel)), candidate if "$" not in store else None
+    return ShellPath(cluster.profile.paths.models, str(rel))
+
+
+def _read_config(cluster: Cluster, where: ShellPath) -> dict | None:
+    """The snapshot's config.json, read where the jobs run, if it is there already."""
+    path = cluster.expand(str(where), strict=False)
+    if "$" in path:
+        return None
+    try:
+        return json.loads(cluster.runner.read_file(f"{path}/config.json"))
+    except (OSError, ValueError):
+        return None
 
 
 def check_model_present(cluster: Cluster, spec: ServeSpec) -> None:
-    """Before submitting: the weights must be in the store (where the jobs run)."""
+    """Before submitting: the weights must be where the job will look."""
     path = cluster.expand(str(spec.model_dir))
-    result = cluster.runner.run(["test", "-f", f"{path}/config.json"])
-    if result.returncode != 0:
-        raise ModelNotFoundError(f"{spec.model} is not in the model store ({path}): "
-                                 f"run `tgi-hpc download --model {sh(spec.model)}` first")
+    if cluster.runner.run(["test", "-f", f"{path}/config.json"]).returncode == 0:
+        return
+    if not spec.model_dir.base:
+        raise ModelNotFoundError(f"no model snapshot at {path} (config.json missing)")
+    raise ModelNotFoundError(f"{spec.model} is not in the model store ({path}): "
+                             f"run `tgi-hpc download --model {sh(spec.model)}` first")
 
 
 def build_serve_spec(cluster: Cluster, opts: ServeOptions) -> ServeSpec:
     profile = cluster.profile
     require_account(profile)
-    where, readable = _model_location(cluster, opts.model, opts.revision)
-    size = estimate_params_b(opts.model, readable)
+    where = _model_location(cluster, opts.model, opts.revision)
+    size = estimate_params_b(opts.model, _read_config(cluster, where))
     resources = resources_for(profile, "serve", size, opts.gpus)
     choices = {k: v for k, v in (("partition", opts.partition), ("time", opts.time)) if v}
     if choices:
@@ -99,7 +114,8 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions) -> ServeSpec:
 def release_dir(cluster: Cluster, release: str | None) -> ShellPath:
     """--release DIR, else the profile's current release; without Slurm, this very environment."""
     if release:
-        return ShellPath("", str(Path(release).expanduser().resolve()))
+        local = isinstance(cluster.runner, LocalRunner)
+        return ShellPath("", str(Path(release).expanduser().resolve()) if local else release)
     if not cluster.uses_slurm:
         return ShellPath("", sys.prefix)
     return ShellPath(cluster.profile.paths.releases, "current")
