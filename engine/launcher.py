@@ -200,8 +200,19 @@ def write_ready_file(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, target)  # readers never see a half-written file
 
 
-async def _serve(server: Any, sock: socket.socket, ready_file: str | None) -> None:
+async def _exit_when_engine_dies(server: Any, engine: Any) -> None:
+    """A dead engine (e.g. a tensor-parallel rank died) ends the server: the job must fail, not idle."""
+    while not server.should_exit:
+        if engine.error is not None:
+            logger.error("the engine died (%s): shutting down", engine.error)
+            server.should_exit = True
+            return
+        await asyncio.sleep(0.5)
+
+
+async def _serve(server: Any, sock: socket.socket, ready_file: str | None, engine: Any) -> None:
     task = asyncio.create_task(server.serve(sockets=[sock]))
+    watchdog = asyncio.create_task(_exit_when_engine_dies(server, engine))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
@@ -210,6 +221,7 @@ async def _serve(server: Any, sock: socket.socket, ready_file: str | None) -> No
         if ready_file:
             write_ready_file(ready_file, {"host": host, "port": port, "pid": os.getpid()})
     await task
+    watchdog.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = build_app(engine, config)
         server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", timeout_graceful_shutdown=5))
-        asyncio.run(_serve(server, sock, args.ready_file))
+        asyncio.run(_serve(server, sock, args.ready_file, engine))
     finally:
         engine.close()
-    return 0
+    return 1 if engine.error is not None else 0

@@ -98,7 +98,8 @@ def test_real_server_with_env_api_key(model_path, tmp_path):
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         assert secret.encode() not in cmdline
         auth = {"Authorization": f"Bearer {secret}"}
-        body = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 500}}
+        # a prompt that keeps generating (no early EOS), so the request is still running after one token
+        body = {"inputs": "Count to one thousand: 1, 2, 3, 4, 5,", "parameters": {"max_new_tokens": 500}}
         assert httpx.post(f"{url}/generate", json=body).status_code == 401
         assert httpx.get(f"{url}/health").status_code == 200  # probes carry no token
         with httpx.Client(base_url=url, headers=auth, timeout=60) as http:
