@@ -112,7 +112,6 @@ def test_requeue_onto_a_taken_port_records_the_fallback(cli, local_cluster, mode
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         squatter.bind(("0.0.0.0", port))
         squatter.listen()
-        local_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
         st = _wait_state(cli, job_id, {"READY"}, timeout=90)
     assert st["state"] == "READY", st
     assert st["port"] == port + 1
