@@ -1,0 +1,128 @@
+"""BlockManager: paged KV-cache blocks with ref counts and an optional prefix cache of full blocks."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.sequence import Sequence
+
+
+class BlockManager:
+    """Hands out KV blocks of `block_size` token slots; the API is predicate/action pairs.
+
+    Prefix cache: a full, computed block is registered under a hash chained over every token
+    before it, so equal hashes mean equal prefixes (token ids are compared too, against
+    collisions). A freed block keeps its hash and stays revivable until it is handed out again;
+    free blocks are reused least recently freed first.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"BlockManager needs positive num_blocks and block_size, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block_id: dict[int, int] = {}
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_token_ids: list[tuple[int, ...] | None] = [None] * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # prefix cache
+    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+        hashes, bs = seq.block_hashes, self.block_size
+        for i in range(len(hashes), num_full_blocks):
+            prev = hashes[-1] if hashes else 0
+            hashes.append(hash((prev, *seq.token_ids[i * bs:(i + 1) * bs])))
+        return hashes
+
+    def _cached_block_ids(self, seq: Sequence) -> list[int]:
+        if not self.enable_prefix_caching or seq.wants_prefill_logprobs:
+            return []
+        # at least one token must be computed to get logits for the next one
+        num_full = (seq.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(seq, num_full)
+        bs, block_ids = self.block_size, []
+        for i in range(num_full):
+            block_id = self.hash_to_block_id.get(hashes[i])
+            if block_id is None or self.block_token_ids[block_id] != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Tokens of `seq` (a sequence without blocks) that the prefix cache already holds."""
+        return len(self._cached_block_ids(seq)) * self.block_size
+
+    # allocate: a sequence without blocks
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        cached = self._cached_block_ids(seq)
+        num_revived = sum(1 for b in cached if self.ref_counts[b] == 0)
+        num_new = self.num_blocks_for(num_tokens) - len(cached)
+        return num_new + num_revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give `seq` blocks for its first `num_tokens` tokens; cached prefix blocks are shared."""
+        assert not seq.block_table, f"seq {seq.seq_id} already has blocks"
+        cached = self._cached_block_ids(seq)
+        for block_id in cached:
+            if self.ref_counts[block_id] == 0:
+                del self.free_block_ids[block_id]
+            self.ref_counts[block_id] += 1
+        seq.block_table = list(cached)
+        seq.num_computed_tokens = len(cached) * self.block_size
+        seq.num_registered_blocks = len(cached)
+        self.append(seq, num_tokens)
+
+    # append: grow a sequence that has blocks
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.num_blocks_for(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    def append(self, seq: Sequence, num_tokens: int) -> None:
+        """Make `seq` hold `num_tokens` tokens in all."""
+        for _ in range(self.num_blocks_for(num_tokens) - len(seq.block_table)):
+            seq.block_table.append(self._take_free_block())
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        old_hash = self.block_hash[block_id]
+        if old_hash is not None:
+            if self.hash_to_block_id.get(old_hash) == block_id:
+                del self.hash_to_block_id[old_hash]
+            self.block_hash[block_id] = None
+            self.block_token_ids[block_id] = None
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def free(self, seq: Sequence) -> None:
+        # tail blocks first, so they are also the first to be reused: prefixes live longer
+        for block_id in reversed(seq.block_table):
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+            if self.ref_counts[block_id] == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Register the full blocks whose K/V are now computed, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        hashes = self._block_hashes(seq, num_full)
+        bs = self.block_size
+        for i in range(seq.num_registered_blocks, num_full):
+            block_id, h = seq.block_table[i], hashes[i]
+            # the same content computed twice in one step: keep the first copy
+            if self.block_hash[block_id] is None and h not in self.hash_to_block_id:
+                self.hash_to_block_id[h] = block_id
+                self.block_hash[block_id] = h
+                self.block_token_ids[block_id] = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+        seq.num_registered_blocks = num_full

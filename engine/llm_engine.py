@@ -1,0 +1,336 @@
+"""LLMEngine: requests in, incremental RequestOutputs out; ties scheduler, runner and sampler together."""
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+from itertools import count
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import FinishReason, RequestOutput, TokenInfo
+from engine.sampler import pick_seed, sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import Sequence
+from engine.stop import StopMatcher
+from engine.tokenizer import TokenTexts, load_eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int
+    max_batch_total_tokens: int
+
+
+def resolve_limits(config: EngineConfig, max_position_embeddings: int, num_kv_blocks: int,
+                   block_size: int) -> Limits:
+    """TGI's launcher defaults and checks, against what the KV cache holds."""
+    kv_tokens = num_kv_blocks * block_size
+    batch_total = config.max_batch_total_tokens or kv_tokens
+    # a default never asks for more than the cache holds (TGI derives it from memory too)
+    max_total = config.max_total_tokens or min(max_position_embeddings, 4096,
+                                               batch_total // block_size * block_size)
+    max_input = config.max_input_tokens or max_total - 1
+    # chunked prefill: a budget below max_input_tokens is fine, above the batch total is useless
+    prefill = config.max_batch_prefill_tokens or min(max_input + 50, batch_total)
+    if not 0 < max_input < max_total:
+        raise ValueError(f"max_input_tokens ({max_input}) must be >= 1 and < max_total_tokens ({max_total})")
+    if batch_total > kv_tokens:
+        raise ValueError(f"max_batch_total_tokens ({batch_total}) is more than the KV cache holds ({kv_tokens} = "
+                         f"{num_kv_blocks} blocks x {block_size}); lower it or give the cache more memory")
+    if -(-max_total // block_size) > batch_total // block_size:
+        raise ValueError(f"max_total_tokens ({max_total}) must fit in max_batch_total_tokens ({batch_total}, "
+                         f"{batch_total // block_size} blocks of {block_size}): one request alone must fit")
+    if not 0 < prefill <= batch_total:
+        raise ValueError(f"max_batch_prefill_tokens ({prefill}) must be >= 1 and <= max_batch_total_tokens "
+                         f"({batch_total})")
+    if max_total > max_position_embeddings:
+        logger.warning("max_total_tokens=%d is above the model's max_position_embeddings=%d",
+                       max_total, max_position_embeddings)
+    return Limits(max_input, max_total, prefill, batch_total)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_preempted_total: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    batch_size: int             # spans in the last step
+    attention_backend: str
+
+
+class LLMEngine:
+    """One engine per model. `add_request` and `abort` are thread-safe and take effect at the start
+    of the next `step()`; everything else belongs to the thread that calls `step()`.
+
+    `abort` emits one final RequestOutput (finished, finish_reason "aborted", the text so far).
+    When several endings coincide on one token: stop_sequence, then eos_token, then length.
+    A runner failure fails the requests of that batch: their final output carries `error`.
+    `runner`, `model_config` and `tokenizer` can be passed in (tests use a fake runner).
+    """
+
+    def __init__(self, config: EngineConfig, *, runner: Any = None, model_config: Any = None,
+                 tokenizer: Any = None):
+        self.config = config
+        if model_config is None:
+            from engine.model_config import ModelConfig
+            model_config = ModelConfig.from_pretrained(config.model_id)
+        self.model_config = model_config
+        self.tokenizer = tokenizer or load_tokenizer(config.model_id, config.revision, config.trust_remote_code)
+        self.eos_token_ids: set[int] = load_eos_token_ids(config.model_id, self.tokenizer) if config.model_id \
+            else {self.tokenizer.eos_token_id} - {None}
+        if runner is None:
+            from engine.model_runner import ModelRunner
+            runner = ModelRunner(config, model_config)
+        self.runner = runner
+        try:
+            limits = resolve_limits(config, model_config.max_position_embeddings,
+                                    runner.num_kv_blocks, runner.block_size)
+        except ValueError:
+            runner.close()
+            raise
+        self.limits: Limits = limits
+        self.max_input_tokens = limits.max_input_tokens
+        self.max_total_tokens = limits.max_total_tokens
+        self.max_batch_prefill_tokens = limits.max_batch_prefill_tokens
+        self.max_batch_total_tokens = limits.max_batch_total_tokens
+        # prefix caching is on unless EngineConfig grows a `prefix_caching` flag that says otherwise
+        self.block_manager = BlockManager(limits.max_batch_total_tokens // runner.block_size, runner.block_size,
+                                          enable_prefix_caching=getattr(config, "prefix_caching", True))
+        self.scheduler = Scheduler(self.block_manager, limits.max_batch_prefill_tokens, config.max_batch_size)
+        self.token_texts = TokenTexts(self.tokenizer)
+        self.vocab_size = model_config.vocab_size
+        self._lock = threading.Lock()
+        self._pending: list[tuple[str, Any]] = []       # ("add", Sequence) | ("abort", request_id)
+        self._live_ids: set[str] = set()
+        self._seqs: dict[str, Sequence] = {}
+        self._seq_ids = count()
+        self._batch_size = 0
+        self._closed = False
+        logger.info("engine ready: %d KV blocks x %d tokens, limits %s", self.block_manager.num_blocks,
+                    runner.block_size, limits)
+
+    # requests (any thread)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._validate(prompt_token_ids, params)
+        num_prompt = len(prompt_token_ids)
+        seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params,
+                       max_tokens=min(num_prompt + params.max_new_tokens, self.max_total_tokens))
+        seq.seed = pick_seed(params)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, num_prompt, params.skip_special_tokens)
+        seq.stop = StopMatcher(params.stop)
+        if params.prefill_logprobs:
+            seq.prefill_tokens = [TokenInfo(prompt_token_ids[0], self.token_texts.text(prompt_token_ids[0]),
+                                            None, self.token_texts.is_special(prompt_token_ids[0]))]
+        with self._lock:
+            if request_id in self._live_ids:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._live_ids.add(request_id)
+            self._pending.append(("add", seq))
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._live_ids:
+                self._pending.append(("abort", request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self._live_ids)
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: at least one input token is needed")
+        if len(prompt_token_ids) > self.max_input_tokens:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, more than "
+                             f"max_input_tokens={self.max_input_tokens}")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        if params.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {params.temperature} (use do_sample=false for greedy)")
+        if params.repetition_penalty is not None and params.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
+        for name in ("top_p", "typical_p"):
+            value = getattr(params, name)
+            if value is not None and not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
+        if params.top_k is not None and params.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {params.top_k}")
+        if not 0 <= params.top_n_tokens <= self.config.max_top_n_tokens:
+            raise ValueError(f"top_n_tokens must be in [0, {self.config.max_top_n_tokens}], got {params.top_n_tokens}")
+        if len(params.stop) > self.config.max_stop_sequences:
+            raise ValueError(f"at most {self.config.max_stop_sequences} stop sequences, got {len(params.stop)}")
+
+    # the step loop (one thread)
+    def step(self) -> list[RequestOutput]:
+        """Apply pending adds/aborts, run one scheduled batch, return what each request gained."""
+        outputs = self._apply_pending()
+        batch = self.scheduler.schedule()
+        self._batch_size = len(batch)
+        if not batch:
+            return outputs
+        try:
+            last_logits, all_logits = self.runner.run(batch.spans)
+        except Exception as e:  # noqa: BLE001 - reported per request, the engine keeps serving
+            logger.exception("model step failed for %d sequences", len(batch))
+            return outputs + self._fail_batch(batch, f"model step failed: {type(e).__name__}: {e}")
+        self.scheduler.on_run_done(batch)
+        sampled: list[Sequence] = []
+        rows: list[int] = []
+        row = 0
+        for seq, span in zip(batch.seqs, batch.spans):
+            if span.logits == "all":
+                self._add_prefill_logprobs(seq, span.start_pos, all_logits[seq.seq_id])
+            if span.logits == "none":
+                continue
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampled.append(seq)
+                rows.append(row)
+            row += 1
+        if sampled:
+            logits = last_logits if len(rows) == len(last_logits) else last_logits[rows]
+            outputs += self._append_tokens(sampled, sample(logits, sampled))
+        return outputs
+
+    def _apply_pending(self) -> list[RequestOutput]:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        outputs = []
+        for kind, item in pending:
+            if kind == "add":
+                self._seqs[item.request_id] = item
+                self.scheduler.add(item)
+            elif (seq := self._seqs.get(item)) is not None:
+                self.scheduler.finish(seq, "aborted")
+                outputs.append(self._final_output(seq, [], seq.stop.flush()))
+        return outputs
+
+    def _add_prefill_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        # row j predicts token start + j + 1; prompt logprobs use the raw distribution, as in TGI.
+        # A recompute after preemption starts over: skip the tokens already scored.
+        first = max(start, len(seq.prefill_tokens) - 1)
+        end = min(start + len(logits), seq.num_prompt_tokens - 1)
+        if end <= first:
+            return
+        targets = seq.token_ids[first + 1:end + 1]
+        logprobs = torch.log_softmax(logits[first - start:end - start].float(), dim=-1)
+        values = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
+        texts = self.token_texts
+        seq.prefill_tokens += [TokenInfo(t, texts.text(t), lp, texts.is_special(t)) for t, lp in zip(targets, values)]
+
+    def _append_tokens(self, seqs: list[Sequence], out: Any) -> list[RequestOutput]:
+        texts, outputs = self.token_texts, []
+        for j, seq in enumerate(seqs):
+            token_id, params = out.token_ids[j], seq.params
+            seq.append_token(token_id)
+            top = [TokenInfo(t, texts.text(t), lp, texts.is_special(t))
+                   for t, lp in zip(out.top_token_ids[j], out.top_logprobs[j])]
+            info = TokenInfo(token_id, texts.text(token_id), out.logprobs[j] if params.logprobs else None,
+                             texts.is_special(token_id), top)
+            text, stopped = seq.stop.feed(seq.detokenizer.decode_next(seq.token_ids))
+            reason = self._finish_reason(seq, token_id, stopped)
+            if reason is None:
+                outputs.append(self._output(seq, [info], text))
+                continue
+            if reason != "stop_sequence":
+                tail, _ = seq.stop.feed(seq.detokenizer.flush(seq.token_ids))
+                text += tail + seq.stop.flush()
+            self.scheduler.finish(seq, reason)
+            outputs.append(self._final_output(seq, [info], text))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token_id: int, stopped: bool) -> FinishReason | None:
+        if stopped:
+            return "stop_sequence"
+        if token_id in self.eos_token_ids and not seq.params.ignore_eos:
+            return "eos_token"
+        if seq.num_generated_tokens >= seq.params.max_new_tokens or seq.num_tokens >= seq.max_tokens:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, tokens: list[TokenInfo], text: str) -> RequestOutput:
+        prefill, seq.prefill_tokens = seq.prefill_tokens, None
+        return RequestOutput(seq.request_id, tokens, text, num_prompt_tokens=seq.num_prompt_tokens,
+                             num_generated_tokens=seq.num_generated_tokens, seed=seq.seed, prefill_tokens=prefill)
+
+    def _final_output(self, seq: Sequence, tokens: list[TokenInfo], text: str,
+                      error: str | None = None) -> RequestOutput:
+        output = self._output(seq, tokens, text)
+        output.finished, output.finish_reason, output.error = True, seq.finish_reason, error
+        output.generated_text = seq.stop.text
+        if error is not None:
+            output.finish_reason = None
+        self._seqs.pop(seq.request_id, None)
+        with self._lock:
+            self._live_ids.discard(seq.request_id)
+        return output
+
+    def _fail_batch(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
+        outputs = []
+        for seq in batch.seqs:
+            self.scheduler.finish(seq, "aborted")
+            outputs.append(self._final_output(seq, [], "", error=error))
+        return outputs
+
+    # offline use
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run `prompts` to completion; one RequestOutput per prompt, in order, with every token."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
+        tag = uuid.uuid4().hex[:8]
+        request_ids = [f"generate-{tag}-{i}" for i in range(len(prompts))]
+        tokens: dict[str, list[TokenInfo]] = {rid: [] for rid in request_ids}
+        finals: dict[str, RequestOutput] = {}
+        token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for ids, p in zip(token_ids, params_list):
+            self._validate(ids, p)      # all or nothing: no half-added batch on a bad prompt
+        for rid, ids, p in zip(request_ids, token_ids, params_list):
+            self.add_request(rid, ids, p)
+        while len(finals) < len(request_ids):
+            outputs = self.step()
+            if not outputs and not self._batch_size and not self.scheduler.running:
+                raise RuntimeError("the engine cannot schedule the waiting requests")  # a bug, not input
+            for output in outputs:
+                if output.request_id in tokens:
+                    tokens[output.request_id] += output.tokens
+                    if output.finished:
+                        finals[output.request_id] = output
+        results = []
+        for rid in request_ids:
+            final = finals[rid]
+            final.tokens, final.text = tokens[rid], final.generated_text or ""
+            results.append(final)
+        return results
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running),
+                           self.scheduler.num_preempted_total, bm.num_free_blocks, bm.num_blocks,
+                           bm.block_size, self._batch_size, getattr(self.runner, "attention_backend", "unknown"))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.runner.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

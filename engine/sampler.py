@@ -1,0 +1,194 @@
+"""Sampler: TGI's logits processors, greedy/seeded sampling and logprobs, vectorised over the batch.
+
+Semantics (TGI's HeterogeneousNextTokenChooser, per row):
+- repetition_penalty (HF: over prompt + generated; positive logits divided, negative multiplied),
+  then frequency_penalty (OpenAI: minus penalty * count over generated tokens only);
+- as in TGI, temperature != 1, top_k, top_p < 1 or typical_p < 1 turn sampling on even without
+  do_sample; warpers apply in that order, each only to the rows that set it;
+- logprobs (chosen token and top_n_tokens) are log_softmax of the *processed* scores, as TGI
+  reports them: after penalties and warpers, so tokens cut by top-k/top-p have -inf.
+Each sampling row draws from its own (CPU) torch.Generator, so a seeded request gives the same
+tokens whatever else is in the batch and whatever the device.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class SampleRow(Protocol):
+    """What the sampler reads from a sequence (engine.sequence.Sequence satisfies it)."""
+
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seed: int | None
+    generator: torch.Generator | None
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    top_token_ids: list[list[int]]        # per row, its top_n_tokens best ids (empty if 0)
+    top_logprobs: list[list[float]]
+
+
+def is_sampling(params: SamplingParams) -> bool:
+    return (params.do_sample or params.temperature != 1.0 or bool(params.top_k)
+            or (params.top_p is not None and params.top_p < 1.0)
+            or (params.typical_p is not None and params.typical_p < 1.0))
+
+
+def pick_seed(params: SamplingParams) -> int | None:
+    """The request's seed: its own, a fresh one when it samples without one, None for greedy."""
+    if params.seed is not None:
+        return params.seed
+    return random.getrandbits(63) if is_sampling(params) else None
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
+    """Choose one token per row of `logits` [n, vocab] (float32) with that row's parameters."""
+    params = [row.params for row in rows]
+    scores = logits.float()
+    if any(p.repetition_penalty not in (None, 1.0) for p in params):
+        scores = apply_repetition_penalty(scores, rows)
+    if any(p.frequency_penalty for p in params):
+        scores = apply_frequency_penalty(scores, rows)
+    sampling = [is_sampling(p) for p in params]
+    if any(sampling):
+        scores = apply_warpers(scores, params, sampling)
+    logprobs = torch.log_softmax(scores, dim=-1)
+    next_ids = scores.argmax(dim=-1)
+    if any(sampling):
+        next_ids = _draw(logprobs, next_ids, rows, sampling)
+    chosen = logprobs.gather(1, next_ids[:, None]).squeeze(1)
+    top_n = max(p.top_n_tokens for p in params)
+    top_ids: list[list[int]] = [[] for _ in params]
+    top_lps: list[list[float]] = [[] for _ in params]
+    if top_n > 0:
+        top = logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1)
+        all_ids, all_lps = top.indices.tolist(), top.values.tolist()
+        for r, p in enumerate(params):
+            top_ids[r], top_lps[r] = all_ids[r][:p.top_n_tokens], all_lps[r][:p.top_n_tokens]
+    return SamplerOutput(next_ids.tolist(), chosen.tolist(), top_ids, top_lps)
+
+
+def _draw(logprobs: torch.Tensor, next_ids: torch.Tensor, rows: Sequence[SampleRow],
+          sampling: list[bool]) -> torch.Tensor:
+    # inverse CDF: one uniform per row from the request's own CPU generator, so a seed gives the
+    # same draws on any device and batch; the vocab-wide work is one cumsum + searchsorted
+    idx = [r for r, s in enumerate(sampling) if s]
+    uniforms = torch.empty(len(idx), dtype=torch.float64)
+    for j, r in enumerate(idx):
+        row = rows[r]
+        if row.generator is None:
+            row.generator = torch.Generator()
+            row.generator.manual_seed(row.seed if row.seed is not None else random.getrandbits(63))
+        uniforms[j] = torch.rand((), dtype=torch.float64, generator=row.generator)
+    cdf = logprobs[idx].double().exp().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # strictly below the total, so zero-probability tokens at the tail can never be picked
+    target = torch.minimum(uniforms.to(cdf.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    next_ids = next_ids.clone()
+    next_ids[torch.tensor(idx, device=next_ids.device)] = drawn.clamp(max=cdf.shape[-1] - 1)
+    return next_ids
+
+
+def _padded_ids(rows: Sequence[SampleRow], which: list[int], generated_only: bool,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[len(which), max_len] token ids per row, padded with that row's first id, and a 0/1 mask."""
+    lists = [rows[r].token_ids[rows[r].num_prompt_tokens:] if generated_only else rows[r].token_ids
+             for r in which]
+    width = max(1, max(len(ids) for ids in lists))
+    ids = torch.zeros(len(lists), width, dtype=torch.long)
+    mask = torch.zeros(len(lists), width)
+    for j, row_ids in enumerate(lists):
+        if row_ids:
+            ids[j, :len(row_ids)] = torch.tensor(row_ids)
+            ids[j, len(row_ids):] = row_ids[0]
+            mask[j, :len(row_ids)] = 1.0
+    return ids.to(device), mask.to(device)
+
+
+def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    which = [r for r, row in enumerate(rows) if row.params.repetition_penalty not in (None, 1.0)]
+    ids, _ = _padded_ids(rows, which, generated_only=False, device=scores.device)
+    penalty = torch.tensor([rows[r].params.repetition_penalty for r in which],
+                           dtype=scores.dtype, device=scores.device)[:, None]
+    sub = scores[which]
+    picked = sub.gather(1, ids)
+    picked = torch.where(picked < 0, picked * penalty, picked / penalty)
+    scores = scores.clone()
+    scores[which] = sub.scatter(1, ids, picked)
+    return scores
+
+
+def apply_frequency_penalty(scores: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    which = [r for r, row in enumerate(rows) if row.params.frequency_penalty]
+    ids, mask = _padded_ids(rows, which, generated_only=True, device=scores.device)
+    penalty = torch.tensor([rows[r].params.frequency_penalty for r in which],
+                           dtype=scores.dtype, device=scores.device)[:, None]
+    counts = torch.zeros(len(which), scores.shape[-1], dtype=scores.dtype, device=scores.device)
+    counts.scatter_add_(1, ids, mask.to(scores.dtype))
+    scores = scores.clone()
+    scores[which] = scores[which] - penalty * counts
+    return scores
+
+
+def apply_warpers(scores: torch.Tensor, params: list[SamplingParams], sampling: list[bool]) -> torch.Tensor:
+    """Temperature, top-k, top-p, typical-p, each on the rows that sample and set it."""
+    device, dtype = scores.device, scores.dtype
+    temps = [p.temperature if s else 1.0 for p, s in zip(params, sampling)]
+    if any(t != 1.0 for t in temps):
+        scores = scores / torch.tensor(temps, dtype=dtype, device=device)[:, None]
+    top_k = [(p.top_k or 0) if s else 0 for p, s in zip(params, sampling)]
+    if any(top_k):
+        scores = top_k_mask(scores, torch.tensor(top_k, device=device), max(top_k))
+    top_p = [p.top_p if s and p.top_p is not None else 1.0 for p, s in zip(params, sampling)]
+    if any(v < 1.0 for v in top_p):
+        scores = top_p_mask(scores, torch.tensor(top_p, dtype=dtype, device=device))
+    typical = [p.typical_p if s and p.typical_p is not None else 1.0 for p, s in zip(params, sampling)]
+    if any(v < 1.0 for v in typical):
+        scores = typical_mask(scores, torch.tensor(typical, dtype=dtype, device=device))
+    return scores
+
+
+def top_k_mask(scores: torch.Tensor, top_k: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
+    """Keep each row's `top_k` best scores (ties with the k-th kept too); 0 = keep all."""
+    vocab = scores.shape[-1]
+    k = top_k.clamp(max=vocab)
+    max_k = min(max_k if max_k is not None else int(k.max()), vocab)  # pass max_k: no device sync
+    kth = scores.topk(max_k, dim=-1).values.gather(1, (k.clamp(min=1) - 1)[:, None])
+    kth = torch.where(k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
+def top_p_mask(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus: keep the fewest best tokens whose probability reaches `top_p` (HF semantics)."""
+    sorted_scores, order = scores.sort(dim=-1)          # ascending
+    cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove = cum <= (1 - top_p)[:, None]
+    remove[:, -1] = False                                # always keep the best token
+    remove &= (top_p < 1.0)[:, None]
+    return scores.masked_fill(torch.zeros_like(remove).scatter(1, order, remove), float("-inf"))
+
+
+def typical_mask(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling: keep tokens whose surprise is closest to the entropy, up to `mass`."""
+    logp = scores.log_softmax(dim=-1)
+    p = logp.exp()
+    entropy = -(logp * p).nansum(dim=-1, keepdim=True)
+    deviation = (-logp - entropy).abs()
+    sorted_dev, order = deviation.sort(dim=-1)          # most typical first
+    cum = scores.gather(1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cum < mass[:, None]).sum(dim=-1).clamp(max=scores.shape[-1] - 1)
+    remove = sorted_dev > sorted_dev.gather(1, last[:, None])
+    remove &= (mass < 1.0)[:, None]
+    return scores.masked_fill(torch.zeros_like(remove).scatter(1, order, remove), float("-inf"))

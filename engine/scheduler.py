@@ -1,0 +1,155 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.batch import SeqSpan
+from engine.block_manager import BlockManager
+from engine.outputs import FinishReason
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One model step: `spans[i]` runs `seqs[i]`."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    spans: list[SeqSpan] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+
+class Scheduler:
+    """Every step: decode (and continue the prefill of) running sequences oldest first, then
+    admit waiting ones FIFO.
+
+    Prefill tokens (prompt chunks and recomputes) share a budget of `max_batch_prefill_tokens`
+    per step; decodes never count against it, so a long prompt cannot starve running sequences.
+    When the KV cache is full, the newest running sequence loses its blocks and goes back to the
+    front of `waiting` with its generated tokens, to be recomputed later (nothing is lost).
+    `max_batch_size` caps the running sequences. Unlike TGI's router, which reserves each
+    request's whole max_new_tokens up front, blocks are taken as tokens arrive (hence preemption),
+    and TGI's waiting_served_ratio is not needed: prefill chunks ride along with the decodes.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_batch_prefill_tokens: int,
+                 max_batch_size: int | None = None):
+        if max_batch_prefill_tokens <= 0:
+            raise ValueError(f"max_batch_prefill_tokens must be positive, got {max_batch_prefill_tokens}")
+        self.block_manager = block_manager
+        self.max_batch_prefill_tokens = max_batch_prefill_tokens
+        self.max_batch_size = max_batch_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preempted_total = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_batch_prefill_tokens
+        num_preempted = self.num_preempted_total
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            num_new = self._num_tokens_to_run(seq, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            if not self._reserve(seq, num_new):
+                break  # seq itself was preempted: it was the newest, nothing follows it
+            self._add_span(batch, seq, num_new)
+            if num_new > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+                budget -= num_new
+            i += 1
+        # admitting while preempting would only thrash
+        if self.num_preempted_total == num_preempted:
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _num_tokens_to_run(self, seq: Sequence, budget: int) -> int:
+        num_uncomputed = seq.num_uncomputed_tokens
+        if num_uncomputed == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            return 1    # decode
+        bm = self.block_manager
+        # prefill chunk: take what fits in the free blocks before preempting anyone
+        capacity = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
+        if capacity <= 0:
+            capacity = bm.block_size
+        return min(num_uncomputed, budget, capacity)
+
+    def _reserve(self, seq: Sequence, num_new: int) -> bool:
+        """Grow `seq` by `num_new` tokens, preempting the newest running sequences if needed."""
+        bm = self.block_manager
+        num_tokens = seq.num_computed_tokens + num_new
+        while not bm.can_append(seq, num_tokens):
+            victim = self.running.pop()
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        bm.append(seq, num_tokens)
+        return True
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0:
+            if self.max_batch_size is not None and len(self.running) >= self.max_batch_size:
+                break
+            seq = self.waiting[0]
+            num_cached = bm.num_cached_tokens(seq)
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not bm.can_allocate(seq, num_cached + num_new):
+                break
+            bm.allocate(seq, num_cached + num_new)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_span(batch, seq, num_new)
+            budget -= num_new
+
+    def _add_span(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        if seq.wants_prefill_logprobs:
+            logits = "all"
+        else:
+            logits = "last" if end == seq.num_tokens else "none"
+        batch.seqs.append(seq)
+        batch.spans.append(SeqSpan(seq.seq_id, seq.token_ids[start:end], start, seq.block_table, logits))
+        if end - start == 1 and start >= seq.num_prompt_tokens:
+            batch.num_decode_tokens += 1
+        else:
+            batch.num_prefill_tokens += num_new
+
+    def on_run_done(self, batch: ScheduledBatch) -> None:
+        """The runner wrote the spans' K/V: advance each sequence and feed the prefix cache."""
+        for seq, span in zip(batch.seqs, batch.spans):
+            seq.num_computed_tokens += len(span.token_ids)
+            if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                seq.wants_prefill_logprobs = False
+            self.block_manager.mark_computed(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preempted_total += 1
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End `seq` (finished or aborted) wherever it is and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,48 @@
+"""Stop sequences matched on the generated text, across token boundaries."""
+from __future__ import annotations
+
+
+class StopMatcher:
+    """Accumulates generated text; releases only text that cannot be the start of a stop string.
+
+    `feed(piece)` returns (text safe to stream, stopped). On a match the text is cut before the
+    stop string, so streamed pieces always concatenate to `text` (TGI's generated_text).
+    """
+
+    def __init__(self, stop: list[str] | tuple[str, ...] = ()):
+        self.stop = [s for s in stop if s]
+        self.text = ""
+        self.num_released = 0
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        if not self.stop:
+            self.text += piece
+            self.num_released = len(self.text)
+            return piece, False
+        old_len = len(self.text)
+        self.text += piece
+        match = min((i for i in (self.text.find(s, max(0, old_len - len(s) + 1)) for s in self.stop) if i >= 0),
+                    default=-1)
+        if match >= 0:
+            self.text = self.text[:match]
+            return self._release(len(self.text)), True
+        return self._release(len(self.text) - self._held_back()), False
+
+    def _held_back(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        text = self.text
+        for k in range(min(max(len(s) for s in self.stop) - 1, len(text)), 0, -1):
+            suffix = text[-k:]
+            if any(s.startswith(suffix) for s in self.stop):
+                return k
+        return 0
+
+    def _release(self, end: int) -> str:
+        end = max(end, self.num_released)
+        out = self.text[self.num_released:end]
+        self.num_released = end
+        return out
+
+    def flush(self) -> str:
+        """Release the held-back tail (generation ended for another reason)."""
+        return self._release(len(self.text))

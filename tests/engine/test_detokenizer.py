@@ -1,0 +1,143 @@
+"""Incremental detokenizer (streamed pieces == full decode) and stop-sequence matching."""
+import pytest
+
+pytest.importorskip("torch")
+from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: E402
+
+from engine.detokenizer import IncrementalDetokenizer  # noqa: E402
+from engine.stop import StopMatcher  # noqa: E402
+from fakes import test_model_path  # noqa: E402
+
+TEXTS = [
+    "héllo wörld, naïve café — “quotes” … ÿ ß ø",
+    "Emoji: 😀👍🏽 and 🇫🇷 flags, 👨‍👩‍👧 family",
+    "日本語のテキストと한국어 텍스트",
+    "  leading and  double  spaces\nnew line\ttab ",
+    "math: ∑ x² ≤ ∞, arrows → ⇒",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return AutoTokenizer.from_pretrained(test_model_path("smollm2"))
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_like():
+    """A Llama-style tokenizer: ▁ for spaces, byte fallback, leading space stripped on decode."""
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator([topics[k][:3000] for k in sorted(topics)[:60]], trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def stream(tokenizer, prompt_ids, generated_ids, skip_special_tokens=True):
+    detok = IncrementalDetokenizer(tokenizer, len(prompt_ids), skip_special_tokens)
+    ids, pieces = list(prompt_ids), []
+    for token in generated_ids:
+        ids.append(token)
+        pieces.append(detok.decode_next(ids))
+    pieces.append(detok.flush(ids))
+    return pieces
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_smollm2_pieces_concatenate_to_the_full_decode(smollm2, text):
+    prompt = smollm2.encode("Write something:")
+    generated = smollm2.encode(" " + text, add_special_tokens=False)
+    pieces = stream(smollm2, prompt, generated)
+    assert "".join(pieces) == smollm2.decode(generated) == " " + text
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_split_characters_are_held_back_until_complete(smollm2):
+    generated = smollm2.encode("😀👍🏽日本", add_special_tokens=False)
+    assert len(generated) > 4          # several byte tokens per character
+    pieces = stream(smollm2, smollm2.encode("Hi"), generated)
+    assert "" in pieces[:-1]
+    assert "".join(pieces) == "😀👍🏽日本"
+
+
+def test_generation_cut_mid_character_flushes_a_replacement(smollm2):
+    generated = smollm2.encode(" 😀", add_special_tokens=False)[:-1]
+    pieces = stream(smollm2, smollm2.encode("Hi"), generated)
+    assert "".join(pieces) == smollm2.decode(generated)
+    assert pieces[-1].endswith("\ufffd")
+
+
+def test_special_tokens_follow_skip_special_tokens(smollm2):
+    prompt = smollm2.encode("Hi")
+    generated = smollm2.encode(" ok", add_special_tokens=False) + [smollm2.eos_token_id]
+    assert "".join(stream(smollm2, prompt, generated)) == " ok"
+    assert "".join(stream(smollm2, prompt, generated, skip_special_tokens=False)) == " ok" + smollm2.eos_token
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_sentencepiece_spaces_and_byte_fallback(sentencepiece_like, text):
+    tok = sentencepiece_like
+    prompt = tok.encode("The answer is", add_special_tokens=False)
+    generated = tok.encode(text, add_special_tokens=False)      # starts with "▁": a word start
+    # the byte tokens are registered as special here, so keep specials to decode them
+    pieces = stream(tok, prompt, generated, skip_special_tokens=False)
+    # the leading space that a lone decode(generated) strips is kept: the prompt gives the context
+    assert tok.decode(generated) == text
+    assert "".join(pieces) == " " + text
+    assert "".join(pieces) == tok.decode(prompt + generated)[len(tok.decode(prompt)):]
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
+# stop sequences
+def feed_all(matcher, pieces):
+    out, stopped = [], False
+    for piece in pieces:
+        text, stopped = matcher.feed(piece)
+        out.append(text)
+        if stopped:
+            break
+    if not stopped:
+        out.append(matcher.flush())
+    return out, stopped
+
+
+def test_stop_across_pieces_cuts_before_it_and_never_streams_it():
+    matcher = StopMatcher(["\nUser:"])
+    out, stopped = feed_all(matcher, ["Hello", " there\n", "Us", "er", ": more"])
+    assert stopped
+    assert matcher.text == "Hello there"
+    assert "".join(out) == "Hello there"
+    assert out[1] == " there"            # the newline waits: it may start the stop string
+
+
+def test_held_back_text_is_released_when_it_stops_matching():
+    matcher = StopMatcher(["STOP"])
+    out, stopped = feed_all(matcher, ["a S", "T", "x", "y"])
+    assert not stopped
+    assert out == ["a ", "", "STx", "y", ""]
+    assert matcher.text == "a STxy"
+
+
+def test_earliest_of_several_stops_wins():
+    matcher = StopMatcher(["world", "lo w"])
+    _, stopped = feed_all(matcher, ["hel", "lo world"])
+    assert stopped and matcher.text == "hel"
+
+
+def test_stop_inside_a_single_piece_and_at_the_start():
+    matcher = StopMatcher(["."])
+    out, stopped = feed_all(matcher, ["One. Two."])
+    assert stopped and out == ["One"]
+    matcher = StopMatcher(["###"])
+    out, stopped = feed_all(matcher, ["###", "x"])
+    assert stopped and matcher.text == "" and out == [""]
+
+
+def test_no_stop_strings_passes_text_through():
+    matcher = StopMatcher([])
+    assert feed_all(matcher, ["a", "b"]) == (["a", "b", ""], False)

@@ -1,0 +1,404 @@
+"""LLMEngine: generation semantics over a fake runner, then token-for-token equality with
+transformers' generate() over the real ModelRunner (fp32, CPU)."""
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine, resolve_limits  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from fakes import FakeModelConfig, FakeRunner, fake_logits, reference_greedy, test_model_path  # noqa: E402
+
+VOCAB = 1024
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(test_model_path("tiny-llama"))
+
+
+def make_engine(tokenizer, num_kv_blocks=256, block_size=4, **config):
+    runner = FakeRunner(VOCAB, num_kv_blocks, block_size)
+    engine = LLMEngine(EngineConfig(**config), runner=runner, model_config=FakeModelConfig(VOCAB, 512),
+                       tokenizer=tokenizer)
+    return engine, runner
+
+
+def prompt(i, length):
+    return [(7 * i + 3 * j) % 900 + 10 for j in range(length)]
+
+
+def run_streams(engine, max_steps=10_000):
+    """Step to completion; request_id -> list of RequestOutputs."""
+    streams = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return streams
+        for out in engine.step():
+            streams.setdefault(out.request_id, []).append(out)
+    raise AssertionError("engine did not finish")
+
+
+def tokens_of(outputs):
+    return [t.id for out in outputs for t in out.tokens]
+
+
+# fake runner: scheduling and generation semantics
+def test_concurrent_mixed_requests_with_preemption_match_the_reference(tokenizer):
+    # 40 blocks of 4 tokens for 24 requests of up to ~60 tokens: preemption must happen
+    engine, _ = make_engine(tokenizer, num_kv_blocks=40, max_batch_prefill_tokens=32, max_total_tokens=128)
+    prompts = {f"r{i}": prompt(i, 3 + (i * 11) % 37) for i in range(24)}
+    new_tokens = {f"r{i}": 1 + (i * 5) % 23 for i in range(24)}
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, SamplingParams(max_new_tokens=new_tokens[rid]))
+    streams = run_streams(engine)
+    stats = engine.stats()
+    assert stats.num_preempted_total > 0
+    for rid, ids in prompts.items():
+        expected = reference_greedy(ids, new_tokens[rid], VOCAB, engine.eos_token_ids)
+        assert tokens_of(streams[rid]) == expected, rid
+        assert streams[rid][-1].finished and all(not o.finished for o in streams[rid][:-1])
+    assert stats.num_free_blocks == stats.num_total_blocks == 40
+    assert stats.num_running == stats.num_waiting == 0
+
+
+def test_streamed_text_adds_up_to_generated_text_and_counts(tokenizer):
+    engine, _ = make_engine(tokenizer)
+    ids = tokenizer.encode("Tell me about café culture")
+    engine.add_request("a", ids, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    outputs = run_streams(engine)["a"]
+    final = outputs[-1]
+    assert "".join(o.text for o in outputs) == final.generated_text
+    assert final.finish_reason == "length" and final.num_generated_tokens == 12
+    assert final.num_prompt_tokens == len(ids)
+    assert final.seed is None                      # greedy
+    generated = tokens_of(outputs)
+    assert final.generated_text == tokenizer.decode(ids + generated, skip_special_tokens=True)[
+        len(tokenizer.decode(ids, skip_special_tokens=True)):]
+    assert [t.text for o in outputs for t in o.tokens] == [tokenizer.decode([t]) for t in generated]
+
+
+def test_eos_ends_generation_unless_ignored(tokenizer):
+    engine, _ = make_engine(tokenizer)
+    ids = prompt(1, 8)
+    expected = reference_greedy(ids, 10, VOCAB)
+    engine.eos_token_ids = {expected[3]} - set(expected[:3])
+    engine.add_request("stop", ids, SamplingParams(max_new_tokens=10))
+    engine.add_request("ignore", ids, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    streams = run_streams(engine)
+    assert tokens_of(streams["stop"]) == expected[:4]
+    assert streams["stop"][-1].finish_reason == "eos_token"
+    assert tokens_of(streams["ignore"]) == expected
+    assert streams["ignore"][-1].finish_reason == "length"
+
+
+def test_stop_sequence_across_tokens_cuts_the_text(tokenizer):
+    engine, _ = make_engine(tokenizer)
+    ids = tokenizer.encode("Once upon a time")
+    engine.add_request("full", ids, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    full = run_streams(engine)["full"][-1].generated_text
+    pieces = [tokenizer.decode([t]) for t in reference_greedy(ids, 16, VOCAB)]
+    # a stop string that starts inside token 3 and ends inside token 5
+    start = sum(len(p) for p in pieces[:3]) - 1
+    stop = full[start:start + len(pieces[3]) + 2]
+    assert full.find(stop) == start and "\ufffd" not in stop
+    engine.add_request("cut", ids, SamplingParams(max_new_tokens=16, ignore_eos=True, stop=[stop]))
+    outputs = run_streams(engine)["cut"]
+    assert outputs[-1].finish_reason == "stop_sequence"
+    assert outputs[-1].generated_text == full[:start]
+    assert "".join(o.text for o in outputs) == full[:start]
+    assert len(tokens_of(outputs)) < 16
+
+
+def test_max_total_tokens_ends_with_length(tokenizer):
+    engine, _ = make_engine(tokenizer, max_total_tokens=20)
+    assert engine.max_input_tokens == 19 and engine.max_batch_prefill_tokens == 69
+    engine.add_request("a", prompt(2, 15), SamplingParams(max_new_tokens=100, ignore_eos=True))
+    final = run_streams(engine)["a"][-1]
+    assert final.finish_reason == "length" and final.num_generated_tokens == 5
+    with pytest.raises(ValueError, match="max_input_tokens"):
+        engine.add_request("b", prompt(2, 20), SamplingParams())
+
+
+def test_invalid_requests_are_refused_at_once(tokenizer):
+    engine, _ = make_engine(tokenizer)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("a", [], SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("a", [VOCAB], SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("a", [5], SamplingParams(temperature=0.0))
+    with pytest.raises(ValueError, match="top_n_tokens"):
+        engine.add_request("a", [5], SamplingParams(top_n_tokens=6))
+    with pytest.raises(ValueError, match="stop sequences"):
+        engine.add_request("a", [5], SamplingParams(stop=["a", "b", "c", "d", "e"]))
+    with pytest.raises(ValueError, match="max_input_tokens"):   # generate() adds all or nothing
+        engine.generate([[5], [5] * 600])
+    assert not engine.has_unfinished_requests()
+    engine.add_request("a", [5], SamplingParams())
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", [6], SamplingParams())
+
+
+def test_abort_emits_a_final_output_and_frees_blocks(tokenizer):
+    engine, _ = make_engine(tokenizer, num_kv_blocks=64)
+    engine.add_request("keep", prompt(3, 9), SamplingParams(max_new_tokens=30, ignore_eos=True))
+    engine.add_request("drop", prompt(4, 9), SamplingParams(max_new_tokens=30, ignore_eos=True))
+    engine.add_request("queued", prompt(5, 9), SamplingParams(max_new_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.abort("drop")
+    engine.abort("unknown")                         # ignored
+    outputs = {o.request_id: o for o in engine.step()}
+    assert outputs["drop"].finished and outputs["drop"].finish_reason == "aborted"
+    assert outputs["drop"].generated_text is not None
+    streams = run_streams(engine)
+    assert "drop" not in streams
+    assert streams["keep"][-1].num_generated_tokens == 30
+    assert engine.stats().num_free_blocks == 64
+
+
+def test_abort_and_add_from_another_thread_while_stepping(tokenizer):
+    engine, _ = make_engine(tokenizer)
+    for i in range(8):
+        engine.add_request(f"r{i}", prompt(i, 10), SamplingParams(max_new_tokens=200, ignore_eos=True))
+    finals, done = {}, threading.Event()
+
+    def client():
+        for i in range(8):
+            engine.abort(f"r{i}")
+            engine.add_request(f"n{i}", prompt(i, 5), SamplingParams(max_new_tokens=3, ignore_eos=True))
+        done.set()
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    while not done.is_set() or engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    thread.join()
+    assert {rid for rid, o in finals.items() if o.finish_reason == "aborted"} == {f"r{i}" for i in range(8)}
+    assert all(finals[f"n{i}"].num_generated_tokens == 3 for i in range(8))
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def test_prefill_logprobs_across_chunks(tokenizer):
+    engine, _ = make_engine(tokenizer, max_batch_prefill_tokens=5)
+    ids = prompt(6, 13)
+    engine.add_request("a", ids, SamplingParams(max_new_tokens=2, prefill_logprobs=True, top_n_tokens=3))
+    outputs = run_streams(engine)["a"]
+    prefill = outputs[0].prefill_tokens
+    assert [t.id for t in prefill] == ids
+    assert prefill[0].logprob is None
+    for i in range(1, len(ids)):
+        expected = torch.log_softmax(fake_logits(ids[:i], VOCAB), -1)[ids[i]]
+        assert prefill[i].logprob == pytest.approx(float(expected), abs=1e-5)
+    assert all(o.prefill_tokens is None for o in outputs[1:])
+    first = outputs[0].tokens[0]
+    assert first.logprob == pytest.approx(float(torch.log_softmax(fake_logits(ids, VOCAB), -1).max()), abs=1e-5)
+    assert [t.id for t in first.top_tokens][0] == first.id and len(first.top_tokens) == 3
+
+
+def test_prefill_logprobs_survive_preemption_mid_prefill(tokenizer):
+    engine, runner = make_engine(tokenizer, num_kv_blocks=10, max_batch_prefill_tokens=4, max_total_tokens=40)
+    # "old" holds 6 of the 10 blocks and grows; "new" needs 6 for its prompt
+    engine.add_request("old", prompt(1, 20), SamplingParams(max_new_tokens=15, ignore_eos=True))
+    while not engine.step():
+        pass
+    ids = prompt(2, 24)
+    engine.add_request("new", ids, SamplingParams(max_new_tokens=1, ignore_eos=True, prefill_logprobs=True))
+    streams = run_streams(engine)
+    new_id = max(span.seq_id for call in runner.calls for span in call)
+    restarts = [span for call in runner.calls for span in call if span.seq_id == new_id and span.start_pos == 0]
+    assert len(restarts) >= 2                # preempted during its chunked prefill, then started over
+    prefill = streams["new"][0].prefill_tokens
+    assert [t.id for t in prefill] == ids
+    expected = [float(torch.log_softmax(fake_logits(ids[:i], VOCAB), -1)[ids[i]]) for i in range(1, len(ids))]
+    assert [t.logprob for t in prefill[1:]] == pytest.approx(expected, abs=1e-5)
+    assert tokens_of(streams["old"])[-14:] == reference_greedy(prompt(1, 20), 15, VOCAB)[-14:]
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_are_reported(tokenizer):
+    engine, _ = make_engine(tokenizer)
+    params = SamplingParams(do_sample=True, seed=1234, max_new_tokens=10, ignore_eos=True, top_p=0.9)
+    engine.add_request("a", prompt(7, 6), params)
+    engine.add_request("noise", prompt(8, 9), SamplingParams(do_sample=True, max_new_tokens=10))
+    first = run_streams(engine)
+    engine.add_request("b", prompt(7, 6), params)
+    second = run_streams(engine)
+    assert tokens_of(first["a"]) == tokens_of(second["b"])
+    assert first["a"][-1].seed == 1234
+    assert isinstance(first["noise"][-1].seed, int)
+
+
+def test_prefix_cache_reuses_blocks_and_gives_the_same_tokens(tokenizer):
+    engine, runner = make_engine(tokenizer)
+    ids = prompt(9, 22)
+    engine.add_request("a", ids, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    a = tokens_of(run_streams(engine)["a"])
+    runner.calls.clear()
+    engine.add_request("b", ids, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    b = tokens_of(run_streams(engine)["b"])
+    assert a == b == reference_greedy(ids, 5, VOCAB)
+    assert runner.calls[0][0].start_pos == 20      # 5 cached blocks of 4
+
+
+def test_runner_failure_fails_the_batch_and_frees_blocks(tokenizer):
+    engine, runner = make_engine(tokenizer)
+    engine.add_request("a", prompt(1, 5), SamplingParams(max_new_tokens=5))
+    runner.fail_next = True
+    outputs = engine.step()
+    assert len(outputs) == 1 and outputs[0].finished and "injected failure" in outputs[0].error
+    assert not engine.has_unfinished_requests()
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+    engine.add_request("b", prompt(1, 5), SamplingParams(max_new_tokens=2))
+    assert run_streams(engine)["b"][-1].finish_reason in ("length", "eos_token")
+
+
+def test_generate_returns_whole_outputs_in_order(tokenizer):
+    engine, runner = make_engine(tokenizer)
+    with engine:
+        outs = engine.generate([prompt(1, 4), prompt(2, 30), "some text"],
+                               [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 1, 6)])
+    assert [o.num_generated_tokens for o in outs] == [3, 1, 6]
+    assert [t.id for t in outs[0].tokens] == reference_greedy(prompt(1, 4), 3, VOCAB)
+    assert outs[2].text == outs[2].generated_text
+    assert runner.closed
+
+
+def test_limits_follow_tgi_defaults_and_checks():
+    limits = resolve_limits(EngineConfig(), max_position_embeddings=8192, num_kv_blocks=1000, block_size=16)
+    assert (limits.max_total_tokens, limits.max_input_tokens, limits.max_batch_prefill_tokens,
+            limits.max_batch_total_tokens) == (4096, 4095, 4145, 16000)
+    limits = resolve_limits(EngineConfig(), max_position_embeddings=512, num_kv_blocks=1000, block_size=16)
+    assert limits.max_total_tokens == 512 and limits.max_input_tokens == 511
+    with pytest.raises(ValueError, match="KV cache holds"):
+        resolve_limits(EngineConfig(max_batch_total_tokens=20000), 512, 1000, 16)
+    limits = resolve_limits(EngineConfig(max_batch_total_tokens=250), 512, 1000, 16)
+    assert (limits.max_total_tokens, limits.max_input_tokens, limits.max_batch_prefill_tokens) == (240, 239, 250)
+    with pytest.raises(ValueError, match="one request alone must fit"):
+        resolve_limits(EngineConfig(max_batch_total_tokens=256, max_total_tokens=512), 512, 1000, 16)
+    with pytest.raises(ValueError, match="max_input_tokens"):
+        resolve_limits(EngineConfig(max_input_tokens=512), 512, 1000, 16)
+
+
+def test_stats_report_the_cache_and_batch(tokenizer):
+    engine, _ = make_engine(tokenizer, num_kv_blocks=32, block_size=4)
+    engine.add_request("a", prompt(1, 10), SamplingParams(max_new_tokens=5, ignore_eos=True))
+    engine.step()
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.batch_size) == (1, 0, 1)
+    assert stats.num_free_blocks == 32 - 3 and stats.block_size == 4
+    assert stats.attention_backend == "fake"
+
+
+# real ModelRunner: greedy tokens identical to transformers' generate (fp32, CPU)
+@pytest.fixture(scope="module")
+def hf_models():
+    from transformers import AutoModelForCausalLM
+    cache = {}
+
+    def load(name):
+        if name not in cache:
+            cache[name] = AutoModelForCausalLM.from_pretrained(test_model_path(name), dtype=torch.float32).eval()
+        return cache[name]
+    return load
+
+
+def hf_greedy(model, ids, max_new_tokens):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=model.generation_config.pad_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def real_engine(name, **config):
+    config.setdefault("cpu_kv_cache_bytes", 32 * 1024**2)     # allocating the default 512 MiB takes seconds
+    return LLMEngine(EngineConfig(model_id=str(test_model_path(name)), device="cpu", dtype="float32", **config))
+
+
+TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog and then runs far away into the woods",
+         "def add(a, b):\n    return a + b\n\nprint(add(2, 3))", "x"]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-llama3-rope"])
+def test_greedy_matches_transformers(name, hf_models):
+    with real_engine(name) as engine:
+        prompts = [engine.tokenizer.encode(t) for t in TEXTS]
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=16))
+    model = hf_models(name)
+    for ids, out in zip(prompts, outs):
+        assert [t.id for t in out.tokens] == hf_greedy(model, ids, 16)
+
+
+def test_32_concurrent_requests_under_a_small_kv_budget_match_transformers(hf_models):
+    with real_engine("tiny-llama", max_batch_total_tokens=320, max_total_tokens=128,
+                     max_batch_prefill_tokens=64) as engine:
+        base = engine.tokenizer.encode(" ".join(TEXTS) * 3)
+        # three shared starts: long prompts share full blocks through the prefix cache
+        prompts = [base[(i % 3) * 5:(i % 3) * 5 + 1 + (i * 7) % 60] for i in range(32)]
+        new_tokens = [4 + (i * 5) % 21 for i in range(32)]
+        spans, run = [], engine.runner.run
+        engine.runner.run = lambda batch: spans.extend(batch) or run(batch)
+        outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in new_tokens])
+        stats = engine.stats()
+    assert stats.num_preempted_total > 0
+    first_spans = {}
+    for span in spans:
+        first_spans.setdefault(span.seq_id, span)
+    assert any(span.start_pos > 0 for span in first_spans.values())     # prefix-cache hits
+    assert stats.num_free_blocks == stats.num_total_blocks == 20
+    model = hf_models("tiny-llama")
+    for ids, n, out in zip(prompts, new_tokens, outs):
+        assert [t.id for t in out.tokens] == hf_greedy(model, ids, n)
+
+
+def test_smollm2_chat_prompts_match_transformers(hf_models):
+    from engine.tokenizer import apply_chat_template
+    with real_engine("smollm2") as engine:
+        texts = [apply_chat_template(engine.tokenizer, [{"role": "user", "content": q}])
+                 for q in ("What is the capital of France?", "Say hi.")]
+        prompts = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=8, top_n_tokens=2))
+    model = hf_models("smollm2")
+    for ids, out in zip(prompts, outs):
+        assert [t.id for t in out.tokens] == hf_greedy(model, ids, 8)
+        assert out.generated_text == engine.tokenizer.decode([t.id for t in out.tokens], skip_special_tokens=True)
+    assert "Paris" in outs[0].generated_text
+
+
+def test_two_shards_match_transformers(hf_models):
+    with real_engine("tiny-llama", num_shard=2) as engine:
+        prompts = [engine.tokenizer.encode(t) for t in TEXTS[:2]]
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=8))
+    model = hf_models("tiny-llama")
+    for ids, out in zip(prompts, outs):
+        assert [t.id for t in out.tokens] == hf_greedy(model, ids, 8)
+
+
+def test_repetition_penalty_matches_transformers(hf_models):
+    with real_engine("tiny-qwen2") as engine:
+        prompts = [engine.tokenizer.encode(t) for t in TEXTS[:2]]
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, repetition_penalty=1.5))
+    model = hf_models("tiny-qwen2")
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=12, do_sample=False, repetition_penalty=1.5,
+                                 pad_token_id=model.generation_config.pad_token_id)[0, len(ids):].tolist()
+        assert [t.id for t in out.tokens] == ref
+
+
+def test_seeded_sampling_on_the_real_model_is_reproducible():
+    params = SamplingParams(do_sample=True, seed=99, temperature=0.9, top_k=40, max_new_tokens=10, ignore_eos=True)
+    with real_engine("tiny-llama") as engine:
+        ids = engine.tokenizer.encode(TEXTS[1])
+        alone = engine.generate([ids], params)[0]
+        crowded = engine.generate([TEXTS[0], ids, TEXTS[2]],
+                                  [SamplingParams(do_sample=True, max_new_tokens=5), params, SamplingParams()])[1]
+    assert [t.id for t in alone.tokens] == [t.id for t in crowded.tokens]
+    assert alone.seed == 99 and alone.generated_text == crowded.generated_text
