@@ -1,0 +1,44 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocab."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import all_reduce, gather_to_rank0, tp_rank, tp_size
+from engine.weights import read_shard, shape_of
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // self.tp_size)  # padded so every rank holds the same rows
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        rows = max(0, min(self.shard_size, shape_of(loaded)[0] - self.vocab_start))
+        param.data.zero_()
+        param.data[:rows].copy_(read_shard(loaded, 0, self.vocab_start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.shard_size)
+        embeddings = F.embedding(local.clamp(0, self.shard_size - 1), self.weight)
+        embeddings = embeddings * mine.unsqueeze(-1).to(embeddings.dtype)
+        return all_reduce(embeddings)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden -> logits; the vocab slices are gathered to rank 0 (None on the other ranks)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = gather_to_rank0(F.linear(hidden_states, self.weight))
+        return None if logits is None else logits[..., :self.vocab_size]

