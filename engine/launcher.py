@@ -200,11 +200,19 @@ def write_ready_file(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, target)  # readers never see a half-written file
 
 
+def _dead_ranks(engine: Any) -> list[int]:
+    runner = getattr(engine.engine, "runner", None)
+    return runner.dead_workers() if hasattr(runner, "dead_workers") else []
+
+
 async def _exit_when_engine_dies(server: Any, engine: Any) -> None:
-    """A dead engine (e.g. a tensor-parallel rank died) ends the server: the job must fail, not idle."""
+    """A dead engine or tensor-parallel rank ends the server: the job must fail, not idle."""
     while not server.should_exit:
-        if engine.error is not None:
-            logger.error("the engine died (%s): shutting down", engine.error)
+        dead = _dead_ranks(engine)
+        if engine.error is not None or dead:
+            reason = engine.error or f"worker process(es) {dead} died"
+            logger.error("the engine died (%s): shutting down", reason)
+            engine.error = engine.error or RuntimeError(str(reason))
             server.should_exit = True
             return
         await asyncio.sleep(0.5)

@@ -175,6 +175,10 @@ class ModelRunner:
         """Process ids of ranks 1..N-1 (empty with one shard)."""
         return [process.pid for process, _ in self._workers]
 
+    def dead_workers(self) -> list[int]:
+        """Ranks' pids that are gone (is_alive also reaps them, so a dead rank is never a zombie)."""
+        return [process.pid for process, _ in self._workers if not process.is_alive()]
+
     def close(self) -> None:
         """Stop the workers and free the model; safe to call twice."""
         if self._closed:

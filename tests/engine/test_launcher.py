@@ -125,3 +125,28 @@ def blocks(url: str) -> tuple[float, float]:
     lines = {line.split()[0]: float(line.split()[1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
              if line.startswith("tgi_kv_cache_blocks")}
     return lines["tgi_kv_cache_blocks_free"], lines["tgi_kv_cache_blocks_total"]
+
+
+def test_a_dead_rank_stops_the_launcher_with_no_orphans(model_path, tmp_path):
+    """--num-shard 2 on CPU (gloo): kill rank 1; the launcher exits non-zero within seconds, nothing left."""
+    import os
+    import signal
+    import subprocess
+
+    from test_clients import start_server
+
+    proc, url, log = start_server(model_path("tiny-llama"), tmp_path, "--num-shard", "2")
+    try:
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        workers = [int(p) for p in children if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(workers) == 1, children  # rank 1; rank 0 is the launcher itself
+        os.kill(workers[0], signal.SIGKILL)
+        code = proc.wait(timeout=20)
+        assert code != 0
+        time.sleep(0.5)
+        leftovers = [p for p in workers if Path(f"/proc/{p}").exists()
+                     and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+        assert not leftovers
+    finally:
+        if proc.poll() is None:
+            proc.kill()
