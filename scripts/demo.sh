@@ -21,7 +21,7 @@ tgi = httpx.post(f"{url}/generate", headers=headers, timeout=120, json={
     "inputs": "The capital of France is", "parameters": {"max_new_tokens": 16, "details": True}}).json()
 print("POST /generate             ->", repr(tgi["generated_text"]), f"({tgi['details']['finish_reason']})")
 chat = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=120, json={
-    "model": "tgi", "max_tokens": 48,
+    "model": "tgi", "max_tokens": 48, "temperature": 0,
     "messages": [{"role": "user", "content": "Name three colours of the rainbow."}]}).json()
 print("POST /v1/chat/completions ->", repr(chat["choices"][0]["message"]["content"]))
 PY
