@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from tgi_hpc.backend import Backend, LocalBackend, SlurmBackend
 from tgi_hpc.errors import SlurmError
-from tgi_hpc.profile import Profile, load_profile
+from tgi_hpc.profile import Profile
+from tgi_hpc.profile_loader import load_profile
 from tgi_hpc.runner import LocalRunner, Runner, expand_path
 
 

@@ -11,23 +11,22 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import json
 import logging
 import os
 import re
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple
-from urllib.parse import urlsplit
+from typing import Any
 
 from tgi_hpc import __version__
+from tgi_hpc.convert_bin import convert_bin_to_safetensors
 from tgi_hpc.errors import DownloadError
 from tgi_hpc.hf_token import find_token
+from tgi_hpc.hub import Hub, HubFile, format_size
 from tgi_hpc.model_store import (MANIFEST, PARTIAL_DIR, StoredModel, model_dir, read_manifest, read_stored_model,
                                  write_manifest)
 
@@ -41,18 +40,6 @@ _BIN_WEIGHTS = re.compile(r"pytorch_model(-\d+-of-\d+)?\.bin")
 _EXTRA_TEMPLATES = re.compile(r"additional_chat_templates/[A-Za-z0-9_][^/]*\.jinja")
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _MAX_WORKERS = 4
-_OFFLINE = ("HF_HUB_OFFLINE=1 is set, so huggingface_hub refuses to download: unset it for the download "
-            "(on a node with internet access)")
-PROGRESS_LOG_INTERVAL_S = 30.0  # progress lines in non-terminal output (Slurm logs): one per file this often
-
-
-class _Entry(NamedTuple):
-    """One file of the Hub's tree listing, independent of the huggingface_hub version."""
-
-    path: str
-    size: int
-    blob_id: str
-    sha256: str | None  # LFS files only
 
 
 def plan_files(repo_files: list[str]) -> list[str]:
@@ -85,7 +72,7 @@ def download_model(model_id: str, store: Path, *, revision: str = "main", token:
     `token=None` looks the token up with `find_token()`. Raises DownloadError with what to do.
     """
     folder = model_dir(store, model_id, revision)
-    hub = _Hub(model_id, endpoint, token if token is not None else find_token(), progress)
+    hub = Hub(model_id, endpoint, token if token is not None else find_token(), progress)
     commit, entries = hub.listing(revision)
     folder.mkdir(parents=True, exist_ok=True)
     with _locked(folder), _progress_bars(progress):
@@ -106,7 +93,7 @@ def download_model(model_id: str, store: Path, *, revision: str = "main", token:
     return read_stored_model(folder)
 
 
-def _fetch_and_convert(hub: _Hub, commit: str, entries: dict[str, _Entry], folder: Path,
+def _fetch_and_convert(hub: Hub, commit: str, entries: dict[str, HubFile], folder: Path,
                        convert_bin: bool) -> tuple[list[dict[str, Any]], str, list[str]]:
     plan = plan_files(list(entries))
     weights = _weight_files([p for p in plan if "/" not in p])
@@ -129,7 +116,7 @@ def _fetch_and_convert(hub: _Hub, commit: str, entries: dict[str, _Entry], folde
     return records + [_record(folder, name) for name in outputs], "safetensors", bins
 
 
-def _weights_from_index(folder: Path, weights: list[str], entries: dict[str, _Entry], model_id: str) -> list[str]:
+def _weights_from_index(folder: Path, weights: list[str], entries: dict[str, HubFile], model_id: str) -> list[str]:
     """Use the shards an index names (and only those) when the repo has an index."""
     index = next((i for i in _INDEXES if i in weights), None)
     if index is None:
@@ -144,7 +131,7 @@ def _weights_from_index(folder: Path, weights: list[str], entries: dict[str, _En
     return shards
 
 
-def _fetch_all(hub: _Hub, commit: str, entries: list[_Entry], folder: Path) -> list[dict[str, Any]]:
+def _fetch_all(hub: Hub, commit: str, entries: list[HubFile], folder: Path) -> list[dict[str, Any]]:
     if not entries:
         return []
     pool = ThreadPoolExecutor(max_workers=min(_MAX_WORKERS, len(entries)))
@@ -155,7 +142,7 @@ def _fetch_all(hub: _Hub, commit: str, entries: list[_Entry], folder: Path) -> l
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _fetch_file(hub: _Hub, commit: str, entry: _Entry, folder: Path) -> dict[str, Any]:
+def _fetch_file(hub: Hub, commit: str, entry: HubFile, folder: Path) -> dict[str, Any]:
     """Fetch one file (resuming a partial one), verify it and move it into place."""
     if entry.path.startswith("/") or ".." in entry.path.split("/"):  # only a hostile endpoint would list these
         raise DownloadError(f"{hub.base} listed an unsafe file name for {hub.model_id}: {entry.path!r}")
@@ -185,7 +172,7 @@ def _fetch_file(hub: _Hub, commit: str, entry: _Entry, folder: Path) -> dict[str
     return {"path": entry.path, "size": entry.size, "sha256": sha256}
 
 
-def _verified_sha256(path: Path, entry: _Entry) -> str | None:
+def _verified_sha256(path: Path, entry: HubFile) -> str | None:
     """The file's sha256 if it matches the Hub's size and hash (sha256 for LFS, git blob sha1 otherwise)."""
     if path.stat().st_size != entry.size:
         return None
@@ -207,13 +194,13 @@ def _record(folder: Path, name: str) -> dict[str, Any]:
     return {"path": name, "size": (folder / name).stat().st_size, "sha256": _hashes(folder / name)[0]}
 
 
-def _check_free_space(folder: Path, weights: list[_Entry], converting: bool) -> None:
+def _check_free_space(folder: Path, weights: list[HubFile], converting: bool) -> None:
     missing = [e for e in weights if not (folder / e.path).is_file()]
     needed = sum(e.size for e in missing) + (max(e.size for e in weights) if converting else 0)
     free = shutil.disk_usage(folder).free
     if needed > free:
-        raise DownloadError(f"not enough disk space in {folder}: the download needs {_size(needed)}, "
-                            f"{_size(free)} are free; free some space or use another model store")
+        raise DownloadError(f"not enough disk space in {folder}: the download needs {format_size(needed)}, "
+                            f"{format_size(free)} are free; free some space or use another model store")
 
 
 def _remove_leftovers(folder: Path, old_manifest: dict[str, Any] | None, keep: set[str]) -> None:
@@ -223,150 +210,6 @@ def _remove_leftovers(folder: Path, old_manifest: dict[str, Any] | None, keep: s
         path = folder / record["path"]
         if record["path"] not in keep and path.resolve().is_relative_to(folder.resolve()):
             path.unlink(missing_ok=True)
-
-
-def convert_bin_to_safetensors(folder: Path, bin_files: list[str]) -> list[str]:
-    """Rewrite PyTorch .bin shards as safetensors (plus an index for several shards); returns the new names.
-
-    Tensors that share storage (tied embeddings) are copied so every name keeps its own tensor.
-    The .bin files are left for the caller to delete.
-    """
-    import torch
-    from safetensors.torch import save_file
-
-    weight_map: dict[str, str] = {}
-    outputs, total = [], 0
-    for name in sorted(bin_files):
-        out = name.replace("pytorch_model", "model").removesuffix(".bin") + ".safetensors"
-        state = torch.load(folder / name, map_location="cpu", weights_only=True)
-        tensors = _unshared(state, name)
-        save_file(tensors, str(folder / f"{out}.tmp"), metadata={"format": "pt"})
-        os.replace(folder / f"{out}.tmp", folder / out)
-        weight_map.update(dict.fromkeys(tensors, out))
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        outputs.append(out)
-        logger.info("converted %s to %s", name, out)
-        del state, tensors
-    if len(outputs) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (folder / _INDEXES[0]).write_text(json.dumps(index, indent=2) + "\n")
-        outputs.append(_INDEXES[0])
-    return outputs
-
-
-def _unshared(state: Any, name: str) -> dict[str, Any]:
-    import torch
-
-    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-        raise DownloadError(f"{name} is not a flat PyTorch state dict; cannot convert it to safetensors")
-    seen, tensors = set(), {}
-    for key, t in state.items():
-        storage = t.untyped_storage()
-        whole = t.is_contiguous() and t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size()
-        tensors[key] = t if whole and storage.data_ptr() not in seen else t.contiguous().clone()
-        seen.add(storage.data_ptr())
-    return tensors
-
-
-class _Hub:
-    """The Hub calls of one download; holds the token so that it never leaves this object's calls."""
-
-    def __init__(self, model_id: str, endpoint: str | None, token: str | None, progress: bool = True):
-        from huggingface_hub import HfApi, constants
-        from huggingface_hub.file_download import http_get
-
-        self.model_id, self.endpoint, self._token = model_id, endpoint, token or False
-        # a terminal gets huggingface_hub's tqdm bars; a log file gets a line now and then (hub >= 2 only)
-        logs = progress and not sys.stderr.isatty() and "tqdm_class" in inspect.signature(http_get).parameters
-        self._progress = {"tqdm_class": _LogProgress} if logs else {}
-        self.base = (endpoint or constants.ENDPOINT).rstrip("/")
-        parts = urlsplit(self.base)  # the manifest records the endpoint: never with credentials in it
-        self.origin = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
-        self.api = HfApi(endpoint=endpoint, token=self._token)
-        if constants.HF_HUB_OFFLINE:  # read by huggingface_hub at import; say so before any request fails
-            raise DownloadError(_OFFLINE)
-
-    def listing(self, revision: str) -> tuple[str, dict[str, _Entry]]:
-        """The commit sha of `revision` and its files."""
-        from huggingface_hub.hf_api import RepoFile
-
-        with self.errors(revision):
-            commit = self.api.model_info(self.model_id, revision=revision).sha
-            tree = self.api.list_repo_tree(self.model_id, recursive=True, revision=commit)
-            entries = {f.path: _Entry(f.path, f.size, f.blob_id, f.lfs.sha256 if f.lfs else None)
-                       for f in tree if isinstance(f, RepoFile)}
-        if not commit:
-            raise DownloadError(f"{self.base} gave no commit sha for {self.model_id} ({revision})")
-        return commit, entries
-
-    def get(self, commit: str, entry: _Entry, part: Path, resume: int) -> None:
-        """Append the rest of `entry` to `part`; the token goes to the Hub host only, never to a CDN."""
-        from huggingface_hub import get_hf_file_metadata, hf_hub_url
-        from huggingface_hub.file_download import http_get
-        from huggingface_hub.utils import build_hf_headers
-
-        url = hf_hub_url(self.model_id, entry.path, revision=commit, endpoint=self.endpoint)
-        with self.errors(commit):
-            meta = get_hf_file_metadata(url, token=self._token, endpoint=self.endpoint)
-            if meta.size is not None and meta.size != entry.size:
-                raise DownloadError(f"{entry.path} of {self.model_id}: the Hub lists {entry.size} bytes but serves "
-                                    f"{meta.size}; try again later")
-            headers = build_hf_headers(token=self._token if _same_origin(url, meta.location) else False)
-            with open(part, "ab") as f:
-                http_get(meta.location, f, resume_size=resume, headers=headers, expected_size=entry.size,
-                         displayed_filename=entry.path, **self._progress)
-
-    @contextlib.contextmanager
-    def errors(self, revision: str) -> Iterator[None]:
-        """Turn huggingface_hub and network errors into DownloadErrors that say what to do."""
-        from huggingface_hub import errors as hf
-
-        page, login = f"{self.base}/{self.model_id}", "log in with `hf auth login` or set HF_TOKEN"
-        token_state = "a token was sent" if self._token else "no Hugging Face token was found"
-        try:
-            yield
-        except DownloadError:
-            raise
-        except hf.GatedRepoError as e:
-            raise DownloadError(f"{self.model_id} is gated/private: accept the licence on {page} and {login} "
-                                f"({token_state})") from e
-        except hf.RepositoryNotFoundError as e:
-            raise DownloadError(f"{self.model_id} was not found on {self.base}, or it is gated/private: check the "
-                                f"id; if it is gated/private, accept the licence on {page} and {login} "
-                                f"({token_state})") from e
-        except hf.RevisionNotFoundError as e:
-            raise DownloadError(f"revision {revision!r} of {self.model_id} does not exist on {self.base}: "
-                                "check the branch, tag or commit") from e
-        except hf.EntryNotFoundError as e:
-            raise DownloadError(f"a file of {self.model_id} disappeared from {self.base} during the download "
-                                f"({e}); run the download again") from e
-        except hf.HfHubHTTPError as e:
-            status = getattr(e.response, "status_code", None)
-            if status in (401, 403):
-                raise DownloadError(f"{self.model_id} is gated/private: accept the licence on {page} and {login} "
-                                    f"({token_state})") from e
-            raise DownloadError(f"{self.base} refused the download of {self.model_id}: {e}") from e
-        except Exception as e:
-            if type(e).__name__ == "OfflineModeIsEnabled":
-                raise DownloadError(_OFFLINE) from e
-            if _is_network_error(e):
-                raise DownloadError(f"cannot reach {self.base} ({type(e).__name__}: {e}); compute nodes usually "
-                                    "have no internet: download on a login node (or a node with internet)") from e
-            if isinstance(e, OSError):  # a short read, a full disk: what is on disk stays resumable
-                raise DownloadError(f"downloading {self.model_id} failed ({e}); fix the cause and run the "
-                                    "download again: it resumes where it stopped") from e
-            raise
-
-
-def _same_origin(url: str, target: str) -> bool:
-    a, b = urlsplit(url), urlsplit(target)
-    return (a.scheme, a.hostname, a.port) == (b.scheme, b.hostname, b.port)
-
-
-def _is_network_error(e: Exception) -> bool:
-    if isinstance(e, (ConnectionError, TimeoutError)):
-        return True
-    return type(e).__module__.split(".")[0] in {"httpx", "httpx2", "httpcore", "requests", "urllib3"}
 
 
 @contextlib.contextmanager
@@ -383,29 +226,6 @@ def _locked(folder: Path) -> Iterator[None]:
         except OSError as e:  # some parallel file systems have no flock; go on unlocked
             logger.warning("cannot lock %s (%s); do not run two downloads of this model at once", folder, e)
         yield
-
-
-class _LogProgress:
-    """A tqdm stand-in for log files: logs "file: done of total" every PROGRESS_LOG_INTERVAL_S seconds."""
-
-    def __init__(self, *, desc: str = "", total: int | None = None, initial: int = 0, **_: Any):
-        self.desc, self.total, self.n, self._last = desc, total, initial, time.monotonic()
-
-    def __enter__(self) -> _LogProgress:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    def update(self, n: int) -> None:
-        self.n += n
-        if time.monotonic() - self._last >= PROGRESS_LOG_INTERVAL_S:
-            self._last = time.monotonic()
-            logger.info("%s: %s of %s", self.desc, _size(self.n), _size(self.total) if self.total else "?")
-
-
-def _size(num_bytes: int) -> str:
-    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.1f} MB"
 
 
 @contextlib.contextmanager

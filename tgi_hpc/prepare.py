@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tgi_hpc.cluster import Cluster
 from tgi_hpc.jobspec import CompileSpec, DownloadSpec, JobSpec, ShellPath
-from tgi_hpc.profile import require_account, resources_for
+from tgi_hpc.profile_loader import require_account, resources_for
 
 
 @dataclass

@@ -12,7 +12,8 @@ from tgi_hpc.errors import ModelNotFoundError, UsageError
 from tgi_hpc.jobspec import ServeSpec, ShellPath
 from tgi_hpc.model_size import estimate_params_b
 from tgi_hpc.model_store import model_dir, validate_model_id
-from tgi_hpc.profile import Resources, require_account, resources_for
+from tgi_hpc.profile import Resources
+from tgi_hpc.profile_loader import require_account, resources_for
 from tgi_hpc.quoting import sh
 from tgi_hpc.runner import LocalRunner
 

@@ -387,11 +387,12 @@ def test_offline_mode_is_named(tmp_path, monkeypatch):
 
 
 def test_progress_in_a_log_file_is_a_line_now_and_then(hub, tmp_path, caplog, monkeypatch):
-    import tgi_hpc.download
+    import tgi_hpc.hub
 
     _, url, _ = hub
-    monkeypatch.setattr(tgi_hpc.download, "PROGRESS_LOG_INTERVAL_S", 0.0)
-    caplog.set_level(logging.INFO, logger="tgi_hpc.download")
+    monkeypatch.setattr(tgi_hpc.hub, "PROGRESS_LOG_INTERVAL_S", 0.0)
+    caplog.set_level(logging.INFO, logger="tgi_hpc.download")  # "fetched ..."
+    caplog.set_level(logging.INFO, logger="tgi_hpc.hub")  # progress lines
     download_model("acme/tiny-st", tmp_path / "store", endpoint=url, progress=True)  # stderr is not a terminal here
     assert "fetched model-00001-of-00002.safetensors" in caplog.text
     from huggingface_hub.file_download import http_get

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from tgi_hpc.errors import ProfileError
-from tgi_hpc.profile import (
-    Profile,
+from tgi_hpc.profile import Profile
+from tgi_hpc.profile_loader import (
     detect_cluster,
     list_profiles,
     load_profile,

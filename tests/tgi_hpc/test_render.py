@@ -11,10 +11,9 @@ import pytest
 from support.releases import standin_release
 from tgi_hpc.cluster import open_cluster
 from tgi_hpc.errors import TemplateError, UsageError
-from tgi_hpc.jobspec import ServeSpec, ShellPath
-from tgi_hpc.profile import Resources, load_profile
+from tgi_hpc.jobspec import ShellPath
 from tgi_hpc.render import render_job, sbatch_directives
-from tgi_hpc.serve import ServeOptions, build_serve_spec, release_dir
+from tgi_hpc.serve import ServeOptions, build_serve_spec
 
 CLUSTERS = ["mila", "fir", "nibi", "rorqual", "narval", "trillium"]
 
