@@ -99,6 +99,10 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--release-dir", type=Path, required=True)
     p.add_argument("--cuda-archs", default="")
     p.add_argument("--with-kernels", action="store_true")
+    p.add_argument("--name")
+    p.add_argument("--torch-spec")
+    p.add_argument("--wheelhouse")
+    p.add_argument("--venv-tool", default="venv", choices=["venv", "virtualenv"])
     args = parser.parse_args(argv)
 
     if args.cmd == "pick-port":
@@ -118,11 +122,13 @@ def _main(argv: list[str] | None) -> int:
         stored = download_model(args.model, args.store, revision=args.revision)  # token: HF_TOKEN or stored login
         print(f"[tgi-hpc] stored {stored.model_id}@{stored.revision} in {stored.path}", file=sys.stderr)
     elif args.cmd == "compile":
-        from tgi_hpc.release import ReleaseSpec, build_release
+        from tgi_hpc.prepare import CompileOptions, release_spec
+        from tgi_hpc.release import build_release
 
-        archs = [a for a in args.cuda_archs.replace(",", ";").split(";") if a]
-        build_release(ReleaseSpec(release_dir=args.release_dir, cuda_archs=archs, with_kernels=args.with_kernels),
-                      progress=lambda message: print(f"[tgi-hpc] {message}", file=sys.stderr))
+        opts = CompileOptions(str(args.release_dir), args.name, args.cuda_archs, args.with_kernels,
+                              args.torch_spec, args.wheelhouse, args.venv_tool)
+        manifest = build_release(release_spec(str(args.release_dir), opts))
+        print(f"[tgi-hpc] release {args.release_dir}/{manifest.name} is current", file=sys.stderr)
     return 0
 
 

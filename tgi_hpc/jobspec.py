@@ -52,5 +52,4 @@ class DownloadSpec(JobSpec):
 @dataclass(frozen=True)
 class CompileSpec(JobSpec):
     release_dir: ShellPath = ShellPath()
-    cuda_archs: str = ""
-    with_kernels: bool = False
+    job_args: tuple[str, ...] = ()     # the compile options, for `python -m tgi_hpc.job compile`

@@ -90,17 +90,46 @@ def run_download(cluster: Cluster, model: str, revision: str = "main", *, here: 
     return _submit(cluster, spec, wait=wait, dry_run=dry_run, progress=progress)
 
 
-def run_compile(cluster: Cluster, *, release_dir: str | None = None, cuda_archs: str = "", with_kernels: bool = False,
-                here: bool | None = None, wait: bool = False, dry_run: bool = False,
-                progress: Callable[[str], None] = lambda m: None) -> PrepareResult:
-    target = release_dir or cluster.expand(cluster.profile.paths.releases, strict=not dry_run)
-    if _runs_here(cluster, here, cluster.profile.network.compile_on):
-        from tgi_hpc.release import ReleaseSpec, build_release
+@dataclass
+class CompileOptions:
+    release_dir: str | None = None     # where releases live (default: the profile's paths.releases)
+    name: str | None = None
+    cuda_archs: str = ""
+    with_kernels: bool = False
+    torch_spec: str | None = None      # e.g. a CUDA build on clusters
+    wheelhouse: str | None = None      # build offline from this wheelhouse
+    venv_tool: str = "venv"            # DRAC documents `virtualenv --no-download`
 
-        spec = ReleaseSpec(release_dir=Path(target), cuda_archs=[a for a in cuda_archs.replace(",", ";").split(";") if a],
-                           with_kernels=with_kernels)
-        manifest = build_release(spec, progress=progress)
-        return PrepareResult("compile", "here", details=manifest if isinstance(manifest, dict) else asdict(manifest))
+    def job_args(self) -> list[str]:
+        """The same options for `python -m tgi_hpc.job compile` inside the job."""
+        args = ["--cuda-archs", self.cuda_archs] if self.cuda_archs else []
+        args += ["--with-kernels"] if self.with_kernels else []
+        for flag, value in (("--name", self.name), ("--torch-spec", self.torch_spec),
+                            ("--wheelhouse", self.wheelhouse)):
+            args += [flag, value] if value else []
+        return args + (["--venv-tool", self.venv_tool] if self.venv_tool != "venv" else [])
+
+
+def release_spec(target: str, opts: CompileOptions):
+    from tgi_hpc.release import ReleaseSpec, offline_pip_args
+
+    extra = {"torch_spec": opts.torch_spec} if opts.torch_spec else {}
+    return ReleaseSpec(release_dir=Path(target), name=opts.name,
+                       cuda_archs=[a for a in opts.cuda_archs.replace(",", ";").split(";") if a],
+                       with_kernels=opts.with_kernels, venv_tool=opts.venv_tool,  # type: ignore[arg-type]
+                       pip_args=offline_pip_args(Path(opts.wheelhouse)) if opts.wheelhouse else [], **extra)
+
+
+def run_compile(cluster: Cluster, opts: CompileOptions, *, here: bool | None = None, wait: bool = False,
+                dry_run: bool = False, progress: Callable[[str], None] = lambda m: None) -> PrepareResult:
+    target = opts.release_dir or cluster.expand(cluster.profile.paths.releases, strict=not dry_run)
+    if _runs_here(cluster, here, cluster.profile.network.compile_on):
+        from tgi_hpc.release import build_release
+
+        manifest = build_release(release_spec(target, opts), progress=progress)
+        return PrepareResult("compile", "here", details={"release": f"{target}/{manifest.name}",
+                                                        "torch": manifest.torch, "cuda": manifest.cuda,
+                                                        "kernels": manifest.kernels})
     spec = CompileSpec(kind="compile", resources=resources_for(cluster.profile, "compile"),
-                       release_dir=ShellPath("", target), cuda_archs=cuda_archs, with_kernels=with_kernels)
+                       release_dir=ShellPath("", target), job_args=tuple(opts.job_args()))
     return _submit(cluster, spec, wait=wait, dry_run=dry_run, progress=progress)

@@ -2,13 +2,14 @@
 
 `verify_release` runs on the login node or in a job. The engine checks run in a subprocess with the
 release's own python (`python -I -m tgi_hpc.release_verify check`), so they test exactly what a serve job
-gets: this module is also installed in every release and its `__main__` part imports only the stdlib until
-it has decided to import torch.
+gets: this module is installed in every release too, and imports nothing beyond the stdlib and
+tgi_hpc.release until the check itself imports torch and the engine.
 """
 from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import stat
 import subprocess
@@ -16,8 +17,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, distribution, version
 from pathlib import Path
 from typing import Any
+
+from tgi_hpc.errors import ReleaseError
+from tgi_hpc.release import LOCK, WHEELHOUSE, parse_torch_cuda, read_manifest, sha256_file, write_manifest
 
 FIX_COMMAND = "tgi-hpc release verify --fix"
 COMPILE_COMMAND = "tgi-hpc compile"
@@ -49,12 +54,10 @@ def verify_release(release_dir: Path, *, gpu: bool | None = None, run_engine: bo
     gpu: True = a GPU must work, False = CPU checks only, None = check the GPU if torch sees one.
     run_engine=False skips the subprocess (import + tiny generation): the file checks only.
     """
-    from tgi_hpc.errors import ReleaseError
-    from tgi_hpc.release import read_manifest
-
     path = Path(release_dir).expanduser()
     if not path.exists():
-        return VerifyReport(path, False, [f"no release at {path}: build one with `{COMPILE_COMMAND} --release-dir {path}`"])
+        return VerifyReport(path, False, [f"no release at {path}: build one with "
+                                          f"`{COMPILE_COMMAND} --release-dir {path.parent}`"])
     root = path.resolve()
     report = VerifyReport(root, False, details={"release_dir": str(root)})
     try:
@@ -63,7 +66,7 @@ def verify_release(release_dir: Path, *, gpu: bool | None = None, run_engine: bo
         manifest, report.problems = None, [str(e)]
     if manifest is None and not report.problems:
         report.problems.append(f"{root} is incomplete (no release.json): its build did not finish; rerun "
-                               f"`{COMPILE_COMMAND} --release-dir {root}` with the same options, it resumes")
+                               f"`{COMPILE_COMMAND} --release-dir {root.parent}` with the same options, it resumes")
     if manifest is not None:
         report.details.update(name=manifest.name, torch=manifest.torch, cuda=manifest.cuda,
                               transformers=manifest.transformers, kernels=manifest.kernels,
@@ -93,8 +96,6 @@ def fix_permissions(release_dir: Path) -> list[Path]:
 
 def relocate_release(release_dir: Path) -> list[Path]:
     """Point a moved release's bin/ scripts, activate files and pyvenv.cfg at where it is now."""
-    from tgi_hpc.release import read_manifest, write_manifest
-
     root = Path(release_dir).resolve()
     manifest = read_manifest(root)
     old = _recorded_location(root, manifest)
@@ -106,7 +107,7 @@ def relocate_release(release_dir: Path) -> list[Path]:
             continue
         data = path.read_bytes()
         if old.encode() in data:
-            path.write_bytes(data.replace(old.encode(), str(root).encode()))
+            path.write_bytes(_relocated(data, old.encode(), str(root).encode()))
             changed.append(path)
     if manifest is not None:
         manifest.location = str(root)
@@ -114,9 +115,39 @@ def relocate_release(release_dir: Path) -> list[Path]:
     return changed
 
 
+def _relocated(data: bytes, old: bytes, new: bytes) -> bytes:
+    first, sep, rest = data.partition(b"\n")
+    if not first.startswith(b"#!" + old + b"/"):
+        return data.replace(old, new)
+    interpreter = new + first[2 + len(old):]
+    if b" " in interpreter or len(interpreter) > 125:
+        # the kernel splits a shebang at spaces and cuts it at 127 bytes: let sh exec python, as pip does
+        first = b"#!/bin/sh\n'''exec' \"" + interpreter + b"\" \"$0\" \"$@\"\n' '''"
+    else:
+        first = b"#!" + interpreter
+    return first + sep + rest.replace(old, new)
+
+
+def restore_python_links(release_dir: Path) -> list[Path]:
+    """Recreate bin/python* from pyvenv.cfg when a copy dropped the symlinks (Globus does not copy them)."""
+    root = Path(release_dir)
+    cfg = _pyvenv_cfg(root)
+    version = ".".join(cfg.get("version", cfg.get("version_info", "")).split(".")[:2])
+    base = Path(cfg.get("home", "/nonexistent")) / f"python{version}"
+    target = base if base.exists() else Path(cfg.get("executable", base))
+    made = []
+    for name, link in ((f"python{version}", target), ("python3", Path(f"python{version}")),
+                       ("python", Path(f"python{version}"))):
+        path = root / "bin" / name
+        if version and not path.exists() and not path.is_symlink():
+            path.symlink_to(link)
+            made.append(path)
+    return made
+
+
 def repair_release(release_dir: Path) -> list[Path]:
-    """What `--fix` does: restore exec bits, then rewrite the paths of a moved release."""
-    return fix_permissions(release_dir) + relocate_release(release_dir)
+    """What `--fix` does: python links back, exec bits back, then the paths of a moved release rewritten."""
+    return restore_python_links(release_dir) + fix_permissions(release_dir) + relocate_release(release_dir)
 
 
 # --- checks from outside --------------------------------------------------------------------------------
@@ -126,6 +157,9 @@ def _python_problem(root: Path) -> str | None:
     if python.exists():
         return None
     if not python.is_symlink():
+        if (root / "pyvenv.cfg").is_file():
+            return (f"{python} is missing (a copy that drops symlinks, like Globus, does that): run "
+                    f"`{FIX_COMMAND} {root}` to recreate it from pyvenv.cfg")
         return f"{python} is missing: {root} is not a virtual environment; rebuild with `{COMPILE_COMMAND}`"
     home = _pyvenv_cfg(root).get("home", "?")
     return (f"{python} points to {os.readlink(python)}, which does not exist here: load the Python the release "
@@ -140,14 +174,15 @@ def _location_problems(root: Path, manifest: Any) -> list[str]:
     return [f"the release was built at {old} but is now at {root}: bin/activate and the script shebangs still "
             f"point to {old}, so `source {root}/bin/activate` would not use it; run `{FIX_COMMAND} {root}` "
             f"(rewrites them), or rebuild it offline from its own wheelhouse: `{COMPILE_COMMAND} --offline "
-            f"--wheelhouse {root}/wheelhouse --release-dir NEW_DIR`"]
+            f"--wheelhouse {root}/wheelhouse --release-dir {root.parent}`"]
 
 
 def _recorded_location(root: Path, manifest: Any) -> str | None:
     if manifest is not None:
         return manifest.location
     try:  # no manifest: the path venv wrote into bin/activate
-        m = re.search(r"^\s*(?:export\s+)?VIRTUAL_ENV=[\"']?([^\"'\n$]+)", (root / "bin" / "activate").read_text(), re.M)
+        activate = (root / "bin" / "activate").read_text()
+        m = re.search(r"^\s*(?:export\s+)?VIRTUAL_ENV=[\"']?([^\"'\n$]+)", activate, re.M)
     except OSError:
         return None
     return m[1] if m else None
@@ -191,8 +226,6 @@ def _is_program(path: Path) -> bool:
 
 
 def _wheelhouse_warnings(root: Path, manifest: Any) -> list[str]:
-    from tgi_hpc.release import LOCK, WHEELHOUSE, sha256_file
-
     warnings = []
     missing = [name for name in manifest.wheelhouse if not (root / WHEELHOUSE / name).is_file()]
     if missing:
@@ -237,7 +270,6 @@ def _run_check(root: Path, manifest: Any, gpu: bool | None, timeout: int, report
 # --- checks from inside the release (python -I -m tgi_hpc.release_verify probe|check) --------------------
 
 def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
     try:
         return version(dist)
     except PackageNotFoundError:
@@ -245,11 +277,14 @@ def _version(dist: str) -> str | None:
 
 
 def probe() -> dict[str, Any]:
-    import platform
+    """Versions, without importing torch (torch.version.cuda is read from torch/version.py)."""
     info = {"python": platform.python_version(), "prefix": sys.prefix, "tgi_hpc": _version("tgi-hpc"),
-            "torch": _version("torch"), "transformers": _version("transformers"), "flash_attn": _version("flash-attn")}
-    import torch
-    info["cuda"] = torch.version.cuda
+            "torch": _version("torch"), "transformers": _version("transformers"), "flash_attn": _version("flash-attn"),
+            "cuda": None}
+    try:
+        info["cuda"] = parse_torch_cuda(Path(distribution("torch").locate_file("torch/version.py")).read_text())
+    except (PackageNotFoundError, OSError):
+        pass
     return info
 
 
@@ -257,32 +292,34 @@ def check(gpu: str) -> dict[str, Any]:
     problems: list[str] = []
     warnings: list[str] = []
     rebuild = f"rebuild the release with `{COMPILE_COMMAND}`"
+    info = probe()
     try:
-        info = probe()
+        import torch
+        info["cuda"] = torch.version.cuda
     except Exception as e:  # noqa: BLE001 - reported, not raised
-        return {"info": {}, "problems": [f"import torch failed in the release: {type(e).__name__}: {e}; {rebuild}"],
+        return {"info": info, "problems": [f"import torch failed in the release: {type(e).__name__}: {e}; {rebuild}"],
                 "warnings": []}
     try:
         info["cpu_generation"] = _generate("cpu")
     except Exception as e:  # noqa: BLE001
         problems.append(f"the engine could not generate on CPU: {type(e).__name__}: {e}; {rebuild}")
-    import torch
     has_gpu = torch.cuda.is_available()
     if gpu == "yes" or (gpu == "auto" and has_gpu):
-        problems += _gpu_problems(info, has_gpu)
+        problems += gpu_problems(info, has_gpu)
     elif info["cuda"] is None and os.path.exists("/dev/nvidiactl"):
         warnings.append("this node has a GPU but the release's torch is a CPU build: pin a CUDA torch to serve on GPU")
     return {"info": info, "problems": problems, "warnings": warnings}
 
 
-def _gpu_problems(info: dict[str, Any], has_gpu: bool) -> list[str]:
-    import torch
+def gpu_problems(info: dict[str, Any], has_gpu: bool) -> list[str]:
+    """Inside the release: can torch (and flash-attn, if built) use this node's GPU? `info` is probe()'s."""
     if info["cuda"] is None:
         return [f"torch {info['torch']} in the release is a CPU build: rebuild with a CUDA torch "
                 f"(`{COMPILE_COMMAND} --torch-spec ...`; DRAC's wheelhouse torch is a CUDA build)"]
     if not has_gpu:
         return [f"torch (CUDA {info['cuda']}) sees no GPU: run on a GPU node (--gres=gpu:1), check `nvidia-smi`, "
                 f"and that the driver supports CUDA {info['cuda']}"]
+    import torch
     major, minor = torch.cuda.get_device_capability()
     info["gpu"] = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
     if f"sm_{major}{minor}" not in torch.cuda.get_arch_list() and not any(
@@ -366,7 +403,8 @@ def _main(argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["VerifyReport", "verify_release", "fix_permissions", "relocate_release", "repair_release"]
+__all__ = ["VerifyReport", "verify_release", "fix_permissions", "relocate_release", "restore_python_links",
+           "repair_release"]
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))

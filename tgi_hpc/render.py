@@ -139,8 +139,8 @@ def render_job(profile: Profile, spec: JobSpec, *, job_dir: str, release_dir: Sh
         context.update(model=sh(spec.model), revision=sh(spec.revision),
                        store_dir=sh_env(profile.paths.models))
     elif isinstance(spec, CompileSpec):
-        context.update(release_dir=path_word(spec.release_dir), cuda_archs=sh(spec.cuda_archs) if spec.cuda_archs else "",
-                       with_kernels=spec.with_kernels)
+        context.update(release_dir=path_word(spec.release_dir),
+                       compile_args=sh_join(list(spec.job_args)) if spec.job_args else "")
     try:
         return _environment().get_template(f"{spec.kind}.sh.j2").render(**context)
     except jinja2.UndefinedError as exc:

@@ -32,10 +32,10 @@ def test_every_profile_renders_valid_bash(name, kind, tmp_path):
         script = render_job(cluster.profile, spec, job_dir=cluster.job_dir)
         assert "--num-shard 2" in script and "#SBATCH --requeue" in script
     else:
-        from tgi_hpc.prepare import run_compile, run_download
+        from tgi_hpc.prepare import CompileOptions, run_compile, run_download
 
         run = run_download if kind == "download" else run_compile
-        args = ("meta-llama/Llama-3.1-8B-Instruct",) if kind == "download" else ()
+        args = ("meta-llama/Llama-3.1-8B-Instruct",) if kind == "download" else (CompileOptions(cuda_archs="8.0;9.0"),)
         script = run(cluster, *args, here=False, dry_run=True).script
     _bash_n(script)
     assert f"#SBATCH --job-name=tgi-hpc-{kind}" in script
