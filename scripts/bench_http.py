@@ -1,0 +1,402 @@
+"""HTTP load generator for `python -m engine`: TTFT, TPOT, ITL, end-to-end latency, throughput; HF baseline.
+
+    python scripts/bench_http.py --model-id smollm2 --concurrency 16 --new-tokens 64      # CPU, fp32
+    python scripts/bench_http.py --openai ...                # /v1/completions stream instead of /generate_stream
+    python scripts/bench_http.py --url http://127.0.0.1:8080 --model-id smollm2   # a server already running
+    python scripts/bench_http.py --config-like 8b --load-format dummy --device cuda \\
+        --concurrency 256 --new-tokens 128                  # GPU, Llama-3.1-8B shape, random weights
+
+It starts the engine as a subprocess on 127.0.0.1 (a free port), runs `--num-requests` greedy
+requests (default: one wave of `--concurrency`) from `--concurrency` closed-loop streaming clients,
+stops the server, then runs the same prompts through HF transformers `generate` as padded batches
+of `--hf-batch-size` in this process (so the two never compete for the CPU), and prints aggregate
+generated tok/s engine / HF. Loopback only; every request and the whole run are time-bounded.
+
+Definitions (per request; percentiles over requests, ITL over every gap between two tokens):
+TTFT = first token - request sent; TPOT = (end - first token) / (tokens - 1);
+ITL = time between consecutive streamed tokens; E2E = last event - request sent.
+Throughput = completed requests (generated tokens) / (last response end - first request sent).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import (CONFIGS_LIKE, free_memory, hf_generate, load_hf_model, machine_info, percentile,  # noqa: E402
+                          prepare_model_dir, print_machine, print_throughput, resolve_device, resolve_dtype)
+
+REPO = Path(__file__).resolve().parents[1]
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+# prompts of different lengths (so the padded batch really pads); chosen so that greedy SmolLM2-135M-Instruct
+# runs to 64 tokens without EOS (the TGI API has no ignore_eos, HF gets min_new_tokens)
+PROMPTS = [
+    "Explain in detail how a compiler turns source code into machine code.",
+    "Describe a walk through a busy market in a coastal town, with all the sounds and smells.",
+    "List the steps to bake sourdough bread at home and explain why each step matters.",
+    "Once upon a time, in a kingdom far away, there lived a young inventor who",
+    "The history of the printing press begins",
+    "Describe how photosynthesis works, from sunlight to sugar, for a curious teenager.",
+    "Tell the story of a cat that wanted to become a sailor.",
+    "The old train station had been closed for twenty years, until one night",
+    "The history of the printing press begins in the fifteenth century, when",
+    "In the small village of Brookfield, the annual harvest festival was",
+    "Chapter 1\n\nThe rain had not stopped for three days, and",
+    "The mitochondria is often called the powerhouse of the cell because",
+    "Python is a programming language that",
+    "Dear diary, today was the strangest day of my life. It started when",
+    "Slurm is a workload manager used on many supercomputers. To submit a job,",
+    "The first computers filled whole rooms, and the engineers who ran them",
+]
+
+
+@dataclass(slots=True)
+class Record:
+    sent: float
+    token_times: list[float] = field(default_factory=list)
+    num_tokens: int = 0             # from the final event (details / usage) when given, else streamed events
+    finish_reason: str | None = None
+    end: float = 0.0
+    error: str | None = None
+
+
+# --- the server -----------------------------------------------------------------------------------
+
+class Server:
+    """`python -m engine` on 127.0.0.1 with a free port; its log goes to a temp file."""
+
+    def __init__(self, model_dir: Path, args: argparse.Namespace, dtype: str, device: str) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="bench-http-"))
+        self.ready_file = self.workdir / "ready.json"
+        self.log_path = self.workdir / "engine.log"
+        self.cmd = [sys.executable, "-m", "engine", "--model-id", str(model_dir), "--hostname", "127.0.0.1",
+                    "--port", "0", "--ready-file", str(self.ready_file), "--load-format", args.load_format,
+                    "--dtype", dtype, "--device", device,
+                    "--max-concurrent-requests", str(max(128, 2 * args.concurrency)),
+                    *shlex.split(args.engine_args)]
+        self.threads = args.threads
+        self.process: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self, timeout_s: float) -> str:
+        print("starting: " + shlex.join(self.cmd), flush=True)
+        env = dict(os.environ)
+        if self.threads:  # torch reads it at start-up; the launcher has no thread flag
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout_s
+        while not self.ready_file.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                tail = self.log_tail()  # before stop() deletes the log
+                self.stop()
+                raise SystemExit(f"error: the engine did not start (exit code {self.process.returncode}); "
+                                 f"last log lines:\n{tail}")
+            time.sleep(0.2)
+        ready = json.loads(self.ready_file.read_text())
+        self.url = f"http://{ready['host']}:{ready['port']}"
+        return self.url
+
+    def cpu_seconds(self) -> float | None:
+        """utime + stime of the server process (all its threads), from /proc; None where unknown."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, AttributeError, IndexError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)  # uvicorn's graceful stop
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+async def wait_healthy(url: str, timeout_s: float) -> None:
+    import httpx
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        while True:
+            try:
+                if (await client.get(f"{url}/health")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"error: {url}/health did not answer 200 within {timeout_s:.0f} s")
+            await asyncio.sleep(0.5)
+
+
+# --- the load -------------------------------------------------------------------------------------
+
+def request_body(prompt: str, args: argparse.Namespace, model_name: str) -> tuple[str, dict[str, Any]]:
+    if args.openai:
+        return "/v1/completions", {"model": model_name, "prompt": prompt, "max_tokens": args.new_tokens,
+                                   "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    return "/generate_stream", {"inputs": prompt, "parameters": {"max_new_tokens": args.new_tokens,
+                                                                  "do_sample": False, "details": True}}
+
+
+def read_event(record: Record, event: dict[str, Any], now: float, openai: bool) -> None:
+    """Fold one SSE event into `record`: a token arrival, the final details, or an error."""
+    if "error" in event:
+        record.error = str(event["error"])
+        return
+    if openai:
+        if event.get("choices"):
+            record.token_times.append(now)
+            record.finish_reason = event["choices"][0].get("finish_reason") or record.finish_reason
+        if event.get("usage"):
+            record.num_tokens = event["usage"]["completion_tokens"]
+        return
+    record.token_times.append(now)
+    if event.get("details"):
+        record.finish_reason = event["details"]["finish_reason"]
+        record.num_tokens = event["details"]["generated_tokens"]
+
+
+async def one_request(client: Any, url: str, body: dict[str, Any], openai: bool) -> Record:
+    record = Record(sent=time.perf_counter())
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                record.end = time.perf_counter()
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                read_event(record, json.loads(data), time.perf_counter(), openai)
+    except Exception as exc:  # noqa: BLE001 - one failed request is a result, not a crash
+        record.error = f"{type(exc).__name__}: {exc}"
+    record.end = time.perf_counter()
+    record.num_tokens = record.num_tokens or len(record.token_times)
+    return record
+
+
+async def run_load(url: str, prompts: list[str], args: argparse.Namespace, model_name: str) -> list[Record]:
+    """`concurrency` closed-loop clients; no new request starts after --max-duration-s."""
+    import httpx
+    queue = list(prompts)
+    records: list[Record] = []
+    deadline = time.perf_counter() + args.max_duration_s
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while queue and time.perf_counter() < deadline:
+            prompt = queue.pop(0)
+            path, body = request_body(prompt, args, model_name)
+            records.append(await one_request(client, url + path, body, args.openai))
+
+    async with httpx.AsyncClient(limits=limits, timeout=args.request_timeout_s) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(args.concurrency)))
+    return records
+
+
+def make_prompts(num: int) -> list[str]:
+    """`num` distinct prompts: the list, then numbered variants of it."""
+    return [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" (Part {i // len(PROMPTS) + 1}.)")
+            for i in range(num)]
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+def summarize(records: list[Record]) -> dict[str, Any]:
+    ok = [r for r in records if r.error is None and r.token_times]
+    if not ok:
+        return {"completed": 0, "failed": len(records), "errors": sorted({str(r.error) for r in records})[:3]}
+    wall = max(r.end for r in ok) - min(r.sent for r in records)
+    ttft = [(r.token_times[0] - r.sent) * 1e3 for r in ok]
+    e2e = [(r.token_times[-1] - r.sent) * 1e3 for r in ok]
+    tpot = [(r.token_times[-1] - r.token_times[0]) * 1e3 / (len(r.token_times) - 1) for r in ok
+            if len(r.token_times) > 1]
+    itl = [(b - a) * 1e3 for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
+    tokens = sum(r.num_tokens for r in ok)
+    reasons: dict[str, int] = {}
+    for r in ok:
+        reasons[str(r.finish_reason)] = reasons.get(str(r.finish_reason), 0) + 1
+    stats = {name: {q: percentile(values, q) for q in (50, 90, 99)} | {"mean": sum(values) / len(values)}
+             for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl), ("e2e_ms", e2e))
+             if values}
+    return {"completed": len(ok), "failed": len(records) - len(ok), "tokens": tokens, "seconds": wall,
+            "req_s": len(ok) / wall, "tok_s": tokens / wall, "finish_reasons": reasons,
+            "errors": sorted({str(r.error) for r in records if r.error})[:3], **stats}
+
+
+def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"\nengine over HTTP ({'/v1/completions' if args.openai else '/generate_stream'}), concurrency "
+          f"{args.concurrency}: {summary['completed']} completed, {summary['failed']} failed"
+          + (f" ({'; '.join(summary['errors'])})" if summary.get("errors") else ""))
+    if not summary["completed"]:
+        return
+    print("| metric | p50 | p90 | p99 | mean |\n|---|---|---|---|---|")
+    for name, title in (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("itl_ms", "ITL ms"), ("e2e_ms", "E2E ms")):
+        if name in summary:
+            s = summary[name]
+            print(f"| {title} | {s[50]:.1f} | {s[90]:.1f} | {s[99]:.1f} | {s['mean']:.1f} |")
+    print(f"throughput: {summary['req_s']:.2f} req/s, {summary['tok_s']:.1f} generated tok/s "
+          f"({summary['tokens']} tokens in {summary['seconds']:.2f} s); finish reasons {summary['finish_reasons']}",
+          flush=True)
+    if summary.get("server_cpu_s"):
+        print(f"CPU time: server {summary['server_cpu_s']:.1f} CPU-s ({summary['tok_per_cpu_s']:.1f} tok/CPU-s), "
+              f"load generator {summary['client_cpu_s']:.1f} CPU-s")
+
+
+# --- HF baseline ----------------------------------------------------------------------------------
+
+def hf_baseline(model_dir: Path, prompts: list[str], args: argparse.Namespace, dtype: str,
+                device: Any) -> dict[str, Any]:
+    """The same prompts (tokenized as the server does) through HF generate, padded batches."""
+    from engine.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(model_dir)
+    ids = [list(tokenizer.encode(p, add_special_tokens=True)) for p in prompts]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    model = load_hf_model(model_dir, dtype, device, args.load_format == "dummy")
+    hf_generate(model, ids[:1], 2, 1, pad_id, device)  # warm-up
+    result = {"batch": hf_generate(model, ids, args.new_tokens, args.hf_batch_size or args.concurrency,
+                                   pad_id, device)}
+    if args.hf_serial_max:
+        result["serial"] = hf_generate(model, ids[:args.hf_serial_max], args.new_tokens, 1, pad_id, device)
+    del model
+    free_memory(device)
+    return result
+
+
+# --- main -----------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-id", default="smollm2", help="snapshot dir or test-model name")
+    parser.add_argument("--url", help="benchmark this running server (loopback) instead of starting one")
+    parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
+    parser.add_argument("--config-like", choices=sorted(CONFIGS_LIKE), help="random weights of this shape "
+                        "(Llama-3.1-8B); needs --load-format dummy, meant for a GPU")
+    parser.add_argument("--config-override", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="patch the --config-like config (e.g. num_hidden_layers=2 to try it on CPU)")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                        help="default: float32 on CPU, bfloat16 on GPU")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--engine-args", default="", help="extra `python -m engine` flags, one string")
+    parser.add_argument("--openai", action="store_true", help="stream /v1/completions instead of /generate_stream")
+    parser.add_argument("--concurrency", type=int, default=16, help="concurrent streaming clients")
+    parser.add_argument("--num-requests", type=int, help="requests in all (default: --concurrency)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="max_new_tokens per request (greedy)")
+    parser.add_argument("--max-duration-s", type=float, default=120.0, help="no new request after this")
+    parser.add_argument("--request-timeout-s", type=float, default=180.0)
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    parser.add_argument("--hf-batch-size", type=int, help="HF padded batch size (default: --concurrency)")
+    parser.add_argument("--hf-serial-max", type=int, default=0,
+                        help="also run this many prompts through HF one at a time")
+    parser.add_argument("--threads", type=int, help="torch CPU threads of the server (OMP_NUM_THREADS) and of "
+                        "the HF baseline (default: torch's choice, one per core)")
+    parser.add_argument("--json-out", help="also write every number to this JSON file")
+    args = parser.parse_args(argv)
+    args.num_requests = args.num_requests or args.concurrency
+    return args
+
+
+def check_loopback(url: str) -> str:
+    host = urlparse(url).hostname or ""
+    if host not in LOOPBACK and f"[{host}]" not in LOOPBACK:
+        raise SystemExit(f"error: --url {url} is not a loopback address; this load generator only targets "
+                         "127.0.0.1/localhost (use an SSH tunnel to reach a cluster job)")
+    return url.rstrip("/")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    info = machine_info(device)
+    print_machine(info)
+    model_dir, temporary = prepare_model_dir(args, device)
+    try:
+        results = run(args, model_dir, dtype, device)
+    finally:
+        if temporary:
+            shutil.rmtree(model_dir, ignore_errors=True)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"machine": info, "args": vars(args), **results}, indent=2,
+                                                  default=str))
+    return 0 if results["engine"]["completed"] else 1
+
+
+def run(args: argparse.Namespace, model_dir: Path, dtype: str, device: Any) -> dict[str, Any]:
+    prompts = make_prompts(args.num_requests)
+    print(f"model: {args.config_like or model_dir} ({args.load_format}, {dtype}, {device}); {args.num_requests} "
+          f"requests, concurrency {args.concurrency}, max_new_tokens {args.new_tokens}, greedy", flush=True)
+    server = None if args.url else Server(model_dir, args, dtype, device.type)
+    try:
+        url = check_loopback(args.url) if args.url else server.start(args.startup_timeout_s)
+        asyncio.run(wait_healthy(url, args.startup_timeout_s))
+        model_name = str(model_dir)
+        server_cpu = server.cpu_seconds() if server else None
+        client_cpu = time.process_time()
+        records = asyncio.run(run_load(url, prompts, args, model_name))
+        client_cpu = time.process_time() - client_cpu
+        if server_cpu is not None:
+            server_cpu = server.cpu_seconds() - server_cpu
+    except BaseException:
+        if server is not None and server.log_path.exists():  # start() already showed it otherwise
+            print(f"engine log (last lines):\n{server.log_tail()}", file=sys.stderr)
+        raise
+    finally:
+        if server is not None:
+            server.stop()
+    summary = summarize(records)
+    summary["client_cpu_s"], summary["server_cpu_s"] = client_cpu, server_cpu
+    if server_cpu and summary["completed"]:
+        summary["tok_per_cpu_s"] = summary["tokens"] / server_cpu
+    print_summary(summary, args)
+    results: dict[str, Any] = {"engine": summary}
+    if args.no_hf or not summary["completed"]:
+        return results
+    done = prompts[:summary["completed"] + summary["failed"]]  # what was actually sent
+    hf = hf_baseline(model_dir, done, args, dtype, device)
+    print()
+    print_throughput(f"HF generate, padded batches of {args.hf_batch_size or args.concurrency}", hf["batch"])
+    if "serial" in hf:
+        print_throughput("HF generate, one at a time", hf["serial"])
+    for kind, result in hf.items():
+        cpu = (f", {summary['tok_per_cpu_s'] / result['tok_per_cpu_s']:.2f}x tok/CPU-s"
+               if summary.get("tok_per_cpu_s") and result.get("tok_per_cpu_s") else "")
+        print(f"ratio engine (HTTP, {args.concurrency} streams) / HF {kind}: "
+              f"{summary['tok_s'] / result['tok_s']:.2f}x aggregate generated tok/s{cpu}")
+    results["hf"] = hf
+    return results
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
