@@ -111,7 +111,8 @@ class CompileOptions:
 
 
 def release_spec(target: str, opts: CompileOptions):
-    from tgi_hpc.release import ReleaseSpec, offline_pip_args
+    from tgi_hpc.release_builder import offline_pip_args
+    from tgi_hpc.release_spec import ReleaseSpec
 
     extra = {"torch_spec": opts.torch_spec} if opts.torch_spec else {}
     return ReleaseSpec(release_dir=Path(target), name=opts.name,

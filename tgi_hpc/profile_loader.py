@@ -10,29 +10,26 @@ Merge order (later wins), then one validation against the schema:
 4. ``TGI_HPC_ACCOUNT`` fills ``slurm.account``;
 5. ``--set key.path=value`` overrides, values parsed as YAML (``--set slurm.defaults.serve.gpus=2``).
 
-Any error names the file (or ``--set`` item) and the dotted key that caused it.
+Any error names the file (or ``--set`` item) and the dotted key that caused it. The parts: strict YAML in
+tgi_hpc.profile_yaml, merging in tgi_hpc.profile_merge, validation errors in tgi_hpc.profile_errors.
 """
 from __future__ import annotations
 
-import copy
 import difflib
 import fnmatch
 import os
-import re
 import socket
-import types
-import typing
 import unicodedata
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import BaseModel, ValidationError
-
 from tgi_hpc.data import data_dir
 from tgi_hpc.errors import ProfileError
 from tgi_hpc.profile import JobKind, Profile, Resources
+from tgi_hpc.profile_errors import validate_profile
+from tgi_hpc.profile_merge import Origins, apply_cluster, merge, nest, parse_set
+from tgi_hpc.profile_yaml import read_yaml
 
 
 # --- where profiles live ---------------------------------------------------------------------
@@ -80,120 +77,6 @@ def _local_profile(env: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-# --- YAML reading ----------------------------------------------------------------------------
-
-class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
-    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one)."""
-
-
-def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    loader.flatten_mapping(node)
-    mapping: dict[Any, Any] = {}
-    for key_node, value_node in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            duplicate = key in mapping
-        except TypeError:
-            raise yaml.constructor.ConstructorError(
-                None, None, "a key must be a plain scalar", key_node.start_mark) from None
-        if duplicate:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark)
-        mapping[key] = loader.construct_object(value_node, deep=deep)
-    return mapping
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-# YAML 1.1 reads 1:00:00 as the base-60 integer 3600; a Slurm time must stay a string.
-_BASE60 = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
-_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:str", _BASE60, list("-+0123456789"))
-for _first in "-+0123456789":
-    _rules = _UniqueKeyLoader.yaml_implicit_resolvers[_first]
-    _rules.insert(0, _rules.pop())   # checked before the int/float rules
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ProfileError(f"{path}: cannot read profile ({e.strerror or e}).") from None
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise ProfileError(f"{where}: invalid YAML: {e.problem or e.context}. Fix the file.") from None
-    except yaml.YAMLError as e:
-        raise ProfileError(f"{path}: invalid YAML: {e}. Fix the file.") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ProfileError(f"{path}: a profile must be a YAML mapping of keys, not {type(data).__name__}.")
-    return data
-
-
-# --- merging ---------------------------------------------------------------------------------
-
-Origins = dict[tuple, str]   # dotted key path -> where its value came from (file or --set item)
-
-
-def _merge(base: dict, over: Mapping, origin: str, origins: Origins, prefix: tuple = ()) -> dict:
-    """Deep-merge `over` into a copy of `base`; mappings merge, everything else replaces."""
-    out = dict(base)
-    for key, value in over.items():
-        path = (*prefix, key)
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _merge(out[key], value, origin, origins, path)
-        else:
-            out[key] = copy.deepcopy(value)
-            origins[path] = origin
-    return out
-
-
-def _parse_set(item: str) -> tuple[tuple[str, ...], Any]:
-    key, sep, raw = item.partition("=")
-    parts = tuple(key.strip().split("."))
-    if not sep or not all(parts):
-        raise ProfileError(f"--set {item!r}: expected KEY.PATH=VALUE, e.g. --set slurm.account=def-yourpi.")
-    try:
-        value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw                       # not YAML: keep it as the literal string
-    return parts, value
-
-
-def _nest(parts: Sequence[str], value: Any) -> dict:
-    for part in reversed(parts):
-        value = {part: value}
-    return value
-
-
-def _apply_cluster(raw: dict, cluster: str, origins: Origins) -> dict:
-    over = (raw.get("clusters") or {}).get(cluster)
-    if not isinstance(over, Mapping):
-        return {**raw, "cluster": cluster}
-    # Cluster keys map onto profile keys (unknown ones are reported by validation, in place).
-    where = {"login_host": ("login_host",), "detect": ("detect",), "gpu_request": ("slurm", "gpu_request"),
-             "gpu_types": ("slurm", "gpu_types"), "defaults": ("slurm", "defaults"),
-             "catalog": ("catalog",), "network": ("network",), "modules": ("environment", "modules"),
-             "env": ("environment", "env")}
-    for key, target in where.items():
-        if over.get(key) is None or (target[0] == "slurm" and not isinstance(raw.get("slurm"), Mapping)):
-            continue
-        src = _origin(origins, ("clusters", cluster, key))
-        raw = _merge(raw, _nest(target, over[key]), f"{src} (via clusters.{cluster}.{key})", origins)
-    return {**raw, "cluster": cluster}
-
-
-def _origin(origins: Origins, loc: Sequence, default: str = "") -> str:
-    """Who set `loc`: the longest recorded prefix, or any recorded key below it."""
-    for n in range(len(loc), 0, -1):
-        if tuple(loc[:n]) in origins:
-            return origins[tuple(loc[:n])]
-    below = [src for path, src in origins.items() if path[: len(loc)] == tuple(loc)]
-    return below[-1] if below else default
-
-
 # --- name resolution and detection -----------------------------------------------------------
 
 def _fold(name: str) -> str:
@@ -203,7 +86,7 @@ def _fold(name: str) -> str:
 
 def _cluster_owner(name: str) -> str | None:
     for profile, path in _shipped().items():
-        if name in (_read_yaml(path).get("clusters") or {}):
+        if name in (read_yaml(path).get("clusters") or {}):
             return profile
     return None
 
@@ -223,7 +106,7 @@ def detect_cluster(env: Mapping[str, str] | None = None,
     env = os.environ if env is None else env
     hostname = socket.getfqdn() if hostname is None else hostname
     for profile, path in _shipped().items():
-        raw = _read_yaml(path)
+        raw = read_yaml(path)
         for cluster, over in (raw.get("clusters") or {}).items():   # specific first
             if isinstance(over, Mapping) and _matches(over.get("detect") or {}, env, hostname):
                 return profile, cluster
@@ -248,72 +131,10 @@ def _resolve(name: str, cluster: str | None, env: Mapping[str, str]) -> tuple[st
     user_file = user_config_dir(env) / f"{name}.yaml"
     if user_file.is_file():
         return name, user_file, cluster
-    known = list_profiles(env) + [c for p in shipped.values() for c in (_read_yaml(p).get("clusters") or {})]
+    known = list_profiles(env) + [c for p in shipped.values() for c in (read_yaml(p).get("clusters") or {})]
     hint = difflib.get_close_matches(folded, known, n=1)
     raise ProfileError(f"unknown profile {name!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
                        + f"; choose one of: {', '.join(known)}, or give a path to a YAML file.")
-
-
-# --- validation errors -----------------------------------------------------------------------
-
-def _dotted(loc: Sequence) -> str:
-    """slurm.defaults.serve.time; odd keys (newlines, quotes, $(...)) shown by repr, cut at 60 chars."""
-    def part(p: Any) -> str:
-        if isinstance(p, int):
-            return f"[{p}]"
-        text = p if isinstance(p, str) and p.replace("_", "").replace("-", "").isalnum() else repr(p)
-        return text if len(text) <= 60 else text[:57] + "..."
-    return ".".join(part(p) for p in loc)
-
-
-def _unwrap(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0] if len(args) == 1 else tp
-    return tp
-
-
-def _valid_keys(loc: Sequence) -> list[str]:
-    """Field names of the model found at `loc` in the schema ([] when it is not a model)."""
-    tp: Any = Profile
-    for part in loc:
-        tp = _unwrap(tp)
-        if isinstance(tp, type) and issubclass(tp, BaseModel):
-            field = tp.model_fields.get(str(part))
-            if field is None:
-                return []
-            tp = field.annotation
-        elif typing.get_origin(tp) in (dict, list):
-            tp = typing.get_args(tp)[-1]
-        else:
-            return []
-    tp = _unwrap(tp)
-    return list(tp.model_fields) if isinstance(tp, type) and issubclass(tp, BaseModel) else []
-
-
-def _describe(err: Mapping[str, Any], origins: Origins, base: str) -> str:
-    loc = [p for p in err["loc"] if p != "[key]"]
-    where = _origin(origins, loc, base)
-    key = _dotted(loc)
-    if err["type"] == "extra_forbidden":
-        valid = _valid_keys(loc[:-1])
-        hint = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-        suggestion = f" (did you mean {_dotted([*loc[:-1], hint[0]])}?)" if hint else ""
-        return (f"{where}: unknown key {key}{suggestion}"
-                + (f"; valid keys there: {', '.join(valid)}" if valid else ""))
-    got = repr(err.get("input"))
-    got = got if len(got) <= 60 else got[:57] + "..."
-    return f"{where}: {key}: {err['msg']}" + ("" if err["type"] == "missing" else f" (got {got})")
-
-
-def _validate(raw: dict, origins: Origins, base: str) -> Profile:
-    try:
-        return Profile.model_validate(raw)
-    except ValidationError as e:
-        lines = list(dict.fromkeys(_describe(err, origins, base) for err in e.errors()))
-        more = f"\n  (+{len(lines) - 5} more)" if len(lines) > 5 else ""
-        raise ProfileError("invalid profile:\n  " + "\n  ".join(lines[:5]) + more
-                           + "\nFix the key in that file, or the --set item.") from None
 
 
 # --- loading ---------------------------------------------------------------------------------
@@ -325,12 +146,12 @@ def _layers(name: str, source: Path | None, base: dict, overrides: Sequence[str]
     user_file = user_config_dir(env) / f"{name}.yaml"
     shipped = source is None or source.parent in profile_dirs()
     if shipped and user_file.is_file():   # an explicit or user-only file is not overlaid again
-        layers.append((str(user_file), _read_yaml(user_file)))
+        layers.append((str(user_file), read_yaml(user_file)))
     if env.get("TGI_HPC_ACCOUNT") and isinstance(base.get("slurm"), Mapping):
         layers.append(("TGI_HPC_ACCOUNT", {"slurm": {"account": env["TGI_HPC_ACCOUNT"]}}))
     for item in overrides:
-        parts, value = _parse_set(item)
-        layers.append((f"--set {item}", _nest(parts, value)))
+        parts, value = parse_set(item)
+        layers.append((f"--set {item}", nest(parts, value)))
     return layers
 
 
@@ -365,7 +186,7 @@ def load_profile(name: str | None = None, *, cluster: str | None = None, overrid
             detected = detect_cluster(env)
             name = (detected[1] or detected[0]) if detected else "local"
         profile_name, source, named_cluster = _resolve(name or env["TGI_HPC_CLUSTER"], cluster, env)
-    base = _local_profile(env) if source is None else _read_yaml(source)
+    base = _local_profile(env) if source is None else read_yaml(source)
     label = str(source) if source else "built-in profile 'local'"
     if named_cluster is None and path is None and base.get("clusters"):
         detected = detect_cluster(env)    # on a login node, `-p computecanada` means this cluster
@@ -375,13 +196,13 @@ def load_profile(name: str | None = None, *, cluster: str | None = None, overrid
     raw = base
     for layer_label, layer in layers:  # clusters first: the chosen cluster may be edited too
         if "clusters" in layer:
-            raw = _merge(raw, {"clusters": layer["clusters"]}, layer_label, origins)
+            raw = merge(raw, {"clusters": layer["clusters"]}, layer_label, origins)
     chosen = _pick_cluster(raw, named_cluster, label)
     if chosen is not None:
-        raw = _apply_cluster(raw, chosen, origins)
+        raw = apply_cluster(raw, chosen, origins)
     for layer_label, layer in layers:
-        raw = _merge(raw, {k: v for k, v in layer.items() if k != "clusters"}, layer_label, origins)
-    return _validate(raw, origins, label)
+        raw = merge(raw, {k: v for k, v in layer.items() if k != "clusters"}, layer_label, origins)
+    return validate_profile(raw, origins, label)
 
 
 def require_account(profile: Profile) -> str | None:

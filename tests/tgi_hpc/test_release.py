@@ -18,10 +18,15 @@ from pathlib import Path
 import pytest
 
 from tgi_hpc.errors import ReleaseError
-from tgi_hpc.release import (CURRENT, LOCK, MANIFEST, WHEELHOUSE, Manifest, ReleaseSpec, build_release,
-                             check_torch_for_kernels, find_nvcc, flash_attn_archs, offline_pip_args, parse_cuda_archs,
-                             read_manifest, release_name, sha256_file, torch_wheel_cuda)
-from tgi_hpc.release_verify import fix_permissions, gpu_problems, repair_release, verify_release
+from tgi_hpc.release import CURRENT, build_release
+from tgi_hpc.release_builder import offline_pip_args
+from tgi_hpc.release_kernels import (check_torch_for_kernels, find_nvcc, flash_attn_archs, parse_cuda_archs,
+                                     torch_wheel_cuda)
+from tgi_hpc.release_manifest import LOCK, MANIFEST, WHEELHOUSE, Manifest, read_manifest, sha256_file
+from tgi_hpc.release_repair import fix_permissions, repair_release
+from tgi_hpc.release_selftest import gpu_problems
+from tgi_hpc.release_spec import ReleaseSpec, release_name
+from tgi_hpc.release_verify import verify_release
 
 
 

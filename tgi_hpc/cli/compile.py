@@ -48,7 +48,8 @@ def verify(app: App, release_dir, fix) -> None:
     from pathlib import Path
 
     from tgi_hpc.errors import ReleaseError
-    from tgi_hpc.release_verify import repair_release, verify_release
+    from tgi_hpc.release_repair import repair_release
+    from tgi_hpc.release_verify import verify_release
 
     if release_dir is None:
         cluster = app.cluster()
