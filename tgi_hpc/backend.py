@@ -15,7 +15,7 @@ from tgi_hpc.errors import SlurmError
 from tgi_hpc.jobspec import JOB_NAME_PREFIX
 
 OUR_JOB_NAMES = {JOB_NAME_PREFIX + kind for kind in ("serve", "download", "compile")}
-from tgi_hpc.local_job import read_state
+from tgi_hpc.local_job import read_state, start_ticks
 from tgi_hpc.runner import Runner
 from tgi_hpc.slurm import SlurmJob
 
@@ -101,8 +101,9 @@ class LocalBackend:
         if data is None:
             return None
         state = data["state"]
-        if state == "RUNNING" and not _alive(int(data.get("pid", job_id))):
-            state = "FAILED"  # the wrapper died without writing its verdict
+        pid = int(data.get("pid", job_id))
+        if state == "RUNNING" and (not _alive(pid) or start_ticks(pid) != data.get("start_ticks", start_ticks(pid))):
+            state = "FAILED"  # the wrapper died without writing its verdict (its pid may be reused)
         return SlurmJob(job_id, data.get("name", ""), state, node=data.get("node", ""))
 
     def states(self, job_ids: list[str]) -> dict[str, SlurmJob]:

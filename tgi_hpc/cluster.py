@@ -24,7 +24,14 @@ class Cluster:
     def uses_slurm(self) -> bool:
         return self.profile.slurm is not None
 
+    @property
+    def is_local(self) -> bool:
+        """True when this process runs where the jobs' files are (a login node, or no Slurm)."""
+        return isinstance(self.runner, LocalRunner)
+
     def expand(self, path: str, strict: bool = True) -> str:
+        if not strict and not self.is_local:
+            return path  # see open_cluster: dry runs from a laptop stay offline
         try:
             return expand_path(self.runner, path)
         except SlurmError:
@@ -55,11 +62,14 @@ def open_cluster(name: str | None = None, overrides: Sequence[str] = (), *, remo
                  strict_paths: bool = True) -> Cluster:
     profile = load_profile(name, overrides=overrides)
     runner = _runner_for(profile, remote)
-    try:
-        job_dir = expand_path(runner, profile.paths.jobs)
-    except SlurmError:
-        if strict_paths:
-            raise
-        job_dir = profile.paths.jobs  # a dry run on another machine: show the unexpanded path
+    if not strict_paths and not isinstance(runner, LocalRunner):
+        job_dir = profile.paths.jobs  # a dry run from a laptop: no SSH (and no 2FA prompt) just to print
+    else:
+        try:
+            job_dir = expand_path(runner, profile.paths.jobs)
+        except SlurmError:
+            if strict_paths:
+                raise
+            job_dir = profile.paths.jobs  # a dry run on another machine: show the unexpanded path
     backend: Backend = SlurmBackend(runner, job_dir) if profile.slurm else LocalBackend(runner, job_dir)
     return Cluster(profile, runner, backend, job_dir)

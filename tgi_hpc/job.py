@@ -5,6 +5,7 @@ They live in Python, not in the template, so they are tested like the rest of th
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shutil
@@ -50,6 +51,22 @@ def stage(src: Path, dst: Path) -> Path:
     return dst
 
 
+def await_ready(ready_file: Path, pid: int, timeout: float = 24 * 3600) -> int:
+    """The port the engine bound, from the file it writes once listening; 0 if it died first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return int(json.loads(ready_file.read_text())["port"])
+        except (FileNotFoundError, ValueError, KeyError):
+            pass
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return 0
+        time.sleep(0.5)
+    return 0
+
+
 def write_endpoint(path: Path, port: int, api_key_file: str, model: str) -> Endpoint:
     endpoint = Endpoint(
         job_id=job_id(),
@@ -66,7 +83,13 @@ def write_endpoint(path: Path, port: int, api_key_file: str, model: str) -> Endp
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
+
     from tgi_hpc.errors import TgiHpcError
+
+    # In a job, progress (e.g. a long download) must reach the job's log.
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[tgi-hpc] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     try:
         return _main(argv)
@@ -85,7 +108,9 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--file", type=Path, required=True)
     p = sub.add_parser("write-endpoint")
     p.add_argument("--file", type=Path, required=True)
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, help="the port (default: wait for --ready-file)")
+    p.add_argument("--ready-file", type=Path)
+    p.add_argument("--pid", type=int, default=0, help="the engine's pid: stop waiting if it dies")
     p.add_argument("--api-key-file", default="")
     p.add_argument("--model", default="")
     p = sub.add_parser("stage")
@@ -95,6 +120,12 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--revision", default="main")
     p.add_argument("--store", type=Path, required=True)
+    p = sub.add_parser("models")
+    p.add_argument("--store", type=Path, required=True)
+    p = sub.add_parser("models-rm")
+    p.add_argument("--store", type=Path, required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--revision")
     p = sub.add_parser("compile")
     p.add_argument("--release-dir", type=Path, required=True)
     p.add_argument("--cuda-archs", default="")
@@ -112,7 +143,11 @@ def _main(argv: list[str] | None) -> int:
     elif args.cmd == "api-key":
         ensure_api_key(args.file)
     elif args.cmd == "write-endpoint":
-        endpoint = write_endpoint(args.file, args.port, args.api_key_file, args.model)
+        port = args.port or await_ready(args.ready_file, args.pid or os.getppid())
+        if not port:
+            print("[tgi-hpc] the engine exited before listening: no endpoint published", file=sys.stderr)
+            return 1
+        endpoint = write_endpoint(args.file, port, args.api_key_file, args.model)
         print(f"[tgi-hpc] endpoint {endpoint.url} written to {args.file}", file=sys.stderr)
     elif args.cmd == "stage":
         print(stage(args.src, args.dst))
@@ -121,6 +156,16 @@ def _main(argv: list[str] | None) -> int:
 
         stored = download_model(args.model, args.store, revision=args.revision)  # token: HF_TOKEN or stored login
         print(f"[tgi-hpc] stored {stored.model_id}@{stored.revision} in {stored.path}", file=sys.stderr)
+    elif args.cmd in ("models", "models-rm"):  # for a laptop: results as JSON
+        import json
+
+        from tgi_hpc.model_store import list_models, remove_model
+        from tgi_hpc.prepare import stored_dict
+
+        if args.cmd == "models":
+            print(json.dumps([stored_dict(m) for m in list_models(args.store)]))
+        else:
+            print(json.dumps([str(p) for p in remove_model(args.store, args.model, args.revision)]))
     elif args.cmd == "compile":
         from tgi_hpc.prepare import CompileOptions, release_spec
         from tgi_hpc.release import build_release

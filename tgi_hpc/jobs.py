@@ -5,6 +5,7 @@ TIMEOUT. They come from Slurm's state plus a real readiness probe, never from lo
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -17,6 +18,8 @@ from tgi_hpc.jobspec import JOB_NAME_PREFIX, JobSpec
 from tgi_hpc.render import render_job
 from tgi_hpc.runner import LocalRunner
 from tgi_hpc.slurm import SlurmJob
+
+logger = logging.getLogger(__name__)
 
 _RUNNING = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT"}
 _QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED", "RESIZING"}
@@ -53,7 +56,7 @@ class JobStatus:
 
 def render(cluster: Cluster, spec: JobSpec, **kwargs) -> str:
     if not isinstance(cluster.runner, LocalRunner):
-        kwargs.setdefault("python", "python3")
+        kwargs.setdefault("python", cluster.profile.remote_python)
     return render_job(cluster.profile, spec, job_dir=cluster.job_dir, **kwargs)
 
 
@@ -119,7 +122,15 @@ def wait(cluster: Cluster, job_id: str, *, until: set[str], timeout: float,
     """Poll with a short-then-longer backoff (as submitit's watcher does) until a wanted state."""
     deadline, delay, last = time.monotonic() + timeout, 0.25, None
     while True:
-        current = status(cluster, [job_id])[0]
+        try:
+            current = status(cluster, [job_id])[0]
+        except SlurmError as exc:  # a busy controller times out now and then: keep watching
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("could not read job %s's state (%s); retrying", job_id, exc)
+            time.sleep(delay)
+            delay = min(delay * 1.5, 5.0)
+            continue
         if on_change and (last is None or (current.state, current.reason) != (last.state, last.reason)):
             on_change(current)
         last = current
@@ -137,10 +148,17 @@ def wait(cluster: Cluster, job_id: str, *, until: set[str], timeout: float,
 
 
 def stop(cluster: Cluster, job_ids: list[str] | None = None) -> list[str]:
-    """Cancel these jobs, or (None) all my tgi-hpc jobs."""
-    ids = job_ids or [j.job_id for j in cluster.backend.mine()]
+    """Cancel these jobs, or (None) all my tgi-hpc jobs; unknown ids are an error, after the rest."""
+    if job_ids is None:
+        ids, unknown = [j.job_id for j in cluster.backend.mine()], []
+    else:
+        known = cluster.backend.states(job_ids)
+        ids, unknown = [j for j in job_ids if j in known], [j for j in job_ids if j not in known]
     if ids:
         cluster.backend.cancel(ids)
+    if unknown:
+        done = f" (stopped {' '.join(ids)})" if ids else ""
+        raise SlurmError(f"no such job: {' '.join(unknown)}{done}")
     return ids
 
 

@@ -34,6 +34,15 @@ def read_state(job_dir: Path, job_id: str) -> dict | None:
         return None
 
 
+def start_ticks(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot): a pid reused by another process differs."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (FileNotFoundError, IndexError, ValueError):
+        return None
+
+
 def run(script: Path, job_dir: Path, name: str) -> int:
     job_id = str(os.getpid())
     final = job_dir / f"{job_id}.sbatch"
@@ -41,7 +50,8 @@ def run(script: Path, job_dir: Path, name: str) -> int:
     tmpdir = job_dir / f"{job_id}.tmp"
     tmpdir.mkdir(mode=0o700, exist_ok=True)
     env = {**os.environ, "TGI_HPC_JOB_ID": job_id, "SLURM_TMPDIR": str(tmpdir), "TGI_HPC_JOB_NAME": name}
-    write_state(job_dir, job_id, "RUNNING", name=name, pid=os.getpid(), node=os.uname().nodename)
+    write_state(job_dir, job_id, "RUNNING", name=name, pid=os.getpid(), node=os.uname().nodename,
+                start_ticks=start_ticks(os.getpid()))
     with open(job_dir / f"{job_id}.out", "ab", buffering=0) as log:
         child = subprocess.Popen(["bash", str(final)], stdout=log, stderr=log, env=env, start_new_session=True)
     cancelled = False

@@ -103,4 +103,7 @@ class Profile(_Strict):
     network: NetworkSection
     catalog: list[CatalogEntry] = Field(default_factory=list)
     clusters: dict[str, ClusterOverride] = Field(default_factory=dict)
-    cluster: str | None = None            # which entry of `clusters` was applied
+    cluster: str | None = None
+    # From a laptop (remote mode): the cluster-side Python that has tgi-hpc installed; it runs the
+    # login-node steps (download, compile, models) and the in-job helpers of download/compile jobs.
+    remote_python: str = "python3"            # which entry of `clusters` was applied

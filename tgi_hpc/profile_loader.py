@@ -213,7 +213,7 @@ def require_account(profile: Profile) -> str | None:
     where = user_config_dir() / f"{profile.name}.yaml"
     raise ProfileError(
         f"profile {_label(profile)} needs a Slurm account "
-        "(--account), e.g. def-yourpi. Set it with one of:\n"
+        "(sbatch --account), e.g. def-yourpi. Set it with one of:\n"
         "  --set slurm.account=def-yourpi\n"
         "  export TGI_HPC_ACCOUNT=def-yourpi\n"
         f"  slurm: {{account: def-yourpi}}   in {where}")

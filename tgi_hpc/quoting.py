@@ -56,6 +56,20 @@ def sh_join(argv: list[object]) -> Shell:
     return Shell(" ".join(sh(a) for a in argv))
 
 
+def sbatch_value(value: object) -> Shell:
+    """A value for an `#SBATCH --flag=VALUE` line, as sbatch's own parser reads it.
+
+    sbatch is not a shell: it knows only double quotes and backslash, and a bare `#` ends the
+    value. A newline would end the comment line and turn the rest into shell, so it is refused.
+    """
+    text = _check(value)
+    if "\n" in text or "\r" in text:
+        raise TemplateError(f"a line break cannot go into an #SBATCH option: {text!r}")
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("#", "\\#")
+    plain = escaped == text and text and all(ch.isalnum() or ch in "-_.:/,=@%+" for ch in text)
+    return Shell(text if plain else f'"{escaped}"')
+
+
 def sh_comment(value: object) -> Shell:
     """Text for a `# comment`: one line whatever the value holds (JSON string escaping)."""
     text = json.dumps(_check(value), ensure_ascii=True)[1:-1]

@@ -15,7 +15,7 @@ from tgi_hpc.data import data_dir
 from tgi_hpc.errors import TemplateError
 from tgi_hpc.jobspec import CompileSpec, DownloadSpec, JobSpec, ServeSpec, ShellPath
 from tgi_hpc.profile import Profile, Resources
-from tgi_hpc.quoting import Shell, finalize, sh, sh_comment, sh_env, sh_join, sh_name, trusted
+from tgi_hpc.quoting import Shell, finalize, sbatch_value, sh, sh_comment, sh_env, sh_join, sh_name, trusted
 
 TITLES = {
     "serve": "tgi-hpc serve job: runs the engine and publishes its endpoint",
@@ -91,7 +91,7 @@ def sbatch_directives(flags: Mapping[str, str | bool]) -> list[Shell]:
         value = flags[key]
         if value is False:
             continue
-        lines.append(Shell(f"#SBATCH --{name}" if value is True else f"#SBATCH --{name}={sh(value)}"))
+        lines.append(Shell(f"#SBATCH --{name}" if value is True else f"#SBATCH --{name}={sbatch_value(value)}"))
     return lines
 
 
@@ -117,7 +117,7 @@ def render_job(profile: Profile, spec: JobSpec, *, job_dir: str, release_dir: Sh
     """The whole job script for `spec` on `profile`; `job_dir` holds logs, the script and endpoint.
 
     `python` runs tgi-hpc's in-job helpers for download/compile jobs: this interpreter on a login
-    node; from a laptop, the cluster's `python3` (tgi-hpc must be installed there too).
+    node; from a laptop, the profile's `remote_python` (tgi-hpc must be installed there too).
     """
     context = _common(profile, spec, job_dir, python)
     if isinstance(spec, ServeSpec):

@@ -62,10 +62,20 @@ def _is_path(cluster: Cluster, model: str) -> bool:
 def _model_location(cluster: Cluster, model: str, revision: str) -> ShellPath:
     """Where the job finds the weights: a snapshot directory, or the model store's copy of a Hub id."""
     if _is_path(cluster, model):
-        local = isinstance(cluster.runner, LocalRunner)  # a laptop's paths mean nothing on the cluster
-        return ShellPath("", str(Path(model).expanduser().resolve()) if local else model)
+        return ShellPath("", cluster_path(cluster, model))
     rel = model_dir(Path("/"), validate_model_id(model), revision).relative_to("/")
     return ShellPath(cluster.profile.paths.models, str(rel))
+
+
+def cluster_path(cluster: Cluster, path: str) -> str:
+    """An absolute path where the jobs run: resolved here on a login node, on the login node from a laptop."""
+    if isinstance(cluster.runner, LocalRunner):
+        return str(Path(path).expanduser().resolve())
+    if path.startswith("~/") or path == "~":
+        return cluster.expand("$HOME" + path[1:])
+    if not path.startswith("/"):
+        raise UsageError(f"{path!r}: from a laptop, give an absolute path on the cluster (or ~/...)")
+    return path
 
 
 def _read_config(cluster: Cluster, where: ShellPath) -> dict | None:
@@ -100,6 +110,9 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions) -> ServeSpec:
     if choices:
         resources = resources.model_copy(update=choices)
     num_shard = max(1, opts.gpus if opts.gpus is not None else (resources.gpus or 1))
+    if opts.limits.get("quantize") not in (None, "none"):
+        raise UsageError(f"--quantize {opts.limits['quantize']}: the engine does not support quantization yet "
+                         "(serve the bf16/fp16 weights; larger models get more GPUs from the catalog)")
     argv = []
     for key, value in opts.limits.items():
         if value is not None:
@@ -115,8 +128,7 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions) -> ServeSpec:
 def release_dir(cluster: Cluster, release: str | None) -> ShellPath:
     """--release DIR, else the profile's current release; without Slurm, this very environment."""
     if release:
-        local = isinstance(cluster.runner, LocalRunner)
-        return ShellPath("", str(Path(release).expanduser().resolve()) if local else release)
+        return ShellPath("", cluster_path(cluster, release))
     if not cluster.uses_slurm:
         return ShellPath("", sys.prefix)
     return ShellPath(cluster.profile.paths.releases, "current")

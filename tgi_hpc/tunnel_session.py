@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -86,11 +87,15 @@ def _free(port: int) -> bool:
 
 
 def open_tunnel(cluster: Cluster, job_id: str, *, local_port: int | None = None, accept_host_key: bool = False,
-                timeout: float = 600):
+                timeout: float = 600, progress=lambda message: None):
     """Wait for the job to be READY, forward a local port to it, check /health through it."""
     from tgi_hpc.tunnel import Tunnel, wait_http_ready
 
-    st = jobs.wait(cluster, job_id, until={"READY"}, timeout=timeout)
+    def show(st) -> None:
+        progress(f"job {st.job_id}: {st.state}" + (f" ({st.reason})" if st.reason else "")
+                 + (f" on {st.node}" if st.node else ""))
+
+    st = jobs.wait(cluster, job_id, until={"READY"}, timeout=timeout, on_change=show)
     endpoint = jobs.read_endpoint(cluster, job_id)
 
     def target() -> tuple[str, int]:
@@ -113,8 +118,10 @@ def open_tunnel(cluster: Cluster, job_id: str, *, local_port: int | None = None,
 
 
 def instructions(info: TunnelInfo) -> str:
-    auth = f' -H "Authorization: Bearer $(cat {info.api_key_file})"' if info.api_key_file else ""
-    key = f'open("{info.api_key_file}").read().strip()' if info.api_key_file else '"-"'
+    """What to paste: quoted for the shell and for Python (state dirs can hold spaces or backslashes)."""
+    key_file = info.api_key_file
+    auth = f' -H "Authorization: Bearer $(cat {shlex.quote(key_file)})"' if key_file else ""
+    key = f"open({key_file!r}).read().strip()" if key_file else '"-"'
     return "\n".join([
         f"ready at {info.url}  (job {info.job_id} on {info.remote})",
         f"api key: {info.api_key_file or '(none: server started with --no-api-key)'}",

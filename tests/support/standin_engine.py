@@ -41,6 +41,9 @@ class Handler(BaseHTTPRequestHandler):
 
 
 server = ThreadingHTTPServer((host, port), Handler)
+if "--ready-file" in args:  # as the engine does: written once the port is bound
+    with open(args[args.index("--ready-file") + 1], "w") as fh:
+        json.dump({"host": host, "port": port, "pid": os.getpid()}, fh)
 signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(SystemExit(0)))
 print(f"stand-in engine on {host}:{port}", file=sys.stderr, flush=True)
 try:

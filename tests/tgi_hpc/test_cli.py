@@ -100,3 +100,13 @@ def test_completion_script(run):
 def test_unknown_option_is_a_usage_error(run):
     code, _, err = run("serve", "--modle", "a/b")
     assert code == 2 and "--modle" in err
+
+
+def test_quantize_is_refused_before_submitting(run):
+    code, _, err = run("serve", "--cluster", "mila", "--model", "a/b", "--dry-run", "--quantize", "awq")
+    assert code == 2 and "quantization" in err
+
+
+def test_stopping_an_unknown_job_says_so(run, tmp_path):
+    code, _, err = run("stop", "--cluster", "local", "--set", f"paths.jobs={tmp_path}", "424242")
+    assert code == 5 and "no such job: 424242" in err

@@ -42,11 +42,26 @@ def test_every_profile_renders_valid_bash(name, kind, tmp_path):
     assert "$HOME" not in script and "~/" not in script  # caches and logs never go to $HOME
 
 
-def test_directives_are_sorted_quoted_and_validated():
-    lines = sbatch_directives({"time": "1:00:00", "constraint": "ampere&nvlink", "requeue": True, "x": False})
-    assert lines == ["#SBATCH --constraint='ampere&nvlink'", "#SBATCH --requeue", "#SBATCH --time=1:00:00"]
+def test_directives_are_sorted_quoted_for_sbatch_and_validated():
+    lines = sbatch_directives({"time": "1:00:00", "constraint": "ampere&nvlink", "requeue": True, "x": False,
+                               "comment": 'a b#c "q" d\\e'})
+    # sbatch reads only double quotes and backslash escapes, and a bare # ends a value
+    assert lines == ['#SBATCH --comment="a b\\#c \\"q\\" d\\\\e"', '#SBATCH --constraint="ampere&nvlink"',
+                     "#SBATCH --requeue", "#SBATCH --time=1:00:00"]
     with pytest.raises(TemplateError):
         sbatch_directives({"time; rm -rf /": "1"})
+
+
+@pytest.mark.parametrize("args", [
+    ["--partition", "main\ntouch /tmp/pwned #"],
+    ["--time", "1:00:00\rid"],
+    ["--set", 'slurm.account="def-x\\nid #"'],   # a YAML escape: the value holds a real newline
+])
+def test_a_line_break_in_a_directive_is_refused(args, capsys):
+    from tgi_hpc.cli import main
+
+    assert main(["serve", "--cluster", "mila", "--model", "a/b", "--dry-run", *args]) == 4
+    assert "line break" in capsys.readouterr().err
 
 
 def test_hostile_hub_id_is_refused_before_rendering():

@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     except TgiHpcError as exc:
         click.echo(f"error: {exc}", err=True)
         return exc.exit_code
+    except OSError as exc:  # a file or connection problem outside our own checks: a message, not a traceback
+        click.echo(f"error: {exc}", err=True)
+        return 1
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130
@@ -50,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except click.exceptions.Exit as exc:
         return exc.exit_code
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] != "paramiko":
+            raise
+        click.echo(f"error: SSH: {exc} (run with -vv for details)", err=True)
+        return 11
     return 0
 
 

@@ -34,14 +34,9 @@ def models() -> None:
 @with_app
 def list_models_command(app: App) -> None:
     """List the models in the store: id, revision, size, format."""
-    from pathlib import Path
+    from tgi_hpc.prepare import list_stored
 
-    from tgi_hpc.model_store import list_models
-
-    cluster = app.cluster()
-    stored = list_models(Path(cluster.expand(cluster.profile.paths.models)))
-    rows = [{"model_id": m.model_id, "revision": m.revision, "size_bytes": m.size_bytes, "format": m.format,
-             "complete": m.complete, "path": str(m.path)} for m in stored]
+    rows = list_stored(app.cluster())
 
     def human() -> None:
         for r in rows:
@@ -57,10 +52,7 @@ def list_models_command(app: App) -> None:
 @with_app
 def remove_command(app: App, model_id, revision) -> None:
     """Remove MODEL_ID from the store."""
-    from pathlib import Path
+    from tgi_hpc.prepare import remove_stored
 
-    from tgi_hpc.model_store import remove_model
-
-    cluster = app.cluster()
-    removed = remove_model(Path(cluster.expand(cluster.profile.paths.models)), model_id, revision)
-    app.emit({"removed": [str(p) for p in removed]}, "\n".join(f"removed {p}" for p in removed) or "nothing removed")
+    removed = remove_stored(app.cluster(), model_id, revision)
+    app.emit({"removed": removed}, "\n".join(f"removed {p}" for p in removed))

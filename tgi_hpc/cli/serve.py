@@ -47,7 +47,8 @@ def serve(app: App, model, revision, gpus, time_, partition, dtype, quantize, en
     opts = ServeOptions(model=model, revision=revision, gpus=gpus, time=time_, partition=partition, limits=limits,
                         env=list(env), engine_args=list(engine_args), keep_alive=keep_alive, api_key=not no_api_key)
     cluster = app.cluster(strict_paths=not dry_run)
-    result = run_serve(cluster, opts, release=release, dry_run=dry_run, wait=wait_ready or open_tunnel,
+    # with --tunnel, the wait for READY happens inside the try below (so --stop-on-exit covers it)
+    result = run_serve(cluster, opts, release=release, dry_run=dry_run, wait=wait_ready and not open_tunnel,
                        timeout=timeout, progress=app.info)
     if dry_run:
         app.emit({"script": result.script}, lambda: click.echo(result.script, nl=False))
@@ -55,9 +56,16 @@ def serve(app: App, model, revision, gpus, time_, partition, dtype, quantize, en
     if not open_tunnel:
         app.emit(result.to_dict(), result.summary())
         return
+    from tgi_hpc import jobs
     from tgi_hpc.cli.tunnel import hold
     from tgi_hpc.tunnel_session import instructions, open_tunnel as start_tunnel
 
-    tunnel_obj, info = start_tunnel(cluster, result.job_id, local_port=local_port, timeout=timeout)
+    try:
+        tunnel_obj, info = start_tunnel(cluster, result.job_id, local_port=local_port, timeout=timeout,
+                                        progress=app.info)
+    except BaseException:
+        if stop_on_exit:  # Ctrl-C or a failure before the tunnel opened: still honour --stop-on-exit
+            jobs.stop(cluster, [result.job_id])
+        raise
     app.emit({**result.to_dict(), "tunnel": info.to_dict()}, instructions(info))
     hold(app, tunnel_obj, info, cluster, stop_job=stop_on_exit)

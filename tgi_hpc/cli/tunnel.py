@@ -56,7 +56,7 @@ def open_command(app: App, job_id, local_port, background, accept_host_key, time
         app.emit(info.to_dict(), ts.instructions(info))
         return
     tunnel_obj, info = ts.open_tunnel(cluster, job_id, local_port=local_port, accept_host_key=accept_host_key,
-                                      timeout=timeout)
+                                      timeout=timeout, progress=app.info)
     if foreground_child:
         ts.register(info)
     app.emit(info.to_dict(), ts.instructions(info))
