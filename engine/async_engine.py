@@ -164,11 +164,26 @@ class AsyncEngine:
                 self._fail_all(exc)
                 return
             self.last_step_time = time.monotonic()
-            for out in outputs:
-                self._dispatch(out.request_id, out)
+            self._dispatch_step(outputs)
         self._fail_all(EngineDeadError("engine closed"))
 
+    def _dispatch_step(self, outputs: list[RequestOutput]) -> None:
+        """One wake-up of each event loop per step, not one per request: on a small CPU box every
+        wake-up competes with the model's threads for the same cores."""
+        batches: dict[Any, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:  # else the client left; its abort is already on its way
+                    batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed (server shutting down)
+                pass
+
     def _dispatch(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        """Deliver one item (used for failures; steps go through _dispatch_step)."""
         with self._lock:
             stream = self._streams.get(request_id)
         if stream is None:  # the client left; its abort is already on its way
@@ -188,3 +203,8 @@ class AsyncEngine:
         if self.error is not None:
             return f"engine stopped after an error: {type(self.error).__name__}: {self.error}"
         return "engine is not running"
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
