@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,8 @@ class _Stream:
 class AsyncEngine:
     """Drive any object with LLMEngine's add_request/abort/step/has_unfinished_requests from asyncio.
 
-    The step loop runs in one daemon thread; outputs are handed to the owning event loop with
+    The step loop runs in one thread (`start()`: a daemon thread; `run_here()`: the caller's, which
+    the launcher uses for the main thread); outputs are handed to the owning event loop with
     call_soon_threadsafe. Leaving `generate()` early (client gone, task cancelled) aborts the
     request in the engine, which frees its KV blocks.
     """
@@ -48,6 +49,7 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        self._keep_running: Callable[[], bool] = lambda: True
         self._health_lock: asyncio.Lock | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -56,10 +58,19 @@ class AsyncEngine:
         self._thread.start()
         return self
 
+    def run_here(self, keep_running: Callable[[], bool]) -> None:
+        """Run the step loop in the calling thread until keep_running() is False or close().
+
+        For the main thread: torch's CPU kernels measured ~20% slower when called from a secondary
+        thread (OpenMP thread teams), so the launcher keeps the model here and HTTP in a thread.
+        """
+        self._thread, self._keep_running = threading.current_thread(), keep_running
+        self._run()
+
     def close(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
         self._wakeup.set()
-        if self._thread.is_alive():
+        if self._thread is not threading.current_thread() and self._thread.is_alive():
             self._thread.join(timeout_s)
         self.engine.close()
 
@@ -151,7 +162,7 @@ class AsyncEngine:
     # --- step thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self._keep_running():
             self._wakeup.clear()
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait(self.idle_wait_s)
