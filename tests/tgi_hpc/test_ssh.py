@@ -6,20 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.sshd import TwoFactorServer, free_port, sshd_available, start_sshd
+from support.sshd import TwoFactorServer, free_port, start_sshd
 from tgi_hpc.errors import SSHError
 from tgi_hpc.ssh import connect, resolve_target
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    if reason := sshd_available():
-        pytest.skip(reason)
-    server = start_sshd(tmp_path_factory.mktemp("sshd"))
-    yield server
-    server.stop()
 
 
 @pytest.fixture
@@ -157,7 +148,7 @@ def test_proxyjump_loop_is_reported(home, sshd):
 
 
 def test_wrong_key_is_an_authentication_error(home, sshd, tmp_path):
-    from tests.support.sshd import _keygen
+    from support.sshd import _keygen
 
     _keygen(tmp_path / "stranger")
     (home / ".ssh" / "config").write_text(
@@ -174,7 +165,7 @@ def test_unreachable_host_is_an_ssh_error(home):
 
 
 def test_second_factor_goes_to_the_interactive_callback(home, tmp_path):
-    from tests.support.sshd import _keygen
+    from support.sshd import _keygen
 
     _keygen(tmp_path / "key")
     server = TwoFactorServer(tmp_path / "key", code="123456")

@@ -11,22 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.sshd import free_port, sshd_available, start_sshd
+from support.sshd import free_port, start_sshd
 from tgi_hpc.errors import ReadinessTimeout, TunnelError
 from tgi_hpc.ssh import HostKeyError, connect
 from tgi_hpc.tunnel import Tunnel, wait_http_ready
 
 pytestmark = pytest.mark.timeout(60)
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    if reason := sshd_available():
-        pytest.skip(reason)
-    server = start_sshd(tmp_path_factory.mktemp("sshd"))
-    yield server
-    server.stop()
 
 
 @pytest.fixture
