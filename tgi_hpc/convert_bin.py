@@ -20,8 +20,15 @@ def convert_bin_to_safetensors(folder: Path, bin_files: list[str]) -> list[str]:
     Tensors that share storage (tied embeddings) are copied so every name keeps its own tensor.
     The .bin files are left for the caller to delete.
     """
-    import torch
-    from safetensors.torch import save_file
+    try:
+        import torch
+        from safetensors.torch import save_file
+    except ImportError as exc:
+        from tgi_hpc.errors import DownloadError
+
+        raise DownloadError(f"this repo has only .bin weights; converting them needs torch and safetensors "
+                            f"({exc}): run the download where the engine is installed (`pip install "
+                            f"'tgi-hpc[engine]'`, or `tgi-hpc download --job`)") from exc
 
     weight_map: dict[str, str] = {}
     outputs, total = [], 0
