@@ -15,7 +15,7 @@ from tgi_hpc.jobspec import ShellPath
 from tgi_hpc.render import render_job, sbatch_directives
 from tgi_hpc.serve import ServeOptions, build_serve_spec
 
-CLUSTERS = ["mila", "fir", "nibi", "rorqual", "narval", "trillium"]
+CLUSTERS = ["mila", "computecanada", "fir", "nibi", "rorqual", "narval", "trillium"]
 
 
 def _bash_n(script: str) -> None:
