@@ -110,3 +110,15 @@ def test_quantize_is_refused_before_submitting(run):
 def test_stopping_an_unknown_job_says_so(run, tmp_path):
     code, _, err = run("stop", "--cluster", "local", "--set", f"paths.jobs={tmp_path}", "424242")
     assert code == 5 and "no such job: 424242" in err
+
+
+def test_global_options_work_before_the_command_too(run):
+    code, out, _ = run("--cluster", "narval", "--set", "slurm.account=def-root", "--json",
+                       "serve", "--model", "a/b", "--dry-run", "--set", "slurm.defaults.serve.time=2:00:00")
+    script = json.loads(out)["script"]
+    assert code == 0 and "#SBATCH --account=def-root" in script and "#SBATCH --time=2:00:00" in script
+
+
+def test_status_of_an_unknown_job_fails(run, tmp_path):
+    code, out, err = run("status", "--cluster", "local", "--set", f"paths.jobs={tmp_path}", "424242", "--json")
+    assert code == 5 and json.loads(out)[0]["state"] == "UNKNOWN" and "no such job: 424242" in err

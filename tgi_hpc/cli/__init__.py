@@ -6,6 +6,7 @@ import sys
 import click
 
 from tgi_hpc import __version__
+from tgi_hpc.cli._app import global_options
 from tgi_hpc.cli.compile import compile_command, release
 from tgi_hpc.cli.completion import completion
 from tgi_hpc.cli.download import download, models
@@ -17,6 +18,7 @@ from tgi_hpc.cli.tunnel import ssh_config, tunnel
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="tgi-hpc")
+@global_options
 def cli() -> None:
     """Serve open LLMs on Slurm clusters (Mila, DRAC) with a TGI/OpenAI-compatible engine.
 

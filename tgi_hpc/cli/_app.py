@@ -48,30 +48,54 @@ def setup_logging(verbosity: int) -> None:
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING if verbosity < 2 else logging.DEBUG))
 
 
-def with_app(func):
-    """Give a command the App built from --cluster, --set, --json, -v/-q, --remote (each with a TGI_HPC_* twin)."""
-
-    @functools.wraps(func)
-    def wrapper(*args, cluster_name, overrides, json_output, verbose, quiet, remote, **kwargs):
-        setup_logging(verbose - quiet)
-        app = App(cluster_name, list(overrides), json_output, verbose - quiet, remote)
-        return func(app, *args, **kwargs)
-
-    options = [
-        click.option("--cluster", "-c", "cluster_name", envvar="TGI_HPC_CLUSTER",
+def _global_options(with_env: bool) -> list:
+    env = (lambda name: {"envvar": name}) if with_env else (lambda name: {})
+    return [
+        click.option("--cluster", "-c", "cluster_name", **env("TGI_HPC_CLUSTER"),
                      help="Profile or cluster: local, mila, computecanada, fir, nibi, rorqual, narval, trillium, "
                           "or a YAML path. Default: detected on the login node, else local. [env: TGI_HPC_CLUSTER]"),
-        click.option("--set", "overrides", multiple=True, envvar="TGI_HPC_SET", metavar="KEY=VALUE",
+        click.option("--set", "overrides", multiple=True, **env("TGI_HPC_SET"), metavar="KEY=VALUE",
                      help="Override a profile value, e.g. --set slurm.account=def-x. [env: TGI_HPC_SET]"),
-        click.option("--json", "json_output", is_flag=True, envvar="TGI_HPC_JSON",
+        click.option("--json", "json_output", is_flag=True, **env("TGI_HPC_JSON"),
                      help="Print results as JSON. [env: TGI_HPC_JSON]"),
-        click.option("-v", "--verbose", count=True, envvar="TGI_HPC_VERBOSE", help="More logs on stderr. [env: TGI_HPC_VERBOSE]"),
+        click.option("-v", "--verbose", count=True, **env("TGI_HPC_VERBOSE"),
+                     help="More logs on stderr. [env: TGI_HPC_VERBOSE]"),
         click.option("-q", "--quiet", count=True, help="Fewer messages on stderr."),
-        click.option("--remote/--no-remote", default=None, envvar="TGI_HPC_REMOTE",
+        click.option("--remote/--no-remote", default=None, **env("TGI_HPC_REMOTE"),
                      help="Run Slurm commands on the profile's login host over SSH. Default: only when "
                           "sbatch is missing here. [env: TGI_HPC_REMOTE]"),
     ]
-    for option in reversed(options):
+
+
+def global_options(func):
+    """The same options on the root group (`tgi-hpc --cluster mila serve ...`), kept in ctx.obj.
+    Environment twins are read at the command level only, so nothing is counted twice."""
+
+    @functools.wraps(func)
+    def wrapper(**values):
+        click.get_current_context().obj = values
+        return func()
+
+    for option in reversed(_global_options(with_env=False)):
+        wrapper = option(wrapper)
+    return wrapper
+
+
+def with_app(func):
+    """Give a command the App built from --cluster, --set, --json, -v/-q, --remote (each with a TGI_HPC_* twin);
+    options given before the command (on the root group) count too, the command's own win."""
+
+    @functools.wraps(func)
+    def wrapper(*args, cluster_name, overrides, json_output, verbose, quiet, remote, **kwargs):
+        root = click.get_current_context().find_root().obj or {}
+        verbosity = verbose + root.get("verbose", 0) - quiet - root.get("quiet", 0)
+        setup_logging(verbosity)
+        app = App(cluster_name or root.get("cluster_name"), [*root.get("overrides", ()), *overrides],
+                  json_output or root.get("json_output", False), verbosity,
+                  remote if remote is not None else root.get("remote"))
+        return func(app, *args, **kwargs)
+
+    for option in reversed(_global_options(with_env=True)):
         wrapper = option(wrapper)
     return wrapper
 

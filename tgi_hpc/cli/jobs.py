@@ -31,6 +31,11 @@ def status(app: App, job_ids, no_probe) -> None:
         app.info("no tgi-hpc jobs")
         return
     app.emit([st.to_dict() for st in rows], lambda: _table(rows))
+    unknown = [st.job_id for st in rows if st.state == "UNKNOWN"]
+    if unknown:
+        from tgi_hpc.errors import SlurmError
+
+        raise SlurmError(f"no such job: {' '.join(unknown)}")
 
 
 @click.command()
