@@ -271,7 +271,7 @@ class LLMEngine:
                       error: str | None = None) -> RequestOutput:
         output = self._output(seq, tokens, text)
         output.finished, output.finish_reason, output.error = True, seq.finish_reason, error
-        output.generated_text = seq.stop.text
+        output.generated_text, output.stop_text = seq.stop.text, seq.stop.cut
         if error is not None:
             output.finish_reason = None
         self._seqs.pop(seq.request_id, None)

@@ -26,6 +26,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     generated_text: str | None = None       # whole text, on the final output only (stop sequence cut off)
+    stop_text: str = ""                     # final output: what the stop sequence cut (TGI reports it, OpenAI not)
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     seed: int | None = None

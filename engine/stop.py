@@ -6,12 +6,14 @@ class StopMatcher:
     """Accumulates generated text; releases only text that cannot be the start of a stop string.
 
     `feed(piece)` returns (text safe to stream, stopped). On a match the text is cut before the
-    stop string, so streamed pieces always concatenate to `text` (TGI's generated_text).
+    stop string, so streamed pieces always concatenate to `text`; `cut` keeps what was cut (the
+    stop string, and whatever followed it in the same token) for APIs that report it (TGI).
     """
 
     def __init__(self, stop: list[str] | tuple[str, ...] = ()):
         self.stop = [s for s in stop if s]
         self.text = ""
+        self.cut = ""
         self.num_released = 0
 
     def feed(self, piece: str) -> tuple[str, bool]:
@@ -24,7 +26,7 @@ class StopMatcher:
         match = min((i for i in (self.text.find(s, max(0, old_len - len(s) + 1)) for s in self.stop) if i >= 0),
                     default=-1)
         if match >= 0:
-            self.text = self.text[:match]
+            self.text, self.cut = self.text[:match], self.text[match:]
             return self._release(len(self.text)), True
         return self._release(len(self.text) - self._held_back()), False
 

@@ -126,7 +126,7 @@ async def _generate(state: ServerState, req: GenerateRequest, arrival: float, wr
                           seed=gen.seed, prefill=_prefill(gen, valid), tokens=[_token(t) for t in gen.tokens],
                           top_tokens=_top_tokens(gen, valid),
                           best_of_sequences=[_best_of(g, valid, prefix) for g in others] or None)
-    body = dump(GenerateResponse(generated_text=prefix + gen.text, details=details))
+    body = dump(GenerateResponse(generated_text=prefix + gen.tgi_text, details=details))
     if details is None:  # TGI leaves the key out
         del body["details"]
     headers = _timing_headers(gen, len(valid.inputs), state.info.model_device_type)
@@ -143,7 +143,7 @@ def _stream_response(ev: StreamEvent, valid: ValidRequest) -> StreamResponse:
     token = Token(id=ev.token.id, text=ev.text, logprob=ev.token.logprob, special=ev.token.special)
     details = generated_text = None
     if ev.end is not None:
-        generated_text = (valid.inputs if valid.return_full_text else "") + ev.end.text
+        generated_text = (valid.inputs if valid.return_full_text else "") + ev.end.tgi_text
         if valid.details:
             details = StreamDetails(finish_reason=ev.end.finish_reason, generated_tokens=ev.end.generated_tokens,
                                     seed=ev.end.seed, input_length=ev.end.input_length)
@@ -168,7 +168,7 @@ def _top_tokens(gen: Generation, valid: ValidRequest) -> list[list[Token]] | Non
 
 
 def _best_of(gen: Generation, valid: ValidRequest, prefix: str) -> BestOfSequence:
-    return BestOfSequence(generated_text=prefix + gen.text, finish_reason=gen.finish_reason,
+    return BestOfSequence(generated_text=prefix + gen.tgi_text, finish_reason=gen.finish_reason,
                           generated_tokens=gen.generated_tokens, seed=gen.seed, prefill=_prefill(gen, valid),
                           tokens=[_token(t) for t in gen.tokens], top_tokens=_top_tokens(gen, valid))
 

@@ -55,6 +55,11 @@ class Generation:
     seed: int | None
     input_length: int
     timings: Timings
+    stop_text: str = ""   # cut from `text` by a stop sequence: TGI's generated_text includes it, OpenAI's not
+
+    @property
+    def tgi_text(self) -> str:
+        return self.text + self.stop_text
 
     @property
     def generated_tokens(self) -> int:
@@ -101,7 +106,7 @@ class _Collector:
         self.timings.end = time.monotonic()
         text = out.generated_text if out.generated_text is not None else "".join(self.texts)
         return Generation(text, out.finish_reason, self.tokens, self.prefill, self.seed,
-                          self.input_length, self.timings)
+                          self.input_length, self.timings, out.stop_text)
 
 
 class Infer:

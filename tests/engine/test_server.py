@@ -137,12 +137,13 @@ class FakeEngine:
         logprob = -0.25 * (1 + (req.variant % 7 if "VARY" in prompt_text else 0))
         token = TokenInfo(token_id, text, logprob, token_id == EOS, top)
         gen_text = self.tokenizer.decode(req.generated)
-        finish = None
+        finish, stop_text = None, ""
         if token_id == EOS:
             finish = "eos_token"
         elif any(s in gen_text for s in p.stop):
             finish = "stop_sequence"
-            gen_text = gen_text[: min(gen_text.find(s) for s in p.stop if s in gen_text)]
+            cut = min(gen_text.find(s) for s in p.stop if s in gen_text)
+            gen_text, stop_text = gen_text[:cut], gen_text[cut:]
         elif "ABORT" in prompt_text and n == 1:
             finish = "aborted"
         elif len(req.generated) >= p.max_new_tokens:
@@ -152,7 +153,8 @@ class FakeEngine:
             prefill = [TokenInfo(t, self.tokenizer.decode([t]), None if i == 0 else -1.0, t == BOS)
                        for i, t in enumerate(req.prompt)]
         return RequestOutput(rid, [token], text, finished=finish is not None, finish_reason=finish,
-                             generated_text=gen_text if finish else None, num_prompt_tokens=len(req.prompt),
+                             generated_text=gen_text if finish else None, stop_text=stop_text,
+                             num_prompt_tokens=len(req.prompt),
                              num_generated_tokens=len(req.generated), seed=p.seed if p.seed is not None else 7,
                              prefill_tokens=prefill)
 
@@ -256,7 +258,7 @@ def test_default_max_new_tokens_fills_max_total_tokens(served):
 
 def test_stop_sequence_and_eos(client):
     body = client.post("/generate", json={"inputs": "x", "parameters": {"stop": ["quick"], "details": True}}).json()
-    assert body["generated_text"] == "the "
+    assert body["generated_text"] == "the quick"   # TGI keeps the stop sequence in generated_text
     assert body["details"]["finish_reason"] == "stop_sequence"
     body = client.post("/generate", json={"inputs": "EOS", "parameters": {"details": True}}).json()
     assert body["details"]["finish_reason"] == "eos_token"
@@ -447,6 +449,15 @@ def test_chat_completion_stream_with_usage(client):
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks[:-1]) == "the"
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_stop_sequence_kept_by_tgi_and_cut_by_openai(client):
+    tgi = client.post("/generate", json={"inputs": "x", "parameters": {"stop": ["quick"]}}).json()
+    events = [json.loads(line[5:]) for line in client.post(
+        "/generate_stream", json={"inputs": "x", "parameters": {"stop": ["quick"]}}).text.split("\n\n") if line]
+    oai = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 20, "stop": ["quick"]}).json()
+    assert tgi["generated_text"] == events[-1]["generated_text"] == "the quick"
+    assert oai["choices"][0]["text"] == "the " and oai["choices"][0]["finish_reason"] == "stop"
 
 
 def test_completions(client):
