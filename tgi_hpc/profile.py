@@ -40,6 +40,7 @@ class SlurmSection(_Strict):
     account_required: bool = False        # DRAC: every job needs --account=def-xxx
     gpu_request: GpuRequest = "gpus_per_task"
     gpu_types: list[str] = Field(default_factory=list)   # what --gres/--gpus may name on this cluster
+    allowed_gpu_counts: list[int] = Field(default_factory=list)  # GPUs a job may ask for (empty = any)
     requeue_signal: str = "USR1"          # --signal=B:<sig>@<delay> for keep-alive
     requeue_signal_delay_s: int = 120
     max_requeues: int = 10
@@ -83,6 +84,7 @@ class ClusterOverride(_Strict):
     detect: ClusterDetection = Field(default_factory=ClusterDetection)
     gpu_request: GpuRequest | None = None
     gpu_types: list[str] | None = None
+    allowed_gpu_counts: list[int] | None = None
     defaults: dict[JobKind, Resources] = Field(default_factory=dict)
     catalog: list[CatalogEntry] | None = None
     network: NetworkSection | None = None

@@ -53,7 +53,8 @@ def apply_cluster(raw: dict, cluster: str, origins: Origins) -> dict:
         return {**raw, "cluster": cluster}
     # Cluster keys map onto profile keys (unknown ones are reported by validation, in place).
     where = {"login_host": ("login_host",), "detect": ("detect",), "gpu_request": ("slurm", "gpu_request"),
-             "gpu_types": ("slurm", "gpu_types"), "defaults": ("slurm", "defaults"),
+             "gpu_types": ("slurm", "gpu_types"), "allowed_gpu_counts": ("slurm", "allowed_gpu_counts"),
+             "defaults": ("slurm", "defaults"),
              "catalog": ("catalog",), "network": ("network",), "modules": ("environment", "modules"),
              "env": ("environment", "env")}
     for key, target in where.items():

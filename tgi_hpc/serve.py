@@ -109,6 +109,10 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions) -> ServeSpec:
     choices = {k: v for k, v in (("partition", opts.partition), ("time", opts.time)) if v}
     if choices:
         resources = resources.model_copy(update=choices)
+    allowed = profile.slurm.allowed_gpu_counts if profile.slurm else []
+    if allowed and resources.gpus and resources.gpus not in allowed:
+        raise UsageError(f"{profile.cluster or profile.name} jobs may ask for "
+                         f"{' or '.join(map(str, allowed))} GPUs, not {resources.gpus} (profile: slurm.allowed_gpu_counts)")
     num_shard = max(1, opts.gpus if opts.gpus is not None else (resources.gpus or 1))
     if opts.limits.get("quantize") not in (None, "none"):
         raise UsageError(f"--quantize {opts.limits['quantize']}: the engine does not support quantization yet "

@@ -28,9 +28,10 @@ def _bash_n(script: str) -> None:
 def test_every_profile_renders_valid_bash(name, kind, tmp_path):
     cluster = open_cluster(name, ["slurm.account=def-x"] if name != "mila" else [], strict_paths=False)
     if kind == "serve":
-        spec = build_serve_spec(cluster, ServeOptions(model="meta-llama/Llama-3.1-8B-Instruct", gpus=2, keep_alive=True))
+        gpus = 4 if name == "trillium" else 2   # Trillium: 1 GPU or whole nodes of 4
+        spec = build_serve_spec(cluster, ServeOptions(model="meta-llama/Llama-3.1-8B-Instruct", gpus=gpus, keep_alive=True))
         script = render_job(cluster.profile, spec, job_dir=cluster.job_dir)
-        assert "--num-shard 2" in script and "#SBATCH --requeue" in script
+        assert f"--num-shard {gpus}" in script and "#SBATCH --requeue" in script
     else:
         from tgi_hpc.prepare import CompileOptions, run_compile, run_download
 
@@ -62,6 +63,12 @@ def test_a_line_break_in_a_directive_is_refused(args, capsys):
 
     assert main(["serve", "--cluster", "mila", "--model", "a/b", "--dry-run", *args]) == 4
     assert "line break" in capsys.readouterr().err
+
+
+def test_gpu_counts_a_cluster_does_not_allow_are_refused():
+    cluster = open_cluster("trillium", ["slurm.account=def-x"], strict_paths=False)
+    with pytest.raises(UsageError, match="1 or 4 GPUs, not 2"):
+        build_serve_spec(cluster, ServeOptions(model="meta-llama/Llama-3.1-8B-Instruct", gpus=2))
 
 
 def test_hostile_hub_id_is_refused_before_rendering():
