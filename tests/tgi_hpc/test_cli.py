@@ -122,3 +122,25 @@ def test_global_options_work_before_the_command_too(run):
 def test_status_of_an_unknown_job_fails(run, tmp_path):
     code, out, err = run("status", "--cluster", "local", "--set", f"paths.jobs={tmp_path}", "424242", "--json")
     assert code == 5 and json.loads(out)[0]["state"] == "UNKNOWN" and "no such job: 424242" in err
+
+
+def test_logs_follow_json_is_json_lines_until_the_job_ends(run, tmp_path, model_path):
+    import threading
+    import time
+
+    from support.releases import standin_release
+
+    base = ["--cluster", "local", "--set", f"paths.jobs={tmp_path / 'jobs'}"]
+    code, out, _ = run("serve", *base, "--model", str(model_path("tiny-llama")),
+                       "--release", str(standin_release(tmp_path / "rel")), "--wait", "--timeout", "60", "--json")
+    job_id = json.loads(out)["job_id"]
+    from tgi_hpc import jobs
+    from tgi_hpc.cluster import open_cluster
+
+    cluster = open_cluster("local", [f"paths.jobs={tmp_path / 'jobs'}"])
+    threading.Timer(2.0, lambda: jobs.stop(cluster, [job_id])).start()   # not the CLI: it would print to stdout
+    started = time.monotonic()
+    code, out, _ = run("logs", *base, job_id, "-f", "--json")
+    chunks = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and time.monotonic() - started < 30
+    assert "stand-in engine" in "".join(c["log"] for c in chunks) and {c["job_id"] for c in chunks} == {job_id}

@@ -1,6 +1,8 @@
 """`tgi-hpc status`, `logs`, `stop`: watch and manage jobs."""
 from __future__ import annotations
 
+import json
+
 import click
 
 from tgi_hpc.cli._app import App, with_app
@@ -51,8 +53,11 @@ def logs(app: App, job_id, follow) -> None:
         text = jobs.logs(cluster, job_id)
         app.emit({"job_id": job_id, "log": text}, lambda: click.echo(text, nl=False))
         return
-    for chunk in jobs.follow(cluster, job_id):
-        click.echo(chunk, nl=False)
+    for chunk in jobs.follow(cluster, job_id):  # with --json: one JSON object per chunk (JSON lines)
+        if app.json_output:
+            click.echo(json.dumps({"job_id": job_id, "log": chunk}))
+        else:
+            click.echo(chunk, nl=False)
 
 
 @click.command()
