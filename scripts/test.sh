@@ -5,7 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-ENV_FILE=$(bash scripts/local-cluster/start.sh)
+# A clean cluster every run: jobs left in Slurm's saved state by an earlier, killed run would come
+# back as RUNNING and hold the node's CPUs and GPUs.
+ENV_FILE=$(TGI_HPC_CLUSTER_FRESH="${TGI_HPC_CLUSTER_FRESH:-1}" bash scripts/local-cluster/start.sh)
 # shellcheck disable=SC1090
 . "$ENV_FILE"
 export TGI_HPC_REQUIRE_CLUSTER=1 PYTHONUNBUFFERED=1
