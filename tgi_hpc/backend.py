@@ -15,7 +15,7 @@ from tgi_hpc.errors import SlurmError
 from tgi_hpc.jobspec import JOB_NAME_PREFIX
 
 OUR_JOB_NAMES = {JOB_NAME_PREFIX + kind for kind in ("serve", "download", "compile")}
-from tgi_hpc.local_job import read_state, start_ticks
+from tgi_hpc.local_job import pid_alive, read_state, start_ticks
 from tgi_hpc.runner import Runner
 from tgi_hpc.slurm import SlurmJob
 
@@ -101,8 +101,8 @@ class LocalBackend:
         if data is None:
             return None
         state = data["state"]
-        pid = int(data.get("pid", job_id))
-        if state == "RUNNING" and (not _alive(pid) or start_ticks(pid) != data.get("start_ticks", start_ticks(pid))):
+        pid, ticks = int(data.get("pid", job_id)), data.get("start_ticks")
+        if state == "RUNNING" and (not pid_alive(pid) or (ticks is not None and start_ticks(pid) != ticks)):
             state = "FAILED"  # the wrapper died without writing its verdict (its pid may be reused)
         return SlurmJob(job_id, data.get("name", ""), state, node=data.get("node", ""))
 
@@ -123,11 +123,3 @@ class LocalBackend:
                 os.kill(int(job_id), signal.SIGTERM)
             except ProcessLookupError:
                 pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False

@@ -47,8 +47,7 @@ def _runner_for(profile: Profile, remote: bool | None) -> Runner:
     """Local on a login node; over SSH (one connection) from a laptop."""
     if remote is None:
         remote = os.environ.get("TGI_HPC_REMOTE", "") not in ("", "0") or (
-            profile.slurm is not None and profile.login_host is not None and shutil.which("sbatch") is None
-            and os.environ.get("TGI_HPC_DRY_RUN") != "1")
+            profile.slurm is not None and profile.login_host is not None and shutil.which("sbatch") is None)
     if not remote:
         return LocalRunner()
     from tgi_hpc.remote import SSHRunner  # paramiko only when needed

@@ -53,6 +53,11 @@ class JobStatus:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def describe(self) -> str:
+        """One progress line: `job 4148: PENDING (Resources)` / `job 4148: READY on cn-g017`."""
+        return (f"job {self.job_id}: {self.state}" + (f" ({self.reason})" if self.reason else "")
+                + (f" on {self.node}" if self.node else ""))
+
 
 def render(cluster: Cluster, spec: JobSpec, **kwargs) -> str:
     if not isinstance(cluster.runner, LocalRunner):

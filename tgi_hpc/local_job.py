@@ -34,6 +34,15 @@ def read_state(job_dir: Path, job_id: str) -> dict | None:
         return None
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (exited, not yet reaped by PID 1) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 def start_ticks(pid: int) -> int | None:
     """When `pid` started (clock ticks since boot): a pid reused by another process differs."""
     try:

@@ -12,7 +12,6 @@ from tgi_hpc.errors import ModelNotFoundError, UsageError
 from tgi_hpc.jobspec import ServeSpec, ShellPath
 from tgi_hpc.model_size import estimate_params_b
 from tgi_hpc.model_store import model_dir, validate_model_id
-from tgi_hpc.profile import Resources
 from tgi_hpc.profile_loader import require_account, resources_for
 from tgi_hpc.quoting import sh
 from tgi_hpc.runner import LocalRunner
@@ -138,9 +137,6 @@ def release_dir(cluster: Cluster, release: str | None) -> ShellPath:
     return ShellPath(cluster.profile.paths.releases, "current")
 
 
-__all__ = ["ServeOptions", "build_serve_spec", "check_model_present", "release_dir", "Resources"]
-
-
 @dataclass
 class ServeResult:
     script: str
@@ -180,8 +176,6 @@ def run_serve(cluster: Cluster, opts: ServeOptions, *, release: str | None = Non
     progress(f"submitted job {sub.job_id} ({spec.model}, {spec.num_shard} shard(s)); log: {sub.log_path}")
     result = ServeResult(sub.script, sub.job_id, sub.script_path, sub.log_path)
     if wait:
-        def show(st):
-            progress(f"job {st.job_id}: {st.state}" + (f" ({st.reason})" if st.reason else "")
-                     + (f" on {st.node}" if st.node else ""))
-        result.status = jobs.wait(cluster, sub.job_id, until={"READY"}, timeout=timeout, on_change=show).to_dict()
+        result.status = jobs.wait(cluster, sub.job_id, until={"READY"}, timeout=timeout,
+                                  on_change=lambda st: progress(st.describe())).to_dict()
     return result

@@ -10,7 +10,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from tgi_hpc import jobs
 from tgi_hpc.cluster import Cluster
 from tgi_hpc.endpoint import write_atomic
 from tgi_hpc.errors import TunnelError, UsageError
+from tgi_hpc.local_job import pid_alive
+from tgi_hpc.ports import is_port_free
 from tgi_hpc.runner import LocalRunner
 
 
@@ -77,32 +78,19 @@ def _connector(cluster: Cluster, accept_host_key: bool):
     return lambda: connect(cluster.profile.login_host, accept_new_host_key=accept_host_key)
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def open_tunnel(cluster: Cluster, job_id: str, *, local_port: int | None = None, accept_host_key: bool = False,
                 timeout: float = 600, progress=lambda message: None):
     """Wait for the job to be READY, forward a local port to it, check /health through it."""
     from tgi_hpc.tunnel import Tunnel, wait_http_ready
 
-    def show(st) -> None:
-        progress(f"job {st.job_id}: {st.state}" + (f" ({st.reason})" if st.reason else "")
-                 + (f" on {st.node}" if st.node else ""))
-
-    st = jobs.wait(cluster, job_id, until={"READY"}, timeout=timeout, on_change=show)
+    st = jobs.wait(cluster, job_id, until={"READY"}, timeout=timeout, on_change=lambda s: progress(s.describe()))
     endpoint = jobs.read_endpoint(cluster, job_id)
 
     def target() -> tuple[str, int]:
         current = jobs.read_endpoint(cluster, job_id) or endpoint
         return current.host, current.port
 
-    port = local_port if local_port is not None else (endpoint.port if _free(endpoint.port) else 0)
+    port = local_port if local_port is not None else (endpoint.port if is_port_free(endpoint.port, "127.0.0.1") else 0)
     shared = not isinstance(cluster.runner, LocalRunner)  # the runner's connection outlives the tunnel
     tunnel = Tunnel(_connector(cluster, accept_host_key), endpoint.host, target, local_port=port,
                     close_connection=not shared).start()
@@ -146,7 +134,7 @@ def list_tunnels() -> list[TunnelInfo]:
     found = []
     for path in sorted(_registry().glob("*.json")) if _registry().is_dir() else []:
         info = TunnelInfo(**json.loads(path.read_text()))
-        if _alive(info.pid):
+        if pid_alive(info.pid):
             found.append(info)
         else:
             path.unlink(missing_ok=True)  # a tunnel that died without cleaning up
@@ -181,13 +169,3 @@ def start_background(argv: list[str], job_id: str, timeout: float = 600) -> Tunn
         time.sleep(0.2)
     proc.terminate()
     raise TunnelError(f"the background tunnel to job {job_id} was not ready within {timeout:.0f} s")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
