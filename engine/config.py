@@ -34,7 +34,9 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = 512 * 1024**2  # KV budget on CPU
     block_size: int = 16                    # tokens per KV block (256 when flash-attn paged kernel is used)
     enforce_eager: bool = False             # no CUDA graphs
+    cuda_graphs: list[int] | None = None    # decode batch sizes to capture; None = 1,2,4..256; [] = none
     attention_backend: str = "auto"         # "auto" | "sdpa" | "flash"
+    cpu_gemm: str = "auto"                  # "auto" | "onednn" | "aten": linear layers on CPU
     # server
     hostname: str = "0.0.0.0"
     port: int = 3000

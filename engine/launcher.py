@@ -37,6 +37,17 @@ def _size(text: str) -> int:
     return int(float(number) * 1024**power)
 
 
+def _batch_sizes(text: str) -> list[int]:
+    """TGI's --cuda-graphs: '1,2,4,8' (0 or empty = no graphs)."""
+    try:
+        sizes = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid batch sizes {text!r}; use e.g. 1,2,4,8 or 0 for none") from None
+    if any(size < 0 for size in sizes):
+        raise argparse.ArgumentTypeError(f"invalid batch sizes {text!r}: sizes are >= 0")
+    return [size for size in sizes if size > 0]
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -84,6 +95,12 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--cuda-memory-fraction",), "CUDA_MEMORY_FRACTION",
      dict(default=1.0, type=float, help="share of the GPU this process may use")),
     (("--kv-cache-bytes",), "KV_CACHE_BYTES", dict(type=_size, help="KV-cache budget on CPU, e.g. 512MiB")),
+    (("--cuda-graphs",), "CUDA_GRAPHS", dict(type=_batch_sizes, help="decode batch sizes captured as CUDA graphs, "
+                                             "e.g. 1,2,4,8; 0 = none (default: 1,2,4,...,256 when the "
+                                             "flash-attn backend is used on one GPU)")),
+    (("--cpu-gemm",), "CPU_GEMM", dict(default="auto", choices=["auto", "onednn", "aten"],
+                                       help="linear layers on CPU: oneDNN with weights reordered at load, or "
+                                            "torch's F.linear; auto = oneDNN when it passes a self-check")),
 ]
 
 
@@ -142,7 +159,8 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         waiting_served_ratio=args.waiting_served_ratio, cuda_memory_fraction=args.cuda_memory_fraction,
         hostname=args.hostname, port=args.port, api_key=args.api_key or None,
         cors_allow_origin=list(args.cors_allow_origin or []), json_output=args.json_output,
-        served_model_name=args.served_model_name or args.model_id)
+        served_model_name=args.served_model_name or args.model_id, cpu_gemm=args.cpu_gemm,
+        cuda_graphs=args.cuda_graphs)
     if args.kv_cache_bytes is not None:
         config.cpu_kv_cache_bytes = args.kv_cache_bytes
     return config

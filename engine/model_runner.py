@@ -54,9 +54,13 @@ class ModelRunner:
         self.block_size: int = self._rank0.block_size
         self.num_kv_blocks: int = self._rank0.num_kv_blocks
         self.attention_backend: str = self._rank0.attention_backend
-        logger.info("model runner ready: %s on %s x%d, %s, attention %s, %d KV blocks of %d tokens",
-                    model_config.architecture, self.device, config.num_shard, self.dtype,
-                    self.attention_backend, self.num_kv_blocks, self.block_size)
+        self.linear_backend: str = self._rank0.linear_backend
+        graphs = self._rank0.graphs
+        self.cuda_graph_sizes: list[int] = graphs.batch_sizes if graphs is not None else []
+        logger.info("model runner ready: %s on %s x%d, %s, attention %s, linear %s, decode CUDA graphs %s, "
+                    "%d KV blocks of %d tokens", model_config.architecture, self.device, config.num_shard,
+                    self.dtype, self.attention_backend, self.linear_backend, self.cuda_graph_sizes or "none",
+                    self.num_kv_blocks, self.block_size)
 
     def _start(self, config: EngineConfig, model_config: ModelConfig) -> None:
         store = None

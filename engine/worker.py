@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -15,7 +16,9 @@ import torch
 from engine import distributed
 from engine.batch import SeqSpan
 from engine.config import EngineConfig
-from engine.layers.attention import Attention, flash_attn_varlen
+from engine import cuda_graphs
+from engine.layers import cpu_gemm
+from engine.layers.attention import Attention, flash_attn_kvcache, flash_attn_varlen
 from engine.model_config import ModelConfig
 from engine.model_inputs import prepare_inputs
 from engine.models import model_class
@@ -64,11 +67,16 @@ class RankWorker:
             torch.cuda.set_device(self.device)
         distributed.init_tensor_parallel(rank, config.num_shard, store, self.device)
         self.model = self._load_model()
+        self.linear_backend = cpu_gemm.choose(config.cpu_gemm, self.device, self.dtype)
+        if self.linear_backend == "onednn":
+            cpu_gemm.prepack_model(self.model)
         self.attention_layers = self.model.attention_layers()
         self.windows = {layer.sliding_window for layer in self.attention_layers}
         self.attention_backend = self._choose_backend()
         self.block_size = FLASH_BLOCK_SIZE if self.attention_backend == "flash-attn-varlen" else config.block_size
+        self.graph_sizes = self._graph_sizes()
         self.num_kv_blocks = self._allocate_kv_cache()
+        self.graphs = self._capture_graphs() if self.graph_sizes else None
 
     def _load_model(self) -> torch.nn.Module:
         default_dtype = torch.get_default_dtype()
@@ -103,18 +111,56 @@ class RankWorker:
             layer.backend, layer.flash_fn = "flash-attn-varlen", flash_fn
         return "flash-attn-varlen"
 
+    def _graph_sizes(self) -> list[int]:
+        """Decode batch sizes to capture as CUDA graphs here ([] = eager only), with the reason logged."""
+        sizes = cuda_graphs.batch_sizes(self.config.cuda_graphs, self.config.enforce_eager, self.config.max_batch_size)
+        reason = None
+        if not sizes or self.device.type != "cuda":
+            return []
+        if self.attention_backend != "flash-attn-varlen":
+            reason = "they need the flash-attn backend"
+        elif self.config.num_shard > 1:
+            reason = "not implemented with tensor parallelism"
+        elif flash_attn_kvcache() is None:
+            reason = "flash_attn_with_kvcache is not importable"
+        if reason:
+            logger.info("decode CUDA graphs off: %s", reason)
+            return []
+        return sizes
+
+    def _capture_graphs(self) -> cuda_graphs.DecodeGraphs | None:
+        decode_fn = flash_attn_kvcache()
+        for layer in self.attention_layers:
+            layer.flash_decode_fn = decode_fn
+        max_tokens = self.config.max_total_tokens or min(self.model_config.max_position_embeddings, 4096)
+        graphs = cuda_graphs.DecodeGraphs(self.model, self.graph_sizes, -(-max_tokens // self.block_size),
+                                          self.block_size, scratch_block=self.num_kv_blocks, device=self.device)
+        start = time.monotonic()
+        try:
+            graphs.capture()
+        except Exception as error:  # a capture problem must not take the engine down
+            logger.warning("capturing decode CUDA graphs failed (%s): running eagerly", error)
+            return None
+        tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
+        if not cuda_graphs.matches_eager(graphs, self.attention_layers, self.windows, tolerance):
+            return None
+        logger.info("decode CUDA graphs for batch sizes %s captured in %.1f s", graphs.batch_sizes,
+                    time.monotonic() - start)
+        return graphs
+
     def _allocate_kv_cache(self) -> int:
         cfg = self.model_config
         layer0 = self.attention_layers[0]
         bytes_per_block = (2 * cfg.num_hidden_layers * self.block_size * layer0.num_kv_heads * cfg.head_dim
                            * self.dtype.itemsize)
         budget = self._gpu_kv_budget() if self.device.type == "cuda" else self.config.cpu_kv_cache_bytes
-        num_blocks = distributed.all_reduce_min(int(budget // bytes_per_block), self.device)
+        scratch = 1 if self.graph_sizes else 0  # one block past the scheduler's: padding rows of decode graphs
+        num_blocks = distributed.all_reduce_min(int(budget // bytes_per_block), self.device) - scratch
         if num_blocks < 1:
             raise RuntimeError(f"no memory left for the KV cache (one block needs {bytes_per_block} bytes); "
                                "raise --cuda-memory-fraction / cpu_kv_cache_bytes or use more shards")
-        self.kv_cache = torch.empty(2, cfg.num_hidden_layers, num_blocks, self.block_size, layer0.num_kv_heads,
-                                    cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.empty(2, cfg.num_hidden_layers, num_blocks + scratch, self.block_size,
+                                    layer0.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
         self.kv_cache[:, :, 0].zero_()  # padded gathers read block 0: keep it finite
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -148,6 +194,9 @@ class RankWorker:
     @torch.inference_mode()
     def execute(self, spans: list[SeqSpan]) -> torch.Tensor | None:
         """Forward the spans; rank 0 gets float32 logits of the requested rows, other ranks None."""
+        if self.graphs is not None and self.graphs.can_run(spans):
+            logits = self.model.compute_logits(self.graphs.run(spans))
+            return None if logits is None else logits.float()
         inputs = prepare_inputs(spans, self.block_size, self.device, self.attention_backend, self.windows)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
         if inputs.logits_rows.numel() == 0:
@@ -156,6 +205,7 @@ class RankWorker:
         return None if logits is None else logits.float()
 
     def close(self) -> None:
+        self.graphs = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = None

@@ -154,6 +154,15 @@ async def wait_healthy(url: str, timeout_s: float) -> None:
 
 # --- the load -------------------------------------------------------------------------------------
 
+async def fetch_info(url: str) -> dict[str, Any]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        response = await client.get(f"{url}/info")
+        response.raise_for_status()
+        return response.json()
+
+
 def request_body(prompt: str, args: argparse.Namespace, model_name: str) -> tuple[str, dict[str, Any]]:
     if args.openai:
         return "/v1/completions", {"model": model_name, "prompt": prompt, "max_tokens": args.new_tokens,
@@ -360,6 +369,8 @@ def run(args: argparse.Namespace, model_dir: Path, dtype: str, device: Any) -> d
     try:
         url = check_loopback(args.url) if args.url else server.start(args.startup_timeout_s)
         asyncio.run(wait_healthy(url, args.startup_timeout_s))
+        info = asyncio.run(fetch_info(url))
+        print(f"engine backends: attention {info.get('attention_backend')}, linear {info.get('linear_backend')}")
         model_name = str(model_dir)
         server_cpu = server.cpu_seconds() if server else None
         client_cpu = time.process_time()
@@ -379,6 +390,7 @@ def run(args: argparse.Namespace, model_dir: Path, dtype: str, device: Any) -> d
     if server_cpu and summary["completed"]:
         summary["tok_per_cpu_s"] = summary["tokens"] / server_cpu
     print_summary(summary, args)
+    summary["backends"] = {"attention": info.get("attention_backend"), "linear": info.get("linear_backend")}
     results: dict[str, Any] = {"engine": summary}
     if args.no_hf or not summary["completed"]:
         return results

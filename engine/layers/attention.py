@@ -5,7 +5,9 @@ Two backends share one cache layout ([num_blocks, block_size, kv_heads, head_dim
   torch's scaled_dot_product_attention runs with a boolean mask (causal with the chunk offset,
   sliding window). Handles prefill, chunked prefill, decode and mixed batches, on CPU and GPU.
 - "flash-attn-varlen": GPU only, when `flash_attn` or `vllm_flash_attn` imports; the kernel reads
-  the paged cache through the block table directly.
+  the paged cache through the block table directly. Decode batches replayed from CUDA graphs
+  (engine/cuda_graphs.py) use the same package's `flash_attn_with_kvcache` instead, whose inputs
+  have fixed shapes (`cache_seqlens` set in the metadata).
 """
 from __future__ import annotations
 
@@ -38,20 +40,26 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None = None    # [B + 1] int32
     cu_seqlens_k: torch.Tensor | None = None    # [B + 1] int32
     block_tables: torch.Tensor | None = None    # [B, max_blocks] int32
+    cache_seqlens: torch.Tensor | None = None   # [B] int32: pure decode through flash_attn_with_kvcache
 
 
 def flash_attn_varlen():
     """The flash-attn varlen function if a CUDA build is importable, else None (never required)."""
-    try:
-        from vllm_flash_attn import flash_attn_varlen_func
-        return flash_attn_varlen_func
-    except Exception:  # ImportError, or a CUDA/ABI mismatch raised at import time
-        pass
-    try:
-        from flash_attn import flash_attn_varlen_func
-        return flash_attn_varlen_func
-    except Exception:
-        return None
+    return _flash_function("flash_attn_varlen_func")
+
+
+def flash_attn_kvcache():
+    """flash_attn_with_kvcache from the same packages (decode over a paged cache, fixed shapes)."""
+    return _flash_function("flash_attn_with_kvcache")
+
+
+def _flash_function(name: str):
+    for package in ("vllm_flash_attn", "flash_attn"):
+        try:
+            return getattr(__import__(package), name)
+        except Exception:  # ImportError, a missing name, or a CUDA/ABI mismatch raised at import time
+            continue
+    return None
 
 
 class Attention(nn.Module):
@@ -63,6 +71,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.backend = "sdpa"
         self.flash_fn = None
+        self.flash_decode_fn = None  # flash_attn_with_kvcache, for decode graphs
         self.k_cache = self.v_cache = torch.tensor([])  # set by the runner: [num_blocks, block_size, kv, d]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -72,6 +81,8 @@ class Attention(nn.Module):
             out = self._sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None)
             return out[0].transpose(0, 1).reshape(q.shape[0], -1)
         self._store(k, v, meta.slot_mapping)
+        if meta.cache_seqlens is not None:
+            return self._flash_decode(q, meta)
         if self.backend == "flash-attn-varlen":
             return self._flash(q, meta)
         return self._paged_sdpa(q, meta)
@@ -84,13 +95,16 @@ class Attention(nn.Module):
         num_seqs, max_q = meta.num_seqs, meta.max_query_len
         keys = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.key_slots]  # [B, ctx, kv, d]
         values = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.key_slots]
-        padded = q.new_zeros(num_seqs * max_q, self.num_heads, self.head_dim)
-        padded[meta.query_rows] = q
-        padded = padded.view(num_seqs, max_q, self.num_heads, self.head_dim)
+        if max_q == 1:  # pure decode: one query per sequence, already in order, nothing to pad
+            padded = q.view(num_seqs, 1, self.num_heads, self.head_dim)
+        else:
+            padded = q.new_zeros(num_seqs * max_q, self.num_heads, self.head_dim)
+            padded[meta.query_rows] = q
+            padded = padded.view(num_seqs, max_q, self.num_heads, self.head_dim)
         out = self._sdpa(padded.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                          meta.masks[self.sliding_window])
         out = out.transpose(1, 2).reshape(num_seqs * max_q, -1)
-        return out[meta.query_rows]
+        return out if max_q == 1 else out[meta.query_rows]
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
         """q [B, heads, Q, d], k/v [B, kv_heads, K, d]; mask None means plain causal."""
@@ -109,6 +123,13 @@ class Attention(nn.Module):
                             cu_seqlens_k=meta.cu_seqlens_k, max_seqlen_q=meta.max_query_len,
                             max_seqlen_k=meta.max_context_len, softmax_scale=self.scale, causal=True,
                             window_size=window, block_table=meta.block_tables)
+        return out.reshape(q.shape[0], -1)
+
+    def _flash_decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        window = (self.sliding_window - 1, 0) if self.sliding_window else (-1, -1)
+        out = self.flash_decode_fn(q.unsqueeze(1), self.k_cache, self.v_cache, cache_seqlens=meta.cache_seqlens,
+                                   block_table=meta.block_tables, softmax_scale=self.scale, causal=True,
+                                   window_size=window)
         return out.reshape(q.shape[0], -1)
 
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, gather_to_rank0, tp_rank, tp_size
+from engine.layers import cpu_gemm
 from engine.weights import read_shard, shape_of
 
 
@@ -37,8 +38,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """hidden -> logits; the vocab slices are gathered to rank 0 (None on the other ranks)."""
+    """hidden -> logits; the vocab slices are gathered to rank 0 (None on the other ranks).
+
+    `packed_weight` is set by `cpu_gemm.prepack_model` once the weights are loaded (CPU only).
+    """
+
+    packed_weight: torch.Tensor | None = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = gather_to_rank0(F.linear(hidden_states, self.weight))
+        if self.packed_weight is not None:
+            local = cpu_gemm.linear(hidden_states, self.packed_weight, None)
+        else:
+            local = F.linear(hidden_states, self.weight)
+        logits = gather_to_rank0(local)
         return None if logits is None else logits[..., :self.vocab_size]

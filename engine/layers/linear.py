@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, tp_rank, tp_size
+from engine.layers import cpu_gemm
 from engine.weights import read_full, read_shard, shape_of
 
 
@@ -19,10 +20,14 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    """y = x W^T + b with W of shape [output_size, input_size] (this rank's part)."""
+    """y = x W^T + b with W of shape [output_size, input_size] (this rank's part).
+
+    `packed_weight` is set by `cpu_gemm.prepack_model` once the weights are loaded (CPU only).
+    """
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
+        self.packed_weight: torch.Tensor | None = None
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -35,8 +40,13 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         raise NotImplementedError
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return cpu_gemm.linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 def _copy(param_slice: torch.Tensor, tensor: torch.Tensor) -> None:
@@ -124,5 +134,5 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, read_shard(loaded, 1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y)

@@ -145,6 +145,8 @@ class Info(_Wire):
     validation_workers: int = 1
     num_shard: int
     attention_backend: str
+    linear_backend: str = "unknown"
+    cuda_graphs: list[int] = []
     block_size: int
     router: str = "tgi-hpc-engine"
     version: str

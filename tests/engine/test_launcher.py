@@ -62,6 +62,10 @@ def test_env_twins_and_flags_override_env():
     assert (config.max_input_tokens, config.max_total_tokens, config.max_concurrent_requests) == (100, 200, 7)
     assert config.cors_allow_origin == ["https://a", "https://b"] and config.json_output is True
     assert config.cpu_kv_cache_bytes == 256 * 1024**2
+    config = to_config(parse_args([], environ={**env, "CUDA_GRAPHS": "1, 2,8", "CPU_GEMM": "aten"}), "/m")
+    assert config.cuda_graphs == [1, 2, 8] and config.cpu_gemm == "aten"
+    assert to_config(parse_args(["--cuda-graphs", "0"], environ=env), "/m").cuda_graphs == []
+    assert to_config(parse_args([], environ=env), "/m").cuda_graphs is None  # the engine's default sizes
     args = parse_args(["--port", "9000", "--max-input-tokens", "50", "--cors-allow-origin", "https://c"], environ=env)
     assert (args.port, args.max_input_tokens, args.cors_allow_origin) == (9000, 50, ["https://c"])
     assert parse_args(["--max-input-length", "60"], environ=env).max_input_tokens == 60
@@ -74,6 +78,12 @@ def test_bad_env_values_name_the_variable(capsys):
     with pytest.raises(SystemExit):
         parse_args([], environ={"MODEL_ID": "m", "PORT": "http"})
     assert "--port" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args([], environ={"MODEL_ID": "m", "CPU_GEMM": "blas"})
+    assert "CPU_GEMM='blas' is not one of auto, onednn, aten" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--model-id", "m", "--cuda-graphs", "1,two"], environ={})
+    assert "invalid batch sizes '1,two'" in capsys.readouterr().err
 
 
 def test_api_key_stays_out_of_repr():
@@ -102,6 +112,9 @@ def test_real_server_with_env_api_key(model_path, tmp_path):
         body = {"inputs": "Count to one thousand: 1, 2, 3, 4, 5,", "parameters": {"max_new_tokens": 500}}
         assert httpx.post(f"{url}/generate", json=body).status_code == 401
         assert httpx.get(f"{url}/health").status_code == 200  # probes carry no token
+        info = httpx.get(f"{url}/info").json()
+        assert info["attention_backend"] == "sdpa" and info["cuda_graphs"] == []
+        assert info["linear_backend"] in ("onednn", "aten")  # oneDNN unless this torch build lacks it
         with httpx.Client(base_url=url, headers=auth, timeout=60) as http:
             with http.stream("POST", "/generate_stream", json=body) as r:
                 assert r.status_code == 200

@@ -10,6 +10,7 @@ from engine.batch import SeqSpan  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
+from flash_reference import reference_flash_varlen  # noqa: E402
 
 TINY = ["tiny-llama", "tiny-llama-sharded", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-llama3-rope"]
 BLOCK = 4
@@ -67,13 +68,23 @@ def run_schedule(runner, sequences):
     return seen
 
 
+def onednn_usable():
+    from engine.layers import cpu_gemm
+
+    return cpu_gemm.choose("auto", torch.device("cpu"), torch.float32) == "onednn"
+
+
+@pytest.mark.parametrize("gemm", ["onednn", "aten"])
 @pytest.mark.parametrize("name", TINY)
-def test_logits_match_transformers(model_path, name):
+def test_logits_match_transformers(model_path, name, gemm):
+    if gemm == "onednn" and not onednn_usable():
+        pytest.skip("this torch build has no usable oneDNN linear")
     path = model_path(name)
     config = ModelConfig.from_pretrained(path)
     sequences = random_sequences(config.vocab_size, [26, 23, 22])
-    with make_runner(path) as runner:
+    with make_runner(path, cpu_gemm=gemm) as runner:
         assert runner.attention_backend == "sdpa" and runner.device.type == "cpu"
+        assert runner.linear_backend == gemm and runner.cuda_graph_sizes == []  # graphs are for CUDA only
         seen = run_schedule(runner, sequences)
     reference = hf_logits(path, sequences)
     for seq_id, positions in enumerate(seen):
@@ -172,28 +183,6 @@ def test_bad_dtype_and_load_format_are_reported(model_path):
         make_runner(path, load_format="pickle")
 
 
-def reference_flash_varlen(q, k_cache, v_cache, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           softmax_scale, causal, window_size, block_table):
-    """flash_attn_varlen_func's documented semantics over a paged cache (bottom-right causal)."""
-    assert causal and max_seqlen_q >= 1 and max_seqlen_k >= 1
-    block_size, out = k_cache.shape[1], []
-    for b in range(len(cu_seqlens_q) - 1):
-        queries = q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]
-        num_keys = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
-        slots = [int(block_table[b, j // block_size]) * block_size + j % block_size for j in range(num_keys)]
-        keys = k_cache.flatten(0, 1)[slots].repeat_interleave(q.shape[1] // k_cache.shape[2], dim=1)
-        values = v_cache.flatten(0, 1)[slots].repeat_interleave(q.shape[1] // k_cache.shape[2], dim=1)
-        query_pos = torch.arange(len(queries))[:, None] + num_keys - len(queries)
-        key_pos = torch.arange(num_keys)[None, :]
-        mask = key_pos <= query_pos
-        if window_size[0] >= 0:
-            mask &= key_pos >= query_pos - window_size[0]
-        scores = torch.einsum("qhd,khd->hqk", queries, keys) * softmax_scale
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        out.append(torch.einsum("hqk,khd->qhd", probs, values))
-    return torch.cat(out)
-
-
 def test_flash_backend_self_check_accepts_a_correct_kernel_and_rejects_a_wrong_one():
     """The GPU flash path is validated against SDPA at start-up; here with a CPU stand-in kernel."""
     from engine.worker import flash_matches_sdpa
@@ -243,3 +232,22 @@ def test_gpu_flash_backend_matches_sdpa(model_path):
     for flash, sdpa in zip(results["flash"], results["sdpa"]):
         for pos in sdpa:
             torch.testing.assert_close(flash[pos], sdpa[pos], atol=5e-2, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_graphs_match_eager(model_path):
+    from engine.layers.attention import flash_attn_kvcache
+
+    if flash_attn_kvcache() is None:
+        pytest.skip("neither flash_attn nor vllm_flash_attn is importable")
+    path = model_path("tiny-mistral")
+    sequences = random_sequences(1024, [26, 23, 22])
+    results = {}
+    for sizes in ([1, 2, 4], []):
+        with make_runner(path, device="cuda", dtype="bfloat16", attention_backend="flash", block_size=256,
+                         gpu_memory_utilization=0.05, cuda_graphs=sizes) as runner:
+            assert runner.cuda_graph_sizes == sizes  # captured and past the self-check
+            results[bool(sizes)] = run_schedule(runner, sequences)
+    for graphed, eager in zip(results[True], results[False]):
+        for pos in eager:
+            torch.testing.assert_close(graphed[pos], eager[pos], atol=5e-2, rtol=0)

@@ -1,0 +1,174 @@
+"""CUDA graphs of the decode forward, one per batch-size bucket (TGI's `--cuda-graphs`).
+
+Why: a decode step of a small batch launches ~15 kernels per layer, and on a fast GPU the Python
+and launch overhead of that is longer than the kernels themselves. Replaying a captured graph
+launches them all at once, which is what lets batch-1 decode approach weight bytes / bandwidth.
+
+A graph has fixed shapes and fixed addresses, so the forward runs on static buffers: a batch of
+B decode tokens is padded to the smallest captured size >= B. Padding rows write their K/V into a
+scratch block that the block manager never hands out, and attend to one token. Attention inside a
+graph is `flash_attn_with_kvcache` (lengths in a tensor, block table of fixed width) rather than
+the varlen kernel, whose maximum length is a Python argument that capture would freeze.
+
+Only pure decode batches go through graphs; prefill and mixed steps run eagerly. `matches_eager`
+checks a padded replay against the eager forward at start-up; the worker drops the graphs if
+it disagrees or raises.
+
+On a device without CUDA, `capture` records a plain re-run of the forward on the same static
+buffers instead of a graph: the tests use that to check padding, buffers and the decode kernel
+path on CPU.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.batch import SeqSpan
+from engine.layers.attention import AttentionMetadata
+from engine.model_inputs import prepare_inputs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def batch_sizes(wanted: list[int] | None, enforce_eager: bool, max_batch_size: int | None) -> list[int]:
+    """The sizes to capture: TGI's `--cuda-graphs` list (0 or empty = none), by default powers of
+    two up to 256, never above max_batch_size."""
+    if enforce_eager:
+        return []
+    sizes = DEFAULT_BATCH_SIZES if wanted is None else [size for size in wanted if size > 0]
+    if max_batch_size:
+        sizes = [size for size in sizes if size <= max_batch_size] or [max_batch_size]
+    return sorted(set(sizes))
+
+
+class _EagerReplay:
+    """Stands in for torch.cuda.CUDAGraph off CUDA: replay() re-runs the forward on the buffers."""
+
+    def __init__(self, forward, output: torch.Tensor) -> None:
+        self.forward, self.output = forward, output
+
+    def replay(self) -> None:
+        self.output.copy_(self.forward())
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, batch_sizes: list[int], max_blocks: int, block_size: int,
+                 scratch_block: int, device: torch.device) -> None:
+        if not batch_sizes or min(batch_sizes) < 1:
+            raise ValueError(f"CUDA graph batch sizes must be >= 1, got {batch_sizes}")
+        self.model, self.batch_sizes = model, sorted(set(batch_sizes))
+        self.max_blocks, self.block_size, self.scratch_block = max_blocks, block_size, scratch_block
+        self.device = device
+        largest = self.batch_sizes[-1]
+        with torch.inference_mode():  # the buffers are written under inference mode at every step
+            self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
+            self.slot_mapping = torch.full((largest,), scratch_block * block_size, dtype=torch.int64, device=device)
+            self.cache_seqlens = torch.ones(largest, dtype=torch.int32, device=device)
+            self.block_tables = torch.full((largest, max_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.graphs: dict[int, object] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:size], num_seqs=size, max_query_len=1,
+                                 max_context_len=self.max_blocks * self.block_size,
+                                 cache_seqlens=self.cache_seqlens[:size], block_tables=self.block_tables[:size])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every batch size, largest first so the smaller graphs reuse its memory pool."""
+        pool = None
+        for size in reversed(self.batch_sizes):
+            meta = self._metadata(size)
+
+            def forward(size=size, meta=meta):
+                return self.model(self.input_ids[:size], self.positions[:size], meta)
+
+            if self.device.type != "cuda":
+                output = forward()
+                self.graphs[size], self.outputs[size] = _EagerReplay(forward, output), output
+                continue
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits, cuBLAS workspaces
+                for _ in range(2):
+                    forward()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = forward()
+            pool = graph.pool()
+            self.graphs[size] = graph
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def can_run(self, spans: list[SeqSpan]) -> bool:
+        """A batch of decode spans (one token, logits of it) that fits the largest graph."""
+        return (0 < len(spans) <= self.max_batch_size
+                and all(len(s.token_ids) == 1 and s.logits == "last" and len(s.block_table) <= self.max_blocks
+                        for s in spans))
+
+    @torch.inference_mode()
+    def run(self, spans: list[SeqSpan]) -> torch.Tensor:
+        """Hidden states [len(spans), hidden] of the spans' tokens (replays the padded graph)."""
+        count = len(spans)
+        size = next(s for s in self.batch_sizes if s >= count)
+        padding = size - count
+        bs, scratch = self.block_size, self.scratch_block
+        positions = [s.start_pos for s in spans]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(spans, positions)]
+        tables = [s.block_table + [0] * (self.max_blocks - len(s.block_table)) for s in spans]
+        tables += [[scratch] * self.max_blocks] * padding
+        self._write(self.input_ids, [s.token_ids[0] for s in spans] + [0] * padding)
+        self._write(self.positions, positions + [0] * padding)
+        self._write(self.slot_mapping, slots + [scratch * bs] * padding)
+        self._write(self.cache_seqlens, [p + 1 for p in positions] + [1] * padding)
+        self._write(self.block_tables, tables)
+        self.graphs[size].replay()
+        return self.outputs[size][:count]
+
+    def _write(self, buffer: torch.Tensor, values: list) -> None:
+        buffer[:len(values)].copy_(torch.tensor(values, dtype=buffer.dtype))
+
+
+@torch.inference_mode()
+def matches_eager(graphs: DecodeGraphs, attention_layers: list, windows: set[int | None],
+                  tolerance: float) -> bool:
+    """Replay a padded decode batch and compare it with the eager forward on the same cache.
+
+    Runs at start-up, before any request owns a block: it scribbles on the first blocks of the cache.
+    """
+    bs, device = graphs.block_size, graphs.device
+    lengths = [min(n, graphs.max_blocks * bs) for n in (1, bs + 3, 2 * bs - 1)][:graphs.max_batch_size]
+    spans, next_block = [], 0
+    for seq_id, length in enumerate(lengths):
+        blocks = list(range(next_block, next_block + -(-length // bs)))
+        next_block += len(blocks)
+        spans.append(SeqSpan(seq_id, [7 + seq_id], length - 1, blocks))
+    if next_block > graphs.scratch_block:
+        return True  # a cache this small is no test bed; the graphs themselves still stand
+    generator = torch.Generator(device=device).manual_seed(0)
+    try:
+        for layer in attention_layers:  # a finite context (an empty cache may hold NaN bit patterns)
+            for cache in (layer.k_cache, layer.v_cache):
+                cache[:next_block] = torch.randn(cache[:next_block].shape, generator=generator, device=device,
+                                                 dtype=cache.dtype)
+        inputs = prepare_inputs(spans, bs, device, attention_layers[0].backend, windows)
+        eager = graphs.model(inputs.input_ids, inputs.positions, inputs.attention).float()
+        replayed = graphs.run(spans).float()
+    except Exception as error:  # a kernel or capture problem must not take the engine down
+        logger.warning("decode CUDA graphs failed their self-check (%s): running eagerly", error)
+        return False
+    error = (eager - replayed).abs().max().item()
+    scale = 1.0 + eager.abs().max().item()
+    if not error <= tolerance * scale:
+        logger.warning("decode CUDA graphs disagree with the eager forward (max error %.3g): running eagerly", error)
+        return False
+    return True
