@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.launcher import parse_args, to_config, write_ready_file
+from engine.launcher import build_parser, parse_args, to_config, write_ready_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -171,3 +171,10 @@ def test_a_dead_rank_stops_the_launcher_with_no_orphans(model_path, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_flags_tgi_hpc_passes_through_exist_in_the_launcher():
+    from tgi_hpc.engine_flags import RESERVED, SWITCH_FLAGS, VALUE_FLAGS
+
+    launcher_flags = {flag for action in build_parser({})._actions for flag in action.option_strings}
+    assert (VALUE_FLAGS | SWITCH_FLAGS | RESERVED) - launcher_flags == set()
