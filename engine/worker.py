@@ -13,10 +13,9 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from engine import distributed
+from engine import cuda_graphs, distributed
 from engine.batch import SeqSpan
 from engine.config import EngineConfig
-from engine import cuda_graphs
 from engine.layers import cpu_gemm
 from engine.layers.attention import Attention, flash_attn_kvcache, flash_attn_varlen
 from engine.model_config import ModelConfig
@@ -113,13 +112,14 @@ class RankWorker:
 
     def _graph_sizes(self) -> list[int]:
         """Decode batch sizes to capture as CUDA graphs here ([] = eager only), with the reason logged."""
-        sizes = cuda_graphs.batch_sizes(self.config.cuda_graphs, self.config.enforce_eager, self.config.max_batch_size)
-        reason = None
+        config = self.config
+        sizes = cuda_graphs.batch_sizes(config.cuda_graphs, config.enforce_eager, config.max_batch_size)
         if not sizes or self.device.type != "cuda":
             return []
+        reason = None
         if self.attention_backend != "flash-attn-varlen":
             reason = "they need the flash-attn backend"
-        elif self.config.num_shard > 1:
+        elif config.num_shard > 1:
             reason = "not implemented with tensor parallelism"
         elif flash_attn_kvcache() is None:
             reason = "flash_attn_with_kvcache is not importable"
