@@ -64,6 +64,8 @@ class DecodeGraphs:
         self.device = device
         largest = self.batch_sizes[-1]
         with torch.inference_mode():  # the buffers are written under inference mode at every step
+            # one host-to-device copy per step lands here, then fans out on the device (one sync, not five)
+            self.staging = torch.zeros(largest * (4 + max_blocks), dtype=torch.int64, device=device)
             self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
             self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
             self.slot_mapping = torch.full((largest,), scratch_block * block_size, dtype=torch.int64, device=device)
@@ -126,16 +128,19 @@ class DecodeGraphs:
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(spans, positions)]
         tables = [s.block_table + [0] * (self.max_blocks - len(s.block_table)) for s in spans]
         tables += [[scratch] * self.max_blocks] * padding
-        self._write(self.input_ids, [s.token_ids[0] for s in spans] + [0] * padding)
-        self._write(self.positions, positions + [0] * padding)
-        self._write(self.slot_mapping, slots + [scratch * bs] * padding)
-        self._write(self.cache_seqlens, [p + 1 for p in positions] + [1] * padding)
-        self._write(self.block_tables, tables)
+        values = ([s.token_ids[0] for s in spans] + [0] * padding            # input_ids
+                  + positions + [0] * padding                                 # positions
+                  + slots + [scratch * bs] * padding                          # slot_mapping
+                  + [p + 1 for p in positions] + [1] * padding                # cache_seqlens
+                  + [block for row in tables for block in row])               # block_tables
+        self.staging[:len(values)].copy_(torch.tensor(values, dtype=torch.int64))
+        offset = 0
+        for buffer in (self.input_ids, self.positions, self.slot_mapping, self.cache_seqlens, self.block_tables):
+            target = buffer[:size].view(-1)
+            target.copy_(self.staging[offset:offset + target.numel()])  # device-side, int64 -> the buffer's dtype
+            offset += target.numel()
         self.graphs[size].replay()
         return self.outputs[size][:count]
-
-    def _write(self, buffer: torch.Tensor, values: list) -> None:
-        buffer[:len(values)].copy_(torch.tensor(values, dtype=buffer.dtype))
 
 
 @torch.inference_mode()

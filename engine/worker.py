@@ -5,6 +5,7 @@ lockstep, and only rank 0 ends up with logits.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -17,7 +18,7 @@ from engine import cuda_graphs, distributed
 from engine.batch import SeqSpan
 from engine.config import EngineConfig
 from engine.layers import cpu_gemm
-from engine.layers.attention import Attention, flash_attn_kvcache, flash_attn_varlen
+from engine.layers.attention import Attention, flash_attn_kvcache, flash_attn_varlen, flash_attn_version
 from engine.model_config import ModelConfig
 from engine.model_inputs import prepare_inputs
 from engine.models import model_class
@@ -139,7 +140,8 @@ class RankWorker:
         try:
             graphs.capture()
         except Exception as error:  # a capture problem must not take the engine down
-            logger.warning("capturing decode CUDA graphs failed (%s): running eagerly", error)
+            logger.warning("capturing decode CUDA graphs failed with %s (%s): running eagerly",
+                           flash_attn_version(), error)
             return None
         tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
         if not cuda_graphs.matches_eager(graphs, self.attention_layers, self.windows, tolerance):
@@ -174,6 +176,7 @@ class RankWorker:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.warmup()
+        torch.cuda.empty_cache()  # else the cached activation blocks count in `total - free` and in `peak` too
         free, total = torch.cuda.mem_get_info(self.device)
         stats = torch.cuda.memory_stats(self.device)
         peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
@@ -219,12 +222,15 @@ def flash_matches_sdpa(flash_fn, device: torch.device, dtype: torch.dtype) -> bo
     A flash-attn build that errors or disagrees with SDPA is not used: the engine falls back.
     """
     heads, kv_heads, dim = 4, 2, 64
-    spans = [SeqSpan(0, [0] * 7, 5, [1]), SeqSpan(1, [0], 300, [3, 2])]
+    batches = {"chunked prefill + decode": [SeqSpan(0, [0] * 7, 5, [1]), SeqSpan(1, [0], 300, [3, 2])],
+               "pure decode": [SeqSpan(0, [0], 5, [1]), SeqSpan(1, [0], 300, [3, 2])]}  # kernels special-case q=1
     try:
         generator = torch.Generator(device=device).manual_seed(0)
-        cache, q, k, v = (torch.randn(*shape, generator=generator, device=device, dtype=dtype) for shape in (
-            (2, 4, FLASH_BLOCK_SIZE, kv_heads, dim), (8, heads, dim), (8, kv_heads, dim), (8, kv_heads, dim)))
-        for window in (None, 64):
+        cache = torch.randn(2, 4, FLASH_BLOCK_SIZE, kv_heads, dim, generator=generator, device=device, dtype=dtype)
+        for (name, spans), window in itertools.product(batches.items(), (None, 64)):
+            tokens = sum(len(span.token_ids) for span in spans)
+            q, k, v = (torch.randn(tokens, n, dim, generator=generator, device=device, dtype=dtype)
+                       for n in (heads, kv_heads, kv_heads))
             outputs = []
             for backend in ("sdpa", "flash-attn-varlen"):
                 layer = Attention(heads, kv_heads, dim, dim ** -0.5, window)
@@ -234,7 +240,8 @@ def flash_matches_sdpa(flash_fn, device: torch.device, dtype: torch.dtype) -> bo
                 outputs.append(layer(q, k, v, meta).float())
             error = (outputs[0] - outputs[1]).abs().max().item()
             if not error < 2e-2:
-                logger.warning("flash-attn disagrees with SDPA (max error %.3g, window %s): using SDPA", error, window)
+                logger.warning("flash-attn disagrees with SDPA (%s, max error %.3g, window %s): using SDPA",
+                               name, error, window)
                 return False
     except Exception as error:  # a broken build must not take the engine down
         logger.warning("flash-attn failed its self-check (%s): using SDPA", error)

@@ -53,8 +53,21 @@ def flash_attn_kvcache():
     return _flash_function("flash_attn_with_kvcache")
 
 
+_FLASH_PACKAGES = ("vllm_flash_attn", "flash_attn")
+
+
+def flash_attn_version() -> str:
+    """'vllm_flash_attn 2.6.2' for logs; flash-attn releases differ in what CUDA graphs tolerate."""
+    for package in _FLASH_PACKAGES:
+        try:
+            return f"{package} {getattr(__import__(package), '__version__', '(unknown version)')}"
+        except Exception:
+            continue
+    return "no flash-attn package"
+
+
 def _flash_function(name: str):
-    for package in ("vllm_flash_attn", "flash_attn"):
+    for package in _FLASH_PACKAGES:
         try:
             return getattr(__import__(package), name)
         except Exception:  # ImportError, a missing name, or a CUDA/ABI mismatch raised at import time
@@ -111,9 +124,12 @@ class Attention(nn.Module):
         if mask is None and self.sliding_window is not None:
             mask = causal_mask(q.shape[2], 0, k.shape[2], self.sliding_window, q.device)[None, None]
         groups = self.num_heads // self.num_kv_heads
-        if groups > 1 and not _SDPA_HAS_GQA:
+        # enable_gqa is only taken by CUDA's flash SDPA, which has no mask: with a mask on CUDA it would drop to
+        # the math backend and its [B, H, Q, K] scores, while the memory-efficient one takes repeated heads
+        native_gqa = _SDPA_HAS_GQA and not (mask is not None and q.is_cuda)
+        if groups > 1 and not native_gqa:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        extra = {"enable_gqa": True} if groups > 1 and _SDPA_HAS_GQA else {}
+        extra = {"enable_gqa": True} if groups > 1 and native_gqa else {}
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                               **extra)
 

@@ -195,7 +195,12 @@ def test_flash_backend_self_check_accepts_a_correct_kernel_and_rejects_a_wrong_o
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel image is available for execution on the device")
 
+    def wrong_for_pure_decode(*args, max_seqlen_q, **kwargs):  # kernels take another path when q has 1 token
+        out = reference_flash_varlen(*args, max_seqlen_q=max_seqlen_q, **kwargs)
+        return out * 0.5 if max_seqlen_q == 1 else out
+
     assert not flash_matches_sdpa(no_window, torch.device("cpu"), torch.float32)
+    assert not flash_matches_sdpa(wrong_for_pure_decode, torch.device("cpu"), torch.float32)
     assert not flash_matches_sdpa(broken, torch.device("cpu"), torch.float32)
 
 
