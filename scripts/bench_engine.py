@@ -199,7 +199,7 @@ def build_engine(model_dir: Path, args: argparse.Namespace, device: torch.device
     config = EngineConfig(model_id=str(model_dir), dtype=dtype, load_format=args.load_format,
                           device=device.type, max_batch_prefill_tokens=most * args.prompt_len,
                           max_total_tokens=args.prompt_len + args.new_tokens + 16, max_batch_size=most,
-                          cpu_gemm=args.cpu_gemm)
+                          cpu_gemm=args.cpu_gemm, cuda_graphs=args.cuda_graphs)
     if device.type == "cpu":
         config.cpu_kv_cache_bytes = max(config.cpu_kv_cache_bytes, int(kv_bytes_per_token(model_dir, dtype)
                                                                        * (total_tokens + 64 * most) * 1.1))
@@ -476,6 +476,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice, one per core)")
     parser.add_argument("--cpu-gemm", default="auto", choices=["auto", "onednn", "aten"],
                         help="the engine's linear layers on CPU (HF always uses torch's F.linear)")
+    parser.add_argument("--cuda-graphs", type=lambda s: [int(x) for x in s.split(",") if int(x) > 0],
+                        help="decode batch sizes to capture (0 = none; default: the engine's)")
     parser.add_argument("--json-out", help="also write every number to this JSON file")
     return parser.parse_args(argv)
 
@@ -508,8 +510,10 @@ def run(args: argparse.Namespace, model_dir: Path, device: torch.device, dtype: 
         print(f"device-to-device copy bandwidth: {results['bandwidth_gb_s']:.0f} GB/s (read + write)")
     max_batch = max(args.batch_sizes) if not args.no_table else 1
     engine = build_engine(model_dir, args, device, dtype, max_batch, args.hf_prompts)
-    results["backends"] = {"attention": engine.runner.attention_backend, "linear": engine.runner.linear_backend}
-    print(f"engine backends: attention {results['backends']['attention']}, linear {results['backends']['linear']}")
+    results["backends"] = {"attention": engine.runner.attention_backend, "linear": engine.runner.linear_backend,
+                           "cuda_graphs": engine.runner.cuda_graph_sizes}
+    print(f"engine backends: attention {results['backends']['attention']}, linear {results['backends']['linear']}, "
+          f"decode CUDA graphs {results['backends']['cuda_graphs'] or 'none'}")
     try:
         pad_id = engine.tokenizer.pad_token_id or min(engine.eos_token_ids, default=0)
         prompts = make_prompts(engine.tokenizer, max(max_batch, args.hf_prompts), args.prompt_len,

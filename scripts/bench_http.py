@@ -370,7 +370,8 @@ def run(args: argparse.Namespace, model_dir: Path, dtype: str, device: Any) -> d
         url = check_loopback(args.url) if args.url else server.start(args.startup_timeout_s)
         asyncio.run(wait_healthy(url, args.startup_timeout_s))
         info = asyncio.run(fetch_info(url))
-        print(f"engine backends: attention {info.get('attention_backend')}, linear {info.get('linear_backend')}")
+        print(f"engine backends: attention {info.get('attention_backend')}, linear {info.get('linear_backend')}, "
+              f"decode CUDA graphs {info.get('cuda_graphs') or 'none'}")
         model_name = str(model_dir)
         server_cpu = server.cpu_seconds() if server else None
         client_cpu = time.process_time()
@@ -390,7 +391,8 @@ def run(args: argparse.Namespace, model_dir: Path, dtype: str, device: Any) -> d
     if server_cpu and summary["completed"]:
         summary["tok_per_cpu_s"] = summary["tokens"] / server_cpu
     print_summary(summary, args)
-    summary["backends"] = {"attention": info.get("attention_backend"), "linear": info.get("linear_backend")}
+    summary["backends"] = {"attention": info.get("attention_backend"), "linear": info.get("linear_backend"),
+                           "cuda_graphs": info.get("cuda_graphs")}
     results: dict[str, Any] = {"engine": summary}
     if args.no_hf or not summary["completed"]:
         return results
