@@ -483,7 +483,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    run_benchmark(parse_args(argv), run)
+    return 0
+
+
+def run_benchmark(args: argparse.Namespace, run: Any) -> dict[str, Any]:
+    """What both bench scripts do around their `run(args, model_dir, device, dtype)`: threads, device and
+    dtype, the machine header, the model folder (a temporary one is removed), and the JSON file."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -497,8 +503,9 @@ def main(argv: list[str] | None = None) -> int:
         if temporary:
             shutil.rmtree(model_dir, ignore_errors=True)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"machine": info, "args": vars(args), **results}, indent=2))
-    return 0
+        Path(args.json_out).write_text(json.dumps({"machine": info, "args": vars(args), **results}, indent=2,
+                                                  default=str))
+    return results
 
 
 def run(args: argparse.Namespace, model_dir: Path, device: torch.device, dtype: str) -> dict[str, Any]:

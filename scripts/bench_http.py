@@ -35,11 +35,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import (CONFIGS_LIKE, free_memory, hf_generate, load_hf_model, machine_info, percentile,  # noqa: E402
-                          prepare_model_dir, print_machine, print_throughput, resolve_device, resolve_dtype)
+from bench_engine import (CONFIGS_LIKE, free_memory, hf_generate, load_hf_model, percentile,  # noqa: E402
+                          print_throughput, run_benchmark)
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -342,26 +341,11 @@ def check_loopback(url: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    info = machine_info(device)
-    print_machine(info)
-    model_dir, temporary = prepare_model_dir(args, device)
-    try:
-        results = run(args, model_dir, dtype, device)
-    finally:
-        if temporary:
-            shutil.rmtree(model_dir, ignore_errors=True)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"machine": info, "args": vars(args), **results}, indent=2,
-                                                  default=str))
+    results = run_benchmark(parse_args(argv), run)
     return 0 if results["engine"]["completed"] else 1
 
 
-def run(args: argparse.Namespace, model_dir: Path, dtype: str, device: Any) -> dict[str, Any]:
+def run(args: argparse.Namespace, model_dir: Path, device: Any, dtype: str) -> dict[str, Any]:
     prompts = make_prompts(args.num_requests)
     print(f"model: {args.config_like or model_dir} ({args.load_format}, {dtype}, {device}); {args.num_requests} "
           f"requests, concurrency {args.concurrency}, max_new_tokens {args.new_tokens}, greedy", flush=True)

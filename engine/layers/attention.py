@@ -53,26 +53,25 @@ def flash_attn_kvcache():
     return _flash_function("flash_attn_with_kvcache")
 
 
-_FLASH_PACKAGES = ("vllm_flash_attn", "flash_attn")
-
-
 def flash_attn_version() -> str:
     """'vllm_flash_attn 2.6.2' for logs; flash-attn releases differ in what CUDA graphs tolerate."""
-    for package in _FLASH_PACKAGES:
-        try:
-            return f"{package} {getattr(__import__(package), '__version__', '(unknown version)')}"
-        except Exception:
-            continue
-    return "no flash-attn package"
+    module = next(_flash_modules(), None)
+    if module is None:
+        return "no flash-attn package"
+    return f"{module.__name__} {getattr(module, '__version__', '(unknown version)')}"
 
 
 def _flash_function(name: str):
-    for package in _FLASH_PACKAGES:
+    return next((getattr(module, name) for module in _flash_modules() if hasattr(module, name)), None)
+
+
+def _flash_modules():
+    """The importable flash-attn packages, vLLM's build first."""
+    for package in ("vllm_flash_attn", "flash_attn"):
         try:
-            return getattr(__import__(package), name)
-        except Exception:  # ImportError, a missing name, or a CUDA/ABI mismatch raised at import time
+            yield __import__(package)
+        except Exception:  # ImportError, or a CUDA/ABI mismatch raised at import time
             continue
-    return None
 
 
 class Attention(nn.Module):
@@ -133,19 +132,22 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                               **extra)
 
+    @property
+    def _flash_window(self) -> tuple[int, int]:
+        """flash-attn's (left, right) key range for HF's `key > query - sliding_window`."""
+        return (self.sliding_window - 1, 0) if self.sliding_window else (-1, -1)
+
     def _flash(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        window = (self.sliding_window - 1, 0) if self.sliding_window else (-1, -1)
         out = self.flash_fn(q, self.k_cache, self.v_cache, cu_seqlens_q=meta.cu_seqlens_q,
                             cu_seqlens_k=meta.cu_seqlens_k, max_seqlen_q=meta.max_query_len,
                             max_seqlen_k=meta.max_context_len, softmax_scale=self.scale, causal=True,
-                            window_size=window, block_table=meta.block_tables)
+                            window_size=self._flash_window, block_table=meta.block_tables)
         return out.reshape(q.shape[0], -1)
 
     def _flash_decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        window = (self.sliding_window - 1, 0) if self.sliding_window else (-1, -1)
         out = self.flash_decode_fn(q.unsqueeze(1), self.k_cache, self.v_cache, cache_seqlens=meta.cache_seqlens,
                                    block_table=meta.block_tables, softmax_scale=self.scale, causal=True,
-                                   window_size=window)
+                                   window_size=self._flash_window)
         return out.reshape(q.shape[0], -1)
 
 

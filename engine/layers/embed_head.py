@@ -46,9 +46,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: torch.Tensor | None = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        if self.packed_weight is not None:
-            local = cpu_gemm.linear(hidden_states, self.packed_weight, None)
-        else:
-            local = F.linear(hidden_states, self.weight)
-        logits = gather_to_rank0(local)
+        logits = gather_to_rank0(cpu_gemm.matmul(hidden_states, self.weight, self.packed_weight, None))
         return None if logits is None else logits[..., :self.vocab_size]

@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, tp_rank, tp_size
@@ -40,13 +39,8 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         raise NotImplementedError
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return cpu_gemm.linear(x, self.packed_weight, bias)
-        return F.linear(x, self.weight, bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return cpu_gemm.matmul(x, self.weight, self.packed_weight, self.bias)
 
 
 def _copy(param_slice: torch.Tensor, tensor: torch.Tensor) -> None:
@@ -134,5 +128,5 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, read_shard(loaded, 1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
+        y = cpu_gemm.matmul(x, self.weight, self.packed_weight, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y)

@@ -221,6 +221,20 @@ def test_gpu_runner_matches_transformers(model_path):
                 torch.testing.assert_close(logits, reference[pos], atol=2e-3, rtol=0)
 
 
+def gpu_schedule(path, **overrides):
+    """run_schedule on a bf16 runner on the GPU; returns what it saw and the CUDA graphs captured."""
+    sequences = random_sequences(1024, [26, 23, 22])
+    with make_runner(path, device="cuda", dtype="bfloat16", block_size=256, gpu_memory_utilization=0.05,
+                     **overrides) as runner:
+        return run_schedule(runner, sequences), runner.cuda_graph_sizes
+
+
+def assert_schedules_agree(seen, reference):
+    for ours, theirs in zip(seen, reference):
+        for pos in theirs:
+            torch.testing.assert_close(ours[pos], theirs[pos], atol=5e-2, rtol=0)
+
+
 @pytest.mark.gpu
 def test_gpu_flash_backend_matches_sdpa(model_path):
     from engine.layers.attention import flash_attn_varlen
@@ -228,15 +242,9 @@ def test_gpu_flash_backend_matches_sdpa(model_path):
     if flash_attn_varlen() is None:
         pytest.skip("neither flash_attn nor vllm_flash_attn is importable")
     path = model_path("tiny-mistral")
-    sequences = random_sequences(1024, [26, 23, 22])
-    results = {}
-    for backend in ("flash", "sdpa"):
-        with make_runner(path, device="cuda", dtype="bfloat16", attention_backend=backend,
-                         block_size=256, gpu_memory_utilization=0.05) as runner:
-            results[backend] = run_schedule(runner, sequences)
-    for flash, sdpa in zip(results["flash"], results["sdpa"]):
-        for pos in sdpa:
-            torch.testing.assert_close(flash[pos], sdpa[pos], atol=5e-2, rtol=0)
+    flash, _ = gpu_schedule(path, attention_backend="flash", cuda_graphs=[])  # the varlen kernel, decode included
+    sdpa, _ = gpu_schedule(path, attention_backend="sdpa")
+    assert_schedules_agree(flash, sdpa)
 
 
 @pytest.mark.gpu
@@ -246,13 +254,8 @@ def test_gpu_decode_graphs_match_eager(model_path):
     if flash_attn_kvcache() is None:
         pytest.skip("neither flash_attn nor vllm_flash_attn is importable")
     path = model_path("tiny-mistral")
-    sequences = random_sequences(1024, [26, 23, 22])
-    results = {}
-    for sizes in ([1, 2, 4], []):
-        with make_runner(path, device="cuda", dtype="bfloat16", attention_backend="flash", block_size=256,
-                         gpu_memory_utilization=0.05, cuda_graphs=sizes) as runner:
-            assert runner.cuda_graph_sizes == sizes  # captured and past the self-check
-            results[bool(sizes)] = run_schedule(runner, sequences)
-    for graphed, eager in zip(results[True], results[False]):
-        for pos in eager:
-            torch.testing.assert_close(graphed[pos], eager[pos], atol=5e-2, rtol=0)
+    graphed, sizes = gpu_schedule(path, attention_backend="flash", cuda_graphs=[1, 2, 4])
+    assert sizes == [1, 2, 4]  # captured and past the self-check
+    eager, sizes = gpu_schedule(path, attention_backend="flash", cuda_graphs=[])
+    assert sizes == []
+    assert_schedules_agree(graphed, eager)
