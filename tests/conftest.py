@@ -11,6 +11,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+# Without a GPU, Triton kernels run in Triton's CPU interpreter (fp32/fp16 exact, bf16 wrong). The
+# variable is read when a kernel is decorated, so it must be set before any engine module imports.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Strings that would run code if they reached a shell unquoted (submitit's weird_tmp_path, and more).
 HOSTILE = [
     "x/$(touch {marker})",
@@ -41,12 +56,7 @@ def model_path():
 
 
 def pytest_collection_modifyitems(config, items):
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except ImportError:
-        has_cuda = False
+    has_cuda = _has_cuda()
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
