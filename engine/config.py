@@ -32,10 +32,10 @@ class EngineConfig:
     cuda_memory_fraction: float = 1.0
     gpu_memory_utilization: float = 0.9     # of what cuda_memory_fraction leaves
     cpu_kv_cache_bytes: int = 512 * 1024**2  # KV budget on CPU
-    block_size: int = 16                    # tokens per KV block (256 when flash-attn paged kernel is used)
+    block_size: int | None = None           # tokens per KV block; None = the attention backend's default
     enforce_eager: bool = False             # no CUDA graphs
     cuda_graphs: list[int] | None = None    # decode batch sizes to capture; None = 1,2,4..256; [] = none
-    attention_backend: str = "auto"         # "auto" | "sdpa" | "flash"
+    attention_backend: str = "auto"         # "auto" | "portable" | "triton" | "flash-attn" (engine/attention/)
     cpu_gemm: str = "auto"                  # "auto" | "onednn" | "aten": linear layers on CPU
     # server
     hostname: str = "0.0.0.0"

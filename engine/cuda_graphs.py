@@ -6,9 +6,10 @@ launches them all at once, which is what lets batch-1 decode approach weight byt
 
 A graph has fixed shapes and fixed addresses, so the forward runs on static buffers: a batch of
 B decode tokens is padded to the smallest captured size >= B. Padding rows write their K/V into a
-scratch block that the block manager never hands out, and attend to one token. Attention inside a
-graph is `flash_attn_with_kvcache` (lengths in a tensor, block table of fixed width) rather than
-the varlen kernel, whose maximum length is a Python argument that capture would freeze.
+scratch block that the block manager never hands out, and attend to one token. The attention
+backend must read every length from tensors (Triton's kernels, flash-attn's kvcache kernel): the
+host-side bound `max_seq_len` is frozen at the longest context a graph can hold, and the split-KV
+buffers come from the backend's `graph_workspace`, allocated once for the largest size.
 
 Only pure decode batches go through graphs; prefill and mixed steps run eagerly. `matches_eager`
 checks a padded replay against the eager forward at start-up; the worker drops the graphs if
@@ -16,7 +17,7 @@ it disagrees or raises.
 
 On a device without CUDA, `capture` records a plain re-run of the forward on the same static
 buffers instead of a graph: the tests use that to check padding, buffers and the decode kernel
-path on CPU.
+path on CPU (with the Triton kernels interpreted, or stand-in backends).
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ import logging
 
 import torch
 
+from engine.attention import AttentionBackend, AttentionMetadata
 from engine.batch import SeqSpan
-from engine.layers.attention import AttentionMetadata
 from engine.model_inputs import prepare_inputs
 
 logger = logging.getLogger(__name__)
@@ -55,13 +56,13 @@ class _EagerReplay:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, batch_sizes: list[int], max_blocks: int, block_size: int,
-                 scratch_block: int, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, batch_sizes: list[int], max_blocks: int,
+                 block_size: int, scratch_block: int, device: torch.device) -> None:
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"CUDA graph batch sizes must be >= 1, got {batch_sizes}")
         self.model, self.batch_sizes = model, sorted(set(batch_sizes))
         self.max_blocks, self.block_size, self.scratch_block = max_blocks, block_size, scratch_block
-        self.device = device
+        self.device, self.backend = device, backend
         largest = self.batch_sizes[-1]
         with torch.inference_mode():  # the buffers are written under inference mode at every step
             # one host-to-device copy per step lands here, then fans out on the device (one sync, not five)
@@ -69,8 +70,12 @@ class DecodeGraphs:
             self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
             self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
             self.slot_mapping = torch.full((largest,), scratch_block * block_size, dtype=torch.int64, device=device)
-            self.cache_seqlens = torch.ones(largest, dtype=torch.int32, device=device)
+            self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
             self.block_tables = torch.full((largest, max_blocks), scratch_block, dtype=torch.int32, device=device)
+            self.cu_seqlens_q = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        first = model.attention_layers()[0]
+        self.workspace = backend.graph_workspace(largest, first.num_heads, first.head_dim, max_blocks * block_size,
+                                                 device)
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -79,9 +84,13 @@ class DecodeGraphs:
         return self.batch_sizes[-1]
 
     def _metadata(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:size], num_seqs=size, max_query_len=1,
-                                 max_context_len=self.max_blocks * self.block_size,
-                                 cache_seqlens=self.cache_seqlens[:size], block_tables=self.block_tables[:size])
+        meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size], cu_seqlens_q=self.cu_seqlens_q[:size + 1],
+                                 seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
+                                 block_size=self.block_size, num_seqs=size, max_query_len=1,
+                                 max_seq_len=self.max_blocks * self.block_size)
+        if self.workspace is not None:
+            meta.extra["workspace"] = self.workspace
+        return meta
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -131,11 +140,11 @@ class DecodeGraphs:
         values = ([s.token_ids[0] for s in spans] + [0] * padding            # input_ids
                   + positions + [0] * padding                                 # positions
                   + slots + [scratch * bs] * padding                          # slot_mapping
-                  + [p + 1 for p in positions] + [1] * padding                # cache_seqlens
+                  + [p + 1 for p in positions] + [1] * padding                # seq_lens
                   + [block for row in tables for block in row])               # block_tables
         self.staging[:len(values)].copy_(torch.tensor(values, dtype=torch.int64))
         offset = 0
-        for buffer in (self.input_ids, self.positions, self.slot_mapping, self.cache_seqlens, self.block_tables):
+        for buffer in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables):
             target = buffer[:size].view(-1)
             target.copy_(self.staging[offset:offset + target.numel()])  # device-side, int64 -> the buffer's dtype
             offset += target.numel()
@@ -165,7 +174,7 @@ def matches_eager(graphs: DecodeGraphs, attention_layers: list, windows: set[int
             for cache in (layer.k_cache, layer.v_cache):
                 cache[:next_block] = torch.randn(cache[:next_block].shape, generator=generator, device=device,
                                                  dtype=cache.dtype)
-        inputs = prepare_inputs(spans, bs, device, attention_layers[0].backend, windows)
+        inputs = prepare_inputs(spans, bs, device, graphs.backend, windows)
         eager = graphs.model(inputs.input_ids, inputs.positions, inputs.attention).float()
         replayed = graphs.run(spans).float()
     except Exception as error:  # a kernel or capture problem must not take the engine down

@@ -48,6 +48,20 @@ def _batch_sizes(text: str) -> list[int]:
     return [size for size in sizes if size > 0]
 
 
+def _block_size(text: str) -> int:
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1 or size & (size - 1):
+        raise argparse.ArgumentTypeError(f"invalid block size {text!r}; use a power of two, e.g. 16")
+    return size
+
+
+# engine/attention/selection.py's CHOICES, spelled out so that --help imports no torch (a test keeps them equal)
+ATTENTION_CHOICES = ["auto", "flash-attn", "triton", "portable", "flash", "sdpa", "torch"]
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -96,8 +110,14 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
      dict(default=1.0, type=float, help="share of the GPU this process may use")),
     (("--kv-cache-bytes",), "KV_CACHE_BYTES", dict(type=_size, help="KV-cache budget on CPU, e.g. 512MiB")),
     (("--cuda-graphs",), "CUDA_GRAPHS", dict(type=_batch_sizes, help="decode batch sizes captured as CUDA graphs, "
-                                             "e.g. 1,2,4,8; 0 = none (default: 1,2,4,...,256 when the "
-                                             "flash-attn backend is used on one GPU)")),
+                                             "e.g. 1,2,4,8; 0 = none (default: 1,2,4,...,256 on one GPU "
+                                             "with the triton or flash-attn attention backend)")),
+    (("--attention-backend",), "ATTENTION_BACKEND",
+     dict(default="auto", choices=ATTENTION_CHOICES,
+          help="paged attention: auto = the first of flash-attn, triton (CUDA) and portable (any device) that passes "
+               "its start-up check against the reference; naming one fails if it cannot run")),
+    (("--block-size",), "BLOCK_SIZE", dict(type=_block_size, help="tokens per paged-KV block, a power of two "
+                                           "(default: the attention backend's: 256 for flash-attn, else 16)")),
     (("--cpu-gemm",), "CPU_GEMM", dict(default="auto", choices=["auto", "onednn", "aten"],
                                        help="linear layers on CPU: oneDNN with weights reordered at load, or "
                                             "torch's F.linear; auto = oneDNN when it passes a self-check")),
@@ -160,7 +180,7 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         hostname=args.hostname, port=args.port, api_key=args.api_key or None,
         cors_allow_origin=list(args.cors_allow_origin or []), json_output=args.json_output,
         served_model_name=args.served_model_name or args.model_id, cpu_gemm=args.cpu_gemm,
-        cuda_graphs=args.cuda_graphs)
+        cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend, block_size=args.block_size)
     if args.kv_cache_bytes is not None:
         config.cpu_kv_cache_bytes = args.kv_cache_bytes
     return config

@@ -5,7 +5,6 @@ lockstep, and only rank 0 ends up with logits.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
@@ -15,10 +14,11 @@ from multiprocessing.connection import Connection
 import torch
 
 from engine import cuda_graphs, distributed
+from engine.attention.flash import flash_version
+from engine.attention.selection import choose_backend
 from engine.batch import SeqSpan
 from engine.config import EngineConfig
 from engine.layers import cpu_gemm
-from engine.layers.attention import Attention, flash_attn_kvcache, flash_attn_varlen, flash_attn_version
 from engine.model_config import ModelConfig
 from engine.model_inputs import prepare_inputs
 from engine.models import model_class
@@ -29,7 +29,6 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-FLASH_BLOCK_SIZE = 256  # flash-attn's paged kernel needs a multiple of 256
 
 
 def available_cpus() -> int:
@@ -72,8 +71,8 @@ class RankWorker:
             cpu_gemm.prepack_model(self.model)
         self.attention_layers = self.model.attention_layers()
         self.windows = {layer.sliding_window for layer in self.attention_layers}
-        self.attention_backend = self._choose_backend()
-        self.block_size = FLASH_BLOCK_SIZE if self.attention_backend == "flash-attn-varlen" else config.block_size
+        self.attention, self.block_size, self.attention_report = self._choose_backend()
+        self.attention_backend = self.attention.name
         self.graph_sizes = self._graph_sizes()
         self.num_kv_blocks = self._allocate_kv_cache()
         self.graphs = self._capture_graphs() if self.graph_sizes else None
@@ -95,21 +94,18 @@ class RankWorker:
             raise ValueError(f"unknown load format {self.config.load_format!r}; use safetensors or dummy")
         return model.eval()
 
-    def _choose_backend(self) -> str:
-        wanted = self.config.attention_backend
-        if wanted not in ("auto", "sdpa", "flash"):
-            raise ValueError(f"unknown attention backend {wanted!r}; use auto, sdpa or flash")
-        flash_fn = flash_attn_varlen() if self.device.type == "cuda" and wanted != "sdpa" else None
-        usable = int(flash_fn is not None and self.dtype in (torch.float16, torch.bfloat16)
-                     and flash_matches_sdpa(flash_fn, self.device, self.dtype))
-        if distributed.all_reduce_min(usable, self.device) == 0:  # every rank must agree
-            if wanted == "flash":
-                raise ValueError("attention backend 'flash' needs a CUDA device, fp16/bf16 and an importable "
-                                 "flash_attn or vllm_flash_attn; use --attention-backend auto")
-            return "sdpa"
+    def _choose_backend(self):
+        start = time.monotonic()
+        backend, block_size, report = choose_backend(
+            self.config.attention_backend, self.device, self.dtype, self.attention_layers, self.config.block_size,
+            agree=lambda ok: distributed.all_reduce_min(int(ok), self.device) == 1)
         for layer in self.attention_layers:
-            layer.backend, layer.flash_fn = "flash-attn-varlen", flash_fn
-        return "flash-attn-varlen"
+            layer.impl = backend
+        if self.rank == 0:
+            logger.info("attention backend %s (KV blocks of %d tokens), checked against the reference in %.1f s: %s",
+                        backend.name, block_size, time.monotonic() - start,
+                        ", ".join(f"{name} {verdict}" for name, verdict in report.items()))
+        return backend, block_size, report
 
     def _graph_sizes(self) -> list[int]:
         """Decode batch sizes to capture as CUDA graphs here ([] = eager only), with the reason logged."""
@@ -118,30 +114,26 @@ class RankWorker:
         if not sizes or self.device.type != "cuda":
             return []
         reason = None
-        if self.attention_backend != "flash-attn-varlen":
-            reason = "they need the flash-attn backend"
+        if not self.attention.supports_cuda_graphs:
+            reason = f"the {self.attention.name} attention backend reads host-side lengths"
         elif config.num_shard > 1:
             reason = "not implemented with tensor parallelism"
-        elif flash_attn_kvcache() is None:
-            reason = "flash_attn_with_kvcache is not importable"
         if reason:
             logger.info("decode CUDA graphs off: %s", reason)
             return []
         return sizes
 
     def _capture_graphs(self) -> cuda_graphs.DecodeGraphs | None:
-        decode_fn = flash_attn_kvcache()
-        for layer in self.attention_layers:
-            layer.flash_decode_fn = decode_fn
         max_tokens = self.config.max_total_tokens or min(self.model_config.max_position_embeddings, 4096)
-        graphs = cuda_graphs.DecodeGraphs(self.model, self.graph_sizes, -(-max_tokens // self.block_size),
-                                          self.block_size, scratch_block=self.num_kv_blocks, device=self.device)
+        graphs = cuda_graphs.DecodeGraphs(self.model, self.attention, self.graph_sizes,
+                                          -(-max_tokens // self.block_size), self.block_size,
+                                          scratch_block=self.num_kv_blocks, device=self.device)
         start = time.monotonic()
         try:
             graphs.capture()
         except Exception as error:  # a capture problem must not take the engine down
-            logger.warning("capturing decode CUDA graphs failed with %s (%s): running eagerly",
-                           flash_attn_version(), error)
+            detail = flash_version() if self.attention.name == "flash-attn" else self.attention.name
+            logger.warning("capturing decode CUDA graphs failed with %s (%s): running eagerly", detail, error)
             return None
         tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
         if not cuda_graphs.matches_eager(graphs, self.attention_layers, self.windows, tolerance):
@@ -200,7 +192,7 @@ class RankWorker:
         if self.graphs is not None and self.graphs.can_run(spans):
             logits = self.model.compute_logits(self.graphs.run(spans))
             return None if logits is None else logits.float()
-        inputs = prepare_inputs(spans, self.block_size, self.device, self.attention_backend, self.windows)
+        inputs = prepare_inputs(spans, self.block_size, self.device, self.attention, self.windows)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
         if inputs.logits_rows.numel() == 0:
             return hidden.new_zeros(0, self.model_config.vocab_size, dtype=torch.float32)
@@ -214,39 +206,6 @@ class RankWorker:
         self.kv_cache = None
         self.model = None
         distributed.destroy_tensor_parallel()
-
-
-def flash_matches_sdpa(flash_fn, device: torch.device, dtype: torch.dtype) -> bool:
-    """Run a chunked-prefill + decode batch through both backends (with and without a window).
-
-    A flash-attn build that errors or disagrees with SDPA is not used: the engine falls back.
-    """
-    heads, kv_heads, dim = 4, 2, 64
-    batches = {"chunked prefill + decode": [SeqSpan(0, [0] * 7, 5, [1]), SeqSpan(1, [0], 300, [3, 2])],
-               "pure decode": [SeqSpan(0, [0], 5, [1]), SeqSpan(1, [0], 300, [3, 2])]}  # kernels special-case q=1
-    try:
-        generator = torch.Generator(device=device).manual_seed(0)
-        cache = torch.randn(2, 4, FLASH_BLOCK_SIZE, kv_heads, dim, generator=generator, device=device, dtype=dtype)
-        for (name, spans), window in itertools.product(batches.items(), (None, 64)):
-            tokens = sum(len(span.token_ids) for span in spans)
-            q, k, v = (torch.randn(tokens, n, dim, generator=generator, device=device, dtype=dtype)
-                       for n in (heads, kv_heads, kv_heads))
-            outputs = []
-            for backend in ("sdpa", "flash-attn-varlen"):
-                layer = Attention(heads, kv_heads, dim, dim ** -0.5, window)
-                layer.backend, layer.flash_fn = backend, flash_fn
-                layer.k_cache, layer.v_cache = cache[0].clone(), cache[1].clone()
-                meta = prepare_inputs(spans, FLASH_BLOCK_SIZE, device, backend, {window}).attention
-                outputs.append(layer(q, k, v, meta).float())
-            error = (outputs[0] - outputs[1]).abs().max().item()
-            if not error < 2e-2:
-                logger.warning("flash-attn disagrees with SDPA (%s, max error %.3g, window %s): using SDPA",
-                               name, error, window)
-                return False
-    except Exception as error:  # a broken build must not take the engine down
-        logger.warning("flash-attn failed its self-check (%s): using SDPA", error)
-        return False
-    return True
 
 
 def worker_main(config: EngineConfig, model_config: ModelConfig, rank: int, master: tuple[str, int],

@@ -6,6 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from engine.attention.flash import FlashBackend  # noqa: E402
 from engine.batch import SeqSpan  # noqa: E402
 from engine.cuda_graphs import DecodeGraphs, batch_sizes, matches_eager  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
@@ -19,29 +20,33 @@ NUM_BLOCKS = 12  # + 1 scratch block at index NUM_BLOCKS
 
 
 def load(path, decode_fn=reference_flash_kvcache):
-    """A tiny model on the flash backend (CPU stand-ins) with its paged cache; cache[NUM_BLOCKS] is scratch."""
+    """A tiny model on the flash backend (CPU stand-ins) with its paged cache; cache[NUM_BLOCKS] is scratch.
+    Returns the model, its attention layers, their windows and the backend."""
     config = ModelConfig.from_pretrained(path)
     model = model_class(config)(config)
     load_safetensors(model, str(path), model.packed_modules_mapping, skip=model.skipped_checkpoint_tensors())
     layers = model.attention_layers()
     cache = torch.zeros(2, len(layers), NUM_BLOCKS + 1, BLOCK, layers[0].num_kv_heads, config.head_dim)
+    backend = FlashBackend(reference_flash_varlen, decode_fn)
     for i, layer in enumerate(layers):
-        layer.backend, layer.flash_fn, layer.flash_decode_fn = "flash-attn-varlen", reference_flash_varlen, decode_fn
+        layer.impl = backend
         layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
     windows = {layer.sliding_window for layer in layers}
     return model.eval(), layers, windows
 
 
 def graphs_for(model, sizes=(1, 2, 4), max_blocks=4):
-    graphs = DecodeGraphs(model, list(sizes), max_blocks=max_blocks, block_size=BLOCK, scratch_block=NUM_BLOCKS,
-                          device=torch.device("cpu"))
+    backend = model.attention_layers()[0].impl
+    graphs = DecodeGraphs(model, backend, list(sizes), max_blocks=max_blocks, block_size=BLOCK,
+                          scratch_block=NUM_BLOCKS, device=torch.device("cpu"))
     graphs.capture()
     return graphs
 
 
 @torch.inference_mode()
 def eager(model, spans, windows):
-    inputs = prepare_inputs(spans, BLOCK, torch.device("cpu"), "flash-attn-varlen", windows)
+    backend = model.attention_layers()[0].impl
+    inputs = prepare_inputs(spans, BLOCK, torch.device("cpu"), backend, windows)
     return model(inputs.input_ids, inputs.positions, inputs.attention)
 
 
@@ -84,9 +89,14 @@ def test_only_decode_batches_that_fit_are_replayed(model_path):
 
 
 def test_self_check_accepts_the_right_kernel_and_rejects_wrong_ones(model_path):
+    """Wrong decode kernels are caught by the backend's start-up check against the reference; the graph
+    check (replay == eager) catches what only graphs break: lengths read on the host, capture errors."""
+    from engine.attention.selection import self_check
+
     path = model_path("tiny-mistral")
     model, layers, windows = load(path)
     assert matches_eager(graphs_for(model), layers, windows, tolerance=1e-4)
+    assert self_check(layers[0].impl, torch.device("cpu"), torch.float32, layers, 256) is None
 
     def no_window(*args, window_size, **kwargs):
         return reference_flash_kvcache(*args, window_size=(-1, -1), **kwargs)
@@ -95,12 +105,22 @@ def test_self_check_accepts_the_right_kernel_and_rejects_wrong_ones(model_path):
         return reference_flash_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens - 1 + (cache_seqlens == 1),
                                        **kwargs)
 
+    for wrong in (no_window, off_by_one):
+        backend = FlashBackend(reference_flash_varlen, wrong)
+        assert "differs from the reference" in self_check(backend, torch.device("cpu"), torch.float32, layers, 256)
+
+    def host_lengths(q, k_cache, v_cache, *, cache_seqlens, **kwargs):  # frozen into a graph: stale at replay
+        lengths = torch.tensor(host_lengths.seen[-1]) if host_lengths.seen else cache_seqlens
+        host_lengths.seen.append(cache_seqlens.tolist())
+        return reference_flash_kvcache(q, k_cache, v_cache, cache_seqlens=lengths.to(torch.int32), **kwargs)
+
+    host_lengths.seen = []
+    model, layers, windows = load(path, decode_fn=host_lengths)
+    assert not matches_eager(graphs_for(model), layers, windows, tolerance=1e-4)
+
     def broken(*args, **kwargs):
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
-    for wrong in (no_window, off_by_one):
-        model, layers, windows = load(path, decode_fn=wrong)
-        assert not matches_eager(graphs_for(model), layers, windows, tolerance=1e-4)
     model, layers, windows = load(path, decode_fn=broken)
     with pytest.raises(RuntimeError, match="capturing"):
         graphs_for(model)  # the worker catches this and runs eagerly

@@ -10,7 +10,6 @@ from engine.batch import SeqSpan  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
-from flash_reference import reference_flash_varlen  # noqa: E402
 
 TINY = ["tiny-llama", "tiny-llama-sharded", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-llama3-rope"]
 BLOCK = 4
@@ -83,7 +82,7 @@ def test_logits_match_transformers(model_path, name, gemm):
     config = ModelConfig.from_pretrained(path)
     sequences = random_sequences(config.vocab_size, [26, 23, 22])
     with make_runner(path, cpu_gemm=gemm) as runner:
-        assert runner.attention_backend == "sdpa" and runner.device.type == "cpu"
+        assert runner.attention_backend == "portable" and runner.device.type == "cpu"
         assert runner.linear_backend == gemm and runner.cuda_graph_sizes == []  # graphs are for CUDA only
         seen = run_schedule(runner, sequences)
     reference = hf_logits(path, sequences)
@@ -183,35 +182,26 @@ def test_bad_dtype_and_load_format_are_reported(model_path):
         make_runner(path, load_format="pickle")
 
 
-def test_flash_backend_self_check_accepts_a_correct_kernel_and_rejects_a_wrong_one():
-    """The GPU flash path is validated against SDPA at start-up; here with a CPU stand-in kernel."""
-    from engine.worker import flash_matches_sdpa
+def flash_importable():
+    from engine.attention.flash import flash_function
 
-    assert flash_matches_sdpa(reference_flash_varlen, torch.device("cpu"), torch.float32)
+    return flash_function("flash_attn_varlen_func") is not None
 
-    def no_window(*args, window_size, **kwargs):
-        return reference_flash_varlen(*args, window_size=(-1, -1), **kwargs)
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("no kernel image is available for execution on the device")
-
-    def wrong_for_pure_decode(*args, max_seqlen_q, **kwargs):  # kernels take another path when q has 1 token
-        out = reference_flash_varlen(*args, max_seqlen_q=max_seqlen_q, **kwargs)
-        return out * 0.5 if max_seqlen_q == 1 else out
-
-    assert not flash_matches_sdpa(no_window, torch.device("cpu"), torch.float32)
-    assert not flash_matches_sdpa(wrong_for_pure_decode, torch.device("cpu"), torch.float32)
-    assert not flash_matches_sdpa(broken, torch.device("cpu"), torch.float32)
+GPU_BACKENDS = ["triton", "portable", pytest.param("flash-attn", marks=pytest.mark.skipif(
+    not flash_importable(), reason="neither flash_attn nor vllm_flash_attn is importable"))]
 
 
 @pytest.mark.gpu
-def test_gpu_runner_matches_transformers(model_path):
+@pytest.mark.parametrize("backend", ["triton", "portable"])
+def test_gpu_runner_matches_transformers(model_path, backend):
     from transformers import AutoModelForCausalLM
 
     path = model_path("tiny-qwen3")
     sequences = random_sequences(1024, [26, 23, 22])
-    with make_runner(path, device="cuda", dtype="float32", gpu_memory_utilization=0.05) as runner:
-        assert runner.device.type == "cuda" and runner.attention_backend == "sdpa"
+    with make_runner(path, device="cuda", dtype="float32", gpu_memory_utilization=0.05, block_size=None,
+                     attention_backend=backend) as runner:
+        assert runner.device.type == "cuda" and runner.attention_backend == backend
         seen = run_schedule(runner, sequences)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     with torch.no_grad():
@@ -224,8 +214,8 @@ def test_gpu_runner_matches_transformers(model_path):
 def gpu_schedule(path, **overrides):
     """run_schedule on a bf16 runner on the GPU; returns what it saw and the CUDA graphs captured."""
     sequences = random_sequences(1024, [26, 23, 22])
-    with make_runner(path, device="cuda", dtype="bfloat16", block_size=256, gpu_memory_utilization=0.05,
-                     **overrides) as runner:
+    settings = dict(device="cuda", dtype="bfloat16", block_size=None, gpu_memory_utilization=0.05)
+    with make_runner(path, **{**settings, **overrides}) as runner:
         return run_schedule(runner, sequences), runner.cuda_graph_sizes
 
 
@@ -236,26 +226,30 @@ def assert_schedules_agree(seen, reference):
 
 
 @pytest.mark.gpu
-def test_gpu_flash_backend_matches_sdpa(model_path):
-    from engine.layers.attention import flash_attn_varlen
-
-    if flash_attn_varlen() is None:
-        pytest.skip("neither flash_attn nor vllm_flash_attn is importable")
+@pytest.mark.parametrize("backend", ["triton", GPU_BACKENDS[2]])
+def test_gpu_backend_matches_portable(model_path, backend):
+    """Eager (no graphs) so the mixed-batch kernels run for decode steps too; tiny-mistral has a window."""
     path = model_path("tiny-mistral")
-    flash, _ = gpu_schedule(path, attention_backend="flash", cuda_graphs=[])  # the varlen kernel, decode included
-    sdpa, _ = gpu_schedule(path, attention_backend="sdpa")
-    assert_schedules_agree(flash, sdpa)
+    fast, _ = gpu_schedule(path, attention_backend=backend, cuda_graphs=[])
+    portable, _ = gpu_schedule(path, attention_backend="portable")
+    assert_schedules_agree(fast, portable)
 
 
 @pytest.mark.gpu
-def test_gpu_decode_graphs_match_eager(model_path):
-    from engine.layers.attention import flash_attn_kvcache
-
-    if flash_attn_kvcache() is None:
-        pytest.skip("neither flash_attn nor vllm_flash_attn is importable")
+@pytest.mark.parametrize("backend", ["triton", GPU_BACKENDS[2]])
+def test_gpu_decode_graphs_match_eager(model_path, backend):
     path = model_path("tiny-mistral")
-    graphed, sizes = gpu_schedule(path, attention_backend="flash", cuda_graphs=[1, 2, 4])
+    graphed, sizes = gpu_schedule(path, attention_backend=backend, cuda_graphs=[1, 2, 4])
     assert sizes == [1, 2, 4]  # captured and past the self-check
-    eager, sizes = gpu_schedule(path, attention_backend="flash", cuda_graphs=[])
+    eager, sizes = gpu_schedule(path, attention_backend=backend, cuda_graphs=[])
     assert sizes == []
     assert_schedules_agree(graphed, eager)
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_are_on_by_default_without_flash_attn(model_path):
+    if flash_importable():
+        pytest.skip("flash-attn is importable here: auto picks it")
+    with make_runner(model_path("tiny-llama"), device="cuda", dtype="bfloat16", block_size=None,
+                     gpu_memory_utilization=0.05, max_batch_size=8) as runner:
+        assert runner.attention_backend == "triton" and runner.cuda_graph_sizes == [1, 2, 4, 8]

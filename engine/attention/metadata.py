@@ -1,0 +1,57 @@
+"""The attention layout of one step, shared by every backend and built once per step.
+
+A step is a flattened varlen batch: sequence b contributes q_len[b] new tokens (rows
+cu_seqlens_q[b]:cu_seqlens_q[b+1] of q), which are the last q_len[b] of its seq_lens[b] positions.
+Their K/V go to `slot_mapping` (block * block_size + offset); every position's K/V is read through
+the sequence's row of `block_tables`. Host copies of the lengths ride along so that backends that
+loop on the host (portable) or size launch grids need no device->host copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.batch import SeqSpan
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor              # [T] int64 cache slot of each new token
+    cu_seqlens_q: torch.Tensor              # [B + 1] int32
+    seq_lens: torch.Tensor                  # [B] int32 positions per sequence, new tokens included
+    block_tables: torch.Tensor              # [B, max_blocks] int32, rows padded with block 0
+    block_size: int
+    num_seqs: int
+    max_query_len: int
+    max_seq_len: int                        # host bound on seq_lens (a fixed one inside CUDA graphs)
+    query_lens_host: list[int] = field(default_factory=list)
+    seq_lens_host: list[int] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # a backend's per-step precomputation
+
+
+def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device) -> AttentionMetadata:
+    query_lens = [len(span.token_ids) for span in spans]
+    seq_lens = [span.start_pos + length for span, length in zip(spans, query_lens)]
+    slots: list[int] = []
+    for span, length in zip(spans, query_lens):
+        table = span.block_table
+        slots += [table[pos // block_size] * block_size + pos % block_size
+                  for pos in range(span.start_pos, span.start_pos + length)]
+    cu_seqlens = [0]
+    for length in query_lens:
+        cu_seqlens.append(cu_seqlens[-1] + length)
+    width = max(len(span.block_table) for span in spans)
+    tables = [span.block_table + [0] * (width - len(span.block_table)) for span in spans]
+    return AttentionMetadata(
+        slot_mapping=_to(torch.tensor(slots, dtype=torch.int64), device),
+        cu_seqlens_q=_to(torch.tensor(cu_seqlens, dtype=torch.int32), device),
+        seq_lens=_to(torch.tensor(seq_lens, dtype=torch.int32), device),
+        block_tables=_to(torch.tensor(tables, dtype=torch.int32), device),
+        block_size=block_size, num_seqs=len(spans), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_lens_host=query_lens, seq_lens_host=seq_lens)
+
+
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
