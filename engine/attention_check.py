@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--json-out", help="also write the result to this file")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -30,12 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}
     try:
         backend, block_size, report = choose_backend(args.attention_backend, device, dtype, layers, args.block_size)
+        result.update(ok=True, attention_backend=backend.name, block_size=block_size, checked=report)
     except (ValueError, RuntimeError) as error:
-        print(json.dumps({**result, "ok": False, "error": str(error)}))
-        return 1
-    print(json.dumps({**result, "ok": True, "attention_backend": backend.name, "block_size": block_size,
-                      "checked": report}))
-    return 0
+        result.update(ok=False, error=str(error))
+    print(json.dumps(result))
+    if args.json_out:
+        with open(args.json_out, "w") as out:
+            json.dump(result, out)
+    return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":

