@@ -197,6 +197,58 @@ def cases(args):
     return gen_cases
 
 
+def sweep(args, dtype, gen):
+    """Try launch configurations of both kernels on a few cases; print each time (for tuning the defaults)."""
+    import itertools
+
+    from engine.kernels import triton_attention as ta
+
+    scale = args.head_dim ** -0.5
+    results = []
+    default_prefill, default_decode = ta.prefill_config, ta.decode_config
+    for name, q_lens, ctx_lens in cases(args)[:2]:
+        b = make_batch(q_lens, ctx_lens, args.heads, args.kv_heads, args.head_dim, args.block_size, dtype, gen)
+        for block_m, tile_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+            cfg = dict(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
+            ta.prefill_config = lambda *a, cfg=cfg: cfg
+            try:
+                ms, _ = gpu_time_ms(ours(b, scale, None)[0], 5)
+            except Exception as exc:
+                ms = None
+                print("  failed", cfg, repr(exc)[:120])
+            ta.prefill_config = default_prefill
+            results.append({"case": name, **cfg, "ms": ms})
+            print(f"{name:42s} {cfg} {ms}", flush=True)
+    for batch, ctx in ((1, 1024), (1, 4096), (16, 1024), (16, 4096), (64, 1024)):
+        b = make_batch([1] * batch, [ctx - 1] * batch, args.heads, args.kv_heads, args.head_dim, args.block_size,
+                       dtype, gen)
+        workspace = DecodeWorkspace(batch, args.heads, args.head_dim, 64, "cuda")
+        kv_bytes = batch * ctx * args.kv_heads * args.head_dim * 4
+        for tile_n, warps, stages, splits in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4),
+                                                                (1, 2, 4, 8, 16, 32, 64)):
+            if splits * batch * args.kv_heads > 8 * 132 or splits * tile_n > ctx:
+                continue
+            cfg = dict(block_m=16, tile_n=tile_n, num_warps=warps, num_stages=stages)
+            ta.decode_config = lambda *a, cfg=cfg: cfg
+            out = torch.empty_like(b["q"])
+            fn = lambda: unified_attention(b["q"], b["k_cache"], b["v_cache"], out, cu_seqlens_q=b["cu_seqlens_q"],  # noqa: E731
+                                           seq_lens=b["seq_lens"], block_tables=b["block_tables"], max_query_len=1,
+                                           scale=scale, workspace=workspace, num_splits=splits)
+            try:
+                ms, _ = gpu_time_ms(fn, 20)
+            except Exception as exc:
+                ms = None
+                print("  failed", cfg, repr(exc)[:120])
+            ta.decode_config = default_decode
+            results.append({"case": f"decode b={batch} ctx={ctx}", "splits": splits, **cfg, "ms": ms,
+                            "gbps": kv_bytes / ms / 1e6 if ms else None})
+        best = sorted((r for r in results if r["case"] == f"decode b={batch} ctx={ctx}" and r["ms"]),
+                      key=lambda r: r["ms"])[:5]
+        for r in best:
+            print(r, flush=True)
+    return results
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -207,11 +259,17 @@ def main(argv=None):
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 256])
     parser.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 4096])
+    parser.add_argument("--sweep", action="store_true", help="try launch configurations instead (slow)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs CUDA")
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
+    if args.sweep:
+        results = sweep(args, dtype, gen)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+        return
     rows = []
     header = (f"{'case':42s} {'ours ms':>9s} {'GB/s':>7s} {'splits':>6s} {'sdpa-pad/ours':>13s} "
               f"{'sdpa-gath/ours':>14s} {'flash/ours':>10s} {'maxdiff':>8s}")

@@ -62,30 +62,45 @@ def _attend_tiles(
     k_base, v_base, bt_row, tile_lo, tile_hi, kv_end, window, qk_scale, softcap_log2,
     stride_kb, stride_ks, stride_vb, stride_vs,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """Online softmax over key tiles [tile_lo, tile_hi); scores live in the log2 domain."""
+    """Online softmax over key tiles [tile_lo, tile_hi); scores live in the log2 domain.
+
+    MASKED=False is for tiles that every row of the program sees whole (inside the causal diagonal and
+    the window, below kv_end): no mask work there, which is most tiles of a long prefill.
+    """
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     for t in range(tile_lo, tile_hi):
         k_pos = t * TILE_N + offs_n
         k_ok = k_pos < kv_end
-        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        if MASKED:
+            blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
         in_blk = (k_pos % BLOCK_SIZE).to(tl.int64)
-        k = tl.load(k_base + (blk * stride_kb + in_blk * stride_ks)[None, :] + offs_d[:, None],
-                    mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_base + (blk * stride_vb + in_blk * stride_vs)[:, None] + offs_d[None, :],
-                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        k_ptrs = k_base + (blk * stride_kb + in_blk * stride_ks)[None, :] + offs_d[:, None]
+        v_ptrs = v_base + (blk * stride_vb + in_blk * stride_vs)[:, None] + offs_d[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        elif HEAD_DIM == D_PAD:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
         s = tl.dot(q, k, input_precision=DOT_PREC)
         if USE_SOFTCAP:
             s = _tanh(s * qk_scale) * softcap_log2
         else:
             s = s * qk_scale
-        visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
-        if USE_WINDOW:
-            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
+        if MASKED:
+            visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
+            if USE_WINDOW:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen nothing yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -129,21 +144,39 @@ def _unified_attention_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = ctx_len + q_local
 
+    # Key tiles: [tile_lo, full_lo) cut by the window, [full_lo, full_hi) seen whole by every row,
+    # [full_hi, tile_hi) cut by the causal diagonal.
+    first_q = ctx_len + q_tile * BLOCK_Q
     kv_end = ctx_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
     tile_lo = 0
+    full_lo = 0
     if USE_WINDOW:
-        tile_lo = tl.maximum(ctx_len + q_tile * BLOCK_Q - window + 1, 0) // TILE_N
+        tile_lo = tl.maximum(first_q - window + 1, 0) // TILE_N
+        full_lo = tl.cdiv(tl.maximum(kv_end - window, 0), TILE_N)
+    full_hi = tl.maximum((first_q + 1) // TILE_N, full_lo)
     tile_hi = tl.cdiv(kv_end, TILE_N)
 
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    bt_row = bt_ptr + seq * stride_bt
+    if USE_WINDOW:
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, row_ok, k_base, v_base, bt_row, tile_lo, full_lo, kv_end, window,
+            qk_scale, softcap_log2, stride_kb, stride_ks, stride_vb, stride_vs,
+            HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, DOT_PREC, True,
+        )
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, q_pos, row_ok,
-        k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, bt_ptr + seq * stride_bt,
-        tile_lo, tile_hi, kv_end, window, qk_scale, softcap_log2,
-        stride_kb, stride_ks, stride_vb, stride_vs,
-        HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, DOT_PREC,
+        acc, m_i, l_i, q, q_pos, row_ok, k_base, v_base, bt_row, full_lo, full_hi, kv_end, window,
+        qk_scale, softcap_log2, stride_kb, stride_ks, stride_vb, stride_vs,
+        HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, DOT_PREC, False,
+    )
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, row_ok, k_base, v_base, bt_row, full_hi, tile_hi, kv_end, window,
+        qk_scale, softcap_log2, stride_kb, stride_ks, stride_vb, stride_vs,
+        HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, DOT_PREC, True,
     )
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -195,7 +228,7 @@ def _decode_split_kernel(
         k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, bt_ptr + seq * stride_bt,
         tile_lo, tile_hi, seq_len, window, qk_scale, softcap_log2,
         stride_kb, stride_ks, stride_vb, stride_vs,
-        HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, DOT_PREC,
+        HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, DOT_PREC, True,
     )
     if DIRECT_OUT:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -314,6 +347,22 @@ def _tile_n(head_dim_pad: int, dtype: torch.dtype) -> int:
     return 64
 
 
+def prefill_config(max_query_len: int, qpk: int, head_dim_pad: int, dtype: torch.dtype) -> dict:
+    """Tile sizes and launch settings of the unified kernel (BLOCK_M rows = BLOCK_Q tokens x qpk heads)."""
+    rows = max_query_len * qpk
+    small = head_dim_pad > 128 or dtype == torch.float32
+    block_m = 16 if rows <= 16 else 64 if rows <= 64 or small else 128
+    block_m = max(block_m, triton.next_power_of_2(qpk))
+    return dict(block_m=block_m, tile_n=_tile_n(head_dim_pad, dtype), num_warps=8 if block_m >= 128 else 4,
+                num_stages=2 if small else 3)
+
+
+def decode_config(qpk: int, head_dim_pad: int, dtype: torch.dtype) -> dict:
+    """Tile sizes and launch settings of the split-KV decode kernel."""
+    return dict(block_m=max(16, triton.next_power_of_2(qpk)), tile_n=_tile_n(head_dim_pad, dtype), num_warps=4,
+                num_stages=2 if head_dim_pad > 128 else 3)
+
+
 def _check(q, k_cache, v_cache, out, block_tables):
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape or out.shape != q.shape:
         raise ValueError(f"bad shapes q={tuple(q.shape)} k_cache={tuple(k_cache.shape)} "
@@ -380,11 +429,8 @@ def unified_attention(q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, block
 
 def _prefill(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, num_seqs, max_query_len, *,
              qpk, head_dim, d_pad, block_size, window, use_window, use_softcap, qk_scale, softcap_log2):
-    rows = max_query_len * qpk
-    block_m = 16 if rows <= 16 else 64 if rows <= 64 or d_pad > 128 or q.dtype == torch.float32 else 128
-    block_m = max(block_m, triton.next_power_of_2(qpk))
-    block_q = block_m // qpk
-    tile_n = _tile_n(d_pad, q.dtype)
+    cfg = prefill_config(max_query_len, qpk, d_pad, q.dtype)
+    block_q = cfg["block_m"] // qpk
     grid = (q.shape[0] // block_q + num_seqs, k_cache.shape[2])
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
@@ -392,9 +438,9 @@ def _prefill(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, num
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        QPK=qpk, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE_N=tile_n, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, DOT_PREC=_dot_precision(q.dtype),
-        num_warps=8 if block_m >= 128 else 4, num_stages=2 if d_pad > 128 else 3,
+        QPK=qpk, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_M=cfg["block_m"], BLOCK_Q=block_q,
+        TILE_N=cfg["tile_n"], USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, DOT_PREC=_dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
@@ -412,6 +458,7 @@ def _decode(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, num_
         part_acc = part_m = part_l = out  # unused: the kernel writes `out` directly
     pstrides = (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2)) if num_splits > 1 else (0, 0, 0)
     mstrides = (part_m.stride(0), part_m.stride(1)) if num_splits > 1 else (0, 0)
+    cfg = decode_config(qpk, d_pad, q.dtype)
     _decode_split_kernel[(num_seqs, k_cache.shape[2], num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l, cu_seqlens_q, seq_lens, block_tables,
         num_splits, qk_scale, softcap_log2, window,
@@ -420,9 +467,9 @@ def _decode(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, num_
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         *pstrides, *mstrides,
         QPK=qpk, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        BLOCK_M=max(16, triton.next_power_of_2(qpk)), TILE_N=_tile_n(d_pad, q.dtype), DIRECT_OUT=num_splits == 1,
+        BLOCK_M=cfg["block_m"], TILE_N=cfg["tile_n"], DIRECT_OUT=num_splits == 1,
         USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, DOT_PREC=_dot_precision(q.dtype),
-        num_warps=4, num_stages=2 if d_pad > 128 else 3,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
