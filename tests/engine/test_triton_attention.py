@@ -132,7 +132,8 @@ def test_decode_default_splits_depend_only_on_host_sizes():
     """Small batches split (the reduce runs), large ones do not; either way the result is right."""
     assert decode_num_splits(1, 1, 4096, DEVICE) > 1
     assert decode_num_splits(1, 1, 4096, DEVICE, max_splits=4) == 4
-    assert decode_num_splits(1, 1, 200, DEVICE) == 1  # no split shorter than a useful chunk
+    assert decode_num_splits(1, 1, 40, DEVICE) == 1  # no split shorter than a useful chunk
+    assert decode_num_splits(1, 1, 200, DEVICE) == 3
     assert decode_num_splits(4096, 8, 4096, DEVICE) == 1
     batch = make_batch([1, 1], [500, 30], heads=2, kv_heads=1, head_dim=64, block_size=16, dtype=torch.float32)
     workspace = DecodeWorkspace(2, 2, 64, 8, DEVICE)
