@@ -43,4 +43,4 @@ class TritonBackend(AttentionBackend):
         return out.view(q.shape[0], -1)
 
     def graph_workspace(self, max_batch, num_heads, head_dim, max_seq_len, device):
-        return self.kernels.DecodeWorkspace.for_decode(max_batch, num_heads, head_dim, max_seq_len, device)
+        return self.kernels.DecodeWorkspace(max_batch, num_heads, head_dim, device=device)

@@ -1,39 +1,44 @@
-"""Plain-torch float64 reference of the paged varlen attention the kernels compute.
-
-Slow on purpose (a loop over sequences, the blocks gathered one by one): it is the definition every
-backend is checked against, in tests and in the start-up self-check.
-"""
+"""Plain-torch float64 references for engine/kernels/triton_attention.py: the same math, written to be
+obviously right (one sequence at a time, explicit masks), for tests and start-up self-checks."""
 from __future__ import annotations
 
 import torch
 
 
-def write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """k/v [T, kv_heads, d] into the flat slots of [num_blocks, block_size, kv_heads, d]; slots < 0 skipped."""
-    keep = slot_mapping >= 0
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]
+def paged_attention_reference(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, scale: float,
+                              window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal paged attention in float64; returns [T, H, D] in q's dtype (see unified_attention).
 
-
-def paged_attention_reference(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, scale,
-                              window=None, softcap=None) -> torch.Tensor:
-    """q [T, H, D] -> [T, H, D]: each sequence's queries are the last q_len of its seq_lens positions."""
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    groups = q.shape[1] // kv_heads
+    Query i of sequence b sits at position seq_lens[b] - q_len[b] + i; key j is visible from position p
+    iff j <= p and (no window or j > p - window); softcap maps scaled scores s to softcap * tanh(s / softcap).
+    """
     out = torch.empty_like(q)
-    for b in range(len(seq_lens)):
-        start, end, length = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seq_lens[b])
-        positions = torch.arange(length, device=q.device)
-        slots = block_tables[b, positions // block_size].long() * block_size + positions % block_size
-        keys = k_cache.flatten(0, 1)[slots].double().repeat_interleave(groups, dim=1)    # [K, H, D]
-        values = v_cache.flatten(0, 1)[slots].double().repeat_interleave(groups, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].double(), keys) * scale
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    cu = cu_seqlens_q.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q_seq = q[cu[b]:cu[b + 1]].double()
+        q_len = q_seq.shape[0]
+        blocks = block_tables[b, : -(-seq_len // block_size)].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].double().repeat_interleave(group, dim=1)
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q_seq, k) * scale
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
-        query_pos = positions[length - (end - start):, None]
-        visible = positions[None, :] <= query_pos
-        if window is not None:
-            visible &= positions[None, :] > query_pos - window
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        visible = k_pos <= q_pos
+        if window is not None and window > 0:
+            visible &= k_pos > q_pos - window
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[cu[b]:cu[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
+
+
+def write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Scatter k, v [T, KVH, D] into the caches at flat slots (block * block_size + offset); skip slots < 0."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
