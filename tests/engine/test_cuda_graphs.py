@@ -19,7 +19,7 @@ BLOCK = 8
 NUM_BLOCKS = 12  # + 1 scratch block at index NUM_BLOCKS
 
 
-def load(path, decode_fn=reference_flash_kvcache):
+def load(path, decode_fn=reference_flash_kvcache, backend=None):
     """A tiny model on the flash backend (CPU stand-ins) with its paged cache; cache[NUM_BLOCKS] is scratch.
     Returns the model, its attention layers, their windows and the backend."""
     config = ModelConfig.from_pretrained(path)
@@ -27,7 +27,7 @@ def load(path, decode_fn=reference_flash_kvcache):
     load_safetensors(model, str(path), model.packed_modules_mapping, skip=model.skipped_checkpoint_tensors())
     layers = model.attention_layers()
     cache = torch.zeros(2, len(layers), NUM_BLOCKS + 1, BLOCK, layers[0].num_kv_heads, config.head_dim)
-    backend = FlashBackend(reference_flash_varlen, decode_fn)
+    backend = backend or FlashBackend(reference_flash_varlen, decode_fn)
     for i, layer in enumerate(layers):
         layer.impl = backend
         layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
@@ -75,6 +75,23 @@ def test_padded_replay_gives_the_eager_hidden_states(model_path, name):
     for count in (1, 2, 4):  # every captured size, exact fits
         subset = spans[:count] if count <= 3 else spans + [SeqSpan(3, [14], 3, [6])]
         torch.testing.assert_close(graphs.run(subset).clone(), eager(model, subset, windows), atol=1e-5, rtol=1e-5)
+
+
+def test_padded_replay_with_the_triton_kernels(model_path):
+    """The Triton backend inside graphs: static metadata, fixed length bound, preallocated split-KV buffers
+    (the kernels run interpreted here; the real capture is in the gpu-marked tests)."""
+    from engine.attention.triton_backend import TritonBackend
+
+    model, layers, windows = load(model_path("tiny-mistral"), backend=TritonBackend())
+    graphs = graphs_for(model, sizes=(1, 4), max_blocks=4)
+    with torch.inference_mode():
+        for layer in layers:
+            layer.k_cache[:NUM_BLOCKS].normal_(generator=torch.Generator().manual_seed(1))
+            layer.v_cache[:NUM_BLOCKS].normal_(generator=torch.Generator().manual_seed(2))
+    spans = [SeqSpan(0, [11], 20, [5, 2, 9]), SeqSpan(1, [12], 0, [7]), SeqSpan(2, [13], 29, [1, 3, 4, 0])]
+    assert graphs.workspace is not None
+    torch.testing.assert_close(graphs.run(spans).clone(), eager(model, spans, windows), atol=1e-5, rtol=1e-5)
+    assert matches_eager(graphs, layers, windows, tolerance=1e-4)
 
 
 def test_only_decode_batches_that_fit_are_replayed(model_path):

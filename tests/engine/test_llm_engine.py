@@ -328,6 +328,19 @@ TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog and then ru
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-llama3-rope"])
 def test_greedy_matches_transformers(name, hf_models):
     with real_engine(name) as engine:
+        assert engine.runner.attention_backend == "portable"
+        prompts = [engine.tokenizer.encode(t) for t in TEXTS]
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=16))
+    model = hf_models(name)
+    for ids, out in zip(prompts, outs):
+        assert [t.id for t in out.tokens] == hf_greedy(model, ids, 16)
+
+
+@pytest.mark.parametrize("name", ["tiny-mistral", "tiny-qwen2"])
+def test_greedy_with_the_triton_backend_matches_transformers(name, hf_models):
+    """Every backend this machine can run: Triton's kernels run here in its CPU interpreter."""
+    with real_engine(name, attention_backend="triton") as engine:
+        assert engine.runner.attention_backend == "triton"
         prompts = [engine.tokenizer.encode(t) for t in TEXTS]
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=16))
     model = hf_models(name)

@@ -93,6 +93,20 @@ def test_logits_match_transformers(model_path, name, gemm):
                                        msg=f"{name} seq {seq_id} position {pos}")
 
 
+@pytest.mark.parametrize("name", ["tiny-mistral", "tiny-qwen3"])
+def test_triton_backend_logits_match_transformers(model_path, name):
+    """The Triton kernels (interpreted on this CPU) through the runner: prefill, chunks, mixed, decode."""
+    path = model_path(name)
+    sequences = random_sequences(ModelConfig.from_pretrained(path).vocab_size, [26, 23, 22])
+    with make_runner(path, attention_backend="triton", block_size=16) as runner:
+        assert runner.attention_backend == "triton"
+        seen = run_schedule(runner, sequences)
+    reference = hf_logits(path, sequences)
+    for seq_id, positions in enumerate(seen):
+        for pos, logits in positions.items():
+            torch.testing.assert_close(logits, reference[seq_id][pos], atol=1e-4, rtol=0)
+
+
 def test_mistral_window_is_exercised(model_path):
     """The tiny Mistral's window changes its logits, so matching transformers means we apply it."""
     from transformers import AutoModelForCausalLM
@@ -123,7 +137,8 @@ def greedy(runner, prompts, max_new_tokens, eos):
     return outputs
 
 
-def test_greedy_decoding_reproduces_transformers_generate_on_smollm2(model_path):
+@pytest.mark.parametrize("backend", ["portable", pytest.param("triton", marks=pytest.mark.slow)])
+def test_greedy_decoding_reproduces_transformers_generate_on_smollm2(model_path, backend):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model_path("smollm2")
@@ -132,7 +147,8 @@ def test_greedy_decoding_reproduces_transformers_generate_on_smollm2(model_path)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"] for q in questions]
     eos = {tokenizer.eos_token_id}
-    with make_runner(path, cpu_kv_cache_bytes=64 * 2**20) as runner:
+    with make_runner(path, cpu_kv_cache_bytes=64 * 2**20, attention_backend=backend, block_size=16) as runner:
+        assert runner.attention_backend == backend
         ours = greedy(runner, prompts, 10, eos)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for prompt, tokens in zip(prompts, ours):
