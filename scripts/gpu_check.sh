@@ -67,13 +67,13 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, record r
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs)
 KERNEL_TESTS=$(ls tests/engine/test_*triton*.py tests/engine/test_*kernel*.py 2>/dev/null | sort -u | tr '\n' ' ')
 
-stage env 60 bash -c "nvidia-smi; $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, torch.cuda.get_device_name())'; $PY -c 'from engine.attention.flash import flash_version; print(flash_version())'"
-stage selfcheck 120 bash -c "$PY -m engine.attention_check --json-out '$LOGS/selfcheck-auto.json'; $PY -m engine.attention_check --attention-backend triton --json-out '$LOGS/selfcheck-triton.json'"
+stage env 20 bash -c "nvidia-smi; $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, torch.cuda.get_device_name())'; $PY -c 'from engine.attention.flash import flash_version; print(flash_version())'"
+stage selfcheck 60 bash -c "$PY -m engine.attention_check --json-out '$LOGS/selfcheck-auto.json'; $PY -m engine.attention_check --attention-backend triton --json-out '$LOGS/selfcheck-triton.json'"
 # shellcheck disable=SC2086
-[ -n "$KERNEL_TESTS" ] && stage kernels 150 "${PYTEST[@]}" $KERNEL_TESTS --junitxml="$LOGS/kernels.xml"
-stage gpu-tests 150 "${PYTEST[@]}" -m gpu tests/engine --junitxml="$LOGS/gpu-tests.xml"
-[ -f scripts/bench_attention.py ] && stage attention 90 "$PY" scripts/bench_attention.py --json "$LOGS/attention.json"
-stage bench-8b 210 "$PY" scripts/bench_engine.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
+[ -n "$KERNEL_TESTS" ] && stage kernels 110 "${PYTEST[@]}" $KERNEL_TESTS --junitxml="$LOGS/kernels.xml"
+stage gpu-tests 130 "${PYTEST[@]}" -m gpu tests/engine --junitxml="$LOGS/gpu-tests.xml"
+[ -f scripts/bench_attention.py ] && stage attention 50 "$PY" scripts/bench_attention.py --json "$LOGS/attention.json"
+stage bench-8b 170 "$PY" scripts/bench_engine.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
   --load-format dummy --device cuda --dtype bfloat16 --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 64 \
   --runs 1 --hf-prompts 256 --hf-serial-max 2 --json-out "$LOGS/bench-8b.json"
 for extra in scripts/bench_quant.py scripts/bench_moe.py; do
