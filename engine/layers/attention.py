@@ -76,11 +76,12 @@ def _flash_modules():
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap  # Gemma 2: scores -> cap * tanh(scores / cap) before the softmax
         self.backend = "sdpa"
         self.flash_fn = None
         self.flash_decode_fn = None  # flash_attn_with_kvcache, for decode graphs
@@ -123,6 +124,8 @@ class Attention(nn.Module):
         if mask is None and self.sliding_window is not None:
             mask = causal_mask(q.shape[2], 0, k.shape[2], self.sliding_window, q.device)[None, None]
         groups = self.num_heads // self.num_kv_heads
+        if self.logit_softcap is not None:
+            return softcapped_attention(q, k, v, mask, self.scale, self.logit_softcap, groups)
         # enable_gqa is only taken by CUDA's flash SDPA, which has no mask: with a mask on CUDA it would drop to
         # the math backend and its [B, H, Q, K] scores, while the memory-efficient one takes repeated heads
         native_gqa = _SDPA_HAS_GQA and not (mask is not None and q.is_cuda)
@@ -149,6 +152,19 @@ class Attention(nn.Module):
                                    block_table=meta.block_tables, softmax_scale=self.scale, causal=True,
                                    window_size=self._flash_window)
         return out.reshape(q.shape[0], -1)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, cap: float, groups: int) -> torch.Tensor:
+    """SDPA's math with the scores soft-capped (SDPA itself has no cap); mask None means causal."""
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None:
+        mask = causal_mask(q.shape[2], k.shape[2] - q.shape[2], k.shape[2], None, q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
 
 
 def causal_mask(num_queries: int, start_pos: int, num_keys: int, window: int | None,
