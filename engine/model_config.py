@@ -142,6 +142,8 @@ class ModelConfig:
         dense = matrices * self.hidden_size * self.intermediate_size
         mlp = [dense if not self.is_moe_layer(i) else self._moe_params() for i in range(self.num_hidden_layers)]
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        if self.position_embedding == "learned":
+            embeddings += self.max_position_embeddings * self.hidden_size
         return self.num_hidden_layers * (attention + 2 * self.hidden_size) + sum(mlp) + embeddings + self.hidden_size
 
     def is_moe_layer(self, layer_idx: int) -> bool:
@@ -264,6 +266,9 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
     if scaling["rope_type"] == "longrope":  # Phi-3 keeps these two at the top level
         scaling.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
         scaling.setdefault("max_position_embeddings", raw.get("max_position_embeddings"))
+        missing = [k for k in ("original_max_position_embeddings", "short_factor", "long_factor") if not scaling.get(k)]
+        if missing:
+            raise ValueError(f"{source}: longrope scaling needs {', '.join(missing)}")
     return theta, scaling
 
 

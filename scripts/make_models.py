@@ -48,7 +48,7 @@ TINY_MODELS: dict[str, tuple[str, dict, dict]] = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), {}),
 }
 _SIZES = {k: v for k, v in _COMMON.items() if k not in ("head_dim", "rms_norm_eps")}
-_PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 40,
+_PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
               "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 12.0]}
 # more families (engine/models/*.py): small sizes, several experts active per token, soft-caps that bite
 TINY_MODELS.update({
@@ -69,7 +69,7 @@ TINY_MODELS.update({
                                                               "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                                                  "rope_theta": 1e6}}), {}),
     "tiny-phi3": ("Phi3Config", dict(sliding_window=12, partial_rotary_factor=0.75, rope_parameters=_PHI3_ROPE,
-                                     original_max_position_embeddings=40, tie_word_embeddings=False), {}),
+                                     original_max_position_embeddings=64, tie_word_embeddings=False), {}),
     "tiny-olmo2": ("Olmo2Config", dict(tie_word_embeddings=False), {}),
     "tiny-starcoder2": ("Starcoder2Config", dict(_sizes=True, sliding_window=8, rope_theta=10000.0), {}),
     "tiny-gpt2": ("GPT2Config", dict(_sizes=None, n_embd=64, n_layer=2, n_head=4, n_positions=512,
