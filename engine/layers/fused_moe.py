@@ -38,23 +38,25 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 
 def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, act: nn.Module) -> torch.Tensor:
-    """Each expert once over the tokens routed to it; x [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]."""
-    top_k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # one sync: the group sizes
-    out = torch.zeros_like(x)
+    """Each expert once over the tokens routed to it; x [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H].
+
+    The pairs are sorted by expert and gathered once, so each expert reads a contiguous slice, and the
+    results go back to their tokens in one index_add.
+    """
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    counts = torch.bincount(ids.reshape(-1), minlength=w13.shape[0]).tolist()  # one sync: the group sizes
+    tokens = order // ids.shape[1]
+    inputs, scales = x[tokens], weights.reshape(-1)[order, None]
+    outputs = torch.empty_like(inputs)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
-        pairs = order[start:start + count]
-        start += count
-        tokens = pairs // top_k
-        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(act(gate) * up, w2[expert])
-        out.index_add_(0, tokens, (y * weights.reshape(-1)[pairs, None]).to(x.dtype))
-    return out
+        end = start + count
+        gate, up = F.linear(inputs[start:end], w13[expert]).chunk(2, dim=-1)
+        outputs[start:end] = F.linear(act(gate) * up, w2[expert]) * scales[start:end]
+        start = end
+    return torch.zeros_like(x).index_add_(0, tokens, outputs)
 
 
 def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
