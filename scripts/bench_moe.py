@@ -72,28 +72,39 @@ def timed(fn, device: torch.device, repeats: int, min_seconds: float = 0.3) -> f
 
 def bench_layer(hf_model, size: str, device: torch.device, dtype: torch.dtype, token_counts: list[int],
                 repeats: int) -> None:
-    from engine.layers import fused_moe
+    from engine.layers import cpu_gemm, fused_moe
 
     cfg = SIZES[size]
     block = hf_model.model.layers[0].mlp
-    ours = fused_moe.FusedMoE(cfg["num_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"],
-                              cfg["moe_intermediate_size"], renormalize=True).to(device, dtype)
-    ours.w13.data.copy_(block.experts.gate_up_proj.data)  # transformers 5 stacks [E, 2I, H], gate first
-    ours.w2.data.copy_(block.experts.down_proj.data)
     router = block.gate.weight.data
+    variants = {}
+    for name in ("aten", "onednn"):
+        if name == "onednn" and cpu_gemm.choose("auto", device, dtype) != "onednn":
+            continue  # on CUDA: one variant, the Triton kernel
+        layer = fused_moe.FusedMoE(cfg["num_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"],
+                                   cfg["moe_intermediate_size"], renormalize=True).to(device, dtype)
+        layer.w13.data.copy_(block.experts.gate_up_proj.data)  # transformers 5 stacks [E, 2I, H], gate first
+        layer.w2.data.copy_(block.experts.down_proj.data)
+        if name == "onednn":  # as the engine does at load on CPU (--cpu-gemm auto)
+            cpu_gemm.prepack_model(layer)
+        variants[name] = layer
     print(f"\n(a) one MoE layer, {size}: {cfg['num_experts']} experts, top {cfg['num_experts_per_tok']}, "
-          f"hidden {cfg['hidden_size']}, expert width {cfg['moe_intermediate_size']}")
-    print(f"{'tokens':>7} {'transformers tok/s':>19} {'engine tok/s':>13} {'ratio':>6}  engine path")
+          f"hidden {cfg['hidden_size']}, expert width {cfg['moe_intermediate_size']}; tok/s, ratio to transformers")
+    print(f"{'tokens':>7} {'transformers':>13}" + "".join(f" {name:>16}" for name in variants))
     for tokens in token_counts:
         x = torch.randn(tokens, cfg["hidden_size"], device=device, dtype=dtype) * 0.5
+        row = f"{tokens:>7}"
         with torch.inference_mode():
             want = block(x[None])[0]
-            got = ours(x, x @ router.T)
-            tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-            torch.testing.assert_close(got.float(), want.reshape(got.shape).float(), atol=tolerance, rtol=tolerance)
             hf_s = timed(lambda: block(x[None]), device, repeats)
-            our_s = timed(lambda: ours(x, x @ router.T), device, repeats)
-        print(f"{tokens:>7} {tokens / hf_s:>19,.0f} {tokens / our_s:>13,.0f} {hf_s / our_s:>6.2f}  {ours.backend}")
+            row += f" {tokens / hf_s:>13,.0f}"
+            for layer in variants.values():
+                got = layer(x, x @ router.T)
+                tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+                torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+                our_s = timed(lambda: layer(x, x @ router.T), device, repeats)
+                row += f" {tokens / our_s:>9,.0f} {hf_s / our_s:>5.2f}x"
+        print(row + f"   ({variants['aten'].backend})")
 
 
 def bench_generate(hf_model, folder: Path, size: str, device: torch.device, dtype: torch.dtype, batch: int,
@@ -105,14 +116,16 @@ def bench_generate(hf_model, folder: Path, size: str, device: torch.device, dtyp
     generator = torch.Generator().manual_seed(1)
     prompts = torch.randint(10, hf_model.config.vocab_size, (batch, prompt_len), generator=generator)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    config = EngineConfig(model_id=str(folder), device=device.type, dtype=str(dtype).removeprefix("torch."),
-                          cpu_kv_cache_bytes=256 * 2**20)
-    with LLMEngine(config) as engine:
-        engine.generate(prompts[:2].tolist(), SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up
-        start = time.perf_counter()
-        outs = engine.generate(prompts.tolist(), params)
-        engine_s = time.perf_counter() - start
-    assert all(len(out.tokens) == new_tokens for out in outs)
+    engine_s = {}
+    for gemm in ("aten", "auto") if device.type == "cpu" else ("auto",):
+        config = EngineConfig(model_id=str(folder), device=device.type, dtype=str(dtype).removeprefix("torch."),
+                              cpu_kv_cache_bytes=256 * 2**20, cpu_gemm=gemm)
+        with LLMEngine(config) as engine:
+            engine.generate(prompts[:2].tolist(), SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up
+            start = time.perf_counter()
+            outs = engine.generate(prompts.tolist(), params)
+            engine_s[engine.runner.linear_backend] = time.perf_counter() - start
+        assert all(len(out.tokens) == new_tokens for out in outs)
     ids = prompts.to(device)
     with torch.inference_mode():
         hf_model.generate(ids[:2], max_new_tokens=2, do_sample=False, min_new_tokens=2)  # warm-up
@@ -122,8 +135,9 @@ def bench_generate(hf_model, folder: Path, size: str, device: torch.device, dtyp
         hf_s = time.perf_counter() - start
     total = batch * new_tokens
     print(f"\n(b) generation, {size}: {batch} prompts x {prompt_len} tokens, {new_tokens} new tokens each")
-    print(f"    transformers generate {total / hf_s:8.1f} tok/s   engine {total / engine_s:8.1f} tok/s   "
-          f"ratio {hf_s / engine_s:.2f}")
+    print(f"    transformers generate {total / hf_s:8.1f} tok/s" + "".join(
+        f"   engine ({name} linears) {total / seconds:8.1f} tok/s, {hf_s / seconds:.2f}x"
+        for name, seconds in engine_s.items()))
 
 
 def main(argv: list[str] | None = None) -> int:

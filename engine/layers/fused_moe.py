@@ -5,7 +5,8 @@ Two ways to run the experts, same math:
 - "triton" (CUDA): the (token, expert) pairs sorted by expert, two grouped GEMM launches for all experts
   (engine/kernels/moe.py), chosen once per device after a self-check against the torch path;
 - "torch": the pairs sorted by expert and each expert that has tokens runs once over all of them
-  (no per-token loop). The path on CPU.
+  (no per-token loop). The path on CPU, where each expert's matrices are reordered for oneDNN at load
+  like every linear layer's (engine/layers/cpu_gemm.py, unless --cpu-gemm aten).
 """
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, tp_rank, tp_size
+from engine.layers import cpu_gemm
 from engine.layers.activation import activation
 from engine.layers.linear import divide
 from engine.weights import read_shard
 
 logger = logging.getLogger(__name__)
 
-_BACKENDS: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> chosen backend
+_BACKENDS: dict[tuple[str, torch.dtype], str] = {}
+MIN_PACKED_EXPERT_ELEMENTS = 2**16  # smaller expert matrices stay on F.linear (see FusedMoE.prepack_cpu_gemm)  # (device type, dtype) -> chosen backend
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,14 +40,17 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 
 
 def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, act: nn.Module) -> torch.Tensor:
+                  ids: torch.Tensor, act: nn.Module, packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+                  ) -> torch.Tensor:
     """Each expert once over the tokens routed to it; x [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H].
 
     The pairs are sorted by expert and gathered once, so each expert reads a contiguous slice, and the
-    results go back to their tokens in one index_add.
+    results go back to their tokens in one index_add. `packed`: per expert, oneDNN-reordered w13 and w2
+    (engine/layers/cpu_gemm.py) used instead of the stacked weights.
     """
     order = torch.argsort(ids.reshape(-1), stable=True)
-    counts = torch.bincount(ids.reshape(-1), minlength=w13.shape[0]).tolist()  # one sync: the group sizes
+    num_experts = w13.shape[0] if packed is None else len(packed)
+    counts = torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()  # one sync: the group sizes
     tokens = order // ids.shape[1]
     inputs, scales = x[tokens], weights.reshape(-1)[order, None]
     outputs = torch.empty_like(inputs)
@@ -53,8 +59,12 @@ def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         if count == 0:
             continue
         end = start + count
-        gate, up = F.linear(inputs[start:end], w13[expert]).chunk(2, dim=-1)
-        outputs[start:end] = F.linear(act(gate) * up, w2[expert]) * scales[start:end]
+        if packed is None:
+            gate, up = F.linear(inputs[start:end], w13[expert]).chunk(2, dim=-1)
+            outputs[start:end] = F.linear(act(gate) * up, w2[expert]) * scales[start:end]
+        else:
+            gate, up = cpu_gemm.linear(inputs[start:end], packed[expert][0], None).chunk(2, dim=-1)
+            outputs[start:end] = cpu_gemm.linear(act(gate) * up, packed[expert][1], None) * scales[start:end]
         start = end
     return torch.zeros_like(x).index_add_(0, tokens, outputs)
 
@@ -121,6 +131,20 @@ class FusedMoE(nn.Module):
         self.w2.weight_loader = self.weight_loader
         self.act = activation(hidden_act)
         self.backend: str | None = None
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def prepack_cpu_gemm(self) -> int:
+        """Called by cpu_gemm.prepack_model: reorder every expert's matrices for oneDNN, free the stacks.
+
+        Not for small experts: oneDNN's per-call cost made 64x32 experts 2x slower than F.linear, while
+        512x256 ones ran 1.2-2x faster from 4 tokens per step on (docs/benchmarks.md, MoE).
+        """
+        if self.w2[0].numel() < MIN_PACKED_EXPERT_ELEMENTS:
+            return 0
+        self.packed = [(cpu_gemm.pack(self.w13[e]), cpu_gemm.pack(self.w2[e])) for e in range(self.w13.shape[0])]
+        self.w13.data = self.w13.data.new_empty(0, *self.w13.shape[1:])
+        self.w2.data = self.w2.data.new_empty(0, *self.w2.shape[1:])
+        return 2 * len(self.packed)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: tuple[int | None, str]) -> None:
         """shard_id (expert, part): part "gate"/"up"/"down" of one expert's [out, in] matrix, or
@@ -145,5 +169,6 @@ class FusedMoE(nn.Module):
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         if self.backend is None:
             self.backend = choose_backend(x.device, x.dtype)
-        run = experts_triton if self.backend == "triton" else experts_torch
-        return all_reduce(run(x, self.w13, self.w2, weights, ids, self.act))
+        if self.backend == "triton":
+            return all_reduce(experts_triton(x, self.w13, self.w2, weights, ids, self.act))
+        return all_reduce(experts_torch(x, self.w13, self.w2, weights, ids, self.act, self.packed))

@@ -110,3 +110,38 @@ def test_router_normalisations():
 @pytest.mark.gpu
 def test_cuda_chooses_the_triton_kernel_after_its_self_check():
     assert fused_moe.choose_backend(torch.device("cuda"), torch.bfloat16) == "triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen2-moe"])
+def test_moe_models_on_cuda_match_transformers(name):
+    """The whole model with the compiled kernel (fp32, SDPA attention) against transformers on the CPU."""
+    from fakes import test_model_path
+    from test_model_runner import hf_logits, make_runner, random_sequences, run_schedule
+
+    path = test_model_path(name)
+    with make_runner(path, device="cuda", dtype="float32", attention_backend="sdpa", enforce_eager=True) as runner:
+        sequences = random_sequences(runner.model_config.vocab_size, [26, 23, 22])
+        seen = run_schedule(runner, sequences)
+    assert fused_moe.choose_backend(torch.device("cuda"), torch.float32) == "triton"
+    reference = hf_logits(path, sequences)
+    for seq_id, positions in enumerate(seen):
+        for pos, logits in positions.items():
+            torch.testing.assert_close(logits.cpu(), reference[seq_id][pos], atol=1e-3, rtol=0)
+
+
+def test_onednn_packed_experts_give_the_same_output():
+    from engine.layers import cpu_gemm
+
+    if cpu_gemm.choose("auto", torch.device("cpu"), torch.float32) != "onednn":
+        pytest.skip("this torch build has no usable oneDNN linear")
+    small, layer = fused_moe.FusedMoE(6, 2, 32, 24, renormalize=True), fused_moe.FusedMoE(6, 2, 256, 256, True)
+    assert cpu_gemm.prepack_model(small) == 0  # below the size where oneDNN pays off
+    generator = torch.Generator().manual_seed(3)
+    layer.w13.data.normal_(0, 0.05, generator=generator)
+    layer.w2.data.normal_(0, 0.05, generator=generator)
+    x, router = torch.randn(21, 256, generator=generator), torch.randn(21, 6, generator=generator)
+    with torch.inference_mode():
+        plain = layer(x, router)
+        assert cpu_gemm.prepack_model(layer) == 12 and layer.w13.numel() == 0  # stacks freed after packing
+        torch.testing.assert_close(layer(x, router), plain, atol=1e-4, rtol=1e-4)
