@@ -138,3 +138,53 @@ def test_moe_models_route_each_token_to_several_experts(monkeypatch):
             torch.testing.assert_close(sums, torch.ones_like(sums))
         else:
             assert (sums < 0.999).any()
+
+
+def rewritten_checkpoint(name, tmp_path, rewrite):
+    """A copy of test model `name` whose tensors went through rewrite(dict) -> dict."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = test_model_path(name)
+    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(str(source / "model.safetensors"))
+    save_file(rewrite(tensors), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    return tmp_path
+
+
+def assert_logits_match(path, reference_path):
+    sequences = random_sequences(ModelConfig.from_pretrained(path).vocab_size, [26, 23, 22])
+    with make_runner(path) as runner:
+        seen = run_schedule(runner, sequences)
+    reference = hf_logits(reference_path, sequences)
+    for seq_id, positions in enumerate(seen):
+        for pos, logits in positions.items():
+            torch.testing.assert_close(logits, reference[seq_id][pos], atol=1e-4, rtol=0)
+
+
+def test_gpt2_original_upload_layout_loads(tmp_path):
+    """openai-community/gpt2's own file: no `transformer.` prefix, causal-mask buffers beside the weights."""
+    def original(tensors):
+        out = {key.removeprefix("transformer."): value for key, value in tensors.items() if key != "lm_head.weight"}
+        for layer in range(2):
+            out[f"h.{layer}.attn.bias"] = torch.tril(torch.ones(1, 1, 512, 512))
+            out[f"h.{layer}.attn.masked_bias"] = torch.tensor(-1e4)
+        return out
+
+    assert_logits_match(rewritten_checkpoint("tiny-gpt2", tmp_path, original), test_model_path("tiny-gpt2"))
+
+
+def test_mixtral_stacked_expert_layout_loads(tmp_path):
+    """Experts stored stacked as transformers 5 holds them (experts.gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+    def stacked(tensors):
+        out = {k: v for k, v in tensors.items() if ".experts." not in k}
+        for layer in range(2):
+            prefix = f"model.layers.{layer}.block_sparse_moe.experts"
+            experts = range(4)
+            out[f"{prefix}.gate_up_proj"] = torch.stack(
+                [torch.cat([tensors[f"{prefix}.{e}.w1.weight"], tensors[f"{prefix}.{e}.w3.weight"]]) for e in experts])
+            out[f"{prefix}.down_proj"] = torch.stack([tensors[f"{prefix}.{e}.w2.weight"] for e in experts])
+        return out
+
+    assert_logits_match(rewritten_checkpoint("tiny-mixtral", tmp_path, stacked), test_model_path("tiny-mixtral"))
