@@ -179,7 +179,8 @@ def family_fields(raw: dict[str, Any], model_type: str, base: dict[str, Any]) ->
     if model_type == "starcoder2":
         bias = bool(raw.get("use_bias", True))
         return dict(norm="layer", mlp_gated=False, attention_bias=bias, o_proj_bias=bias, mlp_bias=bias,
-                    rms_norm_eps=raw.get("norm_epsilon", 1e-5), tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
+                    rms_norm_eps=raw.get("norm_epsilon", 1e-5),
+                    tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
     if model_type == "gpt2":
         return dict(norm="layer", mlp_gated=False, attention_bias=True, o_proj_bias=True, mlp_bias=True,
                     position_embedding="learned", hidden_act=raw.get("activation_function", "gelu_new"),

@@ -130,8 +130,9 @@ def bench_generate(hf_model, folder: Path, size: str, device: torch.device, dtyp
     with torch.inference_mode():
         hf_model.generate(ids[:2], max_new_tokens=2, do_sample=False, min_new_tokens=2)  # warm-up
         start = time.perf_counter()
-        hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          do_sample=False, pad_token_id=hf_model.generation_config.pad_token_id)
+        hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False,
+                          pad_token_id=hf_model.generation_config.pad_token_id)
         hf_s = time.perf_counter() - start
     total = batch * new_tokens
     print(f"\n(b) generation, {size}: {batch} prompts x {prompt_len} tokens, {new_tokens} new tokens each")
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"# bench_moe {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
+    now = datetime.datetime.now(datetime.timezone.utc)
+    print(f"# bench_moe {now:%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {device} {args.dtype}")
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory(prefix=f"bench-moe-{size}-") as tmp:

@@ -27,7 +27,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     # not bincount: on CUDA it reads the max id back to the host, which a CUDA graph cannot capture
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)

@@ -25,8 +25,8 @@ from engine.weights import read_shard
 
 logger = logging.getLogger(__name__)
 
-_BACKENDS: dict[tuple[str, torch.dtype], str] = {}
-MIN_PACKED_EXPERT_ELEMENTS = 2**16  # smaller expert matrices stay on F.linear (see FusedMoE.prepack_cpu_gemm)  # (device type, dtype) -> chosen backend
+_BACKENDS: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> chosen backend
+MIN_PACKED_EXPERT_ELEMENTS = 2**16  # smaller expert matrices stay on F.linear (see FusedMoE.prepack_cpu_gemm)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,7 +84,11 @@ def test_torch_path_runs_each_used_expert_once_over_all_its_tokens(monkeypatch):
     x, w13, w2 = tensors(40, 8, 16, 8, torch.float32)
     rows_per_call = []
     linear = F.linear
-    monkeypatch.setattr(fused_moe.F, "linear", lambda a, w, *rest: rows_per_call.append(a.shape[0]) or linear(a, w, *rest))
+    def counting_linear(a, w, *rest):
+        rows_per_call.append(a.shape[0])
+        return linear(a, w, *rest)
+
+    monkeypatch.setattr(fused_moe.F, "linear", counting_linear)
     got = experts_torch(x, w13, w2, weights, ids, nn.SiLU())
     assert len(rows_per_call) == 2 * 3  # gate/up and down, once per expert that has tokens
     assert sum(rows_per_call) == 2 * ids.numel()
