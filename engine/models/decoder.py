@@ -169,17 +169,13 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.check_tensor_parallel(config, tp_size())
+        check_tensor_parallel(config, tp_size())
         self.config = config
         self.model = DecoderModel(config, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.layout = self.checkpoint_layout(config)
-
-    @classmethod
-    def check_tensor_parallel(cls, config: ModelConfig, num_shard: int) -> None:
-        check_tensor_parallel(config, num_shard)
 
     @staticmethod
     def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
