@@ -15,8 +15,16 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
     "Phi3ForCausalLM", "Olmo2ForCausalLM", "Starcoder2ForCausalLM", "GPT2LMHeadModel",
 )
+# transformers' Gemma3TextConfig defaults: the Hub's multimodal Gemma 3 configs (4B, 12B, 27B) list only what differs
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6, "tie_word_embeddings": True,
+}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh")
 
@@ -81,6 +89,8 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         architecture = _architecture(raw, source)
         raw = _gpt2_names(raw) if raw.get("model_type") == "gpt2" else raw
+        if architecture == "Gemma3ForConditionalGeneration":
+            raw = _gemma3_text(raw)
         model_type = raw.get("model_type", "llama")
         num_heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
@@ -229,6 +239,13 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
     if "full_attention" in params:  # transformers 5, per layer type (Gemma 3): the global layers' values
         params = params["full_attention"]
     return params
+
+
+def _gemma3_text(raw: dict[str, Any]) -> dict[str, Any]:
+    """The language model of a multimodal Gemma 3 (the engine serves its text part)."""
+    text = raw.get("text_config") or {}
+    inherited = {k: raw[k] for k in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype") if k in raw}
+    return {**GEMMA3_TEXT_DEFAULTS, **inherited, **text, "architectures": raw["architectures"], "model_type": "gemma3"}
 
 
 def _gpt2_names(raw: dict[str, Any]) -> dict[str, Any]:

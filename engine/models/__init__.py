@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from engine.model_config import ModelConfig
-from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -22,6 +22,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,

@@ -151,3 +151,34 @@ def test_parameter_estimate_matches_the_tiny_checkpoints(model_path, name):
         with safe_open(str(file), "pt") as handle:
             actual += sum(math.prod(handle.get_slice(key).get_shape()) for key in handle.keys())
     assert abs(ModelConfig.from_pretrained(path).num_params - actual) / actual < 0.03
+
+
+GEMMA3_4B_IT = {  # google/gemma-3-4b-it: the text config lists only what differs from transformers' defaults
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+    "torch_dtype": "bfloat16", "mm_tokens_per_image": 256, "vision_config": {"hidden_size": 1152},
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024}}
+
+
+def test_multimodal_gemma3_config_reads_its_text_part():
+    config = ModelConfig.from_dict(GEMMA3_4B_IT)
+    assert config.architecture == "Gemma3ForConditionalGeneration" and config.eos_token_id == [1, 106]
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 4, 256)
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0} and config.local_rope_theta == 10000.0
+    assert [config.layer_sliding_window(i) for i in range(6)] == [1024] * 5 + [None]
+    assert config.torch_dtype == "bfloat16" and config.qk_norm and config.tie_word_embeddings
+    assert 3.7e9 < config.num_params < 4.0e9  # the 4B model's language part (the vision tower is ~0.4B)
+
+
+def test_gemma3_text_defaults_are_transformers_defaults():
+    transformers = pytest.importorskip("transformers")
+    from engine.model_config import GEMMA3_TEXT_DEFAULTS
+
+    theirs = transformers.Gemma3TextConfig().to_dict()
+    rope = theirs["rope_parameters"]
+    theirs.update(rope_theta=rope["full_attention"]["rope_theta"],
+                  rope_local_base_freq=rope["sliding_attention"]["rope_theta"],
+                  sliding_window_pattern=6)  # its default layer_types: every 6th layer global
+    assert theirs["layer_types"][:6] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert {k: theirs[k] for k in GEMMA3_TEXT_DEFAULTS} == GEMMA3_TEXT_DEFAULTS
