@@ -51,7 +51,7 @@ def engine_for(name, **config):
 
 
 def mixed_requests(tokenizer, count=16):
-    """Prompts of 1 to 29 tokens and 2 to 14 new tokens each (all inside the tiny Phi-3's original context of
+    """Prompts of 1 to 29 tokens and 2 to 9 new tokens each (all inside the tiny Phi-3's original context of
     64: where a generation crosses it, see test_phi3_longrope_past_the_original_context)."""
     ids = tokenizer.encode(TEXT)
     prompts = [ids[(3 * i) % 20:(3 * i) % 20 + 1 + (7 * i) % 30] for i in range(count)]
