@@ -73,10 +73,7 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, packed: PackedMapp
     """Load a checkpoint into `model`, routing fused q/k/v and gate/up through `packed`."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded_ids: set[int] = set()
-    for name, loaded in iterate_checkpoint(Path(model_dir)):
-        if any(fragment in name for fragment in skip):
-            continue
-        target, shard_id = _resolve(name, packed)
+    for name, target, shard_id, loaded in _routed_checkpoint(model, Path(model_dir), packed, skip):
         if target not in params:
             raise ValueError(f"{model_dir}: checkpoint tensor {name!r} has no place in the model "
                              f"(architecture/config mismatch?)")
@@ -90,6 +87,26 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, packed: PackedMapp
     missing = [name for name, param in params.items() if id(param) not in loaded_ids]
     if missing:
         raise ValueError(f"{model_dir}: the checkpoint has no weights for {sorted(missing)[:8]}")
+
+
+def _routed_checkpoint(model: nn.Module, model_dir: Path, packed: PackedMapping,
+                       skip: tuple[str, ...]) -> Iterator[tuple[str, str, Any, Any]]:
+    """(checkpoint name, parameter name, shard id, tensor) for every tensor the model takes.
+
+    A model whose checkpoint names or layouts differ from its parameters (renamed modules, fused
+    q/k/v to split, per-expert matrices, GPT-2's transposed Conv1D) defines
+    `route_checkpoint_tensor(name, loaded) -> [(parameter, shard id, tensor), ...]`
+    (engine/models/checkpoint.py); the others go through `packed`.
+    """
+    route = getattr(model, "route_checkpoint_tensor", None)
+    for name, loaded in iterate_checkpoint(model_dir):
+        if any(fragment in name for fragment in skip):
+            continue
+        if route is None:
+            yield (name, *_resolve(name, packed), loaded)
+            continue
+        for target, shard_id, part in route(name, loaded):
+            yield name, target, shard_id, part
 
 
 def _resolve(name: str, packed: PackedMapping) -> tuple[str, Any]:

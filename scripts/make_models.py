@@ -47,6 +47,34 @@ TINY_MODELS: dict[str, tuple[str, dict, dict]] = {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), {}),
 }
+_SIZES = {k: v for k, v in _COMMON.items() if k not in ("head_dim", "rms_norm_eps")}
+_PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+              "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 12.0]}
+# more families (engine/models/*.py): small sizes, several experts active per token, soft-caps that bite
+TINY_MODELS.update({
+    "tiny-mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6,
+                                           sliding_window=None, tie_word_embeddings=False), {}),
+    "tiny-qwen2-moe": ("Qwen2MoeConfig", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=64, norm_topk_prob=False,
+                                              tie_word_embeddings=False), {}),
+    "tiny-qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                              norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False),
+                       {}),
+    "tiny-gemma2": ("Gemma2Config", dict(sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=1.5,
+                                         final_logit_softcapping=2.0), {}),
+    "tiny-gemma3": ("Gemma3TextConfig", dict(sliding_window=8, query_pre_attn_scalar=24,
+                                             layer_types=["sliding_attention", "full_attention"],
+                                             rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                                    "rope_theta": 10000.0},
+                                                              "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                                 "rope_theta": 1e6}}), {}),
+    "tiny-phi3": ("Phi3Config", dict(sliding_window=12, partial_rotary_factor=0.75, rope_parameters=_PHI3_ROPE,
+                                     original_max_position_embeddings=64, tie_word_embeddings=False), {}),
+    "tiny-olmo2": ("Olmo2Config", dict(tie_word_embeddings=False), {}),
+    "tiny-starcoder2": ("Starcoder2Config", dict(_sizes=True, sliding_window=8, rope_theta=10000.0), {}),
+    "tiny-gpt2": ("GPT2Config", dict(_sizes=None, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                                     initializer_range=0.1), {}),
+})
 MODEL_NAMES = ["smollm2", *TINY_MODELS]
 
 
@@ -168,7 +196,9 @@ def build_tiny(name: str, out: Path) -> None:
     tok = train_tokenizer(out)
     config_cls_name, overrides, save_kwargs = TINY_MODELS[name]
     config_cls = getattr(transformers, config_cls_name)
-    config = config_cls(**_COMMON, **overrides, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+    overrides = dict(overrides)
+    sizes = {None: {}, True: _SIZES, False: _COMMON}[overrides.pop("_sizes", False)]
+    config = config_cls(**sizes, **overrides, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)  # tiny-llama and tiny-llama-sharded hold identical weights
     model = AutoModelForCausalLM.from_config(config).to(torch.float32)
@@ -221,7 +251,14 @@ def _legacy_config(folder: Path, dtype: str) -> None:
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
     rope = cfg.pop("rope_parameters", None) or {}
-    cfg["rope_theta"] = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if "full_attention" in rope:  # Gemma 3: the global layers' RoPE, and the local base beside it
+        cfg["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
+    for key in ("partial_rotary_factor", "original_max_position_embeddings"):  # top-level in the 4.x form
+        if key in rope:
+            cfg[key] = rope.pop(key)
+    if cfg.get("model_type") != "gpt2":  # learned positions, no RoPE
+        cfg["rope_theta"] = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     if rope.get("rope_type", "default") != "default":
         cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     cfg.pop("dtype", None)

@@ -1,1 +1,2 @@
-"""Model building blocks: tensor-parallel linears, embeddings, norms, rotary, paged attention."""
+"""Model building blocks: tensor-parallel linears, embeddings, norms, activations, rotary, paged attention,
+mixture-of-experts MLP."""

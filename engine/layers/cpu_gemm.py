@@ -85,6 +85,9 @@ def prepack_model(model: torch.nn.Module) -> int:
         uses[id(param)] = uses.get(id(param), 0) + 1
     packed = 0
     for module in model.modules():
+        if hasattr(module, "prepack_cpu_gemm"):  # layers with stacked weights (engine/layers/fused_moe.py)
+            packed += module.prepack_cpu_gemm()
+            continue
         if not hasattr(module, "packed_weight") or module.packed_weight is not None:
             continue
         module.packed_weight = pack(module.weight)

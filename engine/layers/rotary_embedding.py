@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox/HF "rotate_half" layout) with llama3, linear and dynamic scaling."""
+"""Rotary position embedding (neox/HF "rotate_half" layout) with llama3, linear, dynamic and longrope
+scaling, over all of head_dim or its first `rotary_dim` channels (partial rotary)."""
 from __future__ import annotations
 
 import math
@@ -33,20 +34,48 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope_table(rotary_dim: int, max_position: int, theta: float,
+                    scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """Phi-3 LongRoPE: positions past the original context use `long_factor`, the others `short_factor`.
+
+    transformers switches the whole forward to the long factors once the sequence passes the original
+    context; per position is the same for tokens decoded one by one from a prompt shorter than it.
+    """
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    positions = torch.arange(max_position, dtype=torch.float32)
+    tables = [torch.outer(positions, 1.0 / (torch.tensor(scaling[key], dtype=torch.float32) * theta ** exponents))
+              for key in ("short_factor", "long_factor")]
+    return torch.where(positions[:, None] < original, *tables), attention_factor
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: dict[str, Any] | None = None) -> None:
+                 scaling: dict[str, Any] | None = None, rotary_dim: int | None = None) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_position, head_dim // 2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.rotary_dim = rotary_dim or head_dim
+        magnitude = 1.0
+        if (scaling or {}).get("rope_type") == "longrope":
+            freqs, magnitude = _longrope_table(self.rotary_dim, max_position, theta, scaling)
+        else:
+            inv_freq = inverse_frequencies(self.rotary_dim, theta, scaling)
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())
+        self.register_buffer("cos", freqs.cos() * magnitude, persistent=False)  # [max_position, rotary_dim // 2]
+        self.register_buffer("sin", freqs.sin() * magnitude, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] by their token positions."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.rotary_dim == q.shape[-1]:
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        d = self.rotary_dim  # partial rotary: the remaining channels pass through
+        return (torch.cat((_rotate(q[..., :d], cos, sin), q[..., d:]), dim=-1),
+                torch.cat((_rotate(k[..., :d], cos, sin), k[..., d:]), dim=-1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -144,6 +144,9 @@ def check_tensor_parallel(config: ModelConfig, num_shard: int) -> None:
         problems.append(f"num_key_value_heads={kv} (must divide or be a multiple of it)")
     if config.intermediate_size % num_shard:
         problems.append(f"intermediate_size={config.intermediate_size}")
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # MoE models (engine/models/moe.py)
+        if getattr(config, name, 0) % num_shard:
+            problems.append(f"{name}={getattr(config, name)}")
     if problems:
         raise ValueError(f"{config.architecture} cannot be split over --num-shard {num_shard}: "
                          f"{', '.join(problems)} not divisible; use a num_shard that divides the head counts")

@@ -85,8 +85,8 @@ def test_unsupported_architecture_lists_the_supported_ones():
 
 
 def test_unsupported_rope_type_is_rejected():
-    raw = {**LLAMA_31_8B, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}
-    with pytest.raises(ValueError, match="longrope"):
+    raw = {**LLAMA_31_8B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(ValueError, match="yarn"):
         ModelConfig.from_dict(raw)
 
 
