@@ -363,6 +363,8 @@ def prefill_config(max_query_len: int, qpk: int, head_dim_pad: int, dtype: torch
     # H100 sweep (bench_attention.py --sweep, bf16, D=128, GQA 4): 64x64 tiles, 4 warps, 2 stages beat
     # 128-row tiles by 15-25% on mixed and chunked-prefill batches.
     block_m = 16 if max_query_len * qpk <= 16 else 64
+    if dtype == torch.float32 and head_dim_pad > 128:
+        block_m = 16  # fp32 dots stage through shared memory: 64 rows would need 131 KB, over consumer GPUs' ~99
     block_m = max(block_m, triton.next_power_of_2(qpk))
     return dict(block_m=block_m, tile_n=_tile_n(head_dim_pad, dtype), num_warps=4, num_stages=2)
 
