@@ -78,6 +78,7 @@ MIXED = {
     "gqa4-d128-bs64-over-a-block": ([3, 70, 1, 2], [100, 0, 250, 63], 4, 1, 128, 64, None, None),
     "gqa3-d80-window": ([1, 12, 33], [200, 40, 0], 3, 1, 80, 16, 24, None),
     "gqa8-softcap-window": ([2, 1, 20], [45, 129, 0], 8, 1, 64, 16, 50, 2.0),
+    "gemma2-like-d256-softcap": ([1, 9], [40, 0], 2, 1, 256, 16, None, 30.0),
     # a prefill chunk deep in its context: window-cut, whole and diagonal key tiles all occur
     "chunked-window": ([40, 1], [300, 150], 2, 1, 64, 16, 100, None),
 }
