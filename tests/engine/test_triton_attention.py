@@ -127,8 +127,8 @@ DECODE = {
 }
 
 
-@pytest.mark.parametrize("with_workspace", [False, True], ids=["alloc", "workspace"])
-@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize(("num_splits", "with_workspace"), [(1, False), (3, True), (16, False), (16, True)],
+                         ids=["unsplit", "3-workspace", "16-alloc", "16-workspace"])
 @pytest.mark.parametrize("case", list(DECODE), ids=list(DECODE))
 def test_decode_split_kv_matches_reference(case, num_splits, with_workspace):
     """Pure decode takes the split-KV kernel; 16 splits of the short sequences leave most splits empty."""
