@@ -6,6 +6,13 @@ keeps its launcher free of GPU->CPU syncs, so the kernels can be captured in CUD
 
 On a machine without CUDA the kernels still run in Triton's interpreter (TRITON_INTERPRET=1,
 set before the kernel modules are imported): correct in fp32/fp16, not in bf16. CI tests them so.
+
+Modules:
+- triton_attention: `unified_attention` (paged varlen attention for any mix of prefill and decode rows,
+  split-KV decode with a log-sum-exp reduce when max_query_len == 1), `DecodeWorkspace` (its
+  preallocated split buffers, for CUDA graphs), `decode_num_splits`, `write_kv_cache`.
+- attention_reference: the same math in float64 plain torch (`paged_attention_reference`,
+  `write_kv_cache_reference`).
 """
 from __future__ import annotations
 

@@ -58,12 +58,21 @@ def _tanh(x):
 
 
 @triton.jit
+def _dot(a, b, IEEE_DOT: tl.constexpr):
+    if IEEE_DOT:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
 def _attend_tiles(
     acc, m_i, l_i, q, q_pos, row_ok,
     k_base, v_base, bt_row, tile_lo, tile_hi, kv_end, window, qk_scale, softcap_log2,
     stride_kb, stride_ks, stride_vb, stride_vs,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr, MASKED: tl.constexpr,
 ):
     """Online softmax over key tiles [tile_lo, tile_hi); scores live in the log2 domain.
 
@@ -92,7 +101,7 @@ def _attend_tiles(
         else:
             k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        s = tl.dot(q, k, input_precision=DOT_PREC)
+        s = _dot(q, k, IEEE_DOT)
         if USE_SOFTCAP:
             s = _tanh(s * qk_scale) * softcap_log2
         else:
@@ -108,7 +117,7 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -121,7 +130,7 @@ def _unified_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     QPK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -167,17 +176,17 @@ def _unified_attention_kernel(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, row_ok, k_base, v_base, bt_row, tile_lo, full_lo, kv_end, window,
             qk_scale, softcap_log2, stride_kb, stride_ks, stride_vb, stride_vs,
-            HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, DOT_PREC, True,
+            HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, IEEE_DOT, True,
         )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, row_ok, k_base, v_base, bt_row, full_lo, full_hi, kv_end, window,
         qk_scale, softcap_log2, stride_kb, stride_ks, stride_vb, stride_vs,
-        HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, DOT_PREC, False,
+        HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, IEEE_DOT, False,
     )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, row_ok, k_base, v_base, bt_row, full_hi, tile_hi, kv_end, window,
         qk_scale, softcap_log2, stride_kb, stride_ks, stride_vb, stride_vs,
-        HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, DOT_PREC, True,
+        HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, IEEE_DOT, True,
     )
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -194,7 +203,7 @@ def _decode_split_kernel(
     stride_pb, stride_ph, stride_ps, stride_mb, stride_mh,
     QPK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DIRECT_OUT: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
     """One sequence (one query token), one KV head, one split of the keys; DIRECT_OUT when unsplit."""
     seq = tl.program_id(0)
@@ -229,7 +238,7 @@ def _decode_split_kernel(
         k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, bt_ptr + seq * stride_bt,
         tile_lo, tile_hi, seq_len, window, qk_scale, softcap_log2,
         stride_kb, stride_ks, stride_vb, stride_vs,
-        HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, DOT_PREC, True,
+        HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, IEEE_DOT, True,
     )
     if DIRECT_OUT:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -337,9 +346,10 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
     return max(1, min(want, by_length, max_splits))
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs would otherwise go through TF32 tensor cores (10-bit mantissa) on the GPU.
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _ieee_dot(dtype: torch.dtype) -> bool:
+    # fp32 inputs would otherwise go through TF32 tensor cores (10-bit mantissa) on the GPU. Others keep
+    # the backend's default precision: naming "tf32" is refused by AMD targets that lack it.
+    return dtype == torch.float32
 
 
 def _tile_n(head_dim_pad: int, dtype: torch.dtype) -> int:
@@ -353,6 +363,8 @@ def prefill_config(max_query_len: int, qpk: int, head_dim_pad: int, dtype: torch
     # H100 sweep (bench_attention.py --sweep, bf16, D=128, GQA 4): 64x64 tiles, 4 warps, 2 stages beat
     # 128-row tiles by 15-25% on mixed and chunked-prefill batches.
     block_m = 16 if max_query_len * qpk <= 16 else 64
+    if dtype == torch.float32 and head_dim_pad > 128:
+        block_m = 16  # fp32 dots stage through shared memory: 64 rows would need 131 KB, over consumer GPUs' ~99
     block_m = max(block_m, triton.next_power_of_2(qpk))
     return dict(block_m=block_m, tile_n=_tile_n(head_dim_pad, dtype), num_warps=4, num_stages=2)
 
@@ -439,7 +451,7 @@ def _prefill(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, num
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         QPK=qpk, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_M=cfg["block_m"], BLOCK_Q=block_q,
-        TILE_N=cfg["tile_n"], USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, DOT_PREC=_dot_precision(q.dtype),
+        TILE_N=cfg["tile_n"], USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, IEEE_DOT=_ieee_dot(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -468,7 +480,7 @@ def _decode(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, num_
         *pstrides, *mstrides,
         QPK=qpk, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=cfg["block_m"], TILE_N=cfg["tile_n"], DIRECT_OUT=num_splits == 1,
-        USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, DOT_PREC=_dot_precision(q.dtype),
+        USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, IEEE_DOT=_ieee_dot(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:

@@ -78,6 +78,9 @@ MIXED = {
     "gqa4-d128-bs64-over-a-block": ([3, 70, 1, 2], [100, 0, 250, 63], 4, 1, 128, 64, None, None),
     "gqa3-d80-window": ([1, 12, 33], [200, 40, 0], 3, 1, 80, 16, 24, None),
     "gqa8-softcap-window": ([2, 1, 20], [45, 129, 0], 8, 1, 64, 16, 50, 2.0),
+    "gemma2-like-d256-softcap": ([1, 9], [40, 0], 2, 1, 256, 16, None, 30.0),
+    # a prefill chunk deep in its context: window-cut, whole and diagonal key tiles all occur
+    "chunked-window": ([40, 1], [300, 150], 2, 1, 64, 16, 100, None),
 }
 
 
@@ -89,6 +92,18 @@ def test_mixed_batch_matches_reference(case, dtype):
                        dtype=dtype, seed=list(MIXED).index(case))
     kw = dict(scale=head_dim ** -0.5, window=window, softcap=softcap)
     assert_matches(run_kernel(batch, **kw), reference(batch, **kw), dtype)
+
+
+def test_every_tile_alignment_of_diagonal_and_window():
+    """Sequences whose context ends at every offset within a key tile (32 keys in fp32), prefill and
+    decode: an off-by-one in which tiles skip the mask, or where the window starts, shows at one offset only."""
+    dtype = torch.float32
+    ctx = list(range(60, 92))
+    for q_len, window in ((2, 37), (1, 37)):
+        batch = make_batch([q_len] * len(ctx), ctx, heads=2, kv_heads=1, head_dim=16, block_size=16, dtype=dtype,
+                           seed=q_len)
+        kw = dict(scale=0.7, window=window, num_splits=3)
+        assert_matches(run_kernel(batch, **kw), reference(batch, **kw), dtype)
 
 
 def test_window_softcap_and_block_table_change_the_result():
@@ -112,8 +127,8 @@ DECODE = {
 }
 
 
-@pytest.mark.parametrize("with_workspace", [False, True], ids=["alloc", "workspace"])
-@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize(("num_splits", "with_workspace"), [(1, False), (3, True), (16, False), (16, True)],
+                         ids=["unsplit", "3-workspace", "16-alloc", "16-workspace"])
 @pytest.mark.parametrize("case", list(DECODE), ids=list(DECODE))
 def test_decode_split_kv_matches_reference(case, num_splits, with_workspace):
     """Pure decode takes the split-KV kernel; 16 splits of the short sequences leave most splits empty."""
