@@ -100,8 +100,9 @@ def build(kind: str, options: dict, base_dir: Path, out_dir: Path) -> tuple[Path
         weight = state.pop(name + ".weight")
         # projections reading the same input (q/k/v, gate/up) share one act-order permutation, as GPTQ's
         # Hessian (from that input) orders them; options["seed"] lets a test break that
-        i = options.get("seed", 0) + sum(map(ord, name.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
-                                              .replace("up_proj", "gate_proj")))
+        shared = name if options.get("order_per_projection") else \
+            name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+        i = sum(map(ord, shared))
         if kind == "gptq":
             tensors, deq = gptq_tensors(weight, options["bits"], options["group_size"], options.get("sym", True),
                                         options.get("desc_act", False), options.get("v2", False), seed=i)
@@ -121,4 +122,53 @@ def build(kind: str, options: dict, base_dir: Path, out_dir: Path) -> tuple[Path
         config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": options["group_size"],
                                          "zero_point": True, "version": "gemm"}
     (quant / "config.json").write_text(json.dumps(config))
+    return quant, reference
+
+
+def build_compressed_tensors(weights: dict, activations: dict | None, base_dir: Path, out_dir: Path) -> tuple[Path, Path]:
+    """The float Llama at base_dir quantized and saved by the compressed-tensors library (min/max scales, as
+    llm-compressor's RTN would), and out_dir/"reference" with the library's own fake-quantized weights."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs, QuantizationConfig, QuantizationScheme, QuantizationStatus, apply_quantization_config)
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    quant, reference = out_dir / "quant", out_dir / "reference"
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights),
+                                input_activations=QuantizationArgs(**activations) if activations else None)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]),
+                              show_progress=False)
+    dequantized = {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "weight_scale"):
+            continue
+        args, weight = module.quantization_scheme.weights, module.weight.data
+        if args.strategy == "group":
+            grouped = weight.reshape(weight.shape[0], -1, args.group_size)
+            low, high = grouped.amin(-1), grouped.amax(-1)
+        elif args.strategy == "channel":
+            low, high = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
+        else:
+            low, high = weight.amin().reshape(1), weight.amax().reshape(1)
+        scale, zero = calculate_qparams(low, high, args)
+        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+        module.quantization_status = QuantizationStatus.FROZEN
+        dequantized[name + ".weight"] = fake_quantize(weight, module.weight_scale.data,
+                                                      getattr(module, "weight_zero_point", None), args).float()
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(quant)
+    compressor.update_config(str(quant))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (base_dir / name).exists():
+            shutil.copy(base_dir / name, quant / name)
+    shutil.copytree(base_dir, reference)
+    state = load_file(base_dir / "model.safetensors")
+    state.update(dequantized)
+    save_file(state, reference / "model.safetensors", metadata={"format": "pt"})
     return quant, reference

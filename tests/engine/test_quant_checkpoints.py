@@ -13,7 +13,7 @@ from engine.batch import SeqSpan  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
-from quant_packers import build  # noqa: E402
+from quant_packers import build, build_compressed_tensors  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 3, 250, 8, 41, 77, 12], [200, 1, 64, 33]]
 
@@ -97,3 +97,113 @@ def test_packed_checkpoints_match_transformers_on_the_dequantized_weights(base_l
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=2e-4, rtol=0)
     assert ours == hf_greedy(model, PROMPTS, 6)
+
+
+INT_WEIGHTS = dict(type="int", dynamic=False)
+FP8_WEIGHTS = dict(num_bits=8, type="float", symmetric=True)
+FP8_TOKENS = dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+COMPRESSED = {  # name: (weights, activations, transformers loads the checkpoint itself on CPU)
+    "w4a16-group32-sym": (dict(num_bits=4, symmetric=True, strategy="group", group_size=32, **INT_WEIGHTS), None, True),
+    "w4a16-group64-asym": (dict(num_bits=4, symmetric=False, strategy="group", group_size=64, **INT_WEIGHTS), None,
+                           False),  # transformers 5.23 + compressed-tensors 0.20 mis-size packed zero points
+    "w8a16-channel-sym": (dict(num_bits=8, symmetric=True, strategy="channel", **INT_WEIGHTS), None, True),
+    "fp8-w8a8-channel": (dict(strategy="channel", **FP8_WEIGHTS), FP8_TOKENS, True),
+    "fp8-w8a8-tensor": (dict(strategy="tensor", **FP8_WEIGHTS), FP8_TOKENS, True),
+}
+
+
+@pytest.mark.parametrize("case", COMPRESSED)
+def test_compressed_tensors_checkpoints_match_transformers(base_llama, tmp_path, case):
+    weights, activations, hf_loads_it = COMPRESSED[case]
+    quant, reference = build_compressed_tensors(weights, activations, base_llama, tmp_path)
+    assert json.loads((quant / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
+    model = hf_model(quant if hf_loads_it else reference)
+    expected = hf_logits(model)
+    with make_runner(quant) as runner:
+        got = engine_logits(runner)
+        ours = greedy(runner, PROMPTS, 6)
+    # FP8 activations round per token: the same math as transformers' fake quantization, other op order
+    tolerance = 2e-3 if activations else 2e-4
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=tolerance, rtol=0)
+    assert ours == hf_greedy(model, PROMPTS, 6)
+
+
+def test_quantize_fp8_at_load_matches_the_library_fp8_checkpoint(base_llama, tmp_path):
+    """--quantize fp8 on the float checkpoint = compressed-tensors' FP8 W8A8 (channel) of it, run by transformers."""
+    quant, _ = build_compressed_tensors(dict(strategy="channel", **FP8_WEIGHTS), FP8_TOKENS, base_llama, tmp_path)
+    model = hf_model(quant)
+    with make_runner(base_llama, quantize="fp8") as runner:
+        got = engine_logits(runner)
+        ours = greedy(runner, PROMPTS, 6)
+    for g, e in zip(got, hf_logits(model)):
+        torch.testing.assert_close(g, e, atol=2e-3, rtol=0)
+    assert ours == hf_greedy(model, PROMPTS, 6)
+
+
+@pytest.mark.parametrize("mode", ["bitsandbytes-nf4", "bitsandbytes"])
+def test_bitsandbytes_matches_transformers_load_in_4bit_and_8bit(base_llama, mode):
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("accelerate")  # transformers needs it to load with bitsandbytes
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32) \
+        if mode.endswith("nf4") else BitsAndBytesConfig(load_in_8bit=True)
+    model = AutoModelForCausalLM.from_pretrained(base_llama, quantization_config=config, dtype=torch.float32).eval()
+    with make_runner(base_llama, quantize=mode) as runner:
+        got = engine_logits(runner)
+        ours = greedy(runner, PROMPTS, 6)
+    # bitsandbytes' CPU kernels compute in 16 bits inside, differently for different input shapes
+    for g, e in zip(got, hf_logits(model)):
+        torch.testing.assert_close(g, e, atol=8e-2, rtol=0)
+    assert ours == hf_greedy(model, PROMPTS, 6)
+
+
+SHARDED = {
+    "gptq-act-order": lambda base, tmp: build("gptq", dict(bits=4, group_size=32, desc_act=True, sym=False), base, tmp)[0],
+    "awq-g64": lambda base, tmp: build("awq", dict(group_size=64), base, tmp)[0],
+    "ct-w4a16-asym": lambda base, tmp: build_compressed_tensors(COMPRESSED["w4a16-group64-asym"][0], None, base, tmp)[0],
+    # weight-only FP8 (the library saves it naive-quantized): per-tensor scales spread over fused projections
+    "ct-fp8-w8a16-tensor": lambda base, tmp: build_compressed_tensors(COMPRESSED["fp8-w8a8-tensor"][0], None, base,
+                                                                      tmp)[0],
+}
+
+
+@pytest.mark.parametrize("case", SHARDED)
+def test_two_shards_give_one_shards_logits(base_llama, tmp_path, case):
+    """Packed weights, scales, zeros and g_idx split along the right axes (kv heads: 2 over 2 ranks)."""
+    quant = SHARDED[case](base_llama, tmp_path)
+    with make_runner(quant) as runner:
+        expected = engine_logits(runner)
+    with make_runner(quant, num_shard=2) as runner:
+        got = engine_logits(runner)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
+
+
+def test_two_shards_with_quantize_fp8_at_load(base_llama):
+    """Row-parallel ranks scale their own slice of each token (as vLLM does: no extra all-reduce), so FP8
+    activations round differently than on one rank. Two shards must stay as close to the float model as
+    one shard is (FP8's own error on this tiny random model is ~10% of the logits' norm)."""
+    with make_runner(base_llama) as runner:
+        exact = engine_logits(runner)
+    with make_runner(base_llama, quantize="fp8") as runner:
+        one = engine_logits(runner)
+    with make_runner(base_llama, num_shard=2, quantize="fp8") as runner:
+        two = engine_logits(runner)
+    for o, t, e in zip(one, two, exact):
+        assert (t - e).norm() < 1.3 * (o - e).norm()
+        assert (o - e).norm() < 0.2 * e.norm()
+
+
+def test_a_group_size_the_shards_cut_is_refused_at_start(base_llama, tmp_path):
+    quant, _ = build("gptq", dict(bits=4, group_size=128), base_llama, tmp_path)  # o_proj: 64 inputs per rank
+    with pytest.raises(ValueError, match=r"GPTQ: group_size=128 does not divide the 64 input features each of "
+                                         r"--num-shard 2 ranks"):
+        make_runner(quant, num_shard=2)
+
+
+def test_act_order_that_differs_between_fused_projections_is_refused(base_llama, tmp_path):
+    quant, _ = build("gptq", dict(bits=4, group_size=32, desc_act=True, order_per_projection=True), base_llama, tmp_path)
+    with pytest.raises(ValueError, match="act-order g_idx differs between the projections fused"):
+        make_runner(quant)

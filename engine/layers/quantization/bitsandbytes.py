@@ -103,7 +103,7 @@ class BitsAndBytesConfig(QuantizationConfig):
             raise QuantizationError(f"--quantize {self.name}: bitsandbytes {bnb.__version__} cannot run on "
                                     f"{device} in {dtype} ({type(error).__name__}: {str(error).splitlines()[0]}); "
                                     "bitsandbytes >= 0.46 supports CUDA and CPU") from None
-        if not torch.allclose(got, want, atol=0.5, rtol=0.2):
+        if not torch.isfinite(got).all() or (got - want).norm() > 0.2 * want.norm():  # nf4 errs ~10%
             raise QuantizationError(f"--quantize {self.name}: bitsandbytes {bnb.__version__} gives wrong results "
                                     f"on {device} in {dtype}; refusing to serve garbage")
 

@@ -6,7 +6,7 @@ Served schemes (one scheme for every linear layer; `ignore` may name only the LM
   (k % pack) * bits, stored as q + 2^(bits-1); weight_scale [N, G]; weight_zero_point int32
   [N/pack, G] packed along the output (asymmetric only); weight_g_idx [K]; weight_shape [2].
   Transposed at load into engine.kernels.quant_gemm's layout (the same kernel as GPTQ/AWQ).
-- `float-quantized` FP8 e4m3 weights with channel or tensor scales, activations dynamic per token
+- `float-quantized` (or `naive-quantized`, as the library names FP8 weight-only) FP8 e4m3 weights with channel or tensor scales, activations dynamic per token
   (W8A8-FP8) or not quantized (W8A16-FP8): served by the FP8 method (engine.layers.quantization.fp8).
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from engine.layers.quantization.wna16 import (
 
 SUPPORTED_SCHEMES = ("pack-quantized int4/int8 weights (W4A16, W8A16)",
                      "float-quantized FP8 weights with dynamic per-token FP8 activations or none (W8A8-FP8)")
+FP8_FORMATS = ("float-quantized", "naive-quantized")  # the library saves FP8 weight-only as naive-quantized
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -98,7 +99,7 @@ class CompressedTensorsConfig(QuantizationConfig):
             group_size = int(w.get("group_size") or -1) if strategy == "group" else -1
             act_order = w.get("actorder") == "group"
             return WNA16LinearMethod(PackQuantizedFormat(bits, group_size, act_order, bool(w.get("symmetric", True))))
-        if fmt == "float-quantized" and w.get("type") == "float" and bits == 8 and strategy in ("channel", "tensor") \
+        if fmt in FP8_FORMATS and w.get("type") == "float" and bits == 8 and strategy in ("channel", "tensor") \
                 and (a is None or (a.get("type") == "float" and a.get("num_bits") == 8 and a.get("dynamic") is True
                                    and a.get("strategy") == "token")):
             return Fp8LinearMethod(quantize_at_load=False, per_tensor_scales=strategy == "tensor",
