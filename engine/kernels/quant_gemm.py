@@ -94,7 +94,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if group_size > 0 and group_size % block_k:
         group_size = 0  # a group size that is not a multiple of the tile: gather per row
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    block_n = 64
+    block_n = 32 if m <= 16 else 64  # decode: more programs over N to fill the SMs (there is no split-K)
     grid = (triton.cdiv(m, _block_m(m)), triton.cdiv(n, block_n))
     _wna16_kernel[grid](x, qweight, scales, zeros, g_idx, y, m, n, k,
                         x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),

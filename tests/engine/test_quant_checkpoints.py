@@ -207,3 +207,25 @@ def test_act_order_that_differs_between_fused_projections_is_refused(base_llama,
     quant, _ = build("gptq", dict(bits=4, group_size=32, desc_act=True, order_per_projection=True), base_llama, tmp_path)
     with pytest.raises(ValueError, match="act-order g_idx differs between the projections fused"):
         make_runner(quant)
+
+
+GPU_CASES = {
+    "gptq-act-order": lambda base, tmp: build("gptq", dict(bits=4, group_size=32, desc_act=True, sym=False), base, tmp)[0],
+    "awq-g64": lambda base, tmp: build("awq", dict(group_size=64), base, tmp)[0],
+    "ct-w8a16": lambda base, tmp: build_compressed_tensors(COMPRESSED["w8a16-channel-sym"][0], None, base, tmp)[0],
+    "ct-fp8-w8a8": lambda base, tmp: build_compressed_tensors(COMPRESSED["fp8-w8a8-channel"][0], FP8_TOKENS, base,
+                                                              tmp)[0],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_cuda_kernels_give_the_cpu_logits(base_llama, tmp_path, case):
+    """On CUDA the Triton W4A16/W8A16 kernel and torch._scaled_mm (8.9+) replace the CPU dequantize path."""
+    quant = GPU_CASES[case](base_llama, tmp_path)
+    with make_runner(quant) as runner:
+        expected = engine_logits(runner)
+    with make_runner(quant, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.05) as runner:
+        got = engine_logits(runner)
+    for g, e in zip(got, expected):
+        assert (g.float().cpu() - e).norm() < 0.05 * e.norm()

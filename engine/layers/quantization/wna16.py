@@ -81,9 +81,9 @@ class WNA16LinearMethod(LinearMethod):
         self.fmt = fmt
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
-        piece = layer.input_piece()
+        split = layer.input_piece() is not None and layer.tp_size > 1
         geometry = Geometry(self.fmt.bits, self.fmt.group_size, self.fmt.act_order, input_size,
-                            input_size * layer.tp_size if piece is not None else input_size, piece is not None)
+                            input_size * layer.tp_size if split else input_size, split)
         check_geometry(self.fmt.label, geometry, layer.tp_size)
         layer.quant_geometry = geometry
         self.fmt.register(layer, geometry, output_size)
