@@ -2,6 +2,7 @@
 
     python scripts/bench_quant.py --json quant.json        # CUDA; FP8 rows need compute capability 8.9+
     python scripts/bench_quant.py --smoke                  # CPU, Triton interpreter, tiny shapes: checks the script
+    python scripts/bench_quant.py --cpu                    # CPU: dequantize-per-forward vs fp32, SmolLM2 shapes
 
 Rows per (layer, batch):
 - bf16:      F.linear(x, W) with W [N, K] bf16 (cuBLAS), the baseline of every ratio;
@@ -45,7 +46,7 @@ def packed_weight(k: int, n: int, bits: int, act_order: bool, device: torch.devi
     pack = 32 // bits
     words = torch.randint(-2**31, 2**31 - 1, (k // pack, n), generator=generator, dtype=torch.int64)
     qweight = words.to(torch.int32)
-    groups = k // GROUP
+    groups = -(-k // GROUP)
     scales = (torch.rand(groups, n, generator=generator) * 0.002 + 0.0005).to(dtype)
     zeros = torch.full((groups, n), float(2 ** (bits - 1)), dtype=dtype)
     g_idx = (torch.arange(k) // GROUP).to(torch.int32)
@@ -100,11 +101,34 @@ def bench(shapes: dict[str, tuple[int, int]], batches: list[int], device: torch.
     return rows
 
 
+# SmolLM2-135M: hidden 576, 9 heads / 3 kv heads of 64, MLP 1536
+SMOLLM2 = {"qkv_proj": (576, 960), "o_proj": (576, 576), "gate_up_proj": (576, 3072), "down_proj": (1536, 576)}
+
+
+def bench_cpu(batches: list[int]) -> list[dict]:
+    """Why the CPU path dequantizes at load: what dequantizing the int4 weight every forward, then an fp32
+    matmul, costs against the fp32 matmul alone (which is what a layer dequantized at load runs)."""
+    from engine.kernels.quant_gemm import gemm_reference
+
+    measure, rows = timer(torch.device("cpu")), []
+    for layer, (k, n) in SMOLLM2.items():
+        weight = torch.randn(n, k) * 0.02
+        qweight, scales, zeros, g_idx = packed_weight(k, n, 4, False, torch.device("cpu"), torch.float32)
+        for m in batches:
+            x = torch.randn(m, k)
+            best = lambda fn: min(measure(fn) for _ in range(5))  # noqa: E731
+            rows.append({"layer": layer, "k": k, "n": n, "batch": m, "bf16_ms": best(lambda: F.linear(x, weight)),
+                         "dequant-per-forward_ms": best(lambda: gemm_reference(x, qweight, scales, zeros, g_idx, 4))})
+    return rows
+
+
 def report(rows: list[dict]) -> None:
     methods = [key[:-3] for key in rows[0] if key.endswith("_ms") and key != "bf16_ms"]
-    print(f"{'layer':<13}{'K x N':>13}{'batch':>6}{'bf16 ms':>9}" + "".join(f"{m + ' x':>12}" for m in methods))
+    widths = [max(12, len(m) + 4) for m in methods]
+    print(f"{'layer':<13}{'K x N':>13}{'batch':>6}{'bf16 ms':>9}" +
+          "".join(f"{m + ' x':>{w}}" for m, w in zip(methods, widths)))
     for row in rows:
-        ratios = "".join(f"{row['bf16_ms'] / row[m + '_ms']:>12.2f}" for m in methods)
+        ratios = "".join(f"{row['bf16_ms'] / row[m + '_ms']:>{w}.3f}" for m, w in zip(methods, widths))
         print(f"{row['layer']:<13}{row['k']:>6} x{row['n']:>6}{row['batch']:>6}{row['bf16_ms']:>9.4f}{ratios}")
     print("x = bf16 time / method time (>1: faster than bf16)")
 
@@ -114,7 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write every number to this JSON file")
     parser.add_argument("--batches", default="1,16,256")
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
+    parser.add_argument("--cpu", action="store_true", help="dequantize-per-forward vs fp32 F.linear on CPU (the "
+                                                           "'bf16' column is fp32 here)")
     args = parser.parse_args(argv)
+    if args.cpu:
+        rows = bench_cpu([int(b) for b in args.batches.split(",")])
+        report(rows)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"date": datetime.date.today().isoformat(), "device": "cpu",
+                                                   "rows": rows}, indent=1))
+        return 0
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench_quant.py needs a CUDA GPU (or --smoke to check the script on CPU)")
     device = torch.device("cpu" if args.smoke else "cuda")

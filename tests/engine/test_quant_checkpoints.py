@@ -82,6 +82,7 @@ PACKED = {
     "gptq-int4-act-order-asym": ("gptq", dict(bits=4, group_size=32, desc_act=True, sym=False)),
     "gptq-int8-whole-rows-v2": ("gptq", dict(bits=8, group_size=-1, sym=False, v2=True)),
     "awq-g64": ("awq", dict(group_size=64)),
+    "gptq-int4-g96-ragged-last-group": ("gptq", dict(bits=4, group_size=96, sym=False)),
 }
 
 

@@ -6,7 +6,7 @@ get their own scale, so q/k/v and gate/up quantize piece by piece), and compress
 per-channel or per-tensor scales (a per-tensor scale is spread over its projection's channels).
 On GPUs with FP8 tensor cores (compute capability 8.9+: Ada, Hopper) the GEMM is `torch._scaled_mm`;
 elsewhere the same numerics run dequantized (weight and fake-quantized activations in the activation
-dtype), and the log says so.
+dtype: the weight per forward on older GPUs, once at load on CPU), and the log says so.
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ class Fp8LinearMethod(LinearMethod):
         self.quantize_activations = quantize_activations
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
+        layer.act_dtype = torch.get_default_dtype()  # the model's dtype while it is built
         weight = torch.zeros(output_size, input_size, dtype=FP8)
         scale = torch.ones(output_size, dtype=torch.float32)
         if self.quantize_at_load:
@@ -93,6 +94,9 @@ class Fp8LinearMethod(LinearMethod):
         device = layer.weight.device
         layer.fp8_scaled_mm = scaled_mm_usable(device) and layer.weight.shape[0] % 16 == 0 \
             and layer.weight.shape[1] % 16 == 0
+        if device.type == "cpu":  # as engine.layers.quantization.wna16: dequantize once, at load, on CPU
+            layer.dense_weight = self._dequantized(layer, layer.act_dtype)
+            layer.weight.data = layer.weight.data.new_empty(0)
         key = f"{device}:{layer.fp8_scaled_mm}"
         if key not in _logged:
             _logged.add(key)
@@ -100,14 +104,20 @@ class Fp8LinearMethod(LinearMethod):
                 logger.info("FP8 linear layers run torch._scaled_mm on %s", torch.cuda.get_device_name(device))
             else:
                 logger.warning("FP8 linear layers on %s: no FP8 GEMM here (torch._scaled_mm needs CUDA compute "
-                               "capability 8.9+); dequantizing each weight per forward instead (same numerics, "
-                               "slower, no memory saved at run time)", device)
+                               "capability 8.9+); the weights are dequantized %s and activations still rounded "
+                               "to FP8 per token (same numerics, slower%s)", device,
+                               "once at load" if device.type == "cpu" else "per forward",
+                               ", 4x the FP8 weight memory" if device.type == "cpu" else "")
+
+    @staticmethod
+    def _dequantized(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        return (layer.weight.float() * layer.weight_scale[:, None]).to(dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
+        dense = getattr(layer, "dense_weight", None)
         if not self.quantize_activations:  # W8A16-FP8: only the weight is FP8
-            weight = (layer.weight.float() * layer.weight_scale[:, None]).to(x.dtype)
-            return F.linear(x, weight, bias)
+            return F.linear(x, dense if dense is not None else self._dequantized(layer, x.dtype), bias)
         xq, x_scale = quantize_tokens(flat)
         if getattr(layer, "fp8_scaled_mm", False):
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
@@ -115,8 +125,7 @@ class Fp8LinearMethod(LinearMethod):
             y = y if bias is None else y + bias
         else:
             x_deq = (xq.float() * x_scale).to(x.dtype)
-            weight = (layer.weight.float() * layer.weight_scale[:, None]).to(x.dtype)
-            y = F.linear(x_deq, weight, bias)
+            y = F.linear(x_deq, dense if dense is not None else self._dequantized(layer, x.dtype), bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
