@@ -2,8 +2,8 @@
 
 One packed layout serves GPTQ, AWQ and compressed-tensors (engine.layers.quantization.wna16 converts to
 it at load): `qweight` int32 [K // pack, N] with input feature k of column n at bits
-(k % pack) * bits of qweight[k // pack, n], pack = 32 // bits; `scales` and `zeros` [G, N] in the
-activation dtype; `g_idx` int32 [K], the group of each input feature. Weight (k, n) is
+(k % pack) * bits of qweight[k // pack, n], pack = 32 // bits; `scales` and `zeros` [G, N] in
+fp16 (fp32 for an fp32 model); `g_idx` int32 [K], the group of each input feature. Weight (k, n) is
 (q - zeros[g_idx[k], n]) * scales[g_idx[k], n]. With sorted groups (no act-order) the kernel reads one
 scale row per K tile (`GROUP_SIZE` > 0); with act-order it gathers scales through g_idx (`GROUP_SIZE` = 0).
 No host syncs: capturable in CUDA graphs.

@@ -161,6 +161,7 @@ def test_bitsandbytes_matches_transformers_load_in_4bit_and_8bit(base_llama, mod
 
 
 SHARDED = {
+    "gptq-g32": lambda base, tmp: build("gptq", dict(bits=4, group_size=32), base, tmp)[0],  # g_idx shifted per rank
     "gptq-act-order": lambda base, tmp: build("gptq", dict(bits=4, group_size=32, desc_act=True, sym=False), base, tmp)[0],
     "awq-g64": lambda base, tmp: build("awq", dict(group_size=64), base, tmp)[0],
     "ct-w4a16-asym": lambda base, tmp: build_compressed_tensors(COMPRESSED["w4a16-group64-asym"][0], None, base, tmp)[0],
@@ -230,3 +231,15 @@ def test_cuda_kernels_give_the_cpu_logits(base_llama, tmp_path, case):
         got = engine_logits(runner)
     for g, e in zip(got, expected):
         assert (g.float().cpu() - e).norm() < 0.05 * e.norm()
+
+
+@pytest.mark.parametrize("case", ["gptq-int4-act-order-asym", "awq-g64"])
+def test_a_bfloat16_model_gives_the_float32_logits_within_bfloat16_error(base_llama, tmp_path, case):
+    kind, options = PACKED[case]
+    quant, _ = build(kind, options, base_llama, tmp_path)
+    with make_runner(quant) as runner:
+        expected = engine_logits(runner)
+    with make_runner(quant, dtype="bfloat16") as runner:
+        got = engine_logits(runner)
+    for g, e in zip(got, expected):
+        assert (g.float() - e).norm() < 0.03 * e.norm()

@@ -93,6 +93,7 @@ class WNA16LinearMethod(LinearMethod):
                             input_size * layer.tp_size if split else input_size, split)
         check_geometry(self.fmt.label, geometry, layer.tp_size)
         layer.quant_geometry = geometry
+        layer.act_dtype = torch.get_default_dtype()  # the model's dtype while it is built
         self.fmt.register(layer, geometry, output_size)
 
     def _tensors(self, layer: nn.Module) -> list[torch.Tensor]:
@@ -102,7 +103,7 @@ class WNA16LinearMethod(LinearMethod):
         tensors = self._tensors(layer)
         if tensors[0].is_cuda and quant_gemm.triton is not None:
             return
-        dense = quant_gemm.dequantize(*tensors, layer.quant_geometry.bits).t().contiguous()
+        dense = quant_gemm.dequantize(*tensors, layer.quant_geometry.bits, layer.act_dtype).t().contiguous()
         layer.dense_weight = dense
         for tensor in tensors[:3]:
             tensor.data = tensor.data.new_empty(0)
@@ -137,9 +138,10 @@ def check_geometry(label: str, geometry: Geometry, tp: int) -> None:
                                 "on each rank")
 
 
-def internal_tensors(geometry: Geometry, output_size: int, dtype: torch.dtype | None = None,
-                     zero: float = 0.0) -> dict[str, torch.Tensor]:
-    dtype = dtype or torch.get_default_dtype()
+def internal_tensors(geometry: Geometry, output_size: int, zero: float = 0.0) -> dict[str, torch.Tensor]:
+    # scales keep fp16's 10 mantissa bits under a bf16 model (GPTQ/AWQ write fp16 scales); the kernel and the
+    # CPU dequantization compute in fp32 either way
+    dtype = torch.float32 if torch.get_default_dtype() == torch.float32 else torch.float16
     groups = geometry.num_groups
     return {
         "qweight": torch.zeros(geometry.input_size // geometry.pack, output_size, dtype=torch.int32),
