@@ -78,6 +78,8 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, packed: PackedMapp
             continue
         target, shard_id = _resolve(name, packed)
         if target not in params:
+            if target.endswith(".bias") and not read_full(loaded).any():
+                continue  # some GPTQ exports write all-zero biases for bias-free layers
             raise ValueError(f"{model_dir}: checkpoint tensor {name!r} has no place in the model "
                              f"(architecture/config mismatch?)")
         param = params[target]

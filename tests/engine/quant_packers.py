@@ -109,6 +109,8 @@ def build(kind: str, options: dict, base_dir: Path, out_dir: Path) -> tuple[Path
         else:
             tensors, deq = awq_tensors(weight, options["group_size"], seed=i)
         quantized.update({f"{name}.{key}": value for key, value in tensors.items()})
+        if "bias" in options:  # some GPTQ exports write a bias for every layer, zeros where there was none
+            quantized[f"{name}.bias"] = torch.full((weight.shape[0],), options["bias"], dtype=torch.float16)
         dequantized[name + ".weight"] = deq.contiguous()
     save_file({**state, **quantized}, quant / "model.safetensors", metadata={"format": "pt"})
     save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})

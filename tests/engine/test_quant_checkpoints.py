@@ -82,7 +82,7 @@ PACKED = {
     "gptq-int4-act-order-asym": ("gptq", dict(bits=4, group_size=32, desc_act=True, sym=False)),
     "gptq-int8-whole-rows-v2": ("gptq", dict(bits=8, group_size=-1, sym=False, v2=True)),
     "awq-g64": ("awq", dict(group_size=64)),
-    "gptq-int4-g96-ragged-last-group": ("gptq", dict(bits=4, group_size=96, sym=False)),
+    "gptq-int4-g96-ragged-last-group-zero-biases": ("gptq", dict(bits=4, group_size=96, sym=False, bias=0.0)),
 }
 
 
@@ -203,6 +203,12 @@ def test_a_group_size_the_shards_cut_is_refused_at_start(base_llama, tmp_path):
     with pytest.raises(ValueError, match=r"GPTQ: group_size=128 does not divide the 64 input features each of "
                                          r"--num-shard 2 ranks"):
         make_runner(quant, num_shard=2)
+
+
+def test_a_nonzero_bias_on_a_bias_free_layer_is_refused(base_llama, tmp_path):
+    quant, _ = build("gptq", dict(bits=4, group_size=32, bias=0.5), base_llama, tmp_path)
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model.layers.0.[a-z_.]+_proj.bias' has no place in the model"):
+        make_runner(quant)
 
 
 def test_act_order_that_differs_between_fused_projections_is_refused(base_llama, tmp_path):
