@@ -127,7 +127,8 @@ def build(kind: str, options: dict, base_dir: Path, out_dir: Path) -> tuple[Path
     return quant, reference
 
 
-def build_compressed_tensors(weights: dict, activations: dict | None, base_dir: Path, out_dir: Path) -> tuple[Path, Path]:
+def build_compressed_tensors(weights: dict, activations: dict | None, base_dir: Path,
+                             out_dir: Path) -> tuple[Path, Path]:
     """The float Llama at base_dir quantized and saved by the compressed-tensors library (min/max scales, as
     llm-compressor's RTN would), and out_dir/"reference" with the library's own fake-quantized weights."""
     from compressed_tensors.compressors import ModelCompressor

@@ -117,7 +117,8 @@ COMPRESSED = {  # name: (weights, activations, transformers loads the checkpoint
 def test_compressed_tensors_checkpoints_match_transformers(base_llama, tmp_path, case):
     weights, activations, hf_loads_it = COMPRESSED[case]
     quant, reference = build_compressed_tensors(weights, activations, base_llama, tmp_path)
-    assert json.loads((quant / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
+    written = json.loads((quant / "config.json").read_text())["quantization_config"]
+    assert written["quant_method"] == "compressed-tensors"
     model = hf_model(quant if hf_loads_it else reference)
     expected = hf_logits(model)
     with make_runner(quant) as runner:
@@ -162,9 +163,10 @@ def test_bitsandbytes_matches_transformers_load_in_4bit_and_8bit(base_llama, mod
 
 SHARDED = {
     "gptq-g32": lambda base, tmp: build("gptq", dict(bits=4, group_size=32), base, tmp)[0],  # g_idx shifted per rank
-    "gptq-act-order": lambda base, tmp: build("gptq", dict(bits=4, group_size=32, desc_act=True, sym=False), base, tmp)[0],
+    "gptq-act-order": lambda base, tmp: build("gptq", PACKED["gptq-int4-act-order-asym"][1], base, tmp)[0],
     "awq-g64": lambda base, tmp: build("awq", dict(group_size=64), base, tmp)[0],
-    "ct-w4a16-asym": lambda base, tmp: build_compressed_tensors(COMPRESSED["w4a16-group64-asym"][0], None, base, tmp)[0],
+    "ct-w4a16-asym": lambda base, tmp: build_compressed_tensors(COMPRESSED["w4a16-group64-asym"][0], None, base,
+                                                                tmp)[0],
     # weight-only FP8 (the library saves it naive-quantized): per-tensor scales spread over fused projections
     "ct-fp8-w8a16-tensor": lambda base, tmp: build_compressed_tensors(COMPRESSED["fp8-w8a8-tensor"][0], None, base,
                                                                       tmp)[0],
@@ -207,18 +209,19 @@ def test_a_group_size_the_shards_cut_is_refused_at_start(base_llama, tmp_path):
 
 def test_a_nonzero_bias_on_a_bias_free_layer_is_refused(base_llama, tmp_path):
     quant, _ = build("gptq", dict(bits=4, group_size=32, bias=0.5), base_llama, tmp_path)
-    with pytest.raises(ValueError, match=r"checkpoint tensor 'model.layers.0.[a-z_.]+_proj.bias' has no place in the model"):
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.[a-z_.]+_proj.bias' has no place in the model"):
         make_runner(quant)
 
 
 def test_act_order_that_differs_between_fused_projections_is_refused(base_llama, tmp_path):
-    quant, _ = build("gptq", dict(bits=4, group_size=32, desc_act=True, order_per_projection=True), base_llama, tmp_path)
+    options = dict(bits=4, group_size=32, desc_act=True, order_per_projection=True)
+    quant, _ = build("gptq", options, base_llama, tmp_path)
     with pytest.raises(ValueError, match="act-order g_idx differs between the projections fused"):
         make_runner(quant)
 
 
 GPU_CASES = {
-    "gptq-act-order": lambda base, tmp: build("gptq", dict(bits=4, group_size=32, desc_act=True, sym=False), base, tmp)[0],
+    "gptq-act-order": lambda base, tmp: build("gptq", PACKED["gptq-int4-act-order-asym"][1], base, tmp)[0],
     "awq-g64": lambda base, tmp: build("awq", dict(group_size=64), base, tmp)[0],
     "ct-w8a16": lambda base, tmp: build_compressed_tensors(COMPRESSED["w8a16-channel-sym"][0], None, base, tmp)[0],
     "ct-fp8-w8a8": lambda base, tmp: build_compressed_tensors(COMPRESSED["fp8-w8a8-channel"][0], FP8_TOKENS, base,

@@ -108,3 +108,27 @@ def test_the_launcher_refuses_an_exl2_checkpoint_in_one_line(tmp_path, model_pat
     errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "quantized with 'exl2', which this engine cannot serve; supported:" in errors[0]
     assert "Traceback" not in result.stderr
+
+
+def test_bitsandbytes_missing_or_unable_is_one_line_naming_the_package(monkeypatch):
+    config = resolve(None, "bitsandbytes-nf4")
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
+    with pytest.raises(QuantizationError, match="needs the `bitsandbytes` package") as error:
+        config.check_device(torch.device("cpu"), torch.float32)
+    assert "\n" not in str(error.value)
+
+
+def test_bitsandbytes_that_fails_on_the_device_is_refused_at_start(monkeypatch):
+    bnb = pytest.importorskip("bitsandbytes")
+    config = resolve(None, "bitsandbytes-nf4")
+    config.check_device(torch.device("cpu"), torch.float32)  # 0.46+ runs 4-bit on CPU
+
+    def unsupported(*args, **kwargs):
+        raise NotImplementedError("no kernel for this device\nsecond line")
+
+    monkeypatch.setattr(bnb.functional, "quantize_4bit", unsupported)
+    with pytest.raises(QuantizationError) as error:
+        config.check_device(torch.device("cpu"), torch.float32)
+    message = str(error.value)
+    assert f"bitsandbytes {bnb.__version__} cannot run on cpu" in message and "no kernel for this device" in message
+    assert "\n" not in message

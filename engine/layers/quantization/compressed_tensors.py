@@ -6,7 +6,8 @@ Served schemes (one scheme for every linear layer; `ignore` may name only the LM
   (k % pack) * bits, stored as q + 2^(bits-1); weight_scale [N, G]; weight_zero_point int32
   [N/pack, G] packed along the output (asymmetric only); weight_g_idx [K]; weight_shape [2].
   Transposed at load into engine.kernels.quant_gemm's layout (the same kernel as GPTQ/AWQ).
-- `float-quantized` (or `naive-quantized`, as the library names FP8 weight-only) FP8 e4m3 weights with channel or tensor scales, activations dynamic per token
+- `float-quantized` (or `naive-quantized`, as the library names FP8 weight-only) FP8 e4m3 weights with
+  channel or tensor scales, activations dynamic per token
   (W8A8-FP8) or not quantized (W8A16-FP8): served by the FP8 method (engine.layers.quantization.fp8).
 """
 from __future__ import annotations
