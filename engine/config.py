@@ -11,6 +11,7 @@ class EngineConfig:
     revision: str | None = None
     dtype: str | None = None            # None = config's dtype on GPU, float32 on CPU
     load_format: str = "safetensors"    # "safetensors" | "dummy" (random weights, config shape)
+    quantize: str | None = None         # fp8 | bitsandbytes* quantize at load; None = the checkpoint's own
     trust_remote_code: bool = False
     # parallelism
     num_shard: int = 1

@@ -78,7 +78,9 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--dtype",), "DTYPE", dict(choices=["float16", "bfloat16", "float32"], help="weights and activations dtype")),
     (("--load-format",), "LOAD_FORMAT", dict(default="safetensors", choices=["safetensors", "dummy"],
                                              help="'dummy' = random weights of the checkpoint's shape")),
-    (("--quantize",), "QUANTIZE", dict(help="accepted for compatibility; only 'none' works")),
+    (("--quantize",), "QUANTIZE", dict(help="fp8 | bitsandbytes | bitsandbytes-nf4 | bitsandbytes-fp4 quantize "
+                                            "a float checkpoint at load; gptq | awq | compressed-tensors "
+                                            "checkpoints are read from their config without it")),
     (("--trust-remote-code",), "TRUST_REMOTE_CODE", dict(default=False, type=_bool, nargs="?", const=True,
                                                          help="allow custom tokenizer code from the snapshot")),
     (("--num-shard",), "NUM_SHARD", dict(default=1, type=int, help="tensor-parallel ranks (one GPU each)")),
@@ -158,8 +160,10 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
     if args.model_id is None:
         parser.error("--model-id is required (or set MODEL_ID)")
     if args.quantize not in (None, "", "none"):
-        parser.error(f"--quantize {args.quantize} is not supported yet; serve an unquantized checkpoint "
-                     "(--dtype bfloat16 or float16)")
+        from engine.layers.quantization.config import SUPPORTED, SUPPORTED_LINE  # imports torch: only when asked
+
+        if args.quantize not in SUPPORTED:
+            parser.error(f"--quantize {args.quantize} is not supported; {SUPPORTED_LINE}")
     if isinstance(args.max_input_tokens, str):  # MAX_INPUT_LENGTH went in as a raw default
         args.max_input_tokens = int(args.max_input_tokens)
     if args.cors_allow_origin is None and env.get("CORS_ALLOW_ORIGIN"):
@@ -170,6 +174,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
 def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     config = EngineConfig(
         model_id=model_dir, revision=args.revision, dtype=args.dtype, load_format=args.load_format,
+        quantize=args.quantize if args.quantize not in (None, "", "none") else None,
         trust_remote_code=args.trust_remote_code, num_shard=args.num_shard, master_addr=args.master_addr,
         master_port=args.master_port, device=args.device, max_concurrent_requests=args.max_concurrent_requests,
         max_best_of=args.max_best_of, max_stop_sequences=args.max_stop_sequences,

@@ -75,6 +75,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     num_params: int = 0
+    quantization_config: dict[str, Any] | None = None  # as in the checkpoint; engine.layers.quantization reads it
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -83,7 +84,11 @@ class ModelConfig:
         file = path if path.is_file() else path / "config.json"
         if not file.exists():
             raise FileNotFoundError(f"no config.json in {path}: pass a local model snapshot directory")
-        return cls.from_dict(json.loads(file.read_text()), source=str(file))
+        raw = json.loads(file.read_text())
+        legacy = file.parent / "quantize_config.json"  # older AutoGPTQ snapshots keep it beside config.json
+        if not raw.get("quantization_config") and legacy.exists():
+            raw["quantization_config"] = {"quant_method": "gptq", **json.loads(legacy.read_text())}
+        return cls.from_dict(raw, source=str(file))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -122,6 +127,7 @@ class ModelConfig:
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=_as_list(raw.get("eos_token_id")),
+            quantization_config=raw.get("quantization_config") or raw.get("compression_config"),
         )
         config = cls(**{**fields, **family_fields(raw, model_type, fields)})
         config.validate(source)

@@ -75,6 +75,8 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, packed: PackedMapp
     loaded_ids: set[int] = set()
     for name, target, shard_id, loaded in _routed_checkpoint(model, Path(model_dir), packed, skip):
         if target not in params:
+            if target.endswith(".bias") and not read_full(loaded).any():
+                continue  # some GPTQ exports write all-zero biases for bias-free layers
             raise ValueError(f"{model_dir}: checkpoint tensor {name!r} has no place in the model "
                              f"(architecture/config mismatch?)")
         param = params[target]
@@ -84,9 +86,18 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, packed: PackedMapp
         else:
             loader(param, loaded, shard_id)
         loaded_ids.add(id(param))
-    missing = [name for name, param in params.items() if id(param) not in loaded_ids]
+    missing = [name for name, param in params.items()
+               if id(param) not in loaded_ids and not getattr(param, "optional", False)]
     if missing:
         raise ValueError(f"{model_dir}: the checkpoint has no weights for {sorted(missing)[:8]}")
+    finish_loading(model)
+
+
+def finish_loading(model: nn.Module) -> None:
+    """Let layers post-process loaded weights (quantization methods that quantize at load)."""
+    for module in model.modules():
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
 
 
 def _routed_checkpoint(model: nn.Module, model_dir: Path, packed: PackedMapping,
@@ -123,6 +134,9 @@ def load_dummy(model: nn.Module, seed: int = 0) -> None:
         if "norm" in name:
             param.data.fill_(1.0)
             continue
+        if not param.is_floating_point() or param.element_size() == 1:  # packed/fp8 quantized: left as built
+            continue
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         param.data.normal_(0.0, 0.02, generator=generators[param.device])
+    finish_loading(model)

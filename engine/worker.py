@@ -18,7 +18,7 @@ from engine.attention.flash import flash_version
 from engine.attention.selection import choose_backend
 from engine.batch import SeqSpan
 from engine.config import EngineConfig
-from engine.layers import cpu_gemm
+from engine.layers import cpu_gemm, quantization
 from engine.model_config import ModelConfig
 from engine.model_inputs import prepare_inputs
 from engine.models import model_class
@@ -78,10 +78,14 @@ class RankWorker:
         self.graphs = self._capture_graphs() if self.graph_sizes else None
 
     def _load_model(self) -> torch.nn.Module:
+        quant = quantization.resolve(self.model_config.quantization_config, self.config.quantize)
+        if quant is not None:
+            quant.check_device(self.device, self.dtype)
+            logger.info("quantization: %r", quant)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), quantization.building(quant):
                 model = model_class(self.model_config)(self.model_config)
         finally:
             torch.set_default_dtype(default_dtype)

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from engine.distributed import all_reduce, tp_rank, tp_size
-from engine.layers import cpu_gemm
-from engine.weights import read_full, read_shard, shape_of
+from engine.layers import quantization
+from engine.layers.quantization.base import Layout, simple_loader
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -21,38 +21,40 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 class LinearBase(nn.Module):
     """y = x W^T + b with W of shape [output_size, input_size] (this rank's part).
 
-    `packed_weight` is set by `cpu_gemm.prepack_model` once the weights are loaded (CPU only).
+    How W is stored, loaded and multiplied is the layer's quantization method (engine.layers.quantization),
+    chosen once when the model is built; subclasses only say which part of each checkpoint tensor this
+    rank holds (`output_piece`, `input_piece`).
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
-        self.packed_weight: torch.Tensor | None = None
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.input_size, self.output_size = input_size, output_size
+        self.method = quantization.current_method()
+        self.method.create_weights(self, input_size, output_size)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            self.bias.weight_loader = simple_loader(self, "bias", Layout(out_axis=0), 0)
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        raise NotImplementedError
+    def output_piece(self, shard_id: Any) -> tuple[int, int, int]:
+        """(offset in this rank's output, start in the checkpoint tensor, size), in output features."""
+        return 0, 0, self.output_size
+
+    def input_piece(self) -> tuple[int, int] | None:
+        """(start, size) of this rank's input features in the checkpoint; None when not split."""
+        return None
+
+    def finish_loading(self) -> None:
+        self.method.finish_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_gemm.matmul(x, self.weight, self.packed_weight, self.bias)
-
-
-def _copy(param_slice: torch.Tensor, tensor: torch.Tensor) -> None:
-    if param_slice.shape != tensor.shape:
-        raise ValueError(f"checkpoint shard of shape {tuple(tensor.shape)} does not fit "
-                         f"{tuple(param_slice.shape)}")
-    param_slice.copy_(tensor)
+        return self.method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        _copy(param.data, read_full(loaded))
+    pass
 
 
 class ColumnParallelLinear(LinearBase):
@@ -61,9 +63,8 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(input_size, divide(output_size, tp_size(), "output features"), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        size = param.shape[0]
-        _copy(param.data, read_shard(loaded, 0, self.tp_rank * size, size))
+    def output_piece(self, shard_id: Any) -> tuple[int, int, int]:
+        return 0, self.tp_rank * self.output_size, self.output_size
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -73,10 +74,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+    def output_piece(self, shard_id: Any) -> tuple[int, int, int]:
         size = self.output_sizes[shard_id] // self.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        _copy(param.data[offset:offset + size], read_shard(loaded, 0, self.tp_rank * size, size))
+        return sum(self.output_sizes[:shard_id]) // self.tp_size, self.tp_rank * size, size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -100,18 +100,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
         super().__init__(hidden_size, output_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+    def output_piece(self, shard_id: Any) -> tuple[int, int, int]:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            offset, size, start = 0, q_size, self.tp_rank * q_size
-        elif shard_id == "k":
-            offset, size, start = q_size, kv_size, self.kv_head_start * self.head_dim
-        elif shard_id == "v":
-            offset, size, start = q_size + kv_size, kv_size, self.kv_head_start * self.head_dim
-        else:
-            raise ValueError(f"unknown qkv shard {shard_id!r}")
-        _copy(param.data[offset:offset + size], read_shard(loaded, 0, start, size))
+            return 0, self.tp_rank * q_size, q_size
+        if shard_id == "k":
+            return q_size, self.kv_head_start * self.head_dim, kv_size
+        if shard_id == "v":
+            return q_size + kv_size, self.kv_head_start * self.head_dim, kv_size
+        raise ValueError(f"unknown qkv shard {shard_id!r}")
 
 
 class RowParallelLinear(LinearBase):
@@ -120,13 +118,10 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(divide(input_size, tp_size(), "input features"), output_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        if len(shape_of(loaded)) == 1:  # bias: whole, added once after the reduce
-            _copy(param.data, read_full(loaded))
-            return
-        size = param.shape[1]
-        _copy(param.data, read_shard(loaded, 1, self.tp_rank * size, size))
+    def input_piece(self) -> tuple[int, int] | None:
+        return self.tp_rank * self.input_size, self.input_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_gemm.matmul(x, self.weight, self.packed_weight, self.bias if self.tp_rank == 0 else None)
+        # the bias is whole on every rank and added once, after the reduce
+        y = self.method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y)

@@ -31,10 +31,13 @@ def test_unknown_flag_is_a_clear_error():
 
 def test_quantize_and_missing_model_are_clear_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        parse_args(["--model-id", "m", "--quantize", "awq"], environ={})
+        parse_args(["--model-id", "m", "--quantize", "exl2"], environ={})
     assert exc.value.code == 2
-    assert "--quantize awq is not supported yet" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--quantize exl2 is not supported; supported: GPTQ" in err and "bitsandbytes-nf4" in err
     parse_args(["--model-id", "m", "--quantize", "none"], environ={})  # the TGI default is fine
+    assert to_config(parse_args(["--model-id", "m", "--quantize", "fp8"], environ={}), "m").quantize == "fp8"
+    assert to_config(parse_args(["--model-id", "m"], environ={"QUANTIZE": "awq"}), "m").quantize == "awq"
     with pytest.raises(SystemExit):
         parse_args([], environ={})
     assert "--model-id is required (or set MODEL_ID)" in capsys.readouterr().err

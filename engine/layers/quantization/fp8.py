@@ -1,0 +1,140 @@
+"""FP8 W8A8: e4m3 weights with per-output-channel scales, activations quantized per token at run time.
+
+Two sources: `--quantize fp8` quantizes a bf16/fp16/fp32 checkpoint at load (each projection's rows
+get their own scale, so q/k/v and gate/up quantize piece by piece), and compressed-tensors
+`float-quantized` checkpoints (engine.layers.quantization.compressed_tensors) bring e4m3 weights with
+per-channel or per-tensor scales (a per-tensor scale is spread over its projection's channels).
+On GPUs with FP8 tensor cores (compute capability 8.9+: Ada, Hopper) the GEMM is `torch._scaled_mm`;
+elsewhere the same numerics run dequantized (weight and fake-quantized activations in the activation
+dtype: the weight per forward on older GPUs, once at load on CPU), and the log says so.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.quantization.base import Layout, LinearMethod, QuantizationConfig, add_param, read_piece, store
+
+logger = logging.getLogger(__name__)
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+_logged: set[str] = set()
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (e4m3 [N, K], fp32 scale [N]) with each row's absmax at the top of the e4m3 range."""
+    weight = weight.float()
+    scale = weight.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    return (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (e4m3 [M, K], fp32 scale [M, 1]): the dynamic per-token activation scales."""
+    scale = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def scaled_mm_usable(device: torch.device) -> bool:
+    return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+class Fp8LinearMethod(LinearMethod):
+    """`weight` e4m3 [N, K] and `weight_scale` fp32 [N]; `quantize_at_load` reads a float checkpoint."""
+
+    def __init__(self, quantize_at_load: bool, per_tensor_scales: bool = False,
+                 quantize_activations: bool = True) -> None:
+        self.quantize_at_load, self.per_tensor_scales = quantize_at_load, per_tensor_scales
+        self.quantize_activations = quantize_activations
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
+        layer.act_dtype = torch.get_default_dtype()  # the model's dtype while it is built
+        weight = torch.zeros(output_size, input_size, dtype=FP8)
+        scale = torch.ones(output_size, dtype=torch.float32)
+        if self.quantize_at_load:
+            add_param(layer, "weight", weight, self._quantizing_loader(layer))
+            layer.register_buffer("weight_scale", scale, persistent=False)
+        else:
+            add_param(layer, "weight", weight, self._fp8_loader(layer))
+            add_param(layer, "weight_scale", scale, self._scale_loader(layer))
+
+    def _quantizing_loader(self, layer: nn.Module):
+        def load(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+            tensor, offset = read_piece(layer, Layout(out_axis=0, in_axis=1), loaded, shard_id, "weight")
+            quantized, scale = quantize_rows(tensor.to(param.device))
+            store(param, quantized, 0, offset, "weight")
+            store(layer.weight_scale, scale, 0, offset, "weight_scale")
+        return load
+
+    def _fp8_loader(self, layer: nn.Module):
+        def load(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+            tensor, offset = read_piece(layer, Layout(out_axis=0, in_axis=1), loaded, shard_id, "weight")
+            if tensor.dtype != FP8:
+                raise ValueError(f"weight of dtype {tensor.dtype} where the checkpoint's quantization_config "
+                                 "promises float8_e4m3fn")
+            store(param, tensor, 0, offset, "weight")
+        return load
+
+    def _scale_loader(self, layer: nn.Module):
+        def load(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+            layout = Layout() if self.per_tensor_scales else Layout(out_axis=0)
+            tensor, offset = read_piece(layer, layout, loaded, shard_id, "weight_scale")
+            tensor = tensor.float().reshape(-1)
+            if self.per_tensor_scales:  # one scale per projection, spread over its channels
+                tensor = tensor.expand(layer.output_piece(shard_id)[2])
+            store(param, tensor, 0, offset, "weight_scale")
+        return load
+
+    def finish_loading(self, layer: nn.Module) -> None:
+        device = layer.weight.device
+        layer.fp8_scaled_mm = scaled_mm_usable(device) and layer.weight.shape[0] % 16 == 0 \
+            and layer.weight.shape[1] % 16 == 0
+        if device.type == "cpu":  # as engine.layers.quantization.wna16: dequantize once, at load, on CPU
+            layer.dense_weight = self._dequantized(layer, layer.act_dtype)
+            layer.weight.data = layer.weight.data.new_empty(0)
+        key = f"{device}:{layer.fp8_scaled_mm}"
+        if key not in _logged:
+            _logged.add(key)
+            if layer.fp8_scaled_mm:
+                logger.info("FP8 linear layers run torch._scaled_mm on %s", torch.cuda.get_device_name(device))
+            else:
+                logger.warning("FP8 linear layers on %s: no FP8 GEMM here (torch._scaled_mm needs CUDA compute "
+                               "capability 8.9+); the weights are dequantized %s and activations still rounded "
+                               "to FP8 per token (same numerics, slower%s)", device,
+                               "once at load" if device.type == "cpu" else "per forward",
+                               ", 4x the FP8 weight memory" if device.type == "cpu" else "")
+
+    @staticmethod
+    def _dequantized(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        return (layer.weight.float() * layer.weight_scale[:, None]).to(dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        dense = getattr(layer, "dense_weight", None)
+        if not self.quantize_activations:  # W8A16-FP8: only the weight is FP8
+            return F.linear(x, dense if dense is not None else self._dequantized(layer, x.dtype), bias)
+        xq, x_scale = quantize_tokens(flat)
+        if getattr(layer, "fp8_scaled_mm", False):
+            y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
+                                 out_dtype=torch.bfloat16).to(x.dtype)
+            y = y if bias is None else y + bias
+        else:
+            x_deq = (xq.float() * x_scale).to(x.dtype)
+            y = F.linear(x_deq, dense if dense is not None else self._dequantized(layer, x.dtype), bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class Fp8Config(QuantizationConfig):
+    """`--quantize fp8`: quantize a float checkpoint at load."""
+    name = "fp8"
+
+    def linear_method(self) -> Fp8LinearMethod:
+        return Fp8LinearMethod(quantize_at_load=True)
+
+    def __repr__(self) -> str:
+        return "FP8(at load: per-channel weight scales, dynamic per-token activation scales)"

@@ -1,0 +1,74 @@
+"""The W4A16/W8A16 Triton kernel (under TRITON_INTERPRET=1 without CUDA) against its torch reference on
+random shapes, group sizes and act-order, and the reference against the format spec (the test packer)."""
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from engine.kernels.quant_gemm import dequantize, gemm_reference, wna16_gemm  # noqa: E402
+from quant_packers import pack_along_rows  # noqa: E402
+
+
+def random_layer(generator, bits, k, n, group_size, act_order, dtype):
+    q = torch.randint(0, 2 ** bits, (k, n), generator=generator)
+    size = k if group_size == -1 else group_size
+    groups = -(-k // size)
+    g_idx = (torch.arange(k) // size).to(torch.int32)
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=generator)]
+    scales = (torch.rand(groups, n, generator=generator) * 0.02 + 0.001).to(dtype)
+    zeros = torch.randint(0, 2 ** bits, (groups, n), generator=generator).to(dtype)
+    return q, pack_along_rows(q, bits), scales, zeros, g_idx
+
+
+def test_dequantize_follows_the_packing_spec():
+    generator = torch.Generator().manual_seed(0)
+    for bits in (4, 8):
+        q, packed, scales, zeros, g_idx = random_layer(generator, bits, 64, 24, 16, True, torch.float32)
+        expected = (q.float() - zeros[g_idx.long()]) * scales[g_idx.long()]
+        assert torch.equal(dequantize(packed, scales, zeros, g_idx, bits), expected)
+
+
+CASES = [(bits, group_size, act_order) for bits in (4, 8) for group_size in (32, 64, 128, -1)
+         for act_order in (False, True) if not (act_order and group_size == -1)]
+
+
+@pytest.mark.parametrize("bits,group_size,act_order", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_matches_the_reference_on_random_shapes(bits, group_size, act_order, dtype):
+    rng = random.Random(f"{bits}-{group_size}-{act_order}-{dtype}")
+    generator = torch.Generator().manual_seed(rng.randrange(1000))
+    for _ in range(3):
+        m = rng.choice([1, 2, 7, 16, 33, 70])
+        k = rng.choice([128, 256, 384]) if group_size == 128 else rng.choice([64, 96, 128, 192, 256])
+        n = rng.choice([8, 40, 64, 72, 136])
+        _, packed, scales, zeros, g_idx = random_layer(generator, bits, k, n, group_size, act_order, dtype)
+        x = torch.randn(m, k, generator=generator).to(dtype)
+        kernel_group = 0 if act_order else (k if group_size == -1 else group_size)
+        got = wna16_gemm(x, packed, scales, zeros, g_idx, bits, kernel_group)
+        want = gemm_reference(x.float(), packed, scales.float(), zeros.float(), g_idx, bits)
+        assert got.shape == (m, n) and got.dtype == dtype
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, atol=tolerance * max(1.0, want.abs().max().item()), rtol=0)
+
+
+def test_a_group_size_that_is_not_a_tile_multiple_takes_the_gather_path():
+    generator = torch.Generator().manual_seed(3)
+    _, packed, scales, zeros, g_idx = random_layer(generator, 4, 144, 40, 48, False, torch.float32)
+    x = torch.randn(5, 144, generator=generator)
+    torch.testing.assert_close(wna16_gemm(x, packed, scales, zeros, g_idx, 4, 48),
+                               gemm_reference(x, packed, scales, zeros, g_idx, 4), atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+def test_kernel_on_cuda_in_bfloat16_at_llama_shapes():
+    generator = torch.Generator().manual_seed(0)
+    _, packed, scales, zeros, g_idx = random_layer(generator, 4, 4096, 1024, 128, False, torch.bfloat16)
+    args = [t.cuda() for t in (packed, scales, zeros, g_idx)]
+    for m in (1, 16, 256):
+        x = torch.randn(m, 4096, generator=generator).to(torch.bfloat16).cuda()
+        got = wna16_gemm(x, *args, 4, 128).float()
+        want = gemm_reference(x.float(), args[0], args[1].float(), args[2].float(), args[3], 4)
+        torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
