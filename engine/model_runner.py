@@ -17,7 +17,7 @@ from engine.batch import SeqSpan
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
 from engine.model_inputs import validate_spans
-from engine.models.llama import check_tensor_parallel
+from engine.models.decoder import check_tensor_parallel
 from engine.worker import RankWorker, available_cpus, resolve_device, worker_main
 
 logger = logging.getLogger(__name__)

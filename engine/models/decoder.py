@@ -5,7 +5,10 @@ block of their own (the MoE MLP).
 Knobs: norm kind (RMSNorm, Gemma's (1 + w) RMSNorm, LayerNorm) and placement (pre, Gemma's sandwich,
 OLMo 2's post), q/k norm per head or over all heads, gated or plain MLP and its activation, biases,
 attention scale and logit soft-cap, sliding window per layer, RoPE (partial, per-layer base) or learned
-positions, scaled embeddings, final logit soft-cap. Tensor-parallel like engine/models/llama.py.
+positions, scaled embeddings, final logit soft-cap. Its defaults are Llama's (engine/models/llama.py).
+
+Tensor-parallel in Megatron's layout: q/k/v and gate/up are column-parallel, o_proj and down_proj
+row-parallel, embedding and LM head split over the vocabulary.
 """
 from __future__ import annotations
 
@@ -24,7 +27,6 @@ from engine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLine
 from engine.layers.rotary_embedding import RotaryEmbedding
 from engine.model_config import ModelConfig
 from engine.models.checkpoint import CheckpointLayout
-from engine.models.llama import LlamaForCausalLM, check_tensor_parallel
 
 NORMS = {"rms": RMSNorm, "rms_gemma": GemmaRMSNorm, "layer": LayerNorm}
 
@@ -162,7 +164,9 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """The generic model; a family subclass sets its checkpoint layout and, for MoE, `make_mlp`."""
 
-    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+    # HF checkpoint names -> (fused parameter, shard id)
+    packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     transposed_weights: str | None = None   # regex of checkpoint names stored as [in, out] (GPT-2 Conv1D)
     fused_checkpoint = False                # qkv_proj and gate_up_proj already fused in the checkpoint (Phi-3)
@@ -212,3 +216,21 @@ class DecoderForCausalLM(nn.Module):
         if logits is None or cap is None:
             return logits
         return torch.tanh(logits / cap) * cap
+
+
+def check_tensor_parallel(config: ModelConfig, num_shard: int) -> None:
+    """Raise a clear ValueError when the model cannot be split over `num_shard` ranks."""
+    problems = []
+    if config.num_attention_heads % num_shard:
+        problems.append(f"num_attention_heads={config.num_attention_heads}")
+    kv = config.num_key_value_heads
+    if (kv >= num_shard and kv % num_shard) or (kv < num_shard and num_shard % kv):
+        problems.append(f"num_key_value_heads={kv} (must divide or be a multiple of it)")
+    if config.intermediate_size % num_shard:
+        problems.append(f"intermediate_size={config.intermediate_size}")
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # MoE models (engine/models/moe.py)
+        if getattr(config, name, 0) % num_shard:
+            problems.append(f"{name}={getattr(config, name)}")
+    if problems:
+        raise ValueError(f"{config.architecture} cannot be split over --num-shard {num_shard}: "
+                         f"{', '.join(problems)} not divisible; use a num_shard that divides the head counts")
