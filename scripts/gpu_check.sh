@@ -16,7 +16,8 @@
 #   bench-8b    scripts/bench_engine.py on a Llama-3.1-8B shape with random weights (--load-format dummy):
 #               batch-1 decode ms/token against weight bytes / copy bandwidth, a latency table up to
 #               batch 256, and 256 requests against HF `generate` (padded batch, and one at a time)
-#   extra       the other kernels' GPU benchmarks present in scripts/ (bench_quant.py, bench_moe.py)
+#   quant       scripts/bench_quant.py: the W4A16/W8A16 Triton GEMM and FP8 (_scaled_mm) against bf16, 8B shapes
+#   moe         scripts/bench_moe.py: the Triton grouped expert GEMM against transformers' MoE forward
 # The engine's Python dependencies (starlette, uvicorn, pydantic, transformers, ...) and pytest must
 # import with PY; nothing is installed and nothing is downloaded.
 set -uo pipefail
@@ -65,20 +66,20 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, record r
 }
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs)
-KERNEL_TESTS=$(ls tests/engine/test_*triton*.py tests/engine/test_*kernel*.py 2>/dev/null | sort -u | tr '\n' ' ')
+KERNEL_TESTS=$(ls tests/engine/test_*triton*.py tests/engine/test_*kernel*.py tests/engine/test_quant_gemm.py 2>/dev/null \
+  | sort -u | tr '\n' ' ')
 
 stage env 20 bash -c "nvidia-smi; $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, torch.cuda.get_device_name())'; $PY -c 'from engine.attention.flash import flash_version; print(flash_version())'"
-stage selfcheck 60 bash -c "$PY -m engine.attention_check --json-out '$LOGS/selfcheck-auto.json'; $PY -m engine.attention_check --attention-backend triton --json-out '$LOGS/selfcheck-triton.json'"
+stage selfcheck 40 bash -c "$PY -m engine.attention_check --json-out '$LOGS/selfcheck-auto.json'; $PY -m engine.attention_check --attention-backend triton --json-out '$LOGS/selfcheck-triton.json'"
 # shellcheck disable=SC2086
-[ -n "$KERNEL_TESTS" ] && stage kernels 110 "${PYTEST[@]}" $KERNEL_TESTS --junitxml="$LOGS/kernels.xml"
-stage gpu-tests 130 "${PYTEST[@]}" -m gpu tests/engine --junitxml="$LOGS/gpu-tests.xml"
-[ -f scripts/bench_attention.py ] && stage attention 50 "$PY" scripts/bench_attention.py --json "$LOGS/attention.json"
-stage bench-8b 170 "$PY" scripts/bench_engine.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
+[ -n "$KERNEL_TESTS" ] && stage kernels 100 "${PYTEST[@]}" $KERNEL_TESTS --junitxml="$LOGS/kernels.xml"
+stage gpu-tests 120 "${PYTEST[@]}" -m gpu tests/engine --junitxml="$LOGS/gpu-tests.xml"
+[ -f scripts/bench_attention.py ] && stage attention 40 "$PY" scripts/bench_attention.py --json "$LOGS/attention.json"
+stage bench-8b 150 "$PY" scripts/bench_engine.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
   --load-format dummy --device cuda --dtype bfloat16 --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 64 \
   --runs 1 --hf-prompts 256 --hf-serial-max 2 --json-out "$LOGS/bench-8b.json"
-for extra in scripts/bench_quant.py scripts/bench_moe.py; do
-  [ -f "$extra" ] && stage extra 90 "$PY" "$extra" --device cuda --json "$LOGS/$(basename "$extra" .py).json"
-done
+stage quant 60 "$PY" scripts/bench_quant.py --json "$LOGS/bench-quant.json"
+stage moe 60 "$PY" scripts/bench_moe.py --device cuda --dtype bfloat16 --sizes mid
 
 "$PY" scripts/gpu_check_report.py "$LOGS" "$OUT_DIR" "$(( $(date +%s) - START ))"
 tar -czf "$OUT_DIR/logs.tar.gz" -C "$OUT_DIR" logs && rm -rf "$LOGS"
