@@ -75,11 +75,11 @@ stage selfcheck 40 bash -c "$PY -m engine.attention_check --json-out '$LOGS/self
 [ -n "$KERNEL_TESTS" ] && stage kernels 100 "${PYTEST[@]}" $KERNEL_TESTS --junitxml="$LOGS/kernels.xml"
 stage gpu-tests 120 "${PYTEST[@]}" -m gpu tests/engine --junitxml="$LOGS/gpu-tests.xml"
 [ -f scripts/bench_attention.py ] && stage attention 40 "$PY" scripts/bench_attention.py --json "$LOGS/attention.json"
-stage bench-8b 150 "$PY" scripts/bench_engine.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
+stage bench-8b 140 "$PY" scripts/bench_engine.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
   --load-format dummy --device cuda --dtype bfloat16 --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 64 \
   --runs 1 --hf-prompts 256 --hf-serial-max 2 --json-out "$LOGS/bench-8b.json"
-stage quant 60 "$PY" scripts/bench_quant.py --json "$LOGS/bench-quant.json"
-stage moe 60 "$PY" scripts/bench_moe.py --device cuda --dtype bfloat16 --sizes mid
+stage quant 40 "$PY" scripts/bench_quant.py --json "$LOGS/bench-quant.json"
+stage moe 40 "$PY" scripts/bench_moe.py --device cuda --dtype bfloat16 --sizes mid
 
 "$PY" scripts/gpu_check_report.py "$LOGS" "$OUT_DIR" "$(( $(date +%s) - START ))"
 tar -czf "$OUT_DIR/logs.tar.gz" -C "$OUT_DIR" logs && rm -rf "$LOGS"
