@@ -8,11 +8,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
 
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 @dataclass(slots=True)
@@ -24,18 +24,19 @@ class TokenBitmask:
 
 
 def apply_token_bitmask(scores: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
-    """`scores` [n, vocab] with the disallowed tokens of the masked rows at -inf (a copy)."""
-    vocab = scores.shape[-1]
-    allowed = ((mask.bits[:, :, None] >> _BITS) & 1).bool().reshape(len(mask.rows), -1)
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    allowed = allowed[:, :vocab].to(scores.device)
+    """`scores` [n, vocab] with the disallowed tokens of the masked rows at -inf (a new tensor)."""
+    n, vocab = scores.shape
+    bits = mask.bits.contiguous()
+    # int32 words are little-endian bytes, so byte k holds tokens 8k..8k+7, low bit first; numpy unpacks them in
+    # one single-threaded C pass (torch's shift-and-mask is ~30x slower on a busy 2-core machine)
+    unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
+    allowed = np.ones((n, max(vocab, unpacked.shape[1])), dtype=np.uint8)
+    allowed[mask.rows, :unpacked.shape[1]] = unpacked
+    allowed[mask.rows, unpacked.shape[1]:] = 0      # padded vocabulary rows beyond the tokenizer
     # a row with nothing allowed is a matcher bug; leave it unconstrained rather than sample from NaNs
-    allowed |= ~allowed.any(dim=-1, keepdim=True)
-    rows = torch.tensor(mask.rows, device=scores.device)
-    scores = scores.clone()
-    scores[rows] = scores[rows].masked_fill(~allowed, float("-inf"))
-    return scores
+    allowed[[r for r, row in zip(mask.rows, unpacked) if not row.any()]] = 1
+    blocked = torch.from_numpy(allowed[:, :vocab] == 0).to(scores.device)
+    return scores.masked_fill(blocked, float("-inf"))
 
 
 class PendingMasks:
