@@ -1,7 +1,7 @@
 """Constrained decoding overhead: tok/s of a batch with a JSON schema on every request against the same batch
 unconstrained, in one invocation (runs alternate, the best of each counts). Prints the ratio.
 
-    PYTHONPATH=$PWD python scripts/bench_structured.py [--batch 16] [--max-new-tokens 64] [--rounds 3]
+    PYTHONPATH=$PWD python scripts/bench_structured.py [--batch 16] [--max-new-tokens 64] [--rounds 3] [--threads 1]
 """
 from __future__ import annotations
 
@@ -40,7 +40,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (1 is steadier on a busy box)")
     args = parser.parse_args()
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     model_dir = args.model_dir or str(ensure_model("smollm2"))
     engine = LLMEngine(EngineConfig(model_id=model_dir, device=args.device, max_batch_size=args.batch))
     prompts = [engine.tokenizer.encode(f"List {i + 2} animals you saw at the zoo, as JSON:") for i in range(args.batch)]
@@ -55,7 +59,9 @@ def main() -> None:
             seconds, tokens = run(engine, prompts, params)
             best[name] = max(best[name], tokens / seconds)
             print(f"{name:14} {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s", flush=True)
-    print(f"batch {args.batch}, {args.max_new_tokens} new tokens, device {engine.runner.device}, best of {args.rounds}")
+    import torch
+    print(f"batch {args.batch}, {args.max_new_tokens} new tokens, device {engine.runner.device}, "
+          f"torch threads {torch.get_num_threads()}, best of {args.rounds}")
     print(f"unconstrained {best['unconstrained']:.1f} tok/s, json schema {best['json schema']:.1f} tok/s, "
           f"ratio {best['json schema'] / best['unconstrained']:.3f}")
     engine.close()

@@ -6,7 +6,7 @@ import asyncio
 import enum
 import json
 import re
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import httpx
 import pytest
@@ -91,10 +91,10 @@ class Palette(BaseModel):
 
 
 class Product(BaseModel):
-    title: str = Field(max_length=20)
+    title: str = Field(max_length=12)
     price_cents: int = Field(ge=1, le=100_000)
     discount: Optional[int] = Field(default=None, ge=0, le=90)
-    tags: list[str] = Field(max_length=2)
+    tags: list[Annotated[str, Field(max_length=6)]] = Field(max_length=2)
 
 
 @pytest.mark.parametrize("model, prompt", [
