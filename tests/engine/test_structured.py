@@ -280,7 +280,8 @@ def test_tensor_parallel_rank0_samples_under_the_grammar(model_path):
     for num_shard in (1, 2):
         with LLMEngine(EngineConfig(num_shard=num_shard, **config)) as engine:
             prompts = [engine.tokenizer.encode("hello"), engine.tokenizer.encode("the cat")]
-            outs[num_shard] = [o.text for o in engine.generate(prompts, SamplingParams(max_new_tokens=40, grammar=spec))]
+            params = SamplingParams(max_new_tokens=40, grammar=spec)
+            outs[num_shard] = [o.text for o in engine.generate(prompts, params)]
     assert outs[1] == outs[2]
     for text in outs[2]:
         assert re.fullmatch(r"[a-z]{3,8}( [a-z]{3,8}){2}", text), outs

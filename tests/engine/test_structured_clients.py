@@ -138,7 +138,8 @@ def test_workshop_example_with_text_generation_client(server):
 
 def test_huggingface_hub_grammar(server):
     client = huggingface_hub.InferenceClient(model=server, timeout=120)
-    out = client.text_generation(WORKSHOP_PROMPT, max_new_tokens=100, grammar={"type": "json", "value": WORKSHOP_SCHEMA})
+    out = client.text_generation(WORKSHOP_PROMPT, max_new_tokens=100,
+                                 grammar={"type": "json", "value": WORKSHOP_SCHEMA})
     jsonschema.validate(json.loads(out), WORKSHOP_SCHEMA)
 
 
