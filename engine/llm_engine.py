@@ -19,6 +19,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.stop import StopMatcher
+from engine.structured.compiler import GrammarCompiler
+from engine.structured.masks import MaskFiller, PendingMasks
 from engine.tokenizer import TokenTexts, load_eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -113,6 +115,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, limits.max_batch_prefill_tokens, config.max_batch_size)
         self.token_texts = TokenTexts(self.tokenizer)
         self.vocab_size = model_config.vocab_size
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._mask_filler: MaskFiller | None = None
         self._lock = threading.Lock()
         self._pending: list[tuple[str, Any]] = []       # ("add", Sequence) | ("abort", request_id)
         self._live_ids: set[str] = set()
@@ -132,6 +136,8 @@ class LLMEngine:
         seq.seed = pick_seed(params)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, num_prompt, params.skip_special_tokens)
         seq.stop = StopMatcher(params.stop)
+        if params.grammar is not None:
+            seq.grammar = self.grammars.matcher(params.grammar)
         if params.prefill_logprobs:
             seq.prefill_tokens = [TokenInfo(prompt_token_ids[0], self.token_texts.text(prompt_token_ids[0]),
                                             None, self.token_texts.is_special(prompt_token_ids[0]))]
@@ -183,6 +189,7 @@ class LLMEngine:
         self._batch_size = len(batch)
         if not batch:
             return outputs
+        masks = self._start_masks(batch)
         try:
             last_logits, all_logits = self.runner.run(batch.spans)
         except Exception as e:  # noqa: BLE001 - reported per request, the engine keeps serving
@@ -203,8 +210,19 @@ class LLMEngine:
             row += 1
         if sampled:
             logits = last_logits if len(rows) == len(last_logits) else last_logits[rows]
-            outputs += self._append_tokens(sampled, sample(logits, sampled))
+            bitmask = masks.for_rows(sampled) if masks is not None else None
+            outputs += self._append_tokens(sampled, sample(logits, sampled, bitmask))
         return outputs
+
+    def _start_masks(self, batch: ScheduledBatch) -> PendingMasks | None:
+        # the rows that sample this step under a grammar: their masks are filled while the forward runs
+        guided = [seq for seq, span in zip(batch.seqs, batch.spans) if seq.grammar is not None
+                  and span.logits != "none" and span.start_pos + len(span.token_ids) == seq.num_tokens]
+        if not guided:
+            return None
+        if self._mask_filler is None:
+            self._mask_filler = MaskFiller(self.vocab_size)
+        return self._mask_filler.start(guided)
 
     def _apply_pending(self) -> list[RequestOutput]:
         with self._lock:
@@ -237,6 +255,8 @@ class LLMEngine:
         for j, seq in enumerate(seqs):
             token_id, params = out.token_ids[j], seq.params
             seq.append_token(token_id)
+            if seq.grammar is not None:
+                seq.grammar.consume_token(token_id)
             top = [TokenInfo(t, texts.text(t), lp, texts.is_special(t))
                    for t, lp in zip(out.top_token_ids[j], out.top_logprobs[j])]
             info = TokenInfo(token_id, texts.text(token_id), out.logprobs[j] if params.logprobs else None,
@@ -258,6 +278,8 @@ class LLMEngine:
             return "stop_sequence"
         if token_id in self.eos_token_ids and not seq.params.ignore_eos:
             return "eos_token"
+        if seq.grammar is not None and seq.grammar.is_stopped():
+            return "eos_token"      # the grammar is complete and allows nothing more: as if the model had ended
         if seq.num_generated_tokens >= seq.params.max_new_tokens or seq.num_tokens >= seq.max_tokens:
             return "length"
         return None
@@ -327,6 +349,8 @@ class LLMEngine:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._mask_filler is not None:
+                self._mask_filler.close()
             self.runner.close()
 
     def __enter__(self) -> LLMEngine:

@@ -7,6 +7,8 @@ Semantics (TGI's HeterogeneousNextTokenChooser, per row):
   do_sample; warpers apply in that order, each only to the rows that set it;
 - logprobs (chosen token and top_n_tokens) are log_softmax of the *processed* scores, as TGI
   reports them: after penalties and warpers, so tokens cut by top-k/top-p have -inf.
+A grammar's token bitmask (engine.structured) applies first, to greedy and sampling rows alike, so penalties,
+warpers and the reported logprobs all see the constrained distribution.
 Each sampling row draws from its own (CPU) torch.Generator, so a seeded request gives the same
 tokens whatever else is in the batch and whatever the device.
 """
@@ -19,6 +21,7 @@ from typing import Protocol, Sequence
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured.masks import TokenBitmask, apply_token_bitmask
 
 
 class SampleRow(Protocol):
@@ -52,10 +55,13 @@ def pick_seed(params: SamplingParams) -> int | None:
     return random.getrandbits(63) if is_sampling(params) else None
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
-    """Choose one token per row of `logits` [n, vocab] (float32) with that row's parameters."""
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmask | None = None) -> SamplerOutput:
+    """Choose one token per row of `logits` [n, vocab] (float32) with that row's parameters, among the tokens
+    `bitmask` allows for the rows it names."""
     params = [row.params for row in rows]
     scores = logits.float()
+    if bitmask is not None:
+        scores = apply_token_bitmask(scores, bitmask)
     if any(p.repetition_penalty not in (None, 1.0) for p in params):
         scores = apply_repetition_penalty(scores, rows)
     if any(p.frequency_penalty for p in params):

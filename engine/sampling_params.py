@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.structured.spec import GrammarSpec
 
 
 @dataclass(slots=True)
@@ -21,3 +25,4 @@ class SamplingParams:
     logprobs: bool = True                   # per-token logprob of the chosen token
     prefill_logprobs: bool = False          # decoder_input_details
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None      # output constrained to it; the request ends when it is complete

@@ -84,7 +84,7 @@ def _build_info(llm: Any, config: EngineConfig) -> Info:
         num_shard=config.num_shard, attention_backend=str(stats.attention_backend),
         linear_backend=str(getattr(runner, "linear_backend", "unknown")),
         cuda_graphs=list(getattr(runner, "cuda_graph_sizes", [])), block_size=stats.block_size,
-        version=version)
+        grammar_backend=f"llguidance {importlib.metadata.version('llguidance')}", version=version)
 
 
 def server_state(request: Request) -> ServerState:

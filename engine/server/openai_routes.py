@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models (n=1, no tools).
+"""OpenAI-compatible routes: /v1/chat/completions (with response_format and tools), /v1/completions, /v1/models
+(n=1).
 
 Like TGI, requests become a GenerateRequest and go through the same validation and Infer; errors keep
 TGI's {"error", "error_type"} body with the TGI status codes.
@@ -17,13 +18,18 @@ from starlette.routing import Route
 from engine.server import sse
 from engine.server.errors import ValidationError
 from engine.server.infer import Generation, StreamEvent
-from engine.server.protocol import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionMessage,
-                                    ChatCompletionRequest, ChatChunkChoice, ChatDelta, ChatLogprob, ChatLogprobs,
-                                    Completion, CompletionChoice, CompletionRequest, GenerateParameters,
-                                    GenerateRequest, ModelCard, ModelList, TopLogprob, Usage, OpenAIRequest, dump)
+from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
+                                    ChatCompletionMessage, ChatCompletionRequest, ChatDelta, ChatLogprob, ChatLogprobs,
+                                    ChatToolCall, Completion, CompletionChoice, CompletionRequest, FunctionCall,
+                                    GenerateParameters, GenerateRequest, ModelCard, ModelList, OpenAIRequest,
+                                    TopLogprob, Usage, dump)
 from engine.server.state import ServerState
 from engine.server.streaming import Renderer, open_stream, unless_disconnected
+from engine.server.grammar import response_format_grammar
+from engine.server.tools import ToolUse, new_call_id, template_inputs, tool_use
 from engine.server.validation import ValidRequest, parse_body
+from engine.structured.spec import GrammarSpec
+from engine.structured.tool_calls import ToolCallStream, parse_tool_call
 
 # a chunk builder gets (event or None for the usage chunk, usage or None)
 ChunkBuilder = Callable[[StreamEvent | None, Usage | None], dict[str, Any]]
@@ -34,14 +40,18 @@ async def chat_completions(request: Request) -> Response:
     with state.request() as arrival:
         req = parse_body(ChatCompletionRequest, await request.body())
         _check_common(req)
-        if req.tools:
-            raise ValidationError("`tools` are not supported by this server")
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise ValidationError("`response_format` other than text is not supported by this server")
+        use = tool_use(req, state.tokenizer)
+        grammar = response_format_grammar(req.response_format)
+        if use is not None and grammar is not None:
+            raise ValidationError('`response_format` cannot be combined with `tools` unless `tool_choice` is "none"')
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
-        prompt = _apply_chat_template(state, req)
-        params = _parameters(req, req.max_completion_tokens or req.max_tokens, top_n)
+        prompt = _apply_chat_template(state, req, use)
+        params = _parameters(req, req.max_completion_tokens or req.max_tokens, top_n,
+                             use.grammar if use is not None else grammar)
         created, rid, logprobs = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", bool(req.logprobs)
+        if req.stream and use is not None:
+            return open_stream(state, GenerateRequest(inputs=prompt, parameters=params), arrival,
+                               _tool_renderer(state, req, use, rid, created), openai=True, add_special_tokens=False)
         if req.stream:
             def chunk(ev: StreamEvent | None, usage: Usage | None) -> dict[str, Any]:
                 choices = [] if ev is None else [ChatChunkChoice(
@@ -55,7 +65,11 @@ async def chat_completions(request: Request) -> Response:
             valid = state.validator.validate(GenerateRequest(inputs=prompt, parameters=params),
                                              add_special_tokens=False)
             gen, _ = await unless_disconnected(request, state.infer.generate(valid, arrival))
-        choice = ChatCompletionChoice(message=ChatCompletionMessage(content=gen.text), finish_reason=_finish(gen),
+        call = parse_tool_call(gen.text, use.fmt, use.tools) if use is not None else None
+        message = ChatCompletionMessage(content=gen.text) if call is None else ChatCompletionMessage(
+            content=None, tool_calls=[ChatToolCall(id=new_call_id(), function=FunctionCall(
+                name=call.name, arguments=call.arguments))])
+        choice = ChatCompletionChoice(message=message, finish_reason="tool_calls" if call else _finish(gen),
                                       logprobs=_chat_logprobs(gen.tokens) if logprobs else None)
         body = ChatCompletion(id=rid, created=created, model=state.model_name, choices=[choice], usage=_usage(gen),
                               system_fingerprint=state.system_fingerprint)
@@ -76,7 +90,7 @@ async def completions(request: Request) -> Response:
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1:
             raise ValidationError(f"exactly one prompt is supported per request. Given: {len(prompts)}")
-        params = _parameters(req, req.max_tokens, 0)
+        params = _parameters(req, req.max_tokens, 0, response_format_grammar(req.response_format))
         gen_req = GenerateRequest(inputs=prompts[0], parameters=params)
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -116,24 +130,27 @@ def _check_common(req: OpenAIRequest) -> None:
         raise ValidationError("`presence_penalty` is not supported by this server; use `frequency_penalty`")
 
 
-def _parameters(req: OpenAIRequest, max_tokens: int | None, top_n_tokens: int) -> GenerateParameters:
+def _parameters(req: OpenAIRequest, max_tokens: int | None, top_n_tokens: int,
+                grammar: GrammarSpec | None = None) -> GenerateParameters:
     # as in TGI: temperature 0 means greedy, anything else samples
     greedy = req.temperature == 0
     return GenerateParameters(
         do_sample=not greedy, temperature=None if greedy else req.temperature, top_p=req.top_p,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, seed=req.seed,
-        max_new_tokens=max_tokens, stop=req.stop_list(), top_n_tokens=top_n_tokens or None, details=True)
+        max_new_tokens=max_tokens, stop=req.stop_list(), top_n_tokens=top_n_tokens or None, details=True,
+        grammar=grammar)
 
 
-def _apply_chat_template(state: ServerState, req: ChatCompletionRequest) -> str:
+def _apply_chat_template(state: ServerState, req: ChatCompletionRequest, use: ToolUse | None) -> str:
     if not getattr(state.tokenizer, "chat_template", None):
         raise ValidationError("this model has no chat template; use /v1/completions or /generate")
     for message in req.messages:
         if isinstance(message.content, list) and any(p.get("type") != "text" for p in message.content):
             raise ValidationError("only text content parts are supported")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages, tools = template_inputs(req, state.tokenizer, use)
     try:
-        return str(state.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        extra = {"tools": tools} if tools else {}
+        return str(state.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra))
     except Exception as exc:  # jinja errors (e.g. "roles must alternate") are the caller's to fix
         raise ValidationError(f"chat template error: {exc}") from None
 
@@ -156,6 +173,41 @@ def _chat_logprobs(tokens: list[Any]) -> ChatLogprobs:
         ChatLogprob(token=t.text, logprob=t.logprob or 0.0,
                     top_logprobs=[TopLogprob(token=a.text, logprob=a.logprob or 0.0) for a in t.top_tokens])
         for t in tokens])
+
+
+def _tool_renderer(state: ServerState, req: ChatCompletionRequest, use: ToolUse, rid: str,
+                   created: int) -> Renderer:
+    """OpenAI's tool-call stream: the call's id and name in one delta, then its arguments in pieces, then an
+    empty delta with finish_reason "tool_calls"; plain text (under `auto`) streams as content."""
+    pieces = ToolCallStream(use.fmt, use.tools, use.allow_text)
+    call_id = new_call_id()
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(delta: ChatDelta | None, finish: str | None, usage: Usage | None = None) -> bytes:
+        choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
+        return sse.encode_event(dump(ChatCompletionChunk(
+            id=rid, created=created, model=state.model_name, usage=usage,
+            system_fingerprint=state.system_fingerprint, choices=choices)), space=True)
+
+    def delta(kind: str, text: str) -> ChatDelta:
+        if kind == "content":
+            return ChatDelta(content=text)
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+        if kind == "name":
+            call = {"index": 0, "id": call_id, "type": "function", "function": {"name": text, "arguments": ""}}
+        return ChatDelta(content=None, tool_calls=[call])
+
+    def render(ev: StreamEvent, valid: ValidRequest) -> list[bytes]:
+        out = pieces.feed(ev.text)
+        if ev.end is None:
+            return [chunk(delta(kind, text), None) for kind, text in out]
+        last, call = pieces.finish(ev.end.text)
+        chunks = [chunk(delta(kind, text), None) for kind, text in out + last]
+        chunks.append(chunk(ChatDelta(content=None), "tool_calls" if call else _finish(ev.end)))
+        if include_usage:
+            chunks.append(chunk(None, None, _usage(ev.end)))
+        return chunks
+    return render
 
 
 def _renderer(chunk: ChunkBuilder, req: OpenAIRequest) -> Renderer:

@@ -148,6 +148,10 @@ class Info(_Wire):
     linear_backend: str = "unknown"
     cuda_graphs: list[int] = []
     block_size: int
+    # structured output: `parameters.grammar` types, OpenAI response_format / tools
+    grammar_support: bool = True
+    grammar_types: list[str] = ["json", "regex"]
+    grammar_backend: str = "llguidance"
     router: str = "tgi-hpc-engine"
     version: str
     sha: str | None = None
@@ -163,7 +167,7 @@ def dump(model: BaseModel) -> dict[str, Any]:
 
 def _drop_empty(data: Any) -> None:
     if isinstance(data, dict):
-        for key in ("top_tokens", "best_of_sequences"):
+        for key in ("top_tokens", "best_of_sequences", "tool_calls"):
             if key in data and not data[key]:
                 del data[key]
         for value in data.values():
@@ -183,6 +187,8 @@ class ChatMessage(_Wire):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None      # an assistant turn that called tools
+    tool_call_id: str | None = None                     # a `tool` turn: the result of that call
 
     def text(self) -> str:
         """Plain text of the message; list content keeps its `text` parts (images are rejected upstream)."""
@@ -217,6 +223,8 @@ class ChatCompletionRequest(OpenAIRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -225,6 +233,7 @@ class CompletionRequest(OpenAIRequest):
     suffix: str | None = None
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0)
+    response_format: dict[str, Any] | None = None
 
 
 # --- OpenAI responses ---------------------------------------------------------------------------
@@ -250,9 +259,21 @@ class ChatLogprobs(_Wire):
     content: list[ChatLogprob]
 
 
+class FunctionCall(_Wire):
+    name: str
+    arguments: str          # JSON text
+
+
+class ChatToolCall(_Wire):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatCompletionMessage(_Wire):
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ChatToolCall] | None = None
 
 
 class ChatCompletionChoice(_Wire):
@@ -274,7 +295,8 @@ class ChatCompletion(_Wire):
 
 class ChatDelta(_Wire):
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None     # OpenAI's pieces: index, then id/type/name once, arguments
 
 
 class ChatChunkChoice(_Wire):

@@ -8,6 +8,7 @@ import pydantic
 
 from engine.sampling_params import SamplingParams
 from engine.server.errors import ValidationError
+from engine.server.grammar import tgi_grammar
 from engine.server.protocol import GenerateParameters, GenerateRequest
 
 
@@ -70,8 +71,7 @@ class Validator:
             raise ValidationError(f"`top_n_tokens` must be >= 0 and <= {self.limits.max_top_n_tokens}. Given: {top_n}")
         if p.watermark:
             raise ValidationError("`watermark` is not supported by this server")
-        if p.grammar is not None:
-            raise ValidationError("grammar is not supported")
+        grammar = tgi_grammar(p.grammar)
         if p.adapter_id not in (None, "", "tgi"):
             raise ValidationError("`adapter_id` (LoRA adapters) is not supported by this server")
         if stream and p.decoder_input_details:
@@ -84,7 +84,7 @@ class Validator:
             do_sample=best_of > 1 or _is_sampling(p), temperature=p.temperature if p.temperature is not None else 1.0,
             top_k=p.top_k, top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
             frequency_penalty=p.frequency_penalty, seed=p.seed, max_new_tokens=max_new_tokens,
-            stop=list(p.stop), top_n_tokens=top_n, prefill_logprobs=p.decoder_input_details)
+            stop=list(p.stop), top_n_tokens=top_n, prefill_logprobs=p.decoder_input_details, grammar=grammar)
         return ValidRequest(inputs=req.inputs, prompt_token_ids=ids, params=params, best_of=best_of,
                             details=p.details or p.decoder_input_details,
                             decoder_input_details=p.decoder_input_details,

@@ -367,7 +367,19 @@ def test_generation_error_is_424(client):
     ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
     ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
     ({"watermark": True}, "`watermark` is not supported by this server"),
-    ({"grammar": {"type": "json", "value": {}}}, "grammar is not supported"),
+    ({"grammar": {"type": "json", "value": {"type": "objekt"}}},
+     "Grammar is not valid: `grammar.value` is not a valid JSON schema: 'objekt' is not valid under any of the given schemas (at `type`)"),
+    ({"grammar": {"type": "json", "value": {"type": "object", "not": {"required": ["a"]}}}},
+     'Grammar is not valid: `grammar.value` uses a JSON schema feature this server cannot enforce: Unimplemented keys: ["not"]'),
+    ({"grammar": {"type": "json", "value": "{not json"}},
+     "Grammar is not valid: `grammar.value` is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    ({"grammar": {"type": "json", "value": [1, 2]}}, "Grammar is not valid: `grammar.value` must be a JSON schema object, got list"),
+    ({"grammar": {"type": "json"}}, "Grammar is not valid: `grammar.value` must be a JSON schema"),
+    ({"grammar": {"type": "regex", "value": "[0-9"}},
+     'Grammar is not valid: `grammar.value` is not a regular expression this server can compile: at 1(8): invalid regex "[0-9" (in regex): regex parse error: error: unclosed character class'),
+    ({"grammar": {"type": "regex", "value": ""}}, "Grammar is not valid: `grammar.value` must be a non-empty regular expression string"),
+    ({"grammar": {"type": "lark", "value": "start: x"}}, '`grammar.type` must be "json" or "regex". Given: \'lark\''),
+    ({"grammar": "json"}, '`grammar` must be {"type": "json" | "regex", "value": ...}'),
     ({"truncate": 0}, "`truncate` must be strictly positive and less than 200. Given: 0"),
     ({"max_new_tokens": "many"}, "`parameters.max_new_tokens`: Input should be a valid integer, unable to parse string as an integer"),
 ])
@@ -473,15 +485,74 @@ def test_completions(client):
 @pytest.mark.parametrize("route, body, fragment", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, "`n` must be 1"),
     ("/v1/chat/completions", {"messages": [{"role": "bad", "content": "x"}]}, "chat template error"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "`tools`"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "`tools[0].function` is required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"description": "no name"}}]},
+     "`tools[0].function.name` is required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "a b; rm"}}]},
+     "`tools[0].function.name` must be 1-64 letters"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]},
+     "`tools[0].function.parameters` is not a valid JSON schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]},
+     "two functions with the same name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     "`tool_choice` is set but `tools` is empty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "`tool_choice.function.name` 'g' is not in `tools`"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"},
+     "`tool_choice` must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "1"}]},
+     "`messages[1].tool_call_id` is required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "`response_format.json_schema.schema` is not a valid JSON schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "`response_format.json_schema.name` is required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     "`response_format.type` must be"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}}}},
+     "cannot enforce: Unimplemented keys"),
     ("/v1/chat/completions", {"messages": []}, "`messages`"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "Suffix is not supported"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 999}, "must be <= 256"),
 ])
-def test_openai_validation_uses_tgi_body(client, route, body, fragment):
+def test_openai_validation_uses_tgi_body(served, route, body, fragment):
+    client, fake = served
+    num_seen = len(fake.seen)
     r = client.post(route, json=body)
     assert r.status_code == 422, r.text
     assert r.json()["error_type"] == "validation" and fragment in r.json()["error"]
+    assert len(fake.seen) == num_seen      # nothing reached the engine
+
+
+def test_bad_grammar_never_reaches_the_engine(served):
+    client, fake = served
+    num_seen = len(fake.seen)
+    for route in ("/generate", "/generate_stream", "/"):
+        r = client.post(route, json={"inputs": "ab", "parameters": {"grammar": {"type": "regex", "value": "(a"}}})
+        assert r.status_code == 422 and "`grammar.value`" in r.json()["error"], r.text
+    assert len(fake.seen) == num_seen
+
+
+def test_grammar_reaches_the_engine_compiled(served):
+    client, fake = served
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for route, body in [("/generate", {"inputs": "ab", "parameters": {"grammar": {"type": "json", "value": schema}}}),
+                        ("/generate", {"inputs": "ab", "parameters": {"grammar": {"type": "json_object",
+                                                                                  "value": json.dumps(schema)}}}),
+                        ("/v1/completions", {"prompt": "ab", "response_format": {"type": "json_object"}})]:
+        before = set(fake.seen)
+        assert client.post(route, json=body).status_code == 200
+        (rid,) = set(fake.seen) - before
+        assert fake.seen[rid].grammar is not None and fake.seen[rid].grammar.kind == "json"
 
 
 def test_models_tokenize_info(client):
@@ -492,6 +563,8 @@ def test_models_tokenize_info(client):
     info = client.get("/info").json()
     assert info["model_id"] == "fake-model" and info["max_total_tokens"] == 256
     assert info["max_input_tokens"] == 200 and info["attention_backend"] == "fake"
+    assert info["grammar_support"] is True and info["grammar_types"] == ["json", "regex"]
+    assert info["grammar_backend"].startswith("llguidance ")
     for key in ("model_dtype", "model_device_type", "max_best_of", "max_stop_sequences", "version", "num_shard"):
         assert key in info
 

@@ -1,0 +1,55 @@
+"""Request grammars -> GrammarSpec: TGI's `parameters.grammar` and OpenAI's `response_format`. Every problem is a
+422 naming the field; nothing unchecked reaches the engine."""
+from __future__ import annotations
+
+from typing import Any
+
+from engine.server.errors import ValidationError
+from engine.structured.spec import GrammarError, GrammarSpec, json_schema_spec, regex_spec
+
+# OpenAI's json_object: any JSON object
+_ANY_OBJECT = {"type": "object"}
+
+
+def tgi_grammar(grammar: Any) -> GrammarSpec | None:
+    """TGI's GrammarType: {"type": "json" (alias "json_object"), "value": schema or its JSON text} or
+    {"type": "regex", "value": pattern}. A spec built by an OpenAI route passes through."""
+    if grammar is None or isinstance(grammar, GrammarSpec):
+        return grammar
+    if not isinstance(grammar, dict) or "type" not in grammar:
+        raise ValidationError('`grammar` must be {"type": "json" | "regex", "value": ...}')
+    kind, value = grammar["type"], grammar.get("value")
+    try:
+        if kind in ("json", "json_object"):
+            if value is None:
+                raise GrammarError("`grammar.value` must be a JSON schema")
+            return json_schema_spec(value, "grammar.value")
+        if kind == "regex":
+            return regex_spec(value, "grammar.value")
+    except GrammarError as exc:
+        raise ValidationError(f"Grammar is not valid: {exc}") from None
+    raise ValidationError(f'`grammar.type` must be "json" or "regex". Given: {kind!r}')
+
+
+def response_format_grammar(response_format: dict[str, Any] | None) -> GrammarSpec | None:
+    """OpenAI's response_format: text (no grammar), json_object, or json_schema {"name", "schema", "strict"};
+    TGI's own {"type": "json", "value": schema} is accepted too."""
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    try:
+        if kind in (None, "text"):
+            return None
+        if kind == "json_object":
+            return json_schema_spec(_ANY_OBJECT, "response_format")
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+                raise GrammarError("`response_format.json_schema.name` is required")
+            # strict or not, the schema is enforced: a grammar cannot half-apply one
+            return json_schema_spec(spec.get("schema", _ANY_OBJECT), "response_format.json_schema.schema")
+        if kind in ("json", "regex"):
+            return tgi_grammar(response_format)
+    except GrammarError as exc:
+        raise ValidationError(f"Grammar is not valid: {exc}") from None
+    raise ValidationError(f'`response_format.type` must be "text", "json_object" or "json_schema". Given: {kind!r}')

@@ -1,0 +1,138 @@
+"""OpenAI tool calling on the chat route: `tools` and `tool_choice` checked (422 naming the field), the chat
+messages and tools handed to the template, and the generated call read back (engine.structured.tool_calls
+owns the formats and grammars)."""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from engine.server.errors import ValidationError
+from engine.server.protocol import ChatCompletionRequest, ChatMessage
+from engine.structured.spec import GrammarError, GrammarSpec, json_schema_spec
+from engine.structured.tool_calls import (Tool, ToolCall, ToolCallFormat, call_text, describe_tools, detect_format,
+                                          tool_call_grammar)
+
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")     # OpenAI's rule for function names
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(slots=True)
+class ToolUse:
+    """Tools the model may (`auto`) or must (`required`, named) call this turn, in `fmt`, under `grammar`."""
+
+    tools: list[Tool]
+    fmt: ToolCallFormat
+    allow_text: bool
+    grammar: GrammarSpec
+
+
+def tool_use(req: ChatCompletionRequest, tokenizer: Any) -> ToolUse | None:
+    """None when the turn cannot call a tool (no tools, or tool_choice "none")."""
+    if not req.tools:
+        if req.tool_choice not in (None, "none"):
+            raise ValidationError("`tool_choice` is set but `tools` is empty")
+        return None
+    tools = [_tool(t, i) for i, t in enumerate(req.tools)]
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ValidationError(f"`tools` has two functions with the same name: {names}")
+    choice = "auto" if req.tool_choice is None else req.tool_choice
+    if choice == "none":
+        return None
+    if choice not in ("auto", "required"):
+        tools = [_named(choice, tools)]
+    fmt = detect_format(getattr(tokenizer, "chat_template", None))
+    try:
+        grammar = tool_call_grammar(tools, fmt, allow_text=choice == "auto", tokenizer=tokenizer)
+    except GrammarError as exc:
+        raise ValidationError(f"`tools` cannot be turned into a grammar: {exc}") from None
+    return ToolUse(tools, fmt, choice == "auto", grammar)
+
+
+def _tool(item: Any, i: int) -> Tool:
+    where = f"tools[{i}]"
+    if not isinstance(item, dict) or item.get("type", "function") != "function":
+        raise ValidationError(f'`{where}` must be {{"type": "function", "function": {{"name": ...}}}}')
+    function = item.get("function")
+    if not isinstance(function, dict):
+        raise ValidationError(f"`{where}.function` is required")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValidationError(f"`{where}.function.name` is required")
+    if not _NAME.match(name):
+        raise ValidationError(f"`{where}.function.name` must be 1-64 letters, digits, _ or -. Given: {name!r}")
+    parameters = function.get("parameters") or _NO_PARAMETERS
+    try:
+        json_schema_spec(parameters, f"{where}.function.parameters")
+    except GrammarError as exc:
+        raise ValidationError(str(exc)) from None
+    return Tool(name, str(function.get("description") or ""), parameters)
+
+
+def _named(choice: Any, tools: list[Tool]) -> Tool:
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
+        raise ValidationError('`tool_choice` must be "none", "auto", "required" or '
+                              '{"type": "function", "function": {"name": ...}}')
+    for tool in tools:
+        if tool.name == name:
+            return tool
+    raise ValidationError(f"`tool_choice.function.name` {name!r} is not in `tools`")
+
+
+def template_inputs(req: ChatCompletionRequest, tokenizer: Any,
+                    use: ToolUse | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) for apply_chat_template. A template that knows tools gets them, and earlier calls as
+    `tool_calls` with dict arguments (what HF templates expect); one that does not gets a system message that
+    describes them, and earlier calls as the text the model wrote."""
+    fmt = use.fmt if use else detect_format(getattr(tokenizer, "chat_template", None))
+    messages = [_message(m, i, fmt) for i, m in enumerate(req.messages)]
+    if use is None:
+        return messages, None
+    if not fmt.describe_in_prompt:
+        return messages, [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                            "parameters": t.parameters}} for t in use.tools]
+    text = describe_tools(use.tools, fmt, required=not use.allow_text)
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
+    else:
+        messages.insert(0, {"role": "system", "content": text})
+    return messages, None
+
+
+def _message(m: ChatMessage, i: int, fmt: ToolCallFormat) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.role == "tool":
+        if not m.tool_call_id:
+            raise ValidationError(f"`messages[{i}].tool_call_id` is required for a `tool` message")
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = [_past_call(c, i, j) for j, c in enumerate(m.tool_calls)]
+        if fmt.describe_in_prompt:
+            out["content"] = (out["content"] + "".join(call_text(c, fmt) for _, c in calls)).strip()
+        else:
+            out["tool_calls"] = [{"id": cid, "type": "function",
+                                  "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                                 for cid, c in calls]
+    return out
+
+
+def _past_call(item: dict[str, Any], i: int, j: int) -> tuple[str, ToolCall]:
+    function = item.get("function") or {}
+    name, arguments = function.get("name"), function.get("arguments", "{}")
+    if not isinstance(name, str) or not name:
+        raise ValidationError(f"`messages[{i}].tool_calls[{j}].function.name` is required")
+    try:
+        if not isinstance(json.loads(arguments), dict):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValidationError(f"`messages[{i}].tool_calls[{j}].function.arguments` must be a JSON object "
+                              "text") from None
+    return str(item.get("id") or ""), ToolCall(name, arguments)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
