@@ -8,8 +8,7 @@ import pytest
 import yaml
 
 from tgi_hpc.errors import ProfileError
-from tgi_hpc.profile import Profile
-from tgi_hpc.profile_loader import (
+from tgi_hpc.profiles.loader import (
     detect_cluster,
     list_profiles,
     load_profile,
@@ -18,6 +17,7 @@ from tgi_hpc.profile_loader import (
     resources_for,
     user_config_dir,
 )
+from tgi_hpc.profiles.schema import Profile
 
 SHIPPED = {p.stem: p for d in profile_dirs() for p in d.glob("*.yaml")}
 DRAC_CLUSTERS = ["fir", "nibi", "rorqual", "narval", "trillium"]

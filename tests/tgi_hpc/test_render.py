@@ -9,11 +9,11 @@ import time
 import pytest
 
 from support.releases import standin_release
-from tgi_hpc.cluster import open_cluster
 from tgi_hpc.errors import TemplateError, UsageError
-from tgi_hpc.jobspec import ShellPath
-from tgi_hpc.render import render_job, sbatch_directives
-from tgi_hpc.serve import ServeOptions, build_serve_spec
+from tgi_hpc.slurm.cluster import open_cluster
+from tgi_hpc.slurm.jobspec import ShellPath
+from tgi_hpc.slurm.render import render_job, sbatch_directives
+from tgi_hpc.workflows.serve import ServeOptions, build_serve_spec
 
 CLUSTERS = ["mila", "computecanada", "fir", "nibi", "rorqual", "narval", "trillium"]
 
@@ -33,7 +33,8 @@ def test_every_profile_renders_valid_bash(name, kind, tmp_path):
         script = render_job(cluster.profile, spec, job_dir=cluster.job_dir)
         assert f"--num-shard {gpus}" in script and "#SBATCH --requeue" in script
     else:
-        from tgi_hpc.prepare import CompileOptions, run_compile, run_download
+        from tgi_hpc.release.options import CompileOptions
+        from tgi_hpc.workflows.prepare import run_compile, run_download
 
         run = run_download if kind == "download" else run_compile
         args = ("meta-llama/Llama-3.1-8B-Instruct",) if kind == "download" else (CompileOptions(cuda_archs="8.0;9.0"),)

@@ -8,8 +8,8 @@ import paramiko
 import pytest
 
 from tgi_hpc.errors import UsageError
-from tgi_hpc.ssh import resolve_target
-from tgi_hpc.ssh_config import CLUSTERS, render_ssh_config
+from tgi_hpc.remote.ssh import resolve_target
+from tgi_hpc.remote.ssh_config import CLUSTERS, render_ssh_config
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,7 +21,7 @@ class App:
     remote: bool | None = None
 
     def cluster(self, *, strict_paths: bool = True):
-        from tgi_hpc.cluster import open_cluster
+        from tgi_hpc.slurm.cluster import open_cluster
 
         return open_cluster(self.cluster_name, self.overrides, remote=self.remote, strict_paths=strict_paths)
 

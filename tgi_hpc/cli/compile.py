@@ -24,7 +24,8 @@ from tgi_hpc.cli._app import App, with_app
 def compile_command(app: App, release_dir, cuda_archs, with_kernels, name, torch_spec, wheelhouse, venv_tool,
                     here, wait_done, dry_run) -> None:
     """Build (or bring up to date) the engine release every serve job activates."""
-    from tgi_hpc.prepare import CompileOptions, run_compile
+    from tgi_hpc.release.options import CompileOptions
+    from tgi_hpc.workflows.prepare import run_compile
 
     opts = CompileOptions(release_dir, name, cuda_archs, with_kernels, torch_spec, wheelhouse, venv_tool)
     result = run_compile(app.cluster(strict_paths=not dry_run), opts, here=here, wait=wait_done, dry_run=dry_run,
@@ -48,8 +49,8 @@ def verify(app: App, release_dir, fix) -> None:
     from pathlib import Path
 
     from tgi_hpc.errors import ReleaseError
-    from tgi_hpc.release_repair import repair_release
-    from tgi_hpc.release_verify import verify_release
+    from tgi_hpc.release.repair import repair_release
+    from tgi_hpc.release.verify import verify_release
 
     if release_dir is None:
         cluster = app.cluster()

@@ -26,7 +26,7 @@ def _table(rows) -> None:
 @with_app
 def status(app: App, job_ids, no_probe) -> None:
     """State of JOB_IDS, or of all my tgi-hpc jobs: PENDING, STARTING, READY, or how they ended."""
-    from tgi_hpc import jobs
+    from tgi_hpc.slurm import jobs
 
     rows = jobs.status(app.cluster(), list(job_ids) or None, with_probe=not no_probe)
     if not rows and not app.json_output:
@@ -46,7 +46,7 @@ def status(app: App, job_ids, no_probe) -> None:
 @with_app
 def logs(app: App, job_id, follow) -> None:
     """Print the output of JOB_ID."""
-    from tgi_hpc import jobs
+    from tgi_hpc.slurm import jobs
 
     cluster = app.cluster()
     if not follow:
@@ -66,8 +66,8 @@ def logs(app: App, job_id, follow) -> None:
 @with_app
 def stop(app: App, job_ids, all_jobs) -> None:
     """Cancel JOB_IDS (or --all of my tgi-hpc jobs)."""
-    from tgi_hpc import jobs
     from tgi_hpc.errors import UsageError
+    from tgi_hpc.slurm import jobs
 
     if bool(job_ids) == all_jobs:
         raise UsageError("give job ids or --all (not both)")

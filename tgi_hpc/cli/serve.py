@@ -41,7 +41,7 @@ def _limit_options(func):
 def serve(app: App, model, revision, gpus, time_, partition, dtype, quantize, env, engine_args, release,
           keep_alive, no_api_key, wait_ready, timeout, open_tunnel, local_port, stop_on_exit, dry_run, **limits) -> None:
     """Submit a server job for MODEL and print its job id and endpoint."""
-    from tgi_hpc.serve import ServeOptions, run_serve
+    from tgi_hpc.workflows.serve import ServeOptions, run_serve
 
     limits.update(dtype=dtype, quantize=quantize)
     opts = ServeOptions(model=model, revision=revision, gpus=gpus, time=time_, partition=partition, limits=limits,
@@ -56,9 +56,9 @@ def serve(app: App, model, revision, gpus, time_, partition, dtype, quantize, en
     if not open_tunnel:
         app.emit(result.to_dict(), result.summary())
         return
-    from tgi_hpc import jobs
     from tgi_hpc.cli.tunnel import hold
-    from tgi_hpc.tunnel_session import instructions, open_tunnel as start_tunnel
+    from tgi_hpc.slurm import jobs
+    from tgi_hpc.workflows.tunnel_session import instructions, open_tunnel as start_tunnel
 
     try:
         tunnel_obj, info = start_tunnel(cluster, result.job_id, local_port=local_port, timeout=timeout,

@@ -15,7 +15,7 @@ def hold(app: App, tunnel_obj, info, cluster, stop_job: bool) -> None:
     """Keep a foreground tunnel open until Ctrl-C; then say how to come back (or stop the job)."""
     import time
 
-    from tgi_hpc import jobs
+    from tgi_hpc.slurm import jobs
 
     try:
         while True:
@@ -42,7 +42,7 @@ def hold(app: App, tunnel_obj, info, cluster, stop_job: bool) -> None:
 @with_app
 def open_command(app: App, job_id, local_port, background, accept_host_key, timeout, foreground_child) -> None:
     """Forward 127.0.0.1:PORT here to JOB's server (default: my newest running serve job)."""
-    from tgi_hpc import tunnel_session as ts
+    from tgi_hpc.workflows import tunnel_session as ts
 
     cluster = app.cluster()
     job_id = ts.pick_job(cluster, job_id)
@@ -71,7 +71,7 @@ def open_command(app: App, job_id, local_port, background, accept_host_key, time
 @with_app
 def list_command(app: App) -> None:
     """Background tunnels still running."""
-    from tgi_hpc.tunnel_session import list_tunnels
+    from tgi_hpc.workflows.tunnel_session import list_tunnels
 
     infos = list_tunnels()
     app.emit([i.to_dict() for i in infos],
@@ -83,7 +83,7 @@ def list_command(app: App) -> None:
 @with_app
 def stop_command(app: App, job_ids) -> None:
     """Stop background tunnels (all of them without JOB_IDS)."""
-    from tgi_hpc.tunnel_session import stop_tunnels
+    from tgi_hpc.workflows.tunnel_session import stop_tunnels
 
     stopped = stop_tunnels(list(job_ids) or None)
     app.emit({"stopped": stopped}, f"stopped tunnels: {' '.join(stopped)}" if stopped else "no tunnel stopped")
@@ -97,7 +97,7 @@ def ssh_config(cluster_name, user, append) -> None:
     """Print the ~/.ssh/config entries CLUSTER needs (2FA connection sharing, compute-node hops)."""
     from pathlib import Path
 
-    from tgi_hpc.ssh_config import render_ssh_config
+    from tgi_hpc.remote.ssh_config import render_ssh_config
 
     text = render_ssh_config(cluster_name, user)
     if not append:
