@@ -94,12 +94,28 @@ def stop_command(app: App, job_ids) -> None:
 @click.option("--user", "-u", required=True, help="Your username on the cluster.")
 @click.option("--append", is_flag=True, help="Append to ~/.ssh/config after asking.")
 def ssh_config(cluster_name, user, append) -> None:
-    """Print the ~/.ssh/config entries CLUSTER needs (2FA connection sharing, compute-node hops)."""
+    """Print the ~/.ssh/config entries CLUSTER needs (2FA connection sharing, compute-node hops).
+
+    CLUSTER is a cluster (mila, fir, nibi, rorqual, narval, trillium, tamia, killarney, vulcan) or a
+    profile (name or YAML path) with an `ssh:` section.
+    """
     from pathlib import Path
 
-    from tgi_hpc.remote.ssh_config import render_ssh_config
+    from tgi_hpc.remote.ssh_config import CLUSTERS, profile_ssh, render_ssh_config
 
-    text = render_ssh_config(cluster_name, user)
+    spec, name = None, cluster_name
+    if cluster_name not in CLUSTERS:
+        from tgi_hpc.profiles.loader import load_profile
+
+        profile = load_profile(cluster_name)
+        name = profile.cluster or profile.name
+        spec = None if name in CLUSTERS else profile_ssh(profile)
+        if spec is None and name not in CLUSTERS:
+            from tgi_hpc.errors import UsageError
+
+            raise UsageError(f"profile {profile.name!r} is not a known cluster and has no `ssh:` section "
+                             f"(login options and node patterns); known clusters: {', '.join(CLUSTERS)}")
+    text = render_ssh_config(name, user, spec)
     if not append:
         click.echo(text, nl=False)
         return

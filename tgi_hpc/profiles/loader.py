@@ -166,7 +166,7 @@ def _pick_cluster(raw: dict, cluster: str | None, label: str) -> str | None:
     over = clusters[cluster] if isinstance(clusters[cluster], Mapping) else {}
     if over.get("retired"):
         new = over.get("replaced_by")
-        instead = f"; use {new!r} instead (e.g. -p {new})" if new else ""
+        instead = f"; use {new!r} instead (--cluster {new})" if new else ""
         raise ProfileError(f"cluster {cluster!r} is retired{instead}.")
     return cluster
 
@@ -211,12 +211,13 @@ def require_account(profile: Profile) -> str | None:
     if slurm is None or slurm.account or not slurm.account_required:
         return slurm.account if slurm else None
     where = user_config_dir() / f"{profile.name}.yaml"
+    example = (profile.rules.account.prefix if profile.rules.account else "def-") + "yourpi"
     raise ProfileError(
         f"profile {_label(profile)} needs a Slurm account "
-        "(sbatch --account), e.g. def-yourpi. Set it with one of:\n"
-        "  --set slurm.account=def-yourpi\n"
-        "  export TGI_HPC_ACCOUNT=def-yourpi\n"
-        f"  slurm: {{account: def-yourpi}}   in {where}")
+        f"(sbatch --account), e.g. {example}. Set it with one of:\n"
+        f"  --set slurm.account={example}\n"
+        f"  export TGI_HPC_ACCOUNT={example}\n"
+        f"  slurm: {{account: {example}}}   in {where}")
 
 
 def resources_for(profile: Profile, kind: JobKind, num_params_b: float | None = None,
@@ -239,5 +240,5 @@ def _label(profile: Profile) -> str:
 
 
 def _over(base: Resources, top: Resources) -> Resources:
-    update = top.model_dump(exclude_none=True, exclude={"extra"})
+    update = top.model_dump(exclude_unset=True, exclude={"extra"})  # an explicit null clears a default
     return base.model_copy(update={**update, "extra": {**base.extra, **top.extra}})

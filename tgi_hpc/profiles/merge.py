@@ -52,11 +52,12 @@ def apply_cluster(raw: dict, cluster: str, origins: Origins) -> dict:
     if not isinstance(over, Mapping):
         return {**raw, "cluster": cluster}
     # Cluster keys map onto profile keys (unknown ones are reported by validation, in place).
-    where = {"login_host": ("login_host",), "detect": ("detect",), "gpu_request": ("slurm", "gpu_request"),
+    where = {"login_host": ("login_host",), "cpu_login_host": ("cpu_login_host",), "detect": ("detect",),
+             "gpu_request": ("slurm", "gpu_request"),
              "gpu_types": ("slurm", "gpu_types"), "allowed_gpu_counts": ("slurm", "allowed_gpu_counts"),
              "defaults": ("slurm", "defaults"),
              "catalog": ("catalog",), "network": ("network",), "modules": ("environment", "modules"),
-             "env": ("environment", "env")}
+             "env": ("environment", "env"), "paths": ("paths",), "rules": ("rules",)}
     for key, target in where.items():
         if over.get(key) is None or (target[0] == "slurm" and not isinstance(raw.get("slurm"), Mapping)):
             continue

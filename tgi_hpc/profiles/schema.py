@@ -57,6 +57,8 @@ class PathsSection(_Strict):
     jobs: str                             # per-job dirs: script, logs, endpoint.json
     node_local: str = "$SLURM_TMPDIR"     # fast per-job disk
     project: str | None = None
+    shared_weights: list[str] = Field(default_factory=list)  # read-only model folders serve looks in first
+    scratch_purge_days: int | None = None  # scratch files this old are deleted (None: no purge)
 
 
 class EnvironmentSection(_Strict):
@@ -71,6 +73,46 @@ class NetworkSection(_Strict):
     compile_on: Literal["job", "login"]
 
 
+class TimeRule(_Strict):
+    """Wall-time bounds a cluster enforces (Slurm time strings), with the page that states them."""
+
+    min: str | None = None
+    max: str | None = None
+    source: str
+
+
+class PartitionRule(_Strict):
+    """What one partition allows; GPU types None = any."""
+
+    max_time: str | None = None
+    max_gpus: int | None = None
+    max_cpus_per_task: int | None = None
+    gpu_types: list[str] | None = None
+    source: str
+
+
+class WholeNodes(_Strict):
+    """GPU jobs get whole nodes: a job asks for exactly a node's GPUs of one type."""
+
+    gpus_per_node: dict[str, int]         # GPU type -> GPUs in one node of that type
+    source: str
+
+
+class AccountRule(_Strict):
+    prefix: str                           # e.g. "aip-" on the PAICE clusters
+    source: str
+
+
+class JobRules(_Strict):
+    """Cluster rules checked before submitting; every refusal cites `source`."""
+
+    time: TimeRule | None = None          # every job (GPU jobs where cpu_time is set)
+    cpu_time: TimeRule | None = None      # jobs without GPUs, when their limits differ
+    whole_nodes: WholeNodes | None = None
+    account: AccountRule | None = None
+    partitions: dict[str, PartitionRule] = Field(default_factory=dict)
+
+
 class ClusterDetection(_Strict):
     # How to recognise this cluster from a login node.
     hostname_patterns: list[str] = Field(default_factory=list)  # fnmatch on socket.getfqdn()
@@ -81,6 +123,7 @@ class ClusterOverride(_Strict):
     """Per-cluster differences inside a multi-cluster profile (DRAC)."""
 
     login_host: str | None = None
+    cpu_login_host: str | None = None     # where jobs without GPUs are submitted, when not login_host
     detect: ClusterDetection = Field(default_factory=ClusterDetection)
     gpu_request: GpuRequest | None = None
     gpu_types: list[str] | None = None
@@ -90,22 +133,35 @@ class ClusterOverride(_Strict):
     network: NetworkSection | None = None
     modules: list[str] | None = None
     env: dict[str, str] = Field(default_factory=dict)    # merged into environment.env
+    paths: dict[str, str | int | list[str] | None] = Field(default_factory=dict)  # merged into paths
+    rules: JobRules | None = None         # merged into rules
     retired: bool = False
     replaced_by: str | None = None        # what to use instead of a retired cluster
+
+
+class SSHSection(_Strict):
+    """`tgi-hpc ssh-config` entries for a profile that is not a shipped cluster (e.g. a local test cluster)."""
+
+    login: dict[str, str] = Field(default_factory=dict)   # options of the login_host alias (HostName, Port...)
+    nodes: list[str] = Field(default_factory=list)        # compute-node Host patterns, jumping through the login
+    source: str = "this profile"
 
 
 class Profile(_Strict):
     name: str
     description: str = ""
     login_host: str | None = None         # ssh alias of the login node (None = local)
+    ssh: SSHSection | None = None         # ssh-config entries, for profiles that are not shipped clusters
+    cpu_login_host: str | None = None     # ssh alias for jobs without GPUs (Trillium: CPU login nodes)
     detect: ClusterDetection = Field(default_factory=ClusterDetection)
     slurm: SlurmSection | None = None     # None = no Slurm (the built-in `local` profile)
     paths: PathsSection
     environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
     network: NetworkSection
     catalog: list[CatalogEntry] = Field(default_factory=list)
+    rules: JobRules = Field(default_factory=JobRules)
     clusters: dict[str, ClusterOverride] = Field(default_factory=dict)
-    cluster: str | None = None
+    cluster: str | None = None                # which entry of `clusters` was applied
     # From a laptop (remote mode): the cluster-side Python that has tgi-hpc installed; it runs the
     # login-node steps (download, compile, models) and the in-job helpers of download/compile jobs.
-    remote_python: str = "python3"            # which entry of `clusters` was applied
+    remote_python: str = "python3"

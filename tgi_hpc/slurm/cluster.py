@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from tgi_hpc.errors import SlurmError
 from tgi_hpc.profiles.loader import load_profile
-from tgi_hpc.profiles.schema import Profile
+from tgi_hpc.profiles.schema import Profile, Resources
 from tgi_hpc.remote.runner import LocalRunner, Runner, expand_path
 from tgi_hpc.slurm.backend import Backend, LocalBackend, SlurmBackend
 
@@ -42,6 +42,29 @@ class Cluster:
     def close(self) -> None:
         self.runner.close()
 
+    def for_job(self, res: Resources) -> Cluster:
+        """The cluster as seen from the login node that takes this job (Trillium: CPU jobs from the
+        CPU login nodes); itself when that is where we already are."""
+        host = submit_host(self.profile, res)
+        if self.is_local or host in (None, self.profile.login_host):
+            return self
+        runner = _ssh_runner(host)
+        return Cluster(self.profile, runner, SlurmBackend(runner, self.job_dir), self.job_dir)
+
+
+def submit_host(profile: Profile, res: Resources) -> str | None:
+    """The login alias a job with `res` is submitted from: `cpu_login_host` for jobs without GPUs when
+    the cluster has one, else `login_host`."""
+    if not res.gpus and profile.cpu_login_host:
+        return profile.cpu_login_host
+    return profile.login_host
+
+
+def _ssh_runner(alias: str) -> Runner:
+    from tgi_hpc.remote.ssh_runner import SSHRunner  # paramiko only when needed
+
+    return SSHRunner(alias)
+
 
 def _runner_for(profile: Profile, remote: bool | None) -> Runner:
     """Local on a login node; over SSH (one connection) from a laptop."""
@@ -50,11 +73,9 @@ def _runner_for(profile: Profile, remote: bool | None) -> Runner:
             profile.slurm is not None and profile.login_host is not None and shutil.which("sbatch") is None)
     if not remote:
         return LocalRunner()
-    from tgi_hpc.remote.ssh_runner import SSHRunner  # paramiko only when needed
-
     if not profile.login_host:
         raise SlurmError(f"profile {profile.name} has no login_host to reach over SSH")
-    return SSHRunner(profile.login_host)
+    return _ssh_runner(profile.login_host)
 
 
 def open_cluster(name: str | None = None, overrides: Sequence[str] = (), *, remote: bool | None = None,

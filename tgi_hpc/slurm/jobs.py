@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 from tgi_hpc.errors import JobFailedError, ReadinessTimeout, SlurmError
+from tgi_hpc.profiles.rules import check_job
 from tgi_hpc.remote.runner import LocalRunner
 from tgi_hpc.slurm.backend import log_path, script_path
 from tgi_hpc.slurm.cluster import Cluster
@@ -60,9 +61,12 @@ class JobStatus:
 
 
 def render(cluster: Cluster, spec: JobSpec, **kwargs) -> str:
+    """The job script, once the cluster's rules accept the job's resources (dry runs included)."""
     if not isinstance(cluster.runner, LocalRunner):
         kwargs.setdefault("python", cluster.profile.remote_python)
-    return render_job(cluster.profile, spec, job_dir=cluster.job_dir, **kwargs)
+    script = render_job(cluster.profile, spec, job_dir=cluster.job_dir, **kwargs)  # refuses unsafe values first
+    check_job(cluster.profile, spec.resources)
+    return script
 
 
 def submit(cluster: Cluster, spec: JobSpec, *, env: dict[str, str] | None = None, **kwargs) -> Submission:

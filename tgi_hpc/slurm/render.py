@@ -57,6 +57,8 @@ def _gpu_flags(profile: Profile, res: Resources) -> dict[str, str]:
     if spelling == "gpus_per_task":
         # Slurm 22.05 refuses --gpus-per-task without -n.
         return {"ntasks": "1", "gpus-per-task": count}
+    if spelling == "gpus":
+        return {"gpus": count}
     return {"gpus-per-node": count}
 
 
@@ -130,6 +132,10 @@ def render_job(profile: Profile, spec: JobSpec, *, job_dir: str, release_dir: Sh
             stage_dir=path_word(ShellPath(profile.paths.node_local, "tgi-hpc-model")),
             num_shard=int(spec.num_shard),
             engine_args=sh_join(list(spec.engine_args)) if spec.engine_args else "",
+            # /info, /v1/models and every response name the model as the user did, not a node-local path
+            served_model_name="" if "--served-model-name" in spec.engine_args else sh(spec.model),
+            triton_cache="" if "TRITON_CACHE_DIR" in profile.environment.env else path_word(
+                ShellPath(profile.paths.node_local, "triton-cache")),
             api_key=spec.api_key,
             keep_alive=spec.keep_alive and slurm is not None,
             requeue_signal=sh(slurm.requeue_signal) if slurm else "",

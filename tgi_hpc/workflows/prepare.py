@@ -13,7 +13,7 @@ from pathlib import Path
 from tgi_hpc.errors import DownloadError, ReleaseError
 from tgi_hpc.profiles.loader import require_account, resources_for
 from tgi_hpc.release.options import CompileOptions, release_spec
-from tgi_hpc.slurm.cluster import Cluster
+from tgi_hpc.slurm.cluster import Cluster, submit_host
 from tgi_hpc.slurm.jobspec import CompileSpec, DownloadSpec, JobSpec, ShellPath
 
 
@@ -50,15 +50,23 @@ def _submit(cluster: Cluster, spec: JobSpec, *, wait: bool, dry_run: bool, progr
     from tgi_hpc.slurm import jobs
 
     require_account(cluster.profile)
+    host = submit_host(cluster.profile, spec.resources)
+    details = {"submit_host": host} if host else {}
     if dry_run:
-        return PrepareResult(spec.kind, "job", script=jobs.render(cluster, spec))
-    sub = jobs.submit(cluster, spec, env=env)
-    progress(f"submitted {spec.kind} job {sub.job_id}; log: {sub.log_path}")
-    result = PrepareResult(spec.kind, "job", sub.job_id, sub.log_path)
-    if wait:
-        done = jobs.wait(cluster, sub.job_id, until={"COMPLETED"}, timeout=24 * 3600,
-                         on_change=lambda st: progress(f"job {st.job_id}: {st.state}"))
-        result.state = done.state
+        return PrepareResult(spec.kind, "job", script=jobs.render(cluster, spec), details=details)
+    target = cluster.for_job(spec.resources)
+    try:
+        sub = jobs.submit(target, spec, env=env)
+        progress(f"submitted {spec.kind} job {sub.job_id}" + (f" from {host}" if target is not cluster else "")
+                 + f"; log: {sub.log_path}")
+        result = PrepareResult(spec.kind, "job", sub.job_id, sub.log_path, details=details)
+        if wait:
+            done = jobs.wait(target, sub.job_id, until={"COMPLETED"}, timeout=24 * 3600,
+                             on_change=lambda st: progress(st.describe()))
+            result.state = done.state
+    finally:
+        if target is not cluster:
+            target.close()
     return result
 
 

@@ -10,6 +10,7 @@ from tgi_hpc.errors import ModelNotFoundError, UsageError
 from tgi_hpc.models.size import estimate_params_b
 from tgi_hpc.models.store import model_dir, validate_model_id
 from tgi_hpc.profiles.loader import require_account, resources_for
+from tgi_hpc.profiles.rules import fit_partition
 from tgi_hpc.quoting import sh
 from tgi_hpc.remote.runner import LocalRunner
 from tgi_hpc.slurm.cluster import Cluster
@@ -105,13 +106,11 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions) -> ServeSpec:
     where = _model_location(cluster, opts.model, opts.revision)
     size = estimate_params_b(opts.model, _read_config(cluster, where))
     resources = resources_for(profile, "serve", size, opts.gpus)
+    default = profile.slurm.defaults.get("serve") if profile.slurm else None
+    resources = fit_partition(profile, resources, default.partition if default else None)
     choices = {k: v for k, v in (("partition", opts.partition), ("time", opts.time)) if v}
     if choices:
         resources = resources.model_copy(update=choices)
-    allowed = profile.slurm.allowed_gpu_counts if profile.slurm else []
-    if allowed and resources.gpus and resources.gpus not in allowed:
-        raise UsageError(f"{profile.cluster or profile.name} jobs may ask for "
-                         f"{' or '.join(map(str, allowed))} GPUs, not {resources.gpus} (profile: slurm.allowed_gpu_counts)")
     num_shard = max(1, opts.gpus if opts.gpus is not None else (resources.gpus or 1))
     if opts.limits.get("quantize") not in (None, "none"):
         raise UsageError(f"--quantize {opts.limits['quantize']}: the engine does not support quantization yet "
