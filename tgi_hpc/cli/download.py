@@ -22,6 +22,7 @@ def download(app: App, model, revision, here, store, wait_done, dry_run) -> None
 
     result = run_download(app.cluster(strict_paths=not dry_run), model, revision, here=here, store=store,
                           wait=wait_done, dry_run=dry_run, progress=app.info)
+    result.again = app.again()
     app.emit(result.to_dict(), result.summary())
 
 

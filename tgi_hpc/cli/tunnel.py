@@ -8,7 +8,11 @@ from tgi_hpc.cli._app import App, OpenByDefault, with_app
 
 @click.group(cls=OpenByDefault)
 def tunnel() -> None:
-    """Forward a port on this machine to a serve job (through the login node), or manage background tunnels."""
+    """Forward a port on this machine to a serve job (through the login node), or manage background tunnels.
+
+    `open` is the default: `tgi-hpc tunnel 4148` = `tgi-hpc tunnel open 4148`, and a bare
+    `tgi-hpc tunnel` opens one to my newest running serve job.
+    """
 
 
 def hold(app: App, tunnel_obj, info, cluster, stop_job: bool) -> None:
@@ -28,8 +32,9 @@ def hold(app: App, tunnel_obj, info, cluster, stop_job: bool) -> None:
         jobs.stop(cluster, [info.job_id])
         app.info(f"tunnel closed; job {info.job_id} stopped")
     else:
-        app.info(f"tunnel closed; job {info.job_id} keeps running. Reconnect: tgi-hpc tunnel {info.job_id}"
-                 f" --cluster {info.cluster}   Stop it: tgi-hpc stop {info.job_id} --cluster {info.cluster}")
+        again = app.again()
+        app.info(f"tunnel closed; job {info.job_id} keeps running. Reconnect: tgi-hpc tunnel {info.job_id}{again}"
+                 f"   Stop it: tgi-hpc stop {info.job_id}{again}")
 
 
 @tunnel.command("open")

@@ -55,6 +55,7 @@ def check(gpu: str) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         problems.append(f"the engine could not generate on CPU: {type(e).__name__}: {e}; {rebuild}")
     has_gpu = torch.cuda.is_available()
+    info["cuda_available"] = has_gpu
     if gpu == "yes" or (gpu == "auto" and has_gpu):
         problems += gpu_problems(info, has_gpu)
     elif info["cuda"] is None and os.path.exists("/dev/nvidiactl"):

@@ -75,8 +75,43 @@ def verify_release(release_dir: Path, *, gpu: bool | None = None, run_engine: bo
                                f"with Globus or without permissions does: run `{FIX_COMMAND} {root}`")
     if run_engine and python_problem is None:
         _run_check(root, manifest, gpu, timeout, report)
+        if report.details.get("cuda_available"):
+            _attention_check(root, timeout, report)
+        elif gpu is not False:
+            report.details["attention_check"] = ("skipped: the release's torch sees no GPU here; run "
+                                                 "`tgi-hpc release verify` on a GPU node to check the attention kernels")
     report.ok = not report.problems
     return report
+
+
+def _release_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "PYTHONHOME"}}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
+               TRANSFORMERS_VERBOSITY="error")
+    return env
+
+
+def _attention_check(root: Path, timeout: int, report: VerifyReport) -> None:
+    """On a GPU: the engine's own attention self-check (`python -m engine.attention_check`, which picks the
+    backend serve jobs will run and compares it with the reference), in the release's python."""
+    argv = [str(root / "bin" / "python"), "-I", "-m", "engine.attention_check"]
+    with tempfile.TemporaryDirectory(prefix="tgi-hpc-verify-") as cwd:
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=_release_env())
+        except (OSError, subprocess.TimeoutExpired) as e:
+            report.problems.append(f"the attention self-check could not run: {e}")
+            return
+    lines = proc.stdout.strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        result = {}
+    if proc.returncode != 0 or not result.get("ok"):
+        why = (proc.stderr.strip() or proc.stdout.strip())[-1500:] or f"exit {proc.returncode}"
+        report.problems.append(f"the engine's attention self-check failed on this GPU: {why}; "
+                               f"rebuild the release with `{COMPILE_COMMAND}` (add --with-kernels only for flash-attn)")
+        return
+    report.details["attention_backend"] = result.get("attention_backend", "?")
 
 
 # --- checks from outside --------------------------------------------------------------------------------
@@ -121,9 +156,7 @@ def _wheelhouse_warnings(root: Path, manifest: Any) -> list[str]:
 def _run_check(root: Path, manifest: Any, gpu: bool | None, timeout: int, report: VerifyReport) -> None:
     mode = {True: "yes", False: "no", None: "auto"}[gpu]
     argv = [str(root / "bin" / "python"), "-I", "-m", "tgi_hpc.release.selftest", "check", mode]
-    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "PYTHONHOME"}}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
-               TRANSFORMERS_VERBOSITY="error")
+    env = _release_env()
     with tempfile.TemporaryDirectory(prefix="tgi-hpc-verify-") as cwd:
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)

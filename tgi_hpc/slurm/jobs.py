@@ -1,7 +1,8 @@
 """The job lifecycle: submit a rendered script, watch it, probe it, show its log, stop it.
 
-States: PENDING (with Slurm's reason) -> STARTING -> READY -> COMPLETED / FAILED / CANCELLED /
-TIMEOUT. They come from Slurm's state plus a real readiness probe, never from log text.
+States: PENDING (with Slurm's reason) -> STARTING -> READY -> ENDING -> COMPLETED / FAILED /
+CANCELLED / TIMEOUT. They come from Slurm's state plus a real readiness probe, never from log text;
+LISTENING is a server whose endpoint is published but that was not probed (`status --no-probe`).
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from tgi_hpc.slurm.render import render_job
 
 logger = logging.getLogger(__name__)
 
-_RUNNING = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT"}
+_RUNNING = {"RUNNING", "CONFIGURING"}
+_ENDING = {"COMPLETING", "STAGE_OUT", "SIGNALING", "STOPPED"}
+ACTIVE = {"PENDING", "STARTING", "LISTENING", "READY", "RUNNING", "ENDING"}
 _QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED", "RESIZING"}
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
          "BOOT_FAIL", "DEADLINE", "REVOKED", "UNKNOWN"}
@@ -49,6 +52,8 @@ class JobStatus:
     api_key_file: str = ""
     log: str = ""
     detail: str = ""
+    model: str = ""
+    elapsed: str = ""             # Slurm's run time so far (squeue %M / sacct Elapsed)
     endpoint: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -58,6 +63,15 @@ class JobStatus:
         """One progress line: `job 4148: PENDING (Resources)` / `job 4148: READY on cn-g017`."""
         return (f"job {self.job_id}: {self.state}" + (f" ({self.reason})" if self.reason else "")
                 + (f" on {self.node}" if self.node else ""))
+
+
+def heartbeat(progress: Callable[[str], None]) -> Callable[[JobStatus, float, str], None]:
+    """A `wait` beat as one progress line: state, time waited, the log's last line."""
+    def beat(st: JobStatus, waited: float, last_line: str) -> None:
+        minutes, seconds = divmod(int(waited), 60)
+        progress(f"job {st.job_id}: still {st.state}" + (f" ({st.reason})" if st.reason else "")
+                 + f" after {minutes}m{seconds:02d}s" + (f"; log: {last_line}" if last_line else ""))
+    return beat
 
 
 def render(cluster: Cluster, spec: JobSpec, **kwargs) -> str:
@@ -96,9 +110,14 @@ def _status(cluster: Cluster, job_id: str, job: SlurmJob | None, with_probe: boo
     if job is None:
         return JobStatus(job_id, "", "UNKNOWN", "UNKNOWN", detail="Slurm does not know this job")
     kind = job.name[len(JOB_NAME_PREFIX):] if job.name.startswith(JOB_NAME_PREFIX) else job.name
-    status = JobStatus(job_id, kind, job.state, job.state, job.reason, job.node, log=log_path(cluster.job_dir, job_id))
+    status = JobStatus(job_id, kind, job.state, job.state, job.reason, job.node, log=log_path(cluster.job_dir, job_id),
+                       elapsed=job.elapsed)
     if job.state in _QUEUED:
         status.state = "PENDING"
+    elif job.state in _ENDING:
+        status.state, status.reason = "ENDING", ""
+    elif job.state in FINAL:
+        status.reason = ""      # a pending reason from before the end is no longer true
     elif job.state in _RUNNING and kind == "serve":
         status.state = "STARTING"
         endpoint = read_endpoint(cluster, job_id)
@@ -106,10 +125,14 @@ def _status(cluster: Cluster, job_id: str, job: SlurmJob | None, with_probe: boo
         if endpoint is not None and (not job.node or endpoint.node == job.node or endpoint.host == job.node):
             status.url, status.port, status.api_key_file = endpoint.url, endpoint.port, endpoint.api_key_file
             status.endpoint = {"host": endpoint.host, "node": endpoint.node, "port": endpoint.port}
-            if with_probe:
+            status.model = endpoint.model
+            if not with_probe:
+                status.state, status.detail = "LISTENING", "endpoint published; not probed"
+            else:
                 from tgi_hpc.slurm.readiness import probe_from  # httpx: only when a server is there to probe
 
-                result = probe_from(cluster.runner, endpoint.url, read_api_key(cluster, endpoint))
+                result = probe_from(cluster.runner, endpoint.url, read_api_key(cluster, endpoint),
+                                    generate=with_probe == "generate")
                 status.detail = result.detail
                 if result.ready:
                     status.state = "READY"
@@ -118,21 +141,56 @@ def _status(cluster: Cluster, job_id: str, job: SlurmJob | None, with_probe: boo
     return status
 
 
-def status(cluster: Cluster, job_ids: list[str] | None = None, *, with_probe: bool = True) -> list[JobStatus]:
-    """Given ids: those jobs (even finished ones). No ids: all my tgi-hpc jobs still queued or running."""
+def status(cluster: Cluster, job_ids: list[str] | None = None, *,
+           with_probe: bool | str = True) -> list[JobStatus]:
+    """Given ids: those jobs (even finished ones). No ids: my tgi-hpc jobs Slurm still lists, active
+    ones first, newest first. `with_probe`: True = /health, "generate" = also a one-token /generate
+    (what `wait` uses for READY), False = no probe."""
     if job_ids:
         known = cluster.backend.states(job_ids)
-        return [_status(cluster, j, known.get(j), with_probe) for j in job_ids]
-    return [_status(cluster, job.job_id, job, with_probe) for job in cluster.backend.mine()]
+        rows = [_status(cluster, j, known.get(j), with_probe) for j in job_ids]
+    else:
+        rows = [_status(cluster, job.job_id, job, with_probe) for job in cluster.backend.mine()]
+        rows.sort(key=lambda st: (st.state not in ACTIVE, -_id_number(st.job_id)))
+    _fill_models(cluster, [st for st in rows if st.kind == "serve" and not st.model])
+    return rows
+
+
+def _id_number(job_id: str) -> int:
+    head = job_id.split("_")[0]
+    return int(head) if head.isdigit() else 0
+
+
+def _fill_models(cluster: Cluster, rows: list[JobStatus]) -> None:
+    """The model of jobs without a published endpoint, from their saved scripts (one command for all)."""
+    if not rows:
+        return
+    paths = [script_path(cluster.job_dir, st.job_id) for st in rows]
+    result = cluster.runner.run(["grep", "-H", "-m1", "^# Model: ", *paths])
+    by_path = {}
+    for line in result.stdout.splitlines():
+        path, _, rest = line.partition(":# Model: ")
+        by_path[path] = rest.strip()
+    for st, path in zip(rows, paths):
+        st.model = by_path.get(path, "")
 
 
 def wait(cluster: Cluster, job_id: str, *, until: set[str], timeout: float,
-         on_change: Callable[[JobStatus], None] | None = None) -> JobStatus:
-    """Poll with a short-then-longer backoff (as submitit's watcher does) until a wanted state."""
-    deadline, delay, last = time.monotonic() + timeout, 0.25, None
+         on_change: Callable[[JobStatus], None] | None = None,
+         on_beat: Callable[[JobStatus, float, str], None] | None = None, beat_every: float = 30.0,
+         again: str = "") -> JobStatus:
+    """Poll with a short-then-longer backoff (as submitit's watcher does) until a wanted state.
+
+    on_change gets each new state; on_beat(status, seconds waited, last log line) comes every
+    `beat_every` seconds in between, so a long model load never looks frozen. `again`: the options
+    that reach this cluster, appended to the commands the timeout message suggests.
+    """
+    start = time.monotonic()
+    deadline, delay, last, next_beat = start + timeout, 0.25, None, start + beat_every
+    probe = "generate" if "READY" in until else True
     while True:
         try:
-            current = status(cluster, [job_id])[0]
+            current = status(cluster, [job_id], with_probe=probe)[0]
         except SlurmError as exc:  # a busy controller times out now and then: keep watching
             if time.monotonic() > deadline:
                 raise
@@ -140,35 +198,75 @@ def wait(cluster: Cluster, job_id: str, *, until: set[str], timeout: float,
             time.sleep(delay)
             delay = min(delay * 1.5, 5.0)
             continue
-        if on_change and (last is None or (current.state, current.reason) != (last.state, last.reason)):
-            on_change(current)
+        if last is None or (current.state, current.reason) != (last.state, last.reason):
+            if on_change:
+                on_change(current)
+            next_beat = time.monotonic() + beat_every
+        elif on_beat and time.monotonic() >= next_beat:
+            on_beat(current, time.monotonic() - start, last_log_line(cluster, job_id))
+            next_beat = time.monotonic() + beat_every
         last = current
         if current.state in until:
             return current
         if current.state in FINAL:
-            raise JobFailedError(f"job {job_id} ended {current.state} before {'/'.join(sorted(until))}; "
-                                 f"see its log: {current.log}")
+            cause = failure_cause(cluster, job_id)
+            raise JobFailedError(f"job {job_id} ended {current.state} before {'/'.join(sorted(until))}"
+                                 + (f"; the end of its log ({current.log}):\n{cause}" if cause
+                                    else f"; its log is empty or missing: {current.log}"))
         if time.monotonic() > deadline:
             raise ReadinessTimeout(f"job {job_id} is still {current.state}"
                                    f"{' (' + current.reason + ')' if current.reason else ''} after {timeout:.0f} s; "
-                                   f"`tgi-hpc status {job_id}` keeps watching, the job keeps running")
+                                   f"the job keeps running: check it with `tgi-hpc status {job_id}{again}`, "
+                                   f"read its log with `tgi-hpc logs {job_id} -f{again}`, "
+                                   f"stop it with `tgi-hpc stop {job_id}{again}`")
         time.sleep(delay)
         delay = min(delay * 1.5, 5.0)
 
 
-def stop(cluster: Cluster, job_ids: list[str] | None = None) -> list[str]:
-    """Cancel these jobs, or (None) all my tgi-hpc jobs; unknown ids are an error, after the rest."""
+@dataclass
+class StopResult:
+    stopped: list[str] = field(default_factory=list)
+    ended: dict[str, str] = field(default_factory=dict)   # id -> how it had already ended
+
+
+def stop(cluster: Cluster, job_ids: list[str] | None = None) -> StopResult:
+    """Cancel these jobs, or (None) all my tgi-hpc jobs still queued or running. Jobs that had already
+    ended are reported as such, not as stopped; unknown ids are an error, after the rest."""
     if job_ids is None:
-        ids, unknown = [j.job_id for j in cluster.backend.mine()], []
+        known = {j.job_id: j for j in cluster.backend.mine()}
+        asked, unknown = list(known), []
     else:
         known = cluster.backend.states(job_ids)
-        ids, unknown = [j for j in job_ids if j in known], [j for j in job_ids if j not in known]
-    if ids:
-        cluster.backend.cancel(ids)
+        asked, unknown = [j for j in job_ids if j in known], [j for j in job_ids if j not in known]
+    result = StopResult(ended={j: known[j].state for j in asked if known[j].is_final})
+    result.stopped = [j for j in asked if j not in result.ended]
+    if result.stopped:
+        cluster.backend.cancel(result.stopped)
     if unknown:
-        done = f" (stopped {' '.join(ids)})" if ids else ""
+        done = f" (stopped {' '.join(result.stopped)})" if result.stopped else ""
         raise SlurmError(f"no such job: {' '.join(unknown)}{done}")
-    return ids
+    if job_ids is None:
+        result.ended = {}       # --all: only what was still running counts
+    return result
+
+
+def failure_cause(cluster: Cluster, job_id: str, lines: int = 12) -> str:
+    """The last lines of a failed job's log, the error lines first in mind: what to show on FAILED."""
+    try:
+        text = cluster.runner.read_file(log_path(cluster.job_dir, job_id))
+    except OSError:
+        return ""
+    tail = [line for line in text.splitlines() if line.strip()][-lines:]
+    return "\n".join(f"  | {line[:300]}" for line in tail)
+
+
+def last_log_line(cluster: Cluster, job_id: str) -> str:
+    try:
+        text = cluster.runner.read_file(log_path(cluster.job_dir, job_id))
+    except OSError:
+        return ""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1][:200] if lines else ""
 
 
 def logs(cluster: Cluster, job_id: str) -> str:

@@ -127,6 +127,7 @@ def render_job(profile: Profile, spec: JobSpec, *, job_dir: str, release_dir: Sh
         context.update(
             release_dir=path_word(release_dir or ShellPath(profile.paths.releases, "current")),
             model=sh(spec.model),
+            model_comment=sh_comment(spec.model),
             model_dir=path_word(spec.model_dir),
             stage_model=spec.stage_model,
             stage_dir=path_word(ShellPath(profile.paths.node_local, "tgi-hpc-model")),

@@ -26,16 +26,17 @@ class PrepareResult:
     script: str | None = None
     state: str | None = None
     details: dict = field(default_factory=dict)
+    again: str = ""                 # options that reach this cluster, for the command the summary prints
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "again"}
 
     def summary(self) -> str:
         if self.where == "here":
             return "\n".join(f"{k}: {v}" for k, v in self.details.items())
         if self.job_id is None:
             return self.script or ""
-        end = f", ended {self.state}" if self.state else f"; follow it with: tgi-hpc logs {self.job_id} -f"
+        end = f", ended {self.state}" if self.state else f"; follow it with: tgi-hpc logs {self.job_id} -f{self.again}"
         return f"{self.kind} job {self.job_id} submitted{end}\n  log: {self.log}"
 
 
@@ -62,7 +63,7 @@ def _submit(cluster: Cluster, spec: JobSpec, *, wait: bool, dry_run: bool, progr
         result = PrepareResult(spec.kind, "job", sub.job_id, sub.log_path, details=details)
         if wait:
             done = jobs.wait(target, sub.job_id, until={"COMPLETED"}, timeout=24 * 3600,
-                             on_change=lambda st: progress(st.describe()))
+                             on_change=lambda st: progress(st.describe()), on_beat=jobs.heartbeat(progress))
             result.state = done.state
     finally:
         if target is not cluster:

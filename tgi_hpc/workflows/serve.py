@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tgi_hpc.errors import ModelNotFoundError, UsageError
+from tgi_hpc.errors import UsageError
 from tgi_hpc.models.size import estimate_params_b
 from tgi_hpc.models.store import model_dir, validate_model_id
 from tgi_hpc.profiles.loader import require_account, resources_for
@@ -15,6 +15,7 @@ from tgi_hpc.quoting import sh
 from tgi_hpc.remote.runner import LocalRunner
 from tgi_hpc.slurm.cluster import Cluster
 from tgi_hpc.slurm.jobspec import ServeSpec, ShellPath
+from tgi_hpc.workflows.checks import check_release, check_snapshot, find_shared_weights
 from tgi_hpc.workflows.engine_flags import engine_args
 
 # serve option -> engine (TGI launcher) flag
@@ -38,6 +39,7 @@ class ServeOptions:
     engine_args: list[str] = field(default_factory=list)      # FLAG=VALUE
     keep_alive: bool = False
     api_key: bool = True
+    shared_weights: bool = True    # look in the profile's read-only weight folders before the model store
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
@@ -59,11 +61,18 @@ def _is_path(cluster: Cluster, model: str) -> bool:
     return isinstance(cluster.runner, LocalRunner) and Path(model).is_dir()
 
 
-def _model_location(cluster: Cluster, model: str, revision: str) -> ShellPath:
-    """Where the job finds the weights: a snapshot directory, or the model store's copy of a Hub id."""
+def _model_location(cluster: Cluster, opts: ServeOptions) -> ShellPath:
+    """Where the job finds the weights: a snapshot directory, a read-only shared copy (Mila's
+    /network/weights), or the model store's copy of a Hub id."""
+    model, revision = opts.model, opts.revision
     if _is_path(cluster, model):
         return ShellPath("", cluster_path(cluster, model))
     rel = model_dir(Path("/"), validate_model_id(model), revision).relative_to("/")
+    shared = cluster.profile.paths.shared_weights
+    if shared and opts.shared_weights and revision == "main":   # shared copies carry no revision
+        found = find_shared_weights(cluster, model, shared)
+        if found:
+            return ShellPath("", found)
     return ShellPath(cluster.profile.paths.models, str(rel))
 
 
@@ -89,21 +98,17 @@ def _read_config(cluster: Cluster, where: ShellPath) -> dict | None:
         return None
 
 
-def check_model_present(cluster: Cluster, spec: ServeSpec) -> None:
-    """Before submitting: the weights must be where the job will look."""
-    path = cluster.expand(str(spec.model_dir))
-    if cluster.runner.run(["test", "-f", f"{path}/config.json"]).returncode == 0:
-        return
-    if not spec.model_dir.base:
-        raise ModelNotFoundError(f"no model snapshot at {path} (config.json missing)")
-    raise ModelNotFoundError(f"{spec.model} is not in the model store ({path}): "
-                             f"run `tgi-hpc download --model {sh(spec.model)}` first")
+def check_before_submit(cluster: Cluster, spec: ServeSpec, release: ShellPath, explicit_release: bool) -> None:
+    """The release and a complete snapshot must be where the job will look (else it fails after the queue)."""
+    check_release(cluster, cluster.expand(str(release)), explicit_release)
+    in_store = spec.model_dir.base == cluster.profile.paths.models
+    check_snapshot(cluster, cluster.expand(str(spec.model_dir)), spec.model, in_store)
 
 
 def build_serve_spec(cluster: Cluster, opts: ServeOptions) -> ServeSpec:
     profile = cluster.profile
     require_account(profile)
-    where = _model_location(cluster, opts.model, opts.revision)
+    where = _model_location(cluster, opts)
     size = estimate_params_b(opts.model, _read_config(cluster, where))
     resources = resources_for(profile, "serve", size, opts.gpus)
     default = profile.slurm.defaults.get("serve") if profile.slurm else None
@@ -143,6 +148,7 @@ class ServeResult:
     script_path: str | None = None
     log_path: str | None = None
     status: dict | None = None
+    again: str = ""                # options that reach this cluster, for the commands the summary prints
 
     def to_dict(self) -> dict:
         return {"job_id": self.job_id, "script_path": self.script_path, "log": self.log_path, "status": self.status}
@@ -157,24 +163,30 @@ class ServeResult:
                       f"  try: curl {url}/generate{auth} -H 'Content-Type: application/json' "
                       "-d '{\"inputs\": \"Hello\", \"parameters\": {\"max_new_tokens\": 20}}'"]
         else:
-            lines += [f"  follow it with: tgi-hpc status {self.job_id}"]
+            lines += [f"  follow it with: tgi-hpc status {self.job_id}{self.again}"]
         return "\n".join(lines)
 
 
 def run_serve(cluster: Cluster, opts: ServeOptions, *, release: str | None = None, dry_run: bool = False,
-              wait: bool = False, timeout: float = 1800, progress=lambda message: None) -> ServeResult:
+              wait: bool = False, timeout: float = 1800, progress=lambda message: None,
+              again: str = "") -> ServeResult:
     """Build, render, and (unless dry_run) submit; with wait, block until READY."""
     from tgi_hpc.slurm import jobs
 
+    if dry_run and not cluster.is_local:
+        opts = replace(opts, shared_weights=False)  # a dry run from a laptop stays offline (no SSH)
     spec = build_serve_spec(cluster, opts)
     rel = release_dir(cluster, release)
+    if spec.model_dir.base == "" and cluster.profile.paths.shared_weights and not _is_path(cluster, opts.model):
+        progress(f"using the read-only copy of {opts.model} at {spec.model_dir.rel} (profile: paths.shared_weights)")
     if dry_run:
         return ServeResult(jobs.render(cluster, spec, release_dir=rel))
-    check_model_present(cluster, spec)
+    check_before_submit(cluster, spec, rel, explicit_release=release is not None)
     sub = jobs.submit(cluster, spec, release_dir=rel)
     progress(f"submitted job {sub.job_id} ({spec.model}, {spec.num_shard} shard(s)); log: {sub.log_path}")
-    result = ServeResult(sub.script, sub.job_id, sub.script_path, sub.log_path)
+    result = ServeResult(sub.script, sub.job_id, sub.script_path, sub.log_path, again=again)
     if wait:
         result.status = jobs.wait(cluster, sub.job_id, until={"READY"}, timeout=timeout,
-                                  on_change=lambda st: progress(st.describe())).to_dict()
+                                  on_change=lambda st: progress(st.describe()),
+                                  on_beat=jobs.heartbeat(progress), again=again).to_dict()
     return result

@@ -34,6 +34,7 @@ class TunnelInfo:
     remote: str             # node:port on the cluster
     api_key_file: str       # a local 0600 copy ("" when the server has no key)
     pid: int = 0
+    model: str = ""         # the served model name (the id given to `serve`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,7 +54,7 @@ def pick_job(cluster: Cluster, job_id: str | None) -> str:
     """The given job, or my newest serve job that is running."""
     if job_id:
         return job_id
-    running = [st for st in jobs.status(cluster, with_probe=False) if st.kind == "serve" and st.state in ("STARTING", "READY")]
+    running = [st for st in jobs.status(cluster, with_probe=False) if st.kind == "serve" and st.state in ("STARTING", "LISTENING", "READY")]
     if not running:
         raise UsageError("no running tgi-hpc serve job: give a job id, or start one with `tgi-hpc serve`")
     return max(running, key=lambda st: int(st.job_id.split("_")[0])).job_id
@@ -83,7 +84,8 @@ def open_tunnel(cluster: Cluster, job_id: str, *, local_port: int | None = None,
     """Wait for the job to be READY, forward a local port to it, check /health through it."""
     from tgi_hpc.remote.tunnel import Tunnel, wait_http_ready
 
-    st = jobs.wait(cluster, job_id, until={"READY"}, timeout=timeout, on_change=lambda s: progress(s.describe()))
+    st = jobs.wait(cluster, job_id, until={"READY"}, timeout=timeout, on_change=lambda s: progress(s.describe()),
+                   on_beat=jobs.heartbeat(progress))
     endpoint = jobs.read_endpoint(cluster, job_id)
 
     def target() -> tuple[str, int]:
@@ -101,7 +103,7 @@ def open_tunnel(cluster: Cluster, job_id: str, *, local_port: int | None = None,
         raise
     info = TunnelInfo(job_id, cluster.profile.cluster or cluster.profile.name, tunnel.url, tunnel.local_port,
                       f"{st.node or endpoint.host}:{endpoint.port}",
-                      _local_key(cluster, job_id, jobs.read_api_key(cluster, endpoint)), os.getpid())
+                      _local_key(cluster, job_id, jobs.read_api_key(cluster, endpoint)), os.getpid(), endpoint.model)
     return tunnel, info
 
 
@@ -118,7 +120,8 @@ def instructions(info: TunnelInfo) -> str:
         "python:",
         "  from openai import OpenAI",
         f'  client = OpenAI(base_url="{info.url}/v1", api_key={key})',
-        '  client.chat.completions.create(model="tgi", messages=[{"role": "user", "content": "Hello"}])',
+        f'  client.chat.completions.create(model={(info.model or "tgi")!r}, '
+        'messages=[{"role": "user", "content": "Hello"}])',
     ])
 
 
