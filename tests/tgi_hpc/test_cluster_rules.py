@@ -136,6 +136,7 @@ def test_a_trillium_compile_job_targets_the_cpu_login(capsys):
     result = json.loads(out)
     assert result["details"]["submit_host"] == "trillium"
     assert "#SBATCH --gpus" not in result["script"] and "#SBATCH --mem" not in result["script"]
+    assert "--with-kernels" not in result["script"]   # no flash-attn build unless asked (Triton ships with torch)
     code, out, err = _cli(capsys, "serve", "--cluster", "trillium", "--model", MODEL, "--dry-run",
                           "--set", "slurm.account=def-x")
     assert code == 0 and "#SBATCH --gpus-per-node=1" in out

@@ -12,12 +12,16 @@ def _table(rows) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    import sys
+
     table = Table(box=None, pad_edge=False)
     for column in ("JOB", "KIND", "MODEL", "STATE", "AGE", "REASON", "NODE", "URL"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column != "REASON")
     for st in rows:
-        table.add_row(st.job_id, st.kind, st.model, st.state, st.elapsed, st.reason or st.detail, st.node, st.url)
-    Console(soft_wrap=True).print(table)
+        model = st.model.rstrip("/").rsplit("/", 1)[-1] if st.model.startswith(("/", "~")) else st.model
+        table.add_row(st.job_id, st.kind, model, st.state, st.elapsed, st.reason or st.detail, st.node, st.url)
+    # piped into grep or a file: one line per job, never folded to 80 columns
+    Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240).print(table)
 
 
 @click.command()

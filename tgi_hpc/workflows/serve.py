@@ -100,9 +100,9 @@ def _read_config(cluster: Cluster, where: ShellPath) -> dict | None:
 
 def check_before_submit(cluster: Cluster, spec: ServeSpec, release: ShellPath, explicit_release: bool) -> None:
     """The release and a complete snapshot must be where the job will look (else it fails after the queue)."""
-    check_release(cluster, cluster.expand(str(release)), explicit_release)
     in_store = spec.model_dir.base == cluster.profile.paths.models
     check_snapshot(cluster, cluster.expand(str(spec.model_dir)), spec.model, in_store)
+    check_release(cluster, cluster.expand(str(release)), explicit_release)
 
 
 def build_serve_spec(cluster: Cluster, opts: ServeOptions) -> ServeSpec:
