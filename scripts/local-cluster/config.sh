@@ -21,6 +21,8 @@
 #   TGI_HPC_CLUSTER_CGROUP=auto                auto: cgroup v1 when usable; 1 force; 0 linuxproc
 #   TGI_HPC_CLUSTER_SYSTEM_CONF=1              symlink /etc/slurm/{slurm,gres,cgroup}.conf to ours
 #                                              (plain sbatch works without SLURM_CONF)
+#   TGI_HPC_CLUSTER_LOGIN_PYTHONPATH=          PYTHONPATH for ssh sessions on the login node (a git
+#                                              worktree's tgi_hpc instead of the installed one)
 #   TGI_HPC_CLUSTER_PROBE=1                    start waits for one real job (first sched pass)
 #   TGI_HPC_CLUSTER_FRESH=0                    start: 1 = stop and wipe state first
 #   TGI_HPC_CLUSTER_WIPE=0                     stop: 1 = delete the state dir too
@@ -34,6 +36,7 @@ SLURMD_PORT=$((PORT_BASE + 1))
 DBD_PORT=$((PORT_BASE + 2))
 DB_PORT=$((PORT_BASE + 3))
 SSH_PORT=${TGI_HPC_CLUSTER_SSH_PORT:-2222}
+LOGIN_PYTHONPATH=${TGI_HPC_CLUSTER_LOGIN_PYTHONPATH:-}
 NODE=${TGI_HPC_CLUSTER_NODE:-cn-g001}
 CPUS=${TGI_HPC_CLUSTER_CPUS:-16}
 MEM_MB=${TGI_HPC_CLUSTER_MEM_MB:-128000}

@@ -230,7 +230,7 @@ PermitOpen any
 X11Forwarding no
 PrintMotd no
 # Commands run over ssh talk to THIS cluster even when /etc/slurm is not ours.
-SetEnv SLURM_CONF=$CONF
+SetEnv SLURM_CONF=$CONF${LOGIN_PYTHONPATH:+ PYTHONPATH=$LOGIN_PYTHONPATH}
 MaxStartups 100:30:200
 MaxSessions 100
 Subsystem sftp internal-sftp

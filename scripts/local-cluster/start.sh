@@ -183,7 +183,9 @@ export TGI_HPC_CLUSTER_KNOWN_HOSTS=$SSHDIR/known_hosts
 export TGI_HPC_CLUSTER_HOST_KEY=$SSHDIR/host_ed25519.pub
 export TGI_HPC_CLUSTER_LOGIN=tgi-login
 export TGI_HPC_CLUSTER_LOGS=$LOG
+export TGI_HPC_CLUSTER_LOGIN_PYTHONPATH="$LOGIN_PYTHONPATH"
 export TGI_HPC_CLUSTER_PROFILE=$(cd "$HERE/../.." && pwd)/tests/cluster/local-profile.yaml
+# tgi-hpc itself reads TGI_HPC_CLUSTER: export TGI_HPC_CLUSTER="\$TGI_HPC_CLUSTER_PROFILE" (README)
 EOF
   mv -f "$ENV_FILE.new" "$ENV_FILE"; chmod 644 "$ENV_FILE"
 }

@@ -60,7 +60,7 @@ def test_download_job_then_serve_by_hub_id(local_cluster, tmp_path, hub_repo):
                              "--wait", "--timeout", "90", "--json").stdout)
     assert served["status"]["state"] == "READY"
     script = Path(served["script_path"]).read_text()
-    assert "acme--tiny-gated/main" in script and "tgi_hpc.job stage" in script
+    assert "acme--tiny-gated/main" in script and "tgi_hpc.slurm.job stage" in script
     _tgi(local_cluster, tmp_path, "stop", served["job_id"])
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -51,6 +52,7 @@ def laptop(local_cluster, tmp_path):
         return subprocess.Popen([sys.executable, "-m", "tgi_hpc", args[0], *base, *args[1:]], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
+    tgi.env = env   # the laptop's environment, for commands pasted verbatim
     return tgi, popen, home, jobs
 
 
@@ -149,11 +151,25 @@ def test_serve_tunnel_from_the_laptop(laptop, local_cluster, model_path):
         assert client.generate("Hello", max_new_tokens=2).generated_text is not None
         assert key not in _argv_of_all_processes()
 
-        # Ctrl-C closes the tunnel, leaves the job running and says how to come back.
+        # Ctrl-C closes the tunnel, leaves the job running and says how to come back; both printed
+        # commands work when pasted (they carry the profile path, the --set items and --remote).
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
-        assert f"tgi-hpc tunnel {job_id}" in proc.stderr.read()
+        hint = proc.stderr.read()
+        assert f"tgi-hpc tunnel {job_id}" in hint
         assert local_cluster.state(job_id) == "RUNNING"
+        reconnect, stop = re.search(r"Reconnect: (tgi-hpc tunnel .+?)   Stop it: (tgi-hpc stop .+)$", hint, re.M).groups()
+        assert "--remote" in reconnect and str(local_cluster.profile) in reconnect
+
+        def paste(command):
+            argv = [sys.executable, "-m", "tgi_hpc", *shlex.split(command)[1:]]
+            return subprocess.run(argv, env=tgi.env, capture_output=True, text=True, timeout=240)
+
+        again = paste(reconnect + " --background")
+        assert again.returncode == 0 and "ready at http://127.0.0.1:" in again.stdout, again.stderr
+        assert paste("tgi-hpc tunnel stop").returncode == 0
+        stopped = paste(stop)
+        assert stopped.returncode == 0 and f"stopped {job_id}" in stopped.stdout, stopped.stderr
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -11,7 +11,7 @@ import paramiko
 import pytest
 import yaml
 
-from tgi_hpc.profile import Profile
+from tgi_hpc.profiles.schema import Profile
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support.releases import standin_release
+from support.releases import standin_release, venv_release
 
 TGI_HPC = [sys.executable, "-m", "tgi_hpc"]
 
@@ -121,16 +121,23 @@ def test_requeue_onto_a_taken_port_records_the_fallback(cli, local_cluster, mode
 
 
 def test_pending_reason_and_failed_job(cli, local_cluster, tmp_path):
-    # A serve job whose release is missing fails fast; --wait reports it instead of hanging.
+    # A missing release is refused before submitting: no job waits in the queue to fail.
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2}))
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
     out = cli("serve", "--model", str(model), "--release", str(tmp_path / "missing"), "--wait", "--timeout", "60",
               check=False)
+    assert out.returncode == 10 and "no engine release" in out.stderr and "submitted job" not in out.stderr
+    # A job that fails on its node (unreadable weights): --wait reports it, with the end of its log.
+    out = cli("serve", "--model", str(model), "--release", str(venv_release()), "--wait", "--timeout", "120",
+              check=False)
     assert out.returncode == 6, out.stderr
-    assert "ended FAILED" in out.stderr
+    assert "ended FAILED" in out.stderr and "the end of its log" in out.stderr
     job_id = re.search(r"submitted job (\d+)", out.stderr).group(1)
-    assert "no engine release" in (cli.jobs_dir / f"{job_id}.out").read_text()
+    last = [line for line in (cli.jobs_dir / f"{job_id}.out").read_text().splitlines() if line.strip()][-1]
+    assert last[:100] in out.stderr
 
 
 def test_unknown_account_is_rejected_at_submit(cli, local_cluster, model_path, release):

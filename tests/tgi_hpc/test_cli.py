@@ -134,8 +134,8 @@ def test_logs_follow_json_is_json_lines_until_the_job_ends(run, tmp_path, model_
     code, out, _ = run("serve", *base, "--model", str(model_path("tiny-llama")),
                        "--release", str(standin_release(tmp_path / "rel")), "--wait", "--timeout", "60", "--json")
     job_id = json.loads(out)["job_id"]
-    from tgi_hpc import jobs
-    from tgi_hpc.cluster import open_cluster
+    from tgi_hpc.slurm import jobs
+    from tgi_hpc.slurm.cluster import open_cluster
 
     cluster = open_cluster("local", [f"paths.jobs={tmp_path / 'jobs'}"])
     threading.Timer(2.0, lambda: jobs.stop(cluster, [job_id])).start()   # not the CLI: it would print to stdout

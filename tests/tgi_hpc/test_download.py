@@ -1,4 +1,4 @@
-"""tgi_hpc.download and tgi_hpc.hf_token against the real huggingface_hub client and tests/support/hub_server.py."""
+"""tgi_hpc.models.download and tgi_hpc.models.hf_token against the real huggingface_hub client and tests/support/hub_server.py."""
 from __future__ import annotations
 
 import hashlib
@@ -20,10 +20,10 @@ import pytest
 from safetensors.numpy import save_file
 
 from tests.support.hub_server import HubServer, commit_sha, scan_repo
-from tgi_hpc.download import download_model, plan_files
 from tgi_hpc.errors import DownloadError, UsageError
-from tgi_hpc.hf_token import find_token
-from tgi_hpc.model_store import MANIFEST, PARTIAL_DIR, list_models, model_dir, read_manifest
+from tgi_hpc.models.download import download_model, plan_files
+from tgi_hpc.models.hf_token import find_token
+from tgi_hpc.models.store import MANIFEST, PARTIAL_DIR, list_models, model_dir, read_manifest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "hf_TestTokenThatMustNeverLeak0123456789"
@@ -274,7 +274,7 @@ CHILD = """
 import logging, sys
 from pathlib import Path
 logging.basicConfig(level=logging.DEBUG)
-from tgi_hpc.download import download_model
+from tgi_hpc.models.download import download_model
 download_model("acme/big", Path(sys.argv[1]), endpoint=sys.argv[2], progress=True)
 """
 
@@ -347,7 +347,7 @@ def test_find_token_reads_the_real_environment(monkeypatch, hf_env):
 
 
 def test_library_imports_neither_torch_nor_huggingface_hub():
-    code = ("import sys, tgi_hpc.download, tgi_hpc.model_store, tgi_hpc.hf_token\n"
+    code = ("import sys, tgi_hpc.models.download, tgi_hpc.models.store, tgi_hpc.models.hf_token\n"
             "print(sorted(m for m in ('torch', 'huggingface_hub', 'safetensors') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
@@ -387,12 +387,12 @@ def test_offline_mode_is_named(tmp_path, monkeypatch):
 
 
 def test_progress_in_a_log_file_is_a_line_now_and_then(hub, tmp_path, caplog, monkeypatch):
-    import tgi_hpc.hub
+    import tgi_hpc.models.hub
 
     _, url, _ = hub
-    monkeypatch.setattr(tgi_hpc.hub, "PROGRESS_LOG_INTERVAL_S", 0.0)
-    caplog.set_level(logging.INFO, logger="tgi_hpc.download")  # "fetched ..."
-    caplog.set_level(logging.INFO, logger="tgi_hpc.hub")  # progress lines
+    monkeypatch.setattr(tgi_hpc.models.hub, "PROGRESS_LOG_INTERVAL_S", 0.0)
+    caplog.set_level(logging.INFO, logger="tgi_hpc.models.download")  # "fetched ..."
+    caplog.set_level(logging.INFO, logger="tgi_hpc.models.hub")  # progress lines
     download_model("acme/tiny-st", tmp_path / "store", endpoint=url, progress=True)  # stderr is not a terminal here
     assert "fetched model-00001-of-00002.safetensors" in caplog.text
     from huggingface_hub.file_download import http_get

@@ -1,4 +1,4 @@
-"""tgi_hpc.model_store: layout, id validation, listing, removal and resolving what to serve (no network)."""
+"""tgi_hpc.models.store: layout, id validation, listing, removal and resolving what to serve (no network)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tgi_hpc.errors import ModelNotFoundError, UsageError
-from tgi_hpc.model_store import (PARTIAL_DIR, list_models, model_dir, remove_model, resolve_model, validate_model_id,
+from tgi_hpc.models.store import (PARTIAL_DIR, list_models, model_dir, remove_model, resolve_model, validate_model_id,
                                  write_manifest)
 
 

@@ -8,8 +8,7 @@ import pytest
 import yaml
 
 from tgi_hpc.errors import ProfileError
-from tgi_hpc.profile import Profile
-from tgi_hpc.profile_loader import (
+from tgi_hpc.profiles.loader import (
     detect_cluster,
     list_profiles,
     load_profile,
@@ -18,9 +17,11 @@ from tgi_hpc.profile_loader import (
     resources_for,
     user_config_dir,
 )
+from tgi_hpc.profiles.schema import Profile
 
 SHIPPED = {p.stem: p for d in profile_dirs() for p in d.glob("*.yaml")}
 DRAC_CLUSTERS = ["fir", "nibi", "rorqual", "narval", "trillium"]
+PAICE_CLUSTERS = ["tamia", "killarney", "vulcan"]
 RETIRED = {"cedar": "fir", "graham": "nibi", "beluga": "rorqual", "béluga": "rorqual", "niagara": "trillium"}
 
 MINIMAL = """\
@@ -57,12 +58,12 @@ def test_both_cluster_profiles_ship():
     assert list_profiles()[:1] == ["local"] and {"mila", "computecanada"} <= set(list_profiles())
 
 
-@pytest.mark.parametrize("name", ["local", "mila", "computecanada", *DRAC_CLUSTERS])
+@pytest.mark.parametrize("name", ["local", "mila", "computecanada", "paice", *DRAC_CLUSTERS, *PAICE_CLUSTERS])
 def test_every_profile_and_cluster_validates(name, env):
     profile = load_profile(name, env=env)
     assert isinstance(profile, Profile)
-    if name in DRAC_CLUSTERS:
-        assert (profile.name, profile.cluster) == ("computecanada", name)
+    if name in DRAC_CLUSTERS + PAICE_CLUSTERS:
+        assert (profile.name, profile.cluster) == ("computecanada" if name in DRAC_CLUSTERS else "paice", name)
         assert profile.login_host
     if profile.slurm is None:
         return
@@ -71,8 +72,11 @@ def test_every_profile_and_cluster_validates(name, env):
     named += [e.resources.gpu_type for e in profile.catalog]
     assert {t for t in named if t} <= set(profile.slurm.gpu_types)
     paths = profile.paths
-    for path in (paths.scratch, paths.models, paths.jobs, paths.releases, *profile.environment.env.values()):
+    for path in (paths.scratch, paths.models, paths.jobs, *profile.environment.env.values()):
         assert "$HOME" not in path and "~" not in path      # caches and job output never in $HOME
+    if profile.name in ("computecanada", "paice"):
+        # The Alliance Python page: no virtualenv under $SCRATCH ("may get partially deleted").
+        assert "$SCRATCH" not in paths.releases and paths.releases.startswith("$HOME/")
 
 
 def test_drac_clusters_differ_where_the_docs_say_so(env):
@@ -106,7 +110,7 @@ def _fact_lines(text: str):
             yield number
 
 
-@pytest.mark.parametrize("name", ["mila", "computecanada"])
+@pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_every_fact_cites_its_documentation_page(name):
     lines = SHIPPED[name].read_text().splitlines()
     facts = list(_fact_lines("\n".join(lines)))
@@ -334,11 +338,15 @@ def test_load_profile_resolution_order(env, monkeypatch):
     ("narval", 8, 1, "a100"), ("narval", 13, 2, "a100"), ("narval", 34, 4, "a100"),
     ("trillium", 34, 4, None),
     ("mila", 0.135, 1, "l40s"), ("mila", 8, 1, "l40s"), ("mila", 13, 1, "l40s"),
-    ("mila", 34, 2, "a100l"), ("mila", 70, 4, "a100l"),
+    ("mila", 34, 2, None), ("mila", 70, 4, None),
+    ("tamia", 8, 4, "h100"), ("tamia", 70, 4, "h100"), ("killarney", 34, 4, None), ("killarney", 70, 8, None),
+    ("vulcan", 13, 1, None),
 ])
 def test_resources_for_picks_the_smallest_fitting_entry(env, name, size, gpus, gpu_type):
     resources = resources_for(load_profile(name, env=env), "serve", size, None)
     assert (resources.gpus, resources.gpu_type) == (gpus, gpu_type)
+    if name == "mila" and size > 15:   # 80 GB A100s by feature: the docs name a100l for the DGX nodes only
+        assert resources.constraint == "ampere&80gb"
     assert resources.time                                  # slurm.defaults.serve fills the rest
 
 

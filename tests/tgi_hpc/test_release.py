@@ -1,4 +1,4 @@
-"""tgi_hpc.release and tgi_hpc.release_verify: one real CPU release per module, reused by every slow test.
+"""tgi_hpc.release.build and tgi_hpc.release.verify: one real CPU release per module, reused by every slow test.
 
 The release holds torch==2.13.0 (CPU) and the engine; building it takes ~40 s, the offline rebuild
 from its wheelhouse another ~40 s. Bytecode compilation is skipped to save time (the step is one
@@ -18,15 +18,15 @@ from pathlib import Path
 import pytest
 
 from tgi_hpc.errors import ReleaseError
-from tgi_hpc.release import CURRENT, build_release
-from tgi_hpc.release_builder import offline_pip_args
-from tgi_hpc.release_kernels import (check_torch_for_kernels, find_nvcc, flash_attn_archs, parse_cuda_archs,
+from tgi_hpc.release.build import CURRENT, build_release
+from tgi_hpc.release.builder import offline_pip_args
+from tgi_hpc.release.kernels import (check_torch_for_kernels, find_nvcc, flash_attn_archs, parse_cuda_archs,
                                      torch_wheel_cuda)
-from tgi_hpc.release_manifest import LOCK, MANIFEST, WHEELHOUSE, Manifest, read_manifest, sha256_file
-from tgi_hpc.release_repair import fix_permissions, repair_release
-from tgi_hpc.release_selftest import gpu_problems
-from tgi_hpc.release_spec import ReleaseSpec, release_name
-from tgi_hpc.release_verify import verify_release
+from tgi_hpc.release.manifest import LOCK, MANIFEST, WHEELHOUSE, Manifest, read_manifest, sha256_file
+from tgi_hpc.release.repair import fix_permissions, repair_release
+from tgi_hpc.release.selftest import gpu_problems
+from tgi_hpc.release.spec import ReleaseSpec, release_name
+from tgi_hpc.release.verify import verify_release
 
 
 
@@ -301,15 +301,6 @@ def test_bad_release_names_are_refused(tmp_path, source, name):
     with pytest.raises(ReleaseError, match="bad release name"):
         build_release(ReleaseSpec(release_dir=tmp_path, name=name, project_source=source), progress=lambda _: None)
     assert list(tmp_path.iterdir()) == []
-
-
-def test_verify_api_is_also_reachable_from_tgi_hpc_release():
-    import tgi_hpc.release as release
-    import tgi_hpc.release_verify as release_verify
-    assert release.verify_release is release_verify.verify_release
-    assert release.repair_release is release_verify.repair_release
-    with pytest.raises(AttributeError):
-        release.no_such_thing
 
 
 def test_verify_names_the_command_for_a_missing_release(tmp_path):

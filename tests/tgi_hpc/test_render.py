@@ -9,11 +9,11 @@ import time
 import pytest
 
 from support.releases import standin_release
-from tgi_hpc.cluster import open_cluster
 from tgi_hpc.errors import TemplateError, UsageError
-from tgi_hpc.jobspec import ShellPath
-from tgi_hpc.render import render_job, sbatch_directives
-from tgi_hpc.serve import ServeOptions, build_serve_spec
+from tgi_hpc.slurm.cluster import open_cluster
+from tgi_hpc.slurm.jobspec import ShellPath
+from tgi_hpc.slurm.render import render_job, sbatch_directives
+from tgi_hpc.workflows.serve import ServeOptions, build_serve_spec
 
 CLUSTERS = ["mila", "computecanada", "fir", "nibi", "rorqual", "narval", "trillium"]
 
@@ -33,14 +33,18 @@ def test_every_profile_renders_valid_bash(name, kind, tmp_path):
         script = render_job(cluster.profile, spec, job_dir=cluster.job_dir)
         assert f"--num-shard {gpus}" in script and "#SBATCH --requeue" in script
     else:
-        from tgi_hpc.prepare import CompileOptions, run_compile, run_download
+        from tgi_hpc.release.options import CompileOptions
+        from tgi_hpc.workflows.prepare import run_compile, run_download
 
         run = run_download if kind == "download" else run_compile
         args = ("meta-llama/Llama-3.1-8B-Instruct",) if kind == "download" else (CompileOptions(cuda_archs="8.0;9.0"),)
         script = run(cluster, *args, here=False, dry_run=True).script
     _bash_n(script)
     assert f"#SBATCH --job-name=tgi-hpc-{kind}" in script
-    assert "$HOME" not in script and "~/" not in script  # caches and logs never go to $HOME
+    # caches and logs never go to $HOME; only the release (a virtualenv, read by jobs) lives there on DRAC
+    assert "~/" not in script
+    watched = [line for line in script.splitlines() if line.startswith(("export ", "JOB_DIR=", "#SBATCH", "MODEL_DIR="))]
+    assert watched and all("$HOME" not in line for line in watched)
 
 
 def test_directives_are_sorted_quoted_for_sbatch_and_validated():
@@ -66,9 +70,12 @@ def test_a_line_break_in_a_directive_is_refused(args, capsys):
 
 
 def test_gpu_counts_a_cluster_does_not_allow_are_refused():
+    from tgi_hpc.slurm import jobs
+
     cluster = open_cluster("trillium", ["slurm.account=def-x"], strict_paths=False)
+    spec = build_serve_spec(cluster, ServeOptions(model="meta-llama/Llama-3.1-8B-Instruct", gpus=2))
     with pytest.raises(UsageError, match="1 or 4 GPUs, not 2"):
-        build_serve_spec(cluster, ServeOptions(model="meta-llama/Llama-3.1-8B-Instruct", gpus=2))
+        jobs.render(cluster, spec)
 
 
 def test_hostile_hub_id_is_refused_before_rendering():

@@ -1,8 +1,8 @@
 import pytest
 
 from tgi_hpc.errors import SlurmError
-from tgi_hpc.ports import pick_port, port_for_job
-from tgi_hpc.slurm import parse_sacct, parse_sbatch, parse_squeue
+from tgi_hpc.slurm.commands import parse_sacct, parse_sbatch, parse_squeue
+from tgi_hpc.slurm.ports import pick_port, port_for_job
 
 
 @pytest.mark.parametrize("out,job_id", [("123\n", "123"), ("4567;mila\n", "4567"), ("Submitted\n89_3\n", "89_3")])

@@ -1,4 +1,4 @@
-"""tgi_hpc.ssh against a real throwaway sshd on 127.0.0.1 (and a paramiko server for 2FA)."""
+"""tgi_hpc.remote.ssh against a real throwaway sshd on 127.0.0.1 (and a paramiko server for 2FA)."""
 from __future__ import annotations
 
 import shutil
@@ -8,7 +8,7 @@ import pytest
 
 from support.sshd import TwoFactorServer, free_port, start_sshd
 from tgi_hpc.errors import SSHError
-from tgi_hpc.ssh import connect, resolve_target
+from tgi_hpc.remote.ssh import connect, resolve_target
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -193,7 +193,7 @@ def test_second_factor_goes_to_the_interactive_callback(home, tmp_path):
 
 @pytest.fixture
 def runner(home, sshd):
-    from tgi_hpc.remote import SSHRunner
+    from tgi_hpc.remote.ssh_runner import SSHRunner
 
     write_config(home, sshd)
     trust(home, sshd)
@@ -224,7 +224,7 @@ def test_runner_timeout_and_missing_command_are_slurm_errors(runner):
 
 
 def test_runner_env_never_appears_in_a_command_line(home, tmp_path):
-    from tgi_hpc.remote import SSHRunner
+    from tgi_hpc.remote.ssh_runner import SSHRunner
 
     server = start_sshd(tmp_path / "recording", record_commands=True)
     try:

@@ -8,8 +8,8 @@ import paramiko
 import pytest
 
 from tgi_hpc.errors import UsageError
-from tgi_hpc.ssh import resolve_target
-from tgi_hpc.ssh_config import CLUSTERS, render_ssh_config
+from tgi_hpc.remote.ssh import resolve_target
+from tgi_hpc.remote.ssh_config import CLUSTERS, render_ssh_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,6 +22,10 @@ CASES = [
     ("narval", "narval", "narval.alliancecan.ca", 22, "ng30601", "narval"),
     ("trillium", "trillium", "trillium.alliancecan.ca", 22, "tri0042", "trillium"),
     ("trillium", "trillium-gpu", "trillium-gpu.alliancecan.ca", 22, "trig0042", "trillium-gpu"),
+    ("tamia", "tamia", "tamia.alliancecan.ca", 22, "tg10101", "tamia"),
+    ("tamia", "tamia", "tamia.alliancecan.ca", 22, "tc10101", "tamia"),
+    ("killarney", "killarney", "killarney.alliancecan.ca", 22, "kn101", "killarney"),
+    ("vulcan", "vulcan", "vulcan.alliancecan.ca", 22, "rack01-12", "vulcan"),
 ]
 
 
@@ -32,10 +36,12 @@ def test_entries_resolve_to_the_documented_hosts(tmp_path, cluster, alias, hostn
     login = resolve_target(alias, path)
     assert (login.hostname, login.port, login.user, login.proxy_jump) == (hostname, port, "alice", [])
     options = paramiko.SSHConfig.from_path(str(path)).lookup(alias)
-    assert (options["controlmaster"], options["controlpersist"]) == ("auto", "10m")
-    assert options["controlpath"].endswith(f"/.ssh/cm-alice@{hostname}:{port}")
+    # milatools' values (init_command.py: ssh_multiplexing_config), so both tools share one socket
+    assert (options["controlmaster"], options["controlpersist"]) == ("auto", "yes")
+    assert options["controlpath"].endswith(f"/.cache/ssh/alice@{hostname}:{port}")
     compute = resolve_target(node, path)
     assert (compute.hostname, compute.user, compute.proxy_jump) == (node, "alice", [jump])
+    assert paramiko.SSHConfig.from_path(str(path)).lookup(node)["controlpersist"] == "yes"
 
 
 def test_mila_asks_for_publickey_then_2fa_and_reaches_full_node_names(tmp_path):
@@ -45,6 +51,32 @@ def test_mila_asks_for_publickey_then_2fa_and_reaches_full_node_names(tmp_path):
     assert config.lookup("cn-a001.server.mila.quebec")["proxyjump"] == "mila"
     assert "proxyjump" not in config.lookup("login.server.mila.quebec")  # no jump loop
     assert "proxyjump" not in config.lookup("trillium")
+    assert config.lookup("cn-g017")["proxyjump"] == "mila"           # milatools' cn-???? pattern
+    assert "proxyjump" not in config.lookup("cn-gpu-test")           # ... not any cn-* name
+    assert "https://docs.mila.quebec/userguides/login/" in text      # the page moved from Userguide_login.html
+
+
+def test_a_profile_with_an_ssh_section_gets_entries_and_one_without_is_refused(tmp_path):
+    from tgi_hpc.cli import main
+
+    path = tmp_path / "lab.yaml"
+    path.write_text("name: lab\nlogin_host: lab-login\nslurm: {}\n"
+                    "paths: {scratch: /s, models: /s/m, releases: /s/r, jobs: /s/j}\n"
+                    "network: {compute_nodes_internet: false, download_on: login, compile_on: job}\n"
+                    "ssh: {login: {HostName: lab.example.org, Port: '2200'}, nodes: [node??], source: our wiki}\n")
+    out = tmp_path / "config"
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["ssh-config", str(path), "-u", "alice"]) == 0
+    out.write_text(buf.getvalue())
+    login = resolve_target("lab-login", out)
+    assert (login.hostname, login.port, login.user) == ("lab.example.org", 2200, "alice")
+    assert resolve_target("node07", out).proxy_jump == ["lab-login"]
+    path.write_text(path.read_text().split("ssh:")[0])
+    assert main(["ssh-config", str(path), "-u", "alice"]) == 2
 
 
 def test_login_aliases_never_jump_through_themselves():

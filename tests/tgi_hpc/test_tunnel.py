@@ -1,4 +1,4 @@
-"""tgi_hpc.tunnel against a real throwaway sshd and a real http.server, all on 127.0.0.1."""
+"""tgi_hpc.remote.tunnel against a real throwaway sshd and a real http.server, all on 127.0.0.1."""
 from __future__ import annotations
 
 import http.server
@@ -13,8 +13,8 @@ import pytest
 
 from support.sshd import free_port, start_sshd
 from tgi_hpc.errors import ReadinessTimeout, TunnelError
-from tgi_hpc.ssh import HostKeyError, connect
-from tgi_hpc.tunnel import Tunnel, wait_http_ready
+from tgi_hpc.remote.ssh import HostKeyError, connect
+from tgi_hpc.remote.tunnel import Tunnel, wait_http_ready
 
 pytestmark = pytest.mark.timeout(60)
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -172,7 +172,7 @@ def test_wait_http_ready_times_out_with_the_last_answer(web):
 
 
 def test_tunnel_can_share_the_runners_connection(home, sshd, web):
-    from tgi_hpc.remote import SSHRunner
+    from tgi_hpc.remote.ssh_runner import SSHRunner
 
     with SSHRunner("login") as runner:
         assert runner.run(["echo", "x"]).stdout == "x\n"

@@ -16,7 +16,25 @@ from tgi_hpc.cli.serve import serve
 from tgi_hpc.cli.tunnel import ssh_config, tunnel
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+EXIT_CODES = """\b
+Exit codes:
+  0   success
+  1   other error (a file or connection problem)
+  2   bad usage: an option, or a job the cluster's rules refuse (the page is cited)
+  3   profile error (file and key named), or a missing --account
+  4   a job script could not be rendered (an unsafe value)
+  5   Slurm refused or failed (sbatch, squeue, sacct, scancel), or no such job
+  6   the job ended (FAILED, CANCELLED, TIMEOUT...) before it was ready; its log's end is shown
+  7   still not ready after --timeout (the job keeps running)
+  8   model not found, or its snapshot is incomplete
+  9   download failed
+  10  engine release missing or broken
+  11  SSH connection, authentication or host key problem
+  12  tunnel could not be set up
+  130 interrupted (Ctrl-C)"""
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=EXIT_CODES)
 @click.version_option(__version__, prog_name="tgi-hpc")
 @global_options
 def cli() -> None:

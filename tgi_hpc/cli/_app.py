@@ -21,7 +21,7 @@ class App:
     remote: bool | None = None
 
     def cluster(self, *, strict_paths: bool = True):
-        from tgi_hpc.cluster import open_cluster
+        from tgi_hpc.slurm.cluster import open_cluster
 
         return open_cluster(self.cluster_name, self.overrides, remote=self.remote, strict_paths=strict_paths)
 
@@ -33,6 +33,16 @@ class App:
             human()
         elif human is not None:
             click.echo(human)
+
+    def again(self) -> str:
+        """The global options that reach this same cluster again, quoted to paste into a printed command."""
+        import shlex
+
+        words = ["--cluster", self.cluster_name] if self.cluster_name else []
+        for item in self.overrides:
+            words += ["--set", item]
+        words += ["--remote"] if self.remote else (["--no-remote"] if self.remote is False else [])
+        return "".join(" " + shlex.quote(w) for w in words)
 
     def info(self, message: str) -> None:
         """Progress and hints go to stderr, so stdout stays parseable."""
@@ -52,8 +62,9 @@ def _global_options(with_env: bool) -> list:
     env = (lambda name: {"envvar": name}) if with_env else (lambda name: {})
     return [
         click.option("--cluster", "-c", "cluster_name", **env("TGI_HPC_CLUSTER"),
-                     help="Profile or cluster: local, mila, computecanada, fir, nibi, rorqual, narval, trillium, "
-                          "or a YAML path. Default: detected on the login node, else local. [env: TGI_HPC_CLUSTER]"),
+                     help="Profile or cluster: local, mila, computecanada (fir, nibi, rorqual, narval, trillium), "
+                          "paice (tamia, killarney, vulcan), or a YAML path. Default: detected on the login node, "
+                          "else local. [env: TGI_HPC_CLUSTER]"),
         click.option("--set", "overrides", multiple=True, **env("TGI_HPC_SET"), metavar="KEY=VALUE",
                      help="Override a profile value, e.g. --set slurm.account=def-x. [env: TGI_HPC_SET]"),
         click.option("--json", "json_output", is_flag=True, **env("TGI_HPC_JSON"),
@@ -110,6 +121,20 @@ class DefaultGroup(click.Group):
         if not args or (args[0] not in self.commands and args[0] not in ("-h", "--help")):
             args = [self.default_command, *args]
         return super().parse_args(ctx, args)
+
+    def format_usage(self, ctx, formatter):
+        formatter.write_usage(ctx.command_path, f"[{self.default_command}] [ARGS]... | COMMAND [ARGS]...")
+
+    def format_commands(self, ctx, formatter):
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                short = command.get_short_help_str(limit=formatter.width - 20)
+                rows.append((name, f"(default) {short}" if name == self.default_command else short))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
 
 class OpenByDefault(DefaultGroup):

@@ -9,7 +9,9 @@ from tgi_hpc.cli._app import App, with_app
 @click.command("compile")
 @click.option("--release-dir", help="Where releases live (default: the profile's paths.releases).")
 @click.option("--cuda-archs", default="", help='GPU architectures for kernels, e.g. "8.0;8.6;8.9;9.0".')
-@click.option("--with-kernels", is_flag=True, help="Also build flash-attention for those architectures.")
+@click.option("--with-kernels", is_flag=True,
+              help="Also build flash-attention for those architectures (optional: the engine's own Triton "
+                   "attention ships with CUDA torch and needs no build; this is hours of nvcc).")
 @click.option("--name", help="Release name (default: a hash of the inputs, so a rerun is a no-op).")
 @click.option("--torch-spec", help='PyTorch requirement, e.g. "torch==2.6.0" (a CUDA build on clusters).')
 @click.option("--offline", "wheelhouse", metavar="WHEELHOUSE",
@@ -24,11 +26,13 @@ from tgi_hpc.cli._app import App, with_app
 def compile_command(app: App, release_dir, cuda_archs, with_kernels, name, torch_spec, wheelhouse, venv_tool,
                     here, wait_done, dry_run) -> None:
     """Build (or bring up to date) the engine release every serve job activates."""
-    from tgi_hpc.prepare import CompileOptions, run_compile
+    from tgi_hpc.release.options import CompileOptions
+    from tgi_hpc.workflows.prepare import run_compile
 
     opts = CompileOptions(release_dir, name, cuda_archs, with_kernels, torch_spec, wheelhouse, venv_tool)
     result = run_compile(app.cluster(strict_paths=not dry_run), opts, here=here, wait=wait_done, dry_run=dry_run,
                          progress=app.info)
+    result.again = app.again()
     app.emit(result.to_dict(), result.summary())
 
 
@@ -43,13 +47,14 @@ def release() -> None:
               help="Repair a copied release first: python links and exec bits (lost by Globus), moved paths.")
 @with_app
 def verify(app: App, release_dir, fix) -> None:
-    """Import the engine from the release, run a tiny CPU generation, check GPU kernels on a GPU node."""
+    """Import the engine from the release, run a tiny CPU generation; on a GPU node also a GPU generation
+    and the engine's attention self-check (`python -m engine.attention_check`)."""
     from dataclasses import asdict
     from pathlib import Path
 
     from tgi_hpc.errors import ReleaseError
-    from tgi_hpc.release_repair import repair_release
-    from tgi_hpc.release_verify import verify_release
+    from tgi_hpc.release.repair import repair_release
+    from tgi_hpc.release.verify import verify_release
 
     if release_dir is None:
         cluster = app.cluster()

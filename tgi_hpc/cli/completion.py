@@ -10,7 +10,6 @@ def completion(shell: str) -> None:
     """Print the completion script; e.g. `eval "$(tgi-hpc completion bash)"` in ~/.bashrc."""
     from click.shell_completion import get_completion_class
 
-    from tgi_hpc.cli import cli
-
-    comp = get_completion_class(shell)(cli, {}, "tgi-hpc", "_TGI_HPC_COMPLETE")
+    root = click.get_current_context().find_root().command  # the `tgi-hpc` group, without importing it
+    comp = get_completion_class(shell)(root, {}, "tgi-hpc", "_TGI_HPC_COMPLETE")
     click.echo(comp.source())

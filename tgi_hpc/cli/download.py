@@ -18,10 +18,11 @@ from tgi_hpc.cli._app import App, DefaultGroup, with_app
 @with_app
 def download(app: App, model, revision, here, store, wait_done, dry_run) -> None:
     """Store MODEL's safetensors, config and tokenizer in the model store."""
-    from tgi_hpc.prepare import run_download
+    from tgi_hpc.workflows.prepare import run_download
 
     result = run_download(app.cluster(strict_paths=not dry_run), model, revision, here=here, store=store,
                           wait=wait_done, dry_run=dry_run, progress=app.info)
+    result.again = app.again()
     app.emit(result.to_dict(), result.summary())
 
 
@@ -34,7 +35,7 @@ def models() -> None:
 @with_app
 def list_models_command(app: App) -> None:
     """List the models in the store: id, revision, size, format."""
-    from tgi_hpc.prepare import list_stored
+    from tgi_hpc.workflows.prepare import list_stored
 
     rows = list_stored(app.cluster())
 
@@ -52,7 +53,7 @@ def list_models_command(app: App) -> None:
 @with_app
 def remove_command(app: App, model_id, revision) -> None:
     """Remove MODEL_ID from the store."""
-    from tgi_hpc.prepare import remove_stored
+    from tgi_hpc.workflows.prepare import remove_stored
 
     removed = remove_stored(app.cluster(), model_id, revision)
     app.emit({"removed": removed}, "\n".join(f"removed {p}" for p in removed))

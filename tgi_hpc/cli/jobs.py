@@ -12,23 +12,35 @@ def _table(rows) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    import sys
+
     table = Table(box=None, pad_edge=False)
-    for column in ("JOB", "KIND", "STATE", "REASON", "NODE", "URL"):
-        table.add_column(column)
+    for column in ("JOB", "KIND", "MODEL", "STATE", "AGE", "REASON", "NODE", "URL"):
+        table.add_column(column, no_wrap=column != "REASON")
     for st in rows:
-        table.add_row(st.job_id, st.kind, st.state, st.reason or st.detail, st.node, st.url)
-    Console(soft_wrap=True).print(table)
+        model = st.model.rstrip("/").rsplit("/", 1)[-1] if st.model.startswith(("/", "~")) else st.model
+        table.add_row(st.job_id, st.kind, model, st.state, st.elapsed, st.reason or st.detail, st.node, st.url)
+    # piped into grep or a file: one line per job, never folded to 80 columns
+    Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240).print(table)
 
 
 @click.command()
 @click.argument("job_ids", nargs=-1)
-@click.option("--no-probe", is_flag=True, help="Do not probe running servers (faster).")
+@click.option("--no-probe", is_flag=True, help="Do not contact running servers (LISTENING instead of READY).")
+@click.option("--generate", is_flag=True, help="Probe with a one-token generation too, not only /health.")
 @with_app
-def status(app: App, job_ids, no_probe) -> None:
-    """State of JOB_IDS, or of all my tgi-hpc jobs: PENDING, STARTING, READY, or how they ended."""
-    from tgi_hpc import jobs
+def status(app: App, job_ids, no_probe, generate) -> None:
+    """State of JOB_IDS, or of all my tgi-hpc jobs (active first, newest first).
 
-    rows = jobs.status(app.cluster(), list(job_ids) or None, with_probe=not no_probe)
+    \b
+    PENDING (Slurm's reason), STARTING (loading), LISTENING (endpoint up, not probed: --no-probe),
+    READY (answers /health; --generate: a real generation too), ENDING, or how it ended
+    (COMPLETED, FAILED, CANCELLED, TIMEOUT...). AGE is Slurm's run time.
+    """
+    from tgi_hpc.slurm import jobs
+
+    probe = False if no_probe else ("generate" if generate else True)
+    rows = jobs.status(app.cluster(), list(job_ids) or None, with_probe=probe)
     if not rows and not app.json_output:
         app.info("no tgi-hpc jobs")
         return
@@ -46,7 +58,7 @@ def status(app: App, job_ids, no_probe) -> None:
 @with_app
 def logs(app: App, job_id, follow) -> None:
     """Print the output of JOB_ID."""
-    from tgi_hpc import jobs
+    from tgi_hpc.slurm import jobs
 
     cluster = app.cluster()
     if not follow:
@@ -66,10 +78,12 @@ def logs(app: App, job_id, follow) -> None:
 @with_app
 def stop(app: App, job_ids, all_jobs) -> None:
     """Cancel JOB_IDS (or --all of my tgi-hpc jobs)."""
-    from tgi_hpc import jobs
     from tgi_hpc.errors import UsageError
+    from tgi_hpc.slurm import jobs
 
     if bool(job_ids) == all_jobs:
         raise UsageError("give job ids or --all (not both)")
-    stopped = jobs.stop(app.cluster(), list(job_ids) or None)
-    app.emit({"stopped": stopped}, f"stopped {' '.join(stopped)}" if stopped else "nothing to stop")
+    result = jobs.stop(app.cluster(), list(job_ids) or None)
+    lines = [f"stopped {' '.join(result.stopped)}"] if result.stopped else []
+    lines += [f"job {j} had already ended ({state})" for j, state in result.ended.items()]
+    app.emit({"stopped": result.stopped, "already_ended": result.ended}, "\n".join(lines) or "nothing to stop")

@@ -15,7 +15,7 @@ def profiles() -> None:
 @with_app
 def list_command(app: App) -> None:
     """List profiles: built-in local, shipped ones, and yours."""
-    from tgi_hpc.profile_loader import detect_cluster, list_profiles
+    from tgi_hpc.profiles.loader import detect_cluster, list_profiles
 
     names = list_profiles()
     detected = detect_cluster()
@@ -30,7 +30,7 @@ def show(app: App, name) -> None:
     """Print profile NAME (default: --cluster or the detected one) after every merge and override."""
     import yaml
 
-    from tgi_hpc.profile_loader import load_profile
+    from tgi_hpc.profiles.loader import load_profile
 
     profile = load_profile(name or app.cluster_name, overrides=app.overrides)
     data = profile.model_dump(mode="json")

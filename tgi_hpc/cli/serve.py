@@ -28,6 +28,8 @@ def _limit_options(func):
 @click.option("--env", "env", multiple=True, metavar="NAME=VALUE", help="Extra environment variable for the job.")
 @click.option("--engine-arg", "engine_args", multiple=True, metavar="FLAG=VALUE", help="Other engine flag, checked against the known ones.")
 @click.option("--release", help="Engine release directory. Default: the profile's current release.")
+@click.option("--no-shared-weights", is_flag=True,
+              help="Use the model store even when the profile's read-only weight folders (Mila: /network/weights) have the model.")
 @click.option("--keep-alive", is_flag=True, help="Requeue the job before its time limit and on preemption (same job id and port).")
 @click.option("--no-api-key", is_flag=True, help="Serve without an API key (anyone on the cluster network can use it).")
 @click.option("--wait/--no-wait", "wait_ready", default=False, help="Wait until the server is READY.")
@@ -39,26 +41,28 @@ def _limit_options(func):
 @click.option("--dry-run", is_flag=True, help="Print the job script; submit nothing.")
 @with_app
 def serve(app: App, model, revision, gpus, time_, partition, dtype, quantize, env, engine_args, release,
-          keep_alive, no_api_key, wait_ready, timeout, open_tunnel, local_port, stop_on_exit, dry_run, **limits) -> None:
+          keep_alive, no_api_key, wait_ready, timeout, open_tunnel, local_port, stop_on_exit, dry_run,
+          no_shared_weights, **limits) -> None:
     """Submit a server job for MODEL and print its job id and endpoint."""
-    from tgi_hpc.serve import ServeOptions, run_serve
+    from tgi_hpc.workflows.serve import ServeOptions, run_serve
 
     limits.update(dtype=dtype, quantize=quantize)
     opts = ServeOptions(model=model, revision=revision, gpus=gpus, time=time_, partition=partition, limits=limits,
-                        env=list(env), engine_args=list(engine_args), keep_alive=keep_alive, api_key=not no_api_key)
+                        env=list(env), engine_args=list(engine_args), keep_alive=keep_alive, api_key=not no_api_key,
+                        shared_weights=not no_shared_weights)
     cluster = app.cluster(strict_paths=not dry_run)
     # with --tunnel, the wait for READY happens inside the try below (so --stop-on-exit covers it)
     result = run_serve(cluster, opts, release=release, dry_run=dry_run, wait=wait_ready and not open_tunnel,
-                       timeout=timeout, progress=app.info)
+                       timeout=timeout, progress=app.info, again=app.again())
     if dry_run:
         app.emit({"script": result.script}, lambda: click.echo(result.script, nl=False))
         return
     if not open_tunnel:
         app.emit(result.to_dict(), result.summary())
         return
-    from tgi_hpc import jobs
     from tgi_hpc.cli.tunnel import hold
-    from tgi_hpc.tunnel_session import instructions, open_tunnel as start_tunnel
+    from tgi_hpc.slurm import jobs
+    from tgi_hpc.workflows.tunnel_session import instructions, open_tunnel as start_tunnel
 
     try:
         tunnel_obj, info = start_tunnel(cluster, result.job_id, local_port=local_port, timeout=timeout,

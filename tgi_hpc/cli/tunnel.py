@@ -8,14 +8,18 @@ from tgi_hpc.cli._app import App, OpenByDefault, with_app
 
 @click.group(cls=OpenByDefault)
 def tunnel() -> None:
-    """Forward a port on this machine to a serve job (through the login node), or manage background tunnels."""
+    """Forward a port on this machine to a serve job (through the login node), or manage background tunnels.
+
+    `open` is the default: `tgi-hpc tunnel 4148` = `tgi-hpc tunnel open 4148`, and a bare
+    `tgi-hpc tunnel` opens one to my newest running serve job.
+    """
 
 
 def hold(app: App, tunnel_obj, info, cluster, stop_job: bool) -> None:
     """Keep a foreground tunnel open until Ctrl-C; then say how to come back (or stop the job)."""
     import time
 
-    from tgi_hpc import jobs
+    from tgi_hpc.slurm import jobs
 
     try:
         while True:
@@ -28,8 +32,9 @@ def hold(app: App, tunnel_obj, info, cluster, stop_job: bool) -> None:
         jobs.stop(cluster, [info.job_id])
         app.info(f"tunnel closed; job {info.job_id} stopped")
     else:
-        app.info(f"tunnel closed; job {info.job_id} keeps running. Reconnect: tgi-hpc tunnel {info.job_id}"
-                 f" --cluster {info.cluster}   Stop it: tgi-hpc stop {info.job_id} --cluster {info.cluster}")
+        again = app.again()
+        app.info(f"tunnel closed; job {info.job_id} keeps running. Reconnect: tgi-hpc tunnel {info.job_id}{again}"
+                 f"   Stop it: tgi-hpc stop {info.job_id}{again}")
 
 
 @tunnel.command("open")
@@ -42,7 +47,7 @@ def hold(app: App, tunnel_obj, info, cluster, stop_job: bool) -> None:
 @with_app
 def open_command(app: App, job_id, local_port, background, accept_host_key, timeout, foreground_child) -> None:
     """Forward 127.0.0.1:PORT here to JOB's server (default: my newest running serve job)."""
-    from tgi_hpc import tunnel_session as ts
+    from tgi_hpc.workflows import tunnel_session as ts
 
     cluster = app.cluster()
     job_id = ts.pick_job(cluster, job_id)
@@ -71,7 +76,7 @@ def open_command(app: App, job_id, local_port, background, accept_host_key, time
 @with_app
 def list_command(app: App) -> None:
     """Background tunnels still running."""
-    from tgi_hpc.tunnel_session import list_tunnels
+    from tgi_hpc.workflows.tunnel_session import list_tunnels
 
     infos = list_tunnels()
     app.emit([i.to_dict() for i in infos],
@@ -83,7 +88,7 @@ def list_command(app: App) -> None:
 @with_app
 def stop_command(app: App, job_ids) -> None:
     """Stop background tunnels (all of them without JOB_IDS)."""
-    from tgi_hpc.tunnel_session import stop_tunnels
+    from tgi_hpc.workflows.tunnel_session import stop_tunnels
 
     stopped = stop_tunnels(list(job_ids) or None)
     app.emit({"stopped": stopped}, f"stopped tunnels: {' '.join(stopped)}" if stopped else "no tunnel stopped")
@@ -94,12 +99,28 @@ def stop_command(app: App, job_ids) -> None:
 @click.option("--user", "-u", required=True, help="Your username on the cluster.")
 @click.option("--append", is_flag=True, help="Append to ~/.ssh/config after asking.")
 def ssh_config(cluster_name, user, append) -> None:
-    """Print the ~/.ssh/config entries CLUSTER needs (2FA connection sharing, compute-node hops)."""
+    """Print the ~/.ssh/config entries CLUSTER needs (2FA connection sharing, compute-node hops).
+
+    CLUSTER is a cluster (mila, fir, nibi, rorqual, narval, trillium, tamia, killarney, vulcan) or a
+    profile (name or YAML path) with an `ssh:` section.
+    """
     from pathlib import Path
 
-    from tgi_hpc.ssh_config import render_ssh_config
+    from tgi_hpc.remote.ssh_config import CLUSTERS, profile_ssh, render_ssh_config
 
-    text = render_ssh_config(cluster_name, user)
+    spec, name = None, cluster_name
+    if cluster_name not in CLUSTERS:
+        from tgi_hpc.profiles.loader import load_profile
+
+        profile = load_profile(cluster_name)
+        name = profile.cluster or profile.name
+        spec = None if name in CLUSTERS else profile_ssh(profile)
+        if spec is None and name not in CLUSTERS:
+            from tgi_hpc.errors import UsageError
+
+            raise UsageError(f"profile {profile.name!r} is not a known cluster and has no `ssh:` section "
+                             f"(login options and node patterns); known clusters: {', '.join(CLUSTERS)}")
+    text = render_ssh_config(name, user, spec)
     if not append:
         click.echo(text, nl=False)
         return

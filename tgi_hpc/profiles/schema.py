@@ -1,0 +1,167 @@
+"""Cluster profiles: the schema every profile YAML must match (loading and merging: tgi_hpc.profiles.loader)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+JobKind = Literal["serve", "compile", "download"]
+GpuRequest = Literal["gpus_per_task", "gres", "gpus", "gpus_per_node"]
+
+
+class _Strict(BaseModel):
+    # A misspelled key must be an error that names it, never silently ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Resources(_Strict):
+    """Slurm resources for one job kind (or one catalog entry)."""
+
+    partition: str | None = None
+    time: str | None = None               # Slurm time string, e.g. "3:00:00" or "1-00:00:00"
+    cpus_per_task: int | None = None
+    mem: str | None = None                # e.g. "48G"
+    gpus: int | None = None               # GPUs for the job (0 = CPU job)
+    gpu_type: str | None = None           # e.g. "a100l"; None = any
+    constraint: str | None = None         # Slurm --constraint expression
+    extra: dict[str, str | bool] = Field(default_factory=dict)  # other #SBATCH flags (name without --)
+
+
+class CatalogEntry(_Strict):
+    """Default resources for models up to `max_params_b` billion parameters."""
+
+    max_params_b: float
+    label: str                            # e.g. "7-8B"
+    resources: Resources
+
+
+class SlurmSection(_Strict):
+    account: str | None = None
+    account_required: bool = False        # DRAC: every job needs --account=def-xxx
+    gpu_request: GpuRequest = "gpus_per_task"
+    gpu_types: list[str] = Field(default_factory=list)   # what --gres/--gpus may name on this cluster
+    allowed_gpu_counts: list[int] = Field(default_factory=list)  # GPUs a job may ask for (empty = any)
+    requeue_signal: str = "USR1"          # --signal=B:<sig>@<delay> for keep-alive
+    requeue_signal_delay_s: int = 120
+    max_requeues: int = 10
+    defaults: dict[JobKind, Resources] = Field(default_factory=dict)  # per job kind
+    extra: dict[str, str | bool] = Field(default_factory=dict)        # #SBATCH flags for every job
+
+
+class PathsSection(_Strict):
+    # Values may use $VARS that expand on the node ($SCRATCH, $SLURM_TMPDIR); they are
+    # trusted profile data, double-quoted when rendered.
+    scratch: str
+    models: str                           # model store (tgi-hpc download writes here)
+    releases: str                         # engine releases (tgi-hpc compile writes here)
+    jobs: str                             # per-job dirs: script, logs, endpoint.json
+    node_local: str = "$SLURM_TMPDIR"     # fast per-job disk
+    project: str | None = None
+    shared_weights: list[str] = Field(default_factory=list)  # read-only model folders serve looks in first
+    scratch_purge_days: int | None = None  # scratch files this old are deleted (None: no purge)
+
+
+class EnvironmentSection(_Strict):
+    modules: list[str] = Field(default_factory=list)      # `module load` arguments, in order
+    setup: list[str] = Field(default_factory=list)        # raw shell lines run before activation
+    env: dict[str, str] = Field(default_factory=dict)     # exported in every job (caches, offline flags)
+
+
+class NetworkSection(_Strict):
+    compute_nodes_internet: bool          # can a job reach the Hub / PyPI?
+    download_on: Literal["job", "login"]  # where `tgi-hpc download` runs by default
+    compile_on: Literal["job", "login"]
+
+
+class TimeRule(_Strict):
+    """Wall-time bounds a cluster enforces (Slurm time strings), with the page that states them."""
+
+    min: str | None = None
+    max: str | None = None
+    source: str
+
+
+class PartitionRule(_Strict):
+    """What one partition allows; GPU types None = any."""
+
+    max_time: str | None = None
+    max_gpus: int | None = None
+    max_cpus_per_task: int | None = None
+    gpu_types: list[str] | None = None
+    source: str
+
+
+class WholeNodes(_Strict):
+    """GPU jobs get whole nodes: a job asks for exactly a node's GPUs of one type."""
+
+    gpus_per_node: dict[str, int]         # GPU type -> GPUs in one node of that type
+    source: str
+
+
+class AccountRule(_Strict):
+    prefix: str                           # e.g. "aip-" on the PAICE clusters
+    source: str
+
+
+class JobRules(_Strict):
+    """Cluster rules checked before submitting; every refusal cites `source`."""
+
+    time: TimeRule | None = None          # every job (GPU jobs where cpu_time is set)
+    cpu_time: TimeRule | None = None      # jobs without GPUs, when their limits differ
+    whole_nodes: WholeNodes | None = None
+    account: AccountRule | None = None
+    partitions: dict[str, PartitionRule] = Field(default_factory=dict)
+
+
+class ClusterDetection(_Strict):
+    # How to recognise this cluster from a login node.
+    hostname_patterns: list[str] = Field(default_factory=list)  # fnmatch on socket.getfqdn()
+    env: dict[str, str] = Field(default_factory=dict)           # fnmatch on values: {"CC_CLUSTER": "narval"}
+
+
+class ClusterOverride(_Strict):
+    """Per-cluster differences inside a multi-cluster profile (DRAC)."""
+
+    login_host: str | None = None
+    cpu_login_host: str | None = None     # where jobs without GPUs are submitted, when not login_host
+    detect: ClusterDetection = Field(default_factory=ClusterDetection)
+    gpu_request: GpuRequest | None = None
+    gpu_types: list[str] | None = None
+    allowed_gpu_counts: list[int] | None = None
+    defaults: dict[JobKind, Resources] = Field(default_factory=dict)
+    catalog: list[CatalogEntry] | None = None
+    network: NetworkSection | None = None
+    modules: list[str] | None = None
+    env: dict[str, str] = Field(default_factory=dict)    # merged into environment.env
+    paths: dict[str, str | int | list[str] | None] = Field(default_factory=dict)  # merged into paths
+    rules: JobRules | None = None         # merged into rules
+    retired: bool = False
+    replaced_by: str | None = None        # what to use instead of a retired cluster
+
+
+class SSHSection(_Strict):
+    """`tgi-hpc ssh-config` entries for a profile that is not a shipped cluster (e.g. a local test cluster)."""
+
+    login: dict[str, str] = Field(default_factory=dict)   # options of the login_host alias (HostName, Port...)
+    nodes: list[str] = Field(default_factory=list)        # compute-node Host patterns, jumping through the login
+    source: str = "this profile"
+
+
+class Profile(_Strict):
+    name: str
+    description: str = ""
+    login_host: str | None = None         # ssh alias of the login node (None = local)
+    ssh: SSHSection | None = None         # ssh-config entries, for profiles that are not shipped clusters
+    cpu_login_host: str | None = None     # ssh alias for jobs without GPUs (Trillium: CPU login nodes)
+    detect: ClusterDetection = Field(default_factory=ClusterDetection)
+    slurm: SlurmSection | None = None     # None = no Slurm (the built-in `local` profile)
+    paths: PathsSection
+    environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
+    network: NetworkSection
+    catalog: list[CatalogEntry] = Field(default_factory=list)
+    rules: JobRules = Field(default_factory=JobRules)
+    clusters: dict[str, ClusterOverride] = Field(default_factory=dict)
+    cluster: str | None = None                # which entry of `clusters` was applied
+    # From a laptop (remote mode): the cluster-side Python that has tgi-hpc installed; it runs the
+    # login-node steps (download, compile, models) and the in-job helpers of download/compile jobs.
+    remote_python: str = "python3"

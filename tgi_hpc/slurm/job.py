@@ -1,0 +1,181 @@
+"""Helpers that run inside a job (`python -m tgi_hpc.slurm.job ...`): port, API key, endpoint, staging.
+
+They live in Python, not in the template, so they are tested like the rest of the code.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+from tgi_hpc.files import write_atomic
+from tgi_hpc.slurm.endpoint import Endpoint
+from tgi_hpc.slurm.ports import pick_port
+
+
+def job_id(env: dict[str, str] | os._Environ = os.environ) -> str:
+    value = env.get("SLURM_JOB_ID") or env.get("TGI_HPC_JOB_ID")
+    if not value:
+        raise SystemExit("tgi_hpc.slurm.job: neither SLURM_JOB_ID nor TGI_HPC_JOB_ID is set")
+    return value
+
+
+def ensure_api_key(path: Path) -> None:
+    """Create a random key (mode 0600) once; a requeued job keeps the key its users already have."""
+    if path.exists() and path.read_text().strip():
+        return
+    write_atomic(path, secrets.token_urlsafe(32) + "\n", mode=0o600)
+
+
+def stage(src: Path, dst: Path) -> Path:
+    """Copy a snapshot to node-local disk, skipping files whose size and mtime already match."""
+    if not (src / "config.json").is_file():
+        raise SystemExit(f"tgi_hpc.slurm.job: no model at {src} (config.json missing)")
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if path.is_dir() or any(part.startswith(".") for part in rel.parts):
+            continue
+        target = dst / rel
+        stat = path.stat()
+        if target.exists():
+            tstat = target.stat()
+            if tstat.st_size == stat.st_size and int(tstat.st_mtime) == int(stat.st_mtime):
+                continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+    return dst
+
+
+def await_ready(ready_file: Path, pid: int, timeout: float = 24 * 3600) -> int:
+    """The port the engine bound, from the file it writes once listening; 0 if it died first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return int(json.loads(ready_file.read_text())["port"])
+        except (FileNotFoundError, ValueError, KeyError):
+            pass
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return 0
+        time.sleep(0.5)
+    return 0
+
+
+def write_endpoint(path: Path, port: int, api_key_file: str, model: str) -> Endpoint:
+    endpoint = Endpoint(
+        job_id=job_id(),
+        node=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        host=socket.gethostname(),
+        port=port,
+        api_key_file=api_key_file,
+        model=model,
+        restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+        started_at=time.time(),
+    )
+    write_atomic(path, endpoint.to_json() + "\n", mode=0o644)
+    return endpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    from tgi_hpc.errors import TgiHpcError
+
+    # In a job, progress (e.g. a long download) must reach the job's log.
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[tgi-hpc] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    try:
+        return _main(argv)
+    except TgiHpcError as exc:
+        print(f"[tgi-hpc] error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tgi_hpc.slurm.job")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pick-port")
+    p.add_argument("--base", type=int, default=10000)
+    p.add_argument("--exclude", type=int, action="append", default=[])
+    p = sub.add_parser("api-key")
+    p.add_argument("--file", type=Path, required=True)
+    p = sub.add_parser("write-endpoint")
+    p.add_argument("--file", type=Path, required=True)
+    p.add_argument("--port", type=int, help="the port (default: wait for --ready-file)")
+    p.add_argument("--ready-file", type=Path)
+    p.add_argument("--pid", type=int, default=0, help="the engine's pid: stop waiting if it dies")
+    p.add_argument("--api-key-file", default="")
+    p.add_argument("--model", default="")
+    p = sub.add_parser("stage")
+    p.add_argument("--src", type=Path, required=True)
+    p.add_argument("--dst", type=Path, required=True)
+    p = sub.add_parser("download")
+    p.add_argument("--model", required=True)
+    p.add_argument("--revision", default="main")
+    p.add_argument("--store", type=Path, required=True)
+    p = sub.add_parser("models")
+    p.add_argument("--store", type=Path, required=True)
+    p = sub.add_parser("models-rm")
+    p.add_argument("--store", type=Path, required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--revision")
+    p = sub.add_parser("compile")
+    p.add_argument("--release-dir", type=Path, required=True)
+    p.add_argument("--cuda-archs", default="")
+    p.add_argument("--with-kernels", action="store_true")
+    p.add_argument("--name")
+    p.add_argument("--torch-spec")
+    p.add_argument("--wheelhouse")
+    p.add_argument("--venv-tool", default="venv", choices=["venv", "virtualenv"])
+    args = parser.parse_args(argv)
+
+    if args.cmd == "pick-port":
+        port = pick_port(job_id(), base=args.base, exclude=set(args.exclude))
+        print(f"[tgi-hpc] port {port} (job {job_id()})", file=sys.stderr)
+        print(port)
+    elif args.cmd == "api-key":
+        ensure_api_key(args.file)
+    elif args.cmd == "write-endpoint":
+        port = args.port or await_ready(args.ready_file, args.pid or os.getppid())
+        if not port:
+            print("[tgi-hpc] the engine exited before listening: no endpoint published", file=sys.stderr)
+            return 1
+        endpoint = write_endpoint(args.file, port, args.api_key_file, args.model)
+        print(f"[tgi-hpc] endpoint {endpoint.url} written to {args.file}", file=sys.stderr)
+    elif args.cmd == "stage":
+        print(stage(args.src, args.dst))
+    elif args.cmd == "download":
+        from tgi_hpc.models.download import download_model
+
+        stored = download_model(args.model, args.store, revision=args.revision)  # token: HF_TOKEN or stored login
+        print(f"[tgi-hpc] stored {stored.model_id}@{stored.revision} in {stored.path}", file=sys.stderr)
+    elif args.cmd in ("models", "models-rm"):  # for a laptop: results as JSON
+        import json
+
+        from tgi_hpc.models.store import list_models, remove_model, stored_dict
+
+        if args.cmd == "models":
+            print(json.dumps([stored_dict(m) for m in list_models(args.store)]))
+        else:
+            print(json.dumps([str(p) for p in remove_model(args.store, args.model, args.revision)]))
+    elif args.cmd == "compile":
+        from tgi_hpc.release.build import build_release
+        from tgi_hpc.release.options import CompileOptions, release_spec
+
+        opts = CompileOptions(str(args.release_dir), args.name, args.cuda_archs, args.with_kernels,
+                              args.torch_spec, args.wheelhouse, args.venv_tool)
+        manifest = build_release(release_spec(str(args.release_dir), opts))
+        print(f"[tgi-hpc] release {args.release_dir}/{manifest.name} is current", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""What varies per submission (the profile holds what varies per cluster)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tgi_hpc.profiles.schema import JobKind, Resources
+
+JOB_NAME_PREFIX = "tgi-hpc-"
+
+
+@dataclass(frozen=True)
+class ShellPath:
+    """A path whose `base` may hold profile $VARS (expanded on the node) and whose `rel` is literal."""
+
+    base: str = ""
+    rel: str = ""
+
+    def __str__(self) -> str:
+        if self.base and self.rel:
+            return f"{self.base.rstrip('/')}/{self.rel}"
+        return self.base or self.rel
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    kind: JobKind
+    resources: Resources
+    keep_alive: bool = False
+    env: dict[str, str] = field(default_factory=dict)   # user --env K=V, literal values
+
+    @property
+    def name(self) -> str:
+        return JOB_NAME_PREFIX + self.kind
+
+
+@dataclass(frozen=True)
+class ServeSpec(JobSpec):
+    model: str = ""                    # as the user gave it (Hub id or directory)
+    model_dir: ShellPath = ShellPath()
+    num_shard: int = 1
+    engine_args: tuple[str, ...] = ()  # validated engine flags and values
+    api_key: bool = True
+    stage_model: bool = True           # copy weights to node-local disk first
+
+
+@dataclass(frozen=True)
+class DownloadSpec(JobSpec):
+    model: str = ""
+    revision: str = "main"
+
+
+@dataclass(frozen=True)
+class CompileSpec(JobSpec):
+    release_dir: ShellPath = ShellPath()
+    job_args: tuple[str, ...] = ()     # the compile options, for `python -m tgi_hpc.slurm.job compile`

@@ -1,0 +1,192 @@
+"""Turn `tgi-hpc serve` options into a ServeSpec: resolve the model, size the job, check engine flags."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tgi_hpc.errors import UsageError
+from tgi_hpc.models.size import estimate_params_b
+from tgi_hpc.models.store import model_dir, validate_model_id
+from tgi_hpc.profiles.loader import require_account, resources_for
+from tgi_hpc.profiles.rules import fit_partition
+from tgi_hpc.quoting import sh
+from tgi_hpc.remote.runner import LocalRunner
+from tgi_hpc.slurm.cluster import Cluster
+from tgi_hpc.slurm.jobspec import ServeSpec, ShellPath
+from tgi_hpc.workflows.checks import check_release, check_snapshot, find_shared_weights
+from tgi_hpc.workflows.engine_flags import engine_args
+
+# serve option -> engine (TGI launcher) flag
+LIMIT_FLAGS = {
+    "max_input_tokens": "--max-input-tokens", "max_total_tokens": "--max-total-tokens",
+    "max_batch_prefill_tokens": "--max-batch-prefill-tokens", "max_batch_total_tokens": "--max-batch-total-tokens",
+    "max_concurrent_requests": "--max-concurrent-requests", "max_best_of": "--max-best-of",
+    "max_stop_sequences": "--max-stop-sequences", "quantize": "--quantize", "dtype": "--dtype",
+}
+
+
+@dataclass
+class ServeOptions:
+    model: str
+    revision: str = "main"
+    gpus: int | None = None
+    time: str | None = None
+    partition: str | None = None
+    limits: dict[str, object] = field(default_factory=dict)   # keys of LIMIT_FLAGS
+    env: list[str] = field(default_factory=list)              # K=V
+    engine_args: list[str] = field(default_factory=list)      # FLAG=VALUE
+    keep_alive: bool = False
+    api_key: bool = True
+    shared_weights: bool = True    # look in the profile's read-only weight folders before the model store
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--env {item!r}: expected NAME=VALUE with NAME a valid variable name")
+        if key in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "API_KEY"):
+            raise UsageError(f"--env {key}=... would write a secret into the job script; "
+                             "export it in your shell instead (sbatch passes the environment on)")
+        env[key] = value
+    return env
+
+
+def _is_path(cluster: Cluster, model: str) -> bool:
+    if model.startswith(("/", ".", "~")):
+        return True
+    return isinstance(cluster.runner, LocalRunner) and Path(model).is_dir()
+
+
+def _model_location(cluster: Cluster, opts: ServeOptions) -> ShellPath:
+    """Where the job finds the weights: a snapshot directory, a read-only shared copy (Mila's
+    /network/weights), or the model store's copy of a Hub id."""
+    model, revision = opts.model, opts.revision
+    if _is_path(cluster, model):
+        return ShellPath("", cluster_path(cluster, model))
+    rel = model_dir(Path("/"), validate_model_id(model), revision).relative_to("/")
+    shared = cluster.profile.paths.shared_weights
+    if shared and opts.shared_weights and revision == "main":   # shared copies carry no revision
+        found = find_shared_weights(cluster, model, shared)
+        if found:
+            return ShellPath("", found)
+    return ShellPath(cluster.profile.paths.models, str(rel))
+
+
+def cluster_path(cluster: Cluster, path: str) -> str:
+    """An absolute path where the jobs run: resolved here on a login node, on the login node from a laptop."""
+    if isinstance(cluster.runner, LocalRunner):
+        return str(Path(path).expanduser().resolve())
+    if path.startswith("~/") or path == "~":
+        return cluster.expand("$HOME" + path[1:])
+    if not path.startswith("/"):
+        raise UsageError(f"{path!r}: from a laptop, give an absolute path on the cluster (or ~/...)")
+    return path
+
+
+def _read_config(cluster: Cluster, where: ShellPath) -> dict | None:
+    """The snapshot's config.json, read where the jobs run, if it is there already."""
+    path = cluster.expand(str(where), strict=False)
+    if "$" in path:
+        return None
+    try:
+        return json.loads(cluster.runner.read_file(f"{path}/config.json"))
+    except (OSError, ValueError):
+        return None
+
+
+def check_before_submit(cluster: Cluster, spec: ServeSpec, release: ShellPath, explicit_release: bool) -> None:
+    """The release and a complete snapshot must be where the job will look (else it fails after the queue)."""
+    in_store = spec.model_dir.base == cluster.profile.paths.models
+    check_snapshot(cluster, cluster.expand(str(spec.model_dir)), spec.model, in_store)
+    check_release(cluster, cluster.expand(str(release)), explicit_release)
+
+
+def build_serve_spec(cluster: Cluster, opts: ServeOptions) -> ServeSpec:
+    profile = cluster.profile
+    require_account(profile)
+    where = _model_location(cluster, opts)
+    size = estimate_params_b(opts.model, _read_config(cluster, where))
+    resources = resources_for(profile, "serve", size, opts.gpus)
+    default = profile.slurm.defaults.get("serve") if profile.slurm else None
+    resources = fit_partition(profile, resources, default.partition if default else None)
+    choices = {k: v for k, v in (("partition", opts.partition), ("time", opts.time)) if v}
+    if choices:
+        resources = resources.model_copy(update=choices)
+    num_shard = max(1, opts.gpus if opts.gpus is not None else (resources.gpus or 1))
+    if opts.limits.get("quantize") not in (None, "none"):
+        raise UsageError(f"--quantize {opts.limits['quantize']}: the engine does not support quantization yet "
+                         "(serve the bf16/fp16 weights; larger models get more GPUs from the catalog)")
+    argv = []
+    for key, value in opts.limits.items():
+        if value is not None:
+            argv += [LIMIT_FLAGS[key], str(value)]
+    argv += engine_args(opts.engine_args)
+    return ServeSpec(
+        kind="serve", resources=resources, keep_alive=opts.keep_alive, env=parse_env(opts.env),
+        model=opts.model, model_dir=where, num_shard=num_shard, engine_args=tuple(argv),
+        api_key=opts.api_key, stage_model=cluster.uses_slurm,
+    )
+
+
+def release_dir(cluster: Cluster, release: str | None) -> ShellPath:
+    """--release DIR, else the profile's current release; without Slurm, this very environment."""
+    if release:
+        return ShellPath("", cluster_path(cluster, release))
+    if not cluster.uses_slurm:
+        return ShellPath("", sys.prefix)
+    return ShellPath(cluster.profile.paths.releases, "current")
+
+
+@dataclass
+class ServeResult:
+    script: str
+    job_id: str | None = None
+    script_path: str | None = None
+    log_path: str | None = None
+    status: dict | None = None
+    again: str = ""                # options that reach this cluster, for the commands the summary prints
+
+    def to_dict(self) -> dict:
+        return {"job_id": self.job_id, "script_path": self.script_path, "log": self.log_path, "status": self.status}
+
+    def summary(self) -> str:
+        lines = [f"job {self.job_id} submitted", f"  log:    {self.log_path}", f"  script: {self.script_path}"]
+        if self.status and self.status.get("state") == "READY":
+            url, key = self.status["url"], self.status.get("api_key_file")
+            lines += [f"  READY at {url} on {self.status['node']}"]
+            auth = f' -H "Authorization: Bearer $(cat {sh(key)})"' if key else ""
+            lines += [f"  api key file: {key or '(none)'}",
+                      f"  try: curl {url}/generate{auth} -H 'Content-Type: application/json' "
+                      "-d '{\"inputs\": \"Hello\", \"parameters\": {\"max_new_tokens\": 20}}'"]
+        else:
+            lines += [f"  follow it with: tgi-hpc status {self.job_id}{self.again}"]
+        return "\n".join(lines)
+
+
+def run_serve(cluster: Cluster, opts: ServeOptions, *, release: str | None = None, dry_run: bool = False,
+              wait: bool = False, timeout: float = 1800, progress=lambda message: None,
+              again: str = "") -> ServeResult:
+    """Build, render, and (unless dry_run) submit; with wait, block until READY."""
+    from tgi_hpc.slurm import jobs
+
+    if dry_run and not cluster.is_local:
+        opts = replace(opts, shared_weights=False)  # a dry run from a laptop stays offline (no SSH)
+    spec = build_serve_spec(cluster, opts)
+    rel = release_dir(cluster, release)
+    if spec.model_dir.base == "" and cluster.profile.paths.shared_weights and not _is_path(cluster, opts.model):
+        progress(f"using the read-only copy of {opts.model} at {spec.model_dir.rel} (profile: paths.shared_weights)")
+    if dry_run:
+        return ServeResult(jobs.render(cluster, spec, release_dir=rel))
+    check_before_submit(cluster, spec, rel, explicit_release=release is not None)
+    sub = jobs.submit(cluster, spec, release_dir=rel)
+    progress(f"submitted job {sub.job_id} ({spec.model}, {spec.num_shard} shard(s)); log: {sub.log_path}")
+    result = ServeResult(sub.script, sub.job_id, sub.script_path, sub.log_path, again=again)
+    if wait:
+        result.status = jobs.wait(cluster, sub.job_id, until={"READY"}, timeout=timeout,
+                                  on_change=lambda st: progress(st.describe()),
+                                  on_beat=jobs.heartbeat(progress), again=again).to_dict()
+    return result
