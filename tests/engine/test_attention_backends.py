@@ -184,3 +184,19 @@ def test_launcher_offers_exactly_the_backends_there_are():
     from engine.launcher import ATTENTION_CHOICES
 
     assert sorted(ATTENTION_CHOICES) == sorted(selection.CHOICES)
+
+
+def test_attention_check_prints_what_release_verify_reads(tmp_path, capsys):
+    """`tgi-hpc release verify` runs `python -m engine.attention_check` on a GPU node and reads the last
+    stdout line as JSON: `ok`, `attention_backend`; a failure exits non-zero with the reason."""
+    import json
+
+    from engine.attention_check import main
+
+    assert main(["--device", "cpu", "--json-out", str(tmp_path / "check.json")]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["ok"] is True and printed["attention_backend"] == "portable"
+    assert json.loads((tmp_path / "check.json").read_text()) == printed
+    assert main(["--device", "cpu", "--attention-backend", "flash-attn"]) == 1
+    failed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert failed["ok"] is False and "needs a CUDA device" in failed["error"]
