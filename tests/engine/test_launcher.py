@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.launcher import build_parser, parse_args, to_config, write_ready_file
+from engine.launcher import build_parser, cpu_threads, parse_args, to_config, write_ready_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,6 +84,18 @@ def test_bad_env_values_name_the_variable(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--model-id", "m", "--cuda-graphs", "1,two"], environ={})
     assert "invalid batch sizes '1,two'" in capsys.readouterr().err
+
+
+def test_cpu_threads_leave_a_core_to_http_unless_told(capsys):
+    assert cpu_threads(None, 2, {}) == 1          # the 2-core VM: the model on one core, HTTP on the other
+    assert cpu_threads(None, 32, {}) == 31
+    assert cpu_threads(None, 1, {}) == 1          # never zero
+    assert cpu_threads(None, 8, {"OMP_NUM_THREADS": "3"}) is None   # torch already honours the env
+    assert cpu_threads(4, 2, {"OMP_NUM_THREADS": "3"}) == 4         # the flag wins
+    assert parse_args(["--model-id", "m"], environ={"CPU_THREADS": "2"}).cpu_threads == 2
+    with pytest.raises(SystemExit):
+        parse_args(["--model-id", "m", "--cpu-threads", "0"], environ={})
+    assert "--cpu-threads must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_api_key_stays_out_of_repr():
