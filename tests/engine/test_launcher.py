@@ -115,7 +115,7 @@ def test_real_server_with_env_api_key(model_path, tmp_path):
 
     secret = "env-secret-93d1"
     proc, url, log = start_server(model_path("smollm2"), tmp_path, "--json-output", "--max-total-tokens", "1024",
-                                  env={"API_KEY": secret})
+                                  "--cpu-threads", "1", env={"API_KEY": secret})
     try:
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         assert secret.encode() not in cmdline
@@ -152,6 +152,8 @@ def test_real_server_with_env_api_key(model_path, tmp_path):
     assert secret not in text
     assert any(json.loads(line).get("message", "").startswith("serving on") for line in text.splitlines()
                if line.startswith("{"))
+    assert any(json.loads(line).get("message", "").startswith("CPU: the model uses 1 torch threads")
+               for line in text.splitlines() if line.startswith("{"))
 
 
 def blocks(url: str) -> tuple[float, float]:
