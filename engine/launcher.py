@@ -283,7 +283,8 @@ def cpu_threads(requested: int | None, cores: int, environ: dict[str, str]) -> i
     Why one core fewer: every torch CPU op splits over an OpenMP team that waits at a barrier for its
     slowest thread, so a team on every core stalls whenever the HTTP thread, the tokenizer or a client
     on the same machine takes one. Measured on the 2-core VM under load (docs/benchmarks.md): a
-    16-sequence decode step took 2.5 s with 2 threads and 0.37 s with 1.
+    16-sequence decode step took 2.5 s with 2 threads and 0.37 s with 1. Steps with a big prefill
+    (while their requests wait for a first token, HTTP is idle) get every core: main() plans that.
     """
     if requested is not None:
         return requested
@@ -312,7 +313,11 @@ def main(argv: list[str] | None = None) -> int:
         threads = cpu_threads(args.cpu_threads, available_cpus(), dict(os.environ))
         if threads is not None:
             torch.set_num_threads(threads)
-        logger.info("CPU: the model uses %d torch threads on %d cores", torch.get_num_threads(), available_cpus())
+            config.cpu_threads = threads
+            if args.cpu_threads is None:  # prefill-heavy steps run while the HTTP side waits: every core
+                config.cpu_prefill_threads = available_cpus()
+        logger.info("CPU: the model uses %d torch threads on %d cores (%s for steps of >= 256 tokens)",
+                    torch.get_num_threads(), available_cpus(), config.cpu_prefill_threads or "the same")
     try:
         llm = LLMEngine(config)
     except (ValueError, FileNotFoundError) as exc:

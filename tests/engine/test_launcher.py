@@ -192,3 +192,25 @@ def test_flags_tgi_hpc_passes_through_exist_in_the_launcher():
 
     launcher_flags = {flag for action in build_parser({})._actions for flag in action.option_strings}
     assert (VALUE_FLAGS | SWITCH_FLAGS | RESERVED) - launcher_flags == set()
+
+
+def test_cpu_steps_take_every_core_only_for_big_prefills():
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.worker import PREFILL_STEP_TOKENS, set_step_threads
+
+    before = torch.get_num_threads()
+    try:
+        config = EngineConfig(cpu_threads=1, cpu_prefill_threads=2)
+        set_step_threads(config, PREFILL_STEP_TOKENS)
+        assert torch.get_num_threads() == 2
+        set_step_threads(config, 16)              # decode rows: one core left to HTTP
+        assert torch.get_num_threads() == 1
+        set_step_threads(EngineConfig(cpu_threads=1), 4096)   # --cpu-threads forces every step
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        set_step_threads(EngineConfig(), 4096)    # nothing planned (offline LLMEngine): torch's setting stays
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
