@@ -95,7 +95,7 @@ class Server:
     def start(self, timeout_s: float) -> str:
         print("starting: " + shlex.join(self.cmd), flush=True)
         env = dict(os.environ)
-        if self.threads:  # torch reads it at start-up; the launcher has no thread flag
+        if self.threads:  # torch reads it at start-up, and the launcher then leaves its default (--cpu-threads)
             env["OMP_NUM_THREADS"] = str(self.threads)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -325,7 +325,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-serial-max", type=int, default=0,
                         help="also run this many prompts through HF one at a time")
     parser.add_argument("--threads", type=int, help="torch CPU threads of the server (OMP_NUM_THREADS) and of "
-                        "the HF baseline (default: torch's choice, one per core)")
+                        "the HF baseline (default: each its own: the server every core but one, HF one per core)")
     parser.add_argument("--json-out", help="also write every number to this JSON file")
     args = parser.parse_args(argv)
     args.num_requests = args.num_requests or args.concurrency

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.launcher import build_parser, parse_args, to_config, write_ready_file
+from engine.launcher import build_parser, cpu_threads, parse_args, to_config, write_ready_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,6 +89,18 @@ def test_bad_env_values_name_the_variable(capsys):
     assert "invalid batch sizes '1,two'" in capsys.readouterr().err
 
 
+def test_cpu_threads_leave_a_core_to_http_unless_told(capsys):
+    assert cpu_threads(None, 2, {}) == 1          # the 2-core VM: the model on one core, HTTP on the other
+    assert cpu_threads(None, 32, {}) == 31
+    assert cpu_threads(None, 1, {}) == 1          # never zero
+    assert cpu_threads(None, 8, {"OMP_NUM_THREADS": "3"}) is None   # torch already honours the env
+    assert cpu_threads(4, 2, {"OMP_NUM_THREADS": "3"}) == 4         # the flag wins
+    assert parse_args(["--model-id", "m"], environ={"CPU_THREADS": "2"}).cpu_threads == 2
+    with pytest.raises(SystemExit):
+        parse_args(["--model-id", "m", "--cpu-threads", "0"], environ={})
+    assert "--cpu-threads must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_api_key_stays_out_of_repr():
     config = to_config(parse_args(["--model-id", "m"], environ={"API_KEY": "hunter2"}), "/m")
     assert config.api_key == "hunter2" and "hunter2" not in repr(config)
@@ -106,7 +118,7 @@ def test_real_server_with_env_api_key(model_path, tmp_path):
 
     secret = "env-secret-93d1"
     proc, url, log = start_server(model_path("smollm2"), tmp_path, "--json-output", "--max-total-tokens", "1024",
-                                  env={"API_KEY": secret})
+                                  "--cpu-threads", "1", env={"API_KEY": secret})
     try:
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         assert secret.encode() not in cmdline
@@ -143,6 +155,8 @@ def test_real_server_with_env_api_key(model_path, tmp_path):
     assert secret not in text
     assert any(json.loads(line).get("message", "").startswith("serving on") for line in text.splitlines()
                if line.startswith("{"))
+    assert any(json.loads(line).get("message", "").startswith("CPU: the model uses 1 torch threads")
+               for line in text.splitlines() if line.startswith("{"))
 
 
 def blocks(url: str) -> tuple[float, float]:
@@ -181,3 +195,25 @@ def test_flags_tgi_hpc_passes_through_exist_in_the_launcher():
 
     launcher_flags = {flag for action in build_parser({})._actions for flag in action.option_strings}
     assert (VALUE_FLAGS | SWITCH_FLAGS | RESERVED) - launcher_flags == set()
+
+
+def test_cpu_steps_take_every_core_only_for_big_prefills():
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.worker import PREFILL_STEP_TOKENS, set_step_threads
+
+    before = torch.get_num_threads()
+    try:
+        config = EngineConfig(cpu_threads=1, cpu_prefill_threads=2)
+        set_step_threads(config, PREFILL_STEP_TOKENS)
+        assert torch.get_num_threads() == 2
+        set_step_threads(config, 16)              # decode rows: one core left to HTTP
+        assert torch.get_num_threads() == 1
+        set_step_threads(EngineConfig(cpu_threads=1), 4096)   # --cpu-threads forces every step
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        set_step_threads(EngineConfig(), 4096)    # nothing planned (offline LLMEngine): torch's setting stays
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

