@@ -10,6 +10,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine, resolve_limits  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from fakes import FakeModelConfig, FakeRunner, fake_logits, reference_greedy, test_model_path  # noqa: E402
+from hf_reference import hf_greedy  # noqa: E402
 
 VOCAB = 1024
 
@@ -308,14 +309,6 @@ def hf_models():
     return load
 
 
-def hf_greedy(model, ids, max_new_tokens):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=model.generation_config.pad_token_id)
-    return out[0, len(ids):].tolist()
-
-
 def real_engine(name, **config):
     config.setdefault("cpu_kv_cache_bytes", 32 * 1024**2)     # allocating the default 512 MiB takes seconds
     return LLMEngine(EngineConfig(model_id=str(test_model_path(name)), device="cpu", dtype="float32", **config))
@@ -325,22 +318,13 @@ TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog and then ru
          "def add(a, b):\n    return a + b\n\nprint(add(2, 3))", "x"]
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-llama3-rope"])
-def test_greedy_matches_transformers(name, hf_models):
-    with real_engine(name) as engine:
-        assert engine.runner.attention_backend == "portable"
-        prompts = [engine.tokenizer.encode(t) for t in TEXTS]
-        outs = engine.generate(prompts, SamplingParams(max_new_tokens=16))
-    model = hf_models(name)
-    for ids, out in zip(prompts, outs):
-        assert [t.id for t in out.tokens] == hf_greedy(model, ids, 16)
-
-
-@pytest.mark.parametrize("name", ["tiny-mistral", "tiny-qwen2"])
-def test_greedy_with_the_triton_backend_matches_transformers(name, hf_models):
-    """Every backend this machine can run: Triton's kernels run here in its CPU interpreter."""
-    with real_engine(name, attention_backend="triton") as engine:
-        assert engine.runner.attention_backend == "triton"
+# every attention backend this machine can run: Triton's kernels run here in its CPU interpreter
+@pytest.mark.parametrize("name,backend", [(name, "portable") for name in
+                                          ("tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-llama3-rope")]
+                         + [("tiny-mistral", "triton"), ("tiny-qwen2", "triton")])
+def test_greedy_matches_transformers(name, backend, hf_models):
+    with real_engine(name, attention_backend=backend) as engine:
+        assert engine.runner.attention_backend == backend
         prompts = [engine.tokenizer.encode(t) for t in TEXTS]
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=16))
     model = hf_models(name)

@@ -11,6 +11,7 @@ from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from fakes import test_model_path  # noqa: E402
+from hf_reference import hf_greedy  # noqa: E402
 from test_model_runner import hf_logits, make_runner, random_sequences, run_schedule  # noqa: E402
 
 FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-gemma2", "tiny-gemma3", "tiny-phi3",
@@ -34,14 +35,6 @@ def hf_generate():
             outputs[key] = hf_greedy(models[name], ids, max_new_tokens)
         return outputs[key]
     return generate
-
-
-def hf_greedy(model, ids, max_new_tokens):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=model.generation_config.pad_token_id)
-    return out[0, len(ids):].tolist()
 
 
 def engine_for(name, **config):
