@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tgi_hpc.errors import UsageError
-from tgi_hpc.models.size import estimate_params_b
+from tgi_hpc.models.quantization import LEGACY_FILE, check_quantize, with_legacy_config
+from tgi_hpc.models.size import catalog_size_b
 from tgi_hpc.models.store import model_dir, validate_model_id
 from tgi_hpc.profiles.loader import require_account, resources_for
 from tgi_hpc.profiles.rules import fit_partition
@@ -88,14 +89,21 @@ def cluster_path(cluster: Cluster, path: str) -> str:
 
 
 def _read_config(cluster: Cluster, where: ShellPath) -> dict | None:
-    """The snapshot's config.json, read where the jobs run, if it is there already."""
+    """The snapshot's config.json (with an old GPTQ export's quantize_config.json folded in, as the engine
+    reads it), read where the jobs run, if it is there already."""
     path = cluster.expand(str(where), strict=False)
     if "$" in path:
         return None
+    config, legacy = _read_json(cluster, f"{path}/config.json"), _read_json(cluster, f"{path}/{LEGACY_FILE}")
+    return with_legacy_config(config, legacy) if isinstance(config, dict) else None
+
+
+def _read_json(cluster: Cluster, path: str) -> dict | None:
     try:
-        return json.loads(cluster.runner.read_file(f"{path}/config.json"))
+        found = json.loads(cluster.runner.read_file(path))
     except (OSError, ValueError):
         return None
+    return found if isinstance(found, dict) else None
 
 
 def check_before_submit(cluster: Cluster, spec: ServeSpec, release: ShellPath, explicit_release: bool) -> None:
@@ -109,7 +117,9 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions) -> ServeSpec:
     profile = cluster.profile
     require_account(profile)
     where = _model_location(cluster, opts)
-    size = estimate_params_b(opts.model, _read_config(cluster, where))
+    config = _read_config(cluster, where)
+    quantize = check_quantize(opts.limits.get("quantize"), config)   # refused here, before any queue
+    size = catalog_size_b(opts.model, config, quantize)
     resources = resources_for(profile, "serve", size, opts.gpus)
     default = profile.slurm.defaults.get("serve") if profile.slurm else None
     resources = fit_partition(profile, resources, default.partition if default else None)
@@ -117,11 +127,8 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions) -> ServeSpec:
     if choices:
         resources = resources.model_copy(update=choices)
     num_shard = max(1, opts.gpus if opts.gpus is not None else (resources.gpus or 1))
-    if opts.limits.get("quantize") not in (None, "none"):
-        raise UsageError(f"--quantize {opts.limits['quantize']}: the engine does not support quantization yet "
-                         "(serve the bf16/fp16 weights; larger models get more GPUs from the catalog)")
     argv = []
-    for key, value in opts.limits.items():
+    for key, value in {**opts.limits, "quantize": quantize}.items():
         if value is not None:
             argv += [LIMIT_FLAGS[key], str(value)]
     argv += engine_args(opts.engine_args)
