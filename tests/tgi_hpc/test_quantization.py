@@ -240,3 +240,27 @@ def test_engine_arg_cannot_bypass_the_check(capsys, store):
     _stored(store, "org/gptq", {**MODEL_24B, "quantization_config": GPTQ})
     code, _, err = _serve(capsys, store, "org/gptq", "--engine-arg", "--quantize=fp8")
     assert code == 2 and "tgi-hpc serve --quantize" in err
+
+
+def test_from_a_laptop_the_snapshot_is_read_over_ssh_and_a_dry_run_stays_offline(capsys, store, tmp_path,
+                                                                                  monkeypatch, sshd):
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "known_hosts").write_text(sshd.known_hosts_line())
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    _stored(store, "org/gptq", {**MODEL_24B, "quantization_config": GPTQ})
+    # Mila's store lives under $SCRATCH: a $VAR path, expanded on the login node ($HOME/../..: any home's depth).
+    remote_store = f"$HOME{'/..' * 32}{store}"
+    argv = ["serve", "--cluster", "mila", "--remote", "--set", "login_host=login", "--set", f"paths.models={remote_store}",
+            "--set", f"paths.jobs={tmp_path / 'jobs'}", "--model", "org/gptq", "--quantize", "fp8"]
+
+    def ssh_config(port: int) -> None:
+        (home / ".ssh" / "config").write_text(
+            f"Host login\n  HostName 127.0.0.1\n  Port {port}\n  IdentityFile {sshd.client_key}\n")
+
+    ssh_config(sshd.port)
+    assert main(argv) == 2 and "contradicts this gptq checkpoint" in capsys.readouterr().err
+    ssh_config(1)   # nothing listens there: a dry run must not even try
+    assert main([*argv, "--dry-run"]) == 0 and "--quantize fp8" in capsys.readouterr().out
+    assert not (tmp_path / "sbatch-called").exists()

@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tgi_hpc.errors import UsageError
+from tgi_hpc.errors import SlurmError, UsageError
 from tgi_hpc.models.quantization import LEGACY_FILE, check_quantize, with_legacy_config
 from tgi_hpc.models.size import catalog_size_b
 from tgi_hpc.models.store import model_dir, validate_model_id
@@ -88,11 +88,14 @@ def cluster_path(cluster: Cluster, path: str) -> str:
     return path
 
 
-def _read_config(cluster: Cluster, where: ShellPath) -> dict | None:
+def _read_config(cluster: Cluster, where: ShellPath, offline: bool) -> dict | None:
     """The snapshot's config.json (with an old GPTQ export's quantize_config.json folded in, as the engine
-    reads it), read where the jobs run, if it is there already."""
-    path = cluster.expand(str(where), strict=False)
-    if "$" in path:
+    reads it), read where the jobs run (over SSH from a laptop, unless `offline`), if it is there already."""
+    if offline and not cluster.is_local:
+        return None
+    try:
+        path = cluster.expand(str(where))
+    except SlurmError:
         return None
     config, legacy = _read_json(cluster, f"{path}/config.json"), _read_json(cluster, f"{path}/{LEGACY_FILE}")
     return with_legacy_config(config, legacy) if isinstance(config, dict) else None
@@ -113,11 +116,12 @@ def check_before_submit(cluster: Cluster, spec: ServeSpec, release: ShellPath, e
     check_release(cluster, cluster.expand(str(release)), explicit_release)
 
 
-def build_serve_spec(cluster: Cluster, opts: ServeOptions) -> ServeSpec:
+def build_serve_spec(cluster: Cluster, opts: ServeOptions, *, offline: bool = False) -> ServeSpec:
+    """`offline`: a dry run from a laptop, which opens no SSH connection (sized from the name then)."""
     profile = cluster.profile
     require_account(profile)
     where = _model_location(cluster, opts)
-    config = _read_config(cluster, where)
+    config = _read_config(cluster, where, offline)
     quantize = check_quantize(opts.limits.get("quantize"), config)   # refused here, before any queue
     size = catalog_size_b(opts.model, config, quantize)
     resources = resources_for(profile, "serve", size, opts.gpus)
@@ -180,9 +184,10 @@ def run_serve(cluster: Cluster, opts: ServeOptions, *, release: str | None = Non
     """Build, render, and (unless dry_run) submit; with wait, block until READY."""
     from tgi_hpc.slurm import jobs
 
-    if dry_run and not cluster.is_local:
-        opts = replace(opts, shared_weights=False)  # a dry run from a laptop stays offline (no SSH)
-    spec = build_serve_spec(cluster, opts)
+    offline = dry_run and not cluster.is_local   # a dry run from a laptop stays offline (no SSH)
+    if offline:
+        opts = replace(opts, shared_weights=False)
+    spec = build_serve_spec(cluster, opts, offline=offline)
     rel = release_dir(cluster, release)
     if spec.model_dir.base == "" and cluster.profile.paths.shared_weights and not _is_path(cluster, opts.model):
         progress(f"using the read-only copy of {opts.model} at {spec.model_dir.rel} (profile: paths.shared_weights)")
