@@ -42,9 +42,9 @@ def estimate_params_b(model: str, config: dict | None) -> float | None:
 
 
 def catalog_size_b(model: str, config: dict | None, quantize: str | None = None) -> float | None:
-    """Weight bytes / 2e9: a 70B GPTQ int4 checkpoint (about 36 GB) counts as 18B. The quantization is the
-    checkpoint's own (config.json) or `quantize` (formats made at load); without a config.json the whole
-    name-estimated size is scaled."""
+    """Weight bytes / 2e9: a 70B GPTQ int4 checkpoint (40 GB: int4 decoder layers, fp16 embeddings and LM
+    head) counts as 20B. The quantization is the checkpoint's own (config.json) or `quantize` (formats made
+    at load); without a config.json the whole name-estimated size is scaled."""
     bits = linear_weight_bits(config, quantize)
     if config is not None:
         try:
