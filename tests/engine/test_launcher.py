@@ -191,10 +191,10 @@ def test_a_dead_rank_stops_the_launcher_with_no_orphans(model_path, tmp_path):
 
 
 def test_flags_tgi_hpc_passes_through_exist_in_the_launcher():
-    from tgi_hpc.workflows.engine_flags import RESERVED, SWITCH_FLAGS, VALUE_FLAGS
+    from tgi_hpc.workflows.engine_flags import RESERVED, SERVE_OPTIONS, SWITCH_FLAGS, VALUE_FLAGS
 
     launcher_flags = {flag for action in build_parser({})._actions for flag in action.option_strings}
-    assert (VALUE_FLAGS | SWITCH_FLAGS | RESERVED) - launcher_flags == set()
+    assert (VALUE_FLAGS | SWITCH_FLAGS | RESERVED | SERVE_OPTIONS) - launcher_flags == set()
 
 
 def test_cpu_steps_take_every_core_only_for_big_prefills():

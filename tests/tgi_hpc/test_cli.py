@@ -102,9 +102,12 @@ def test_unknown_option_is_a_usage_error(run):
     assert code == 2 and "--modle" in err
 
 
-def test_quantize_is_refused_before_submitting(run):
-    code, _, err = run("serve", "--cluster", "mila", "--model", "a/b", "--dry-run", "--quantize", "awq")
-    assert code == 2 and "quantization" in err
+def test_quantize_passes_through_and_an_unknown_value_is_refused(run):
+    """More (stored snapshots, contradictions, sizing) in test_quantization.py."""
+    code, out, _ = run("serve", "--cluster", "mila", "--model", "a/b", "--dry-run", "--quantize", "bitsandbytes-nf4")
+    assert code == 0 and "--quantize bitsandbytes-nf4" in out
+    code, _, err = run("serve", "--cluster", "mila", "--model", "a/b", "--dry-run", "--quantize", "exl2")
+    assert code == 2 and "'exl2' is not one of" in err and "'compressed-tensors'" in err and "'fp8'" in err
 
 
 def test_stopping_an_unknown_job_says_so(run, tmp_path):

@@ -76,12 +76,24 @@ def _safetensors_repo(folder: Path, seed: int = 0) -> None:
     _write_json(folder / "original" / "params.json", {"dim": 64})
 
 
+def _gptq_repo(folder: Path) -> None:
+    """An old AutoGPTQ export: GPTQ's settings only in quantize_config.json, one oddly named weights file."""
+    rng = np.random.default_rng(2)
+    _tokenizer_files(folder)
+    _write_json(folder / "quantize_config.json", {"bits": 4, "group_size": 128, "desc_act": False, "sym": True})
+    save_file({"qweight": rng.integers(0, 2**31, (8, 64), dtype=np.int32)},
+              str(folder / "gptq_model-4bit-128g.safetensors"), metadata={"format": "pt"})
+    for junk in ("README.md", "recipe.yaml", "gptq_model-4bit-128g.bin"):
+        (folder / junk).write_bytes(os.urandom(1000))
+
+
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     root = tmp_path_factory.mktemp("hub")
     for name in ("tiny-st", "gated", "private", "corrupt"):
         _safetensors_repo(root / "acme" / name)
     _safetensors_repo(root / "acme" / "tiny-st@v2", seed=1)
+    _gptq_repo(root / "acme" / "tiny-gptq")
     _tokenizer_files(root / "acme" / "gguf-only")
     (root / "acme" / "gguf-only" / "model.gguf").write_bytes(b"GGUF" + os.urandom(100))
     srv = HubServer(root, gated={"acme/gated"}, private={"acme/private"}, tokens={TOKEN},
@@ -131,6 +143,14 @@ def test_plan_mistral_layout_skips_consolidated_and_single_file_wins_over_index(
     assert plan_files(both) == ["config.json", "model.safetensors"]
 
 
+def test_plan_keeps_what_quantized_formats_need():
+    """TheBloke-style GPTQ repo: one oddly named safetensors file and quantize_config.json beside config.json."""
+    gptq = ["config.json", "generation_config.json", "gptq_model-4bit-128g.safetensors", "quantize_config.json",
+            "tokenizer.json", "tokenizer_config.json", "README.md", "recipe.yaml", "awq/quantize_config.json"]
+    assert plan_files(gptq) == ["config.json", "generation_config.json", "gptq_model-4bit-128g.safetensors",
+                                "quantize_config.json", "tokenizer.json", "tokenizer_config.json"]
+
+
 def test_plan_bin_only_takes_weights_not_training_state():
     listing = ["config.json", "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin",
                "pytorch_model.bin.index.json", "training_args.bin", "optimizer.pt", "vocab.json", "merges.txt"]
@@ -159,6 +179,20 @@ def test_safetensors_repo_downloads_only_what_serving_needs(hub, tmp_path):
     assert model.size_bytes == sum((source / f).stat().st_size for f in SERVING_FILES)
     assert not (model.path / PARTIAL_DIR).exists()
     assert [m.model_id for m in list_models(tmp_path / "store")] == ["acme/tiny-st"]
+
+
+def test_a_gptq_export_keeps_quantize_config_json_and_serve_reads_it(hub, tmp_path, capsys):
+    from tgi_hpc.cli import main
+
+    _, url, root = hub
+    model = download_model("acme/tiny-gptq", tmp_path / "store", endpoint=url, progress=False)
+    wanted = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "quantize_config.json", "gptq_model-4bit-128g.safetensors"}
+    assert model.complete and _files(model.path) == wanted
+    assert all(_sha256(model.path / f) == _sha256(root / "acme" / "tiny-gptq" / f) for f in wanted)
+    code = main(["serve", "--cluster", "local", "--set", f"paths.models={tmp_path / 'store'}",
+                 "--model", "acme/tiny-gptq", "--dry-run", "--quantize", "fp8"])
+    assert code == 2 and "--quantize fp8 contradicts this gptq checkpoint" in capsys.readouterr().err
 
 
 def test_rerun_is_a_no_op_and_a_new_revision_gets_its_own_folder(hub, tmp_path):

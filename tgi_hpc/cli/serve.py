@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from tgi_hpc.cli._app import App, with_app
+from tgi_hpc.models.quantization import AT_LOAD, SUPPORTED
 
 LIMITS = ("max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens",
           "max_concurrent_requests", "max_best_of", "max_stop_sequences")
@@ -23,7 +24,9 @@ def _limit_options(func):
 @click.option("--time", "time_", help="Slurm time limit, e.g. 3:00:00.")
 @click.option("--partition", "-p", help="Slurm partition. Default: the profile's serve partition.")
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), help="Weights and compute dtype.")
-@click.option("--quantize", help="Quantization (not supported by the engine yet; refused with a clear error).")
+@click.option("--quantize", type=click.Choice(["none", *SUPPORTED], case_sensitive=False),
+              help=f"Quantize a float checkpoint at load ({', '.join(AT_LOAD)}); GPTQ, AWQ and "
+                   "compressed-tensors checkpoints are read from their config without it. Sizes the job.")
 @_limit_options
 @click.option("--env", "env", multiple=True, metavar="NAME=VALUE", help="Extra environment variable for the job.")
 @click.option("--engine-arg", "engine_args", multiple=True, metavar="FLAG=VALUE", help="Other engine flag, checked against the known ones.")

@@ -32,7 +32,9 @@ from tgi_hpc.models.store import (MANIFEST, PARTIAL_DIR, StoredModel, model_dir,
 
 logger = logging.getLogger(__name__)
 
-_CONFIG_FILES = {"config.json", "generation_config.json"}
+# quantize_config.json: older AutoGPTQ exports keep GPTQ's settings there, not in config.json (serve sizes the
+# job by it and the engine reads it). GPTQ/AWQ/compressed-tensors otherwise live in config.json itself.
+_CONFIG_FILES = {"config.json", "generation_config.json", "quantize_config.json"}
 _TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                     "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
                     "chat_template.json"}

@@ -1,12 +1,17 @@
-"""Estimate a model's size (billions of parameters) from config.json, or from its name."""
+"""Estimate a model's size (billions of parameters) from config.json, or from its name, and the size the
+profile's catalog compares (its `max_params_b` assume 2 bytes per parameter: a quantized model counts as
+the bf16 model with the same weight bytes)."""
 from __future__ import annotations
 
 import re
 
+from tgi_hpc.models.quantization import linear_weight_bits
+
 _NAME_SIZE = re.compile(r"(?<![0-9.])(\d+(?:\.\d+)?)\s*([bBmM])(?![a-zA-Z])")
 
 
-def params_from_config(config: dict) -> float:
+def param_split(config: dict) -> tuple[float, float]:
+    """(decoder linear layers, embeddings + LM head) in billions: only the first are ever quantized."""
     text = config.get("text_config", config)
     hidden = int(text["hidden_size"])
     layers = int(text["num_hidden_layers"])
@@ -18,7 +23,11 @@ def params_from_config(config: dict) -> float:
     attn = hidden * head_dim * (heads * 2 + kv_heads * 2)
     mlp = 3 * hidden * inter
     embed = vocab * hidden * (1 if text.get("tie_word_embeddings") else 2)
-    return (layers * (attn + mlp) + embed) / 1e9
+    return layers * (attn + mlp) / 1e9, embed / 1e9
+
+
+def params_from_config(config: dict) -> float:
+    return sum(param_split(config))
 
 
 def estimate_params_b(model: str, config: dict | None) -> float | None:
@@ -30,3 +39,18 @@ def estimate_params_b(model: str, config: dict | None) -> float | None:
             pass
     sizes = [float(n) / (1000 if unit in "mM" else 1) for n, unit in _NAME_SIZE.findall(model.split("/")[-1])]
     return max(sizes) if sizes else None
+
+
+def catalog_size_b(model: str, config: dict | None, quantize: str | None = None) -> float | None:
+    """Weight bytes / 2e9: a 70B GPTQ int4 checkpoint (40 GB: int4 decoder layers, fp16 embeddings and LM
+    head) counts as 20B. The quantization is the checkpoint's own (config.json) or `quantize` (formats made
+    at load); without a config.json the whole name-estimated size is scaled."""
+    bits = linear_weight_bits(config, quantize)
+    if config is not None:
+        try:
+            linear, other = param_split(config)
+            return linear * bits / 16 + other
+        except (KeyError, ValueError, TypeError):
+            pass
+    size = estimate_params_b(model, None)
+    return None if size is None else size * bits / 16

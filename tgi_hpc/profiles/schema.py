@@ -28,7 +28,8 @@ class Resources(_Strict):
 
 
 class CatalogEntry(_Strict):
-    """Default resources for models up to `max_params_b` billion parameters."""
+    """Default resources for models up to `max_params_b` billion parameters (at 2 bytes each: a quantized
+    model counts as its weight bytes / 2, see tgi_hpc.models.size.catalog_size_b)."""
 
     max_params_b: float
     label: str                            # e.g. "7-8B"

@@ -9,12 +9,14 @@ VALUE_FLAGS = {
     "--max-top-n-tokens", "--max-input-tokens", "--max-input-length", "--max-total-tokens",
     "--max-batch-prefill-tokens", "--max-batch-total-tokens", "--max-batch-size",
     "--waiting-served-ratio", "--cuda-memory-fraction", "--cors-allow-origin", "--load-format",
-    "--quantize", "--served-model-name", "--kv-cache-bytes", "--cuda-graphs", "--cpu-gemm", "--attention-backend",
-    "--block-size", "--cpu-threads",
+    "--served-model-name", "--kv-cache-bytes", "--cuda-graphs", "--cpu-gemm", "--attention-backend", "--block-size",
+    "--cpu-threads",
 }
 SWITCH_FLAGS = {"--json-output"}
 # Set by the job itself; --api-key in particular must never be on a command line.
 RESERVED = {"--model-id", "--port", "--hostname", "--master-port", "--master-addr", "--num-shard", "--api-key"}
+# Serve options: checked against the snapshot and used to size the job, so never passed around them.
+SERVE_OPTIONS = {"--quantize"}
 
 
 def engine_args(pairs: list[str]) -> list[str]:
@@ -24,6 +26,9 @@ def engine_args(pairs: list[str]) -> list[str]:
         flag, has_value, value = item.partition("=")
         if flag in RESERVED:
             raise UsageError(f"--engine-arg {flag} is set by tgi-hpc itself; use the serve option instead")
+        if flag in SERVE_OPTIONS:
+            raise UsageError(f"--engine-arg {flag}: use `tgi-hpc serve {flag}`, which checks it against the "
+                             "checkpoint and sizes the job by it")
         if flag in SWITCH_FLAGS and not has_value:
             argv.append(flag)
         elif flag in VALUE_FLAGS and has_value:

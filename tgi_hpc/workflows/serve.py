@@ -6,8 +6,9 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tgi_hpc.errors import UsageError
-from tgi_hpc.models.size import estimate_params_b
+from tgi_hpc.errors import SlurmError, UsageError
+from tgi_hpc.models.quantization import LEGACY_FILE, check_quantize, with_legacy_config
+from tgi_hpc.models.size import catalog_size_b
 from tgi_hpc.models.store import model_dir, validate_model_id
 from tgi_hpc.profiles.loader import require_account, resources_for
 from tgi_hpc.profiles.rules import fit_partition
@@ -87,15 +88,25 @@ def cluster_path(cluster: Cluster, path: str) -> str:
     return path
 
 
-def _read_config(cluster: Cluster, where: ShellPath) -> dict | None:
-    """The snapshot's config.json, read where the jobs run, if it is there already."""
-    path = cluster.expand(str(where), strict=False)
-    if "$" in path:
+def _read_config(cluster: Cluster, where: ShellPath, offline: bool) -> dict | None:
+    """The snapshot's config.json (with an old GPTQ export's quantize_config.json folded in, as the engine
+    reads it), read where the jobs run (over SSH from a laptop, unless `offline`), if it is there already."""
+    if offline and not cluster.is_local:
         return None
     try:
-        return json.loads(cluster.runner.read_file(f"{path}/config.json"))
+        path = cluster.expand(str(where))
+    except SlurmError:
+        return None
+    config, legacy = _read_json(cluster, f"{path}/config.json"), _read_json(cluster, f"{path}/{LEGACY_FILE}")
+    return with_legacy_config(config, legacy) if isinstance(config, dict) else None
+
+
+def _read_json(cluster: Cluster, path: str) -> dict | None:
+    try:
+        found = json.loads(cluster.runner.read_file(path))
     except (OSError, ValueError):
         return None
+    return found if isinstance(found, dict) else None
 
 
 def check_before_submit(cluster: Cluster, spec: ServeSpec, release: ShellPath, explicit_release: bool) -> None:
@@ -105,11 +116,14 @@ def check_before_submit(cluster: Cluster, spec: ServeSpec, release: ShellPath, e
     check_release(cluster, cluster.expand(str(release)), explicit_release)
 
 
-def build_serve_spec(cluster: Cluster, opts: ServeOptions) -> ServeSpec:
+def build_serve_spec(cluster: Cluster, opts: ServeOptions, *, offline: bool = False) -> ServeSpec:
+    """`offline`: a dry run from a laptop, which opens no SSH connection (sized from the name then)."""
     profile = cluster.profile
     require_account(profile)
     where = _model_location(cluster, opts)
-    size = estimate_params_b(opts.model, _read_config(cluster, where))
+    config = _read_config(cluster, where, offline)
+    quantize = check_quantize(opts.limits.get("quantize"), config)   # refused here, before any queue
+    size = catalog_size_b(opts.model, config, quantize)
     resources = resources_for(profile, "serve", size, opts.gpus)
     default = profile.slurm.defaults.get("serve") if profile.slurm else None
     resources = fit_partition(profile, resources, default.partition if default else None)
@@ -117,11 +131,8 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions) -> ServeSpec:
     if choices:
         resources = resources.model_copy(update=choices)
     num_shard = max(1, opts.gpus if opts.gpus is not None else (resources.gpus or 1))
-    if opts.limits.get("quantize") not in (None, "none"):
-        raise UsageError(f"--quantize {opts.limits['quantize']}: the engine does not support quantization yet "
-                         "(serve the bf16/fp16 weights; larger models get more GPUs from the catalog)")
     argv = []
-    for key, value in opts.limits.items():
+    for key, value in {**opts.limits, "quantize": quantize}.items():
         if value is not None:
             argv += [LIMIT_FLAGS[key], str(value)]
     argv += engine_args(opts.engine_args)
@@ -173,9 +184,10 @@ def run_serve(cluster: Cluster, opts: ServeOptions, *, release: str | None = Non
     """Build, render, and (unless dry_run) submit; with wait, block until READY."""
     from tgi_hpc.slurm import jobs
 
-    if dry_run and not cluster.is_local:
-        opts = replace(opts, shared_weights=False)  # a dry run from a laptop stays offline (no SSH)
-    spec = build_serve_spec(cluster, opts)
+    offline = dry_run and not cluster.is_local   # a dry run from a laptop stays offline (no SSH)
+    if offline:
+        opts = replace(opts, shared_weights=False)
+    spec = build_serve_spec(cluster, opts, offline=offline)
     rel = release_dir(cluster, release)
     if spec.model_dir.base == "" and cluster.profile.paths.shared_weights and not _is_path(cluster, opts.model):
         progress(f"using the read-only copy of {opts.model} at {spec.model_dir.rel} (profile: paths.shared_weights)")
