@@ -54,6 +54,7 @@ class ModelRunner:
         self.block_size: int = self._rank0.block_size
         self.num_kv_blocks: int = self._rank0.num_kv_blocks
         self.attention_backend: str = self._rank0.attention_backend
+        self.attention_checks: dict[str, str] = self._rank0.attention_report  # candidate -> "ok" or why not
         self.linear_backend: str = self._rank0.linear_backend
         graphs = self._rank0.graphs
         self.cuda_graph_sizes: list[int] = graphs.batch_sizes if graphs is not None else []

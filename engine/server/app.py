@@ -82,6 +82,7 @@ def _build_info(llm: Any, config: EngineConfig) -> Info:
         max_total_tokens=llm.max_total_tokens, max_top_n_tokens=config.max_top_n_tokens,
         max_batch_prefill_tokens=llm.max_batch_prefill_tokens, max_batch_total_tokens=llm.max_batch_total_tokens,
         num_shard=config.num_shard, attention_backend=str(stats.attention_backend),
+        attention_checks=dict(getattr(runner, "attention_checks", {})),
         linear_backend=str(getattr(runner, "linear_backend", "unknown")),
         cuda_graphs=list(getattr(runner, "cuda_graph_sizes", [])), block_size=stats.block_size,
         grammar_backend=f"llguidance {importlib.metadata.version('llguidance')}", version=version)

@@ -145,6 +145,7 @@ class Info(_Wire):
     validation_workers: int = 1
     num_shard: int
     attention_backend: str
+    attention_checks: dict[str, str] = Field(default_factory=dict)  # each candidate tried: "ok" or why not
     linear_backend: str = "unknown"
     cuda_graphs: list[int] = []
     block_size: int
