@@ -38,8 +38,6 @@ class EngineConfig:
     cuda_graphs: list[int] | None = None    # decode batch sizes to capture; None = 1,2,4..256; [] = none
     attention_backend: str = "auto"         # "auto" | "portable" | "triton" | "flash-attn" (engine/attention/)
     cpu_gemm: str = "auto"                  # "auto" | "onednn" | "aten": linear layers on CPU
-    cpu_threads: int | None = None          # torch threads of a CPU step; None = leave torch's setting
-    cpu_prefill_threads: int | None = None  # ... of a step with >= PREFILL_STEP_TOKENS tokens; None = cpu_threads
     # server
     hostname: str = "0.0.0.0"
     port: int = 3000

@@ -121,8 +121,9 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--block-size",), "BLOCK_SIZE", dict(type=_block_size, help="tokens per paged-KV block, a power of two "
                                            "(default: the attention backend's: 256 for flash-attn, else 16)")),
     (("--cpu-threads",), "CPU_THREADS",
-     dict(type=int, help="torch threads of the model on CPU (default: OMP_NUM_THREADS when set, else every core but "
-                         "one, which is left to the HTTP server and tokenizer, as vLLM-CPU does)")),
+     dict(type=int, help="torch threads of the model on CPU (default: OMP_NUM_THREADS when set, else every core "
+                         "of the allocation); on a machine shared with other busy processes, leave one or more "
+                         "cores free")),
     (("--cpu-gemm",), "CPU_GEMM", dict(default="auto", choices=["auto", "onednn", "aten"],
                                        help="linear layers on CPU: oneDNN with weights reordered at load, or "
                                             "torch's F.linear; auto = oneDNN when it passes a self-check")),
@@ -282,22 +283,6 @@ async def _serve(server: Any, sock: socket.socket, ready_file: str | None, engin
     watchdog.cancel()
 
 
-def cpu_threads(requested: int | None, cores: int, environ: dict[str, str]) -> int | None:
-    """torch threads of a single-rank CPU model while serving (None = leave torch's choice).
-
-    Why one core fewer: every torch CPU op splits over an OpenMP team that waits at a barrier for its
-    slowest thread, so a team on every core stalls whenever the HTTP thread, the tokenizer or a client
-    on the same machine takes one. Measured on the 2-core VM under load (docs/benchmarks.md): a
-    16-sequence decode step took 2.5 s with 2 threads and 0.37 s with 1. Steps with a big prefill
-    (while their requests wait for a first token, HTTP is idle) get every core: main() plans that.
-    """
-    if requested is not None:
-        return requested
-    if environ.get("OMP_NUM_THREADS"):
-        return None  # torch already took it
-    return max(1, cores - 1)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.json_output)
@@ -314,15 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     from engine.server.app import build_app
     from engine.worker import available_cpus, resolve_device
     if resolve_device(config.device, 0).type == "cpu" and config.num_shard == 1:  # TP ranks split the cores
+        # Every core by default: a Slurm job's cores are its own (cgroups), and on the idle 2-core VM two
+        # threads decode 1.4x faster than one (docs/benchmarks.md). Where other busy processes share the
+        # cores, an OpenMP team on all of them stalls at every barrier: --cpu-threads leaves some free.
         import torch
-        threads = cpu_threads(args.cpu_threads, available_cpus(), dict(os.environ))
-        if threads is not None:
-            torch.set_num_threads(threads)
-            config.cpu_threads = threads
-            if args.cpu_threads is None:  # prefill-heavy steps run while the HTTP side waits: every core
-                config.cpu_prefill_threads = available_cpus()
-        logger.info("CPU: the model uses %d torch threads on %d cores (%s for steps of >= 256 tokens)",
-                    torch.get_num_threads(), available_cpus(), config.cpu_prefill_threads or "the same")
+        if args.cpu_threads is not None:
+            torch.set_num_threads(args.cpu_threads)
+        logger.info("CPU: the model uses %d torch threads on %d cores", torch.get_num_threads(), available_cpus())
     try:
         llm = LLMEngine(config)
     except (ValueError, FileNotFoundError) as exc:

