@@ -73,38 +73,36 @@ def onednn_usable():
     return cpu_gemm.choose("auto", torch.device("cpu"), torch.float32) == "onednn"
 
 
+def assert_logits_match(path, reference_path=None, **overrides):
+    """Every position run_schedule reports equals transformers' logits (of `reference_path`, default the same
+    checkpoint); returns the closed runner, whose backends the callers check."""
+    sequences = random_sequences(ModelConfig.from_pretrained(path).vocab_size, [26, 23, 22])
+    with make_runner(path, **overrides) as runner:
+        seen = run_schedule(runner, sequences)
+    reference = hf_logits(reference_path or path, sequences)
+    for seq_id, positions in enumerate(seen):
+        assert len(positions) >= 10
+        for pos, logits in positions.items():
+            torch.testing.assert_close(logits, reference[seq_id][pos], atol=1e-4, rtol=0,
+                                       msg=f"{path.name} seq {seq_id} position {pos}")
+    return runner
+
+
 @pytest.mark.parametrize("gemm", ["onednn", "aten"])
 @pytest.mark.parametrize("name", TINY)
 def test_logits_match_transformers(model_path, name, gemm):
     if gemm == "onednn" and not onednn_usable():
         pytest.skip("this torch build has no usable oneDNN linear")
-    path = model_path(name)
-    config = ModelConfig.from_pretrained(path)
-    sequences = random_sequences(config.vocab_size, [26, 23, 22])
-    with make_runner(path, cpu_gemm=gemm) as runner:
-        assert runner.attention_backend == "portable" and runner.device.type == "cpu"
-        assert runner.linear_backend == gemm and runner.cuda_graph_sizes == []  # graphs are for CUDA only
-        seen = run_schedule(runner, sequences)
-    reference = hf_logits(path, sequences)
-    for seq_id, positions in enumerate(seen):
-        assert len(positions) >= 10
-        for pos, logits in positions.items():
-            torch.testing.assert_close(logits, reference[seq_id][pos], atol=1e-4, rtol=0,
-                                       msg=f"{name} seq {seq_id} position {pos}")
+    runner = assert_logits_match(model_path(name), cpu_gemm=gemm)
+    assert runner.attention_backend == "portable" and runner.device.type == "cpu"
+    assert runner.linear_backend == gemm and runner.cuda_graph_sizes == []  # graphs are for CUDA only
 
 
 @pytest.mark.parametrize("name", ["tiny-mistral", "tiny-qwen3"])
 def test_triton_backend_logits_match_transformers(model_path, name):
     """The Triton kernels (interpreted on this CPU) through the runner: prefill, chunks, mixed, decode."""
-    path = model_path(name)
-    sequences = random_sequences(ModelConfig.from_pretrained(path).vocab_size, [26, 23, 22])
-    with make_runner(path, attention_backend="triton", block_size=16) as runner:
-        assert runner.attention_backend == "triton"
-        seen = run_schedule(runner, sequences)
-    reference = hf_logits(path, sequences)
-    for seq_id, positions in enumerate(seen):
-        for pos, logits in positions.items():
-            torch.testing.assert_close(logits, reference[seq_id][pos], atol=1e-4, rtol=0)
+    runner = assert_logits_match(model_path(name), attention_backend="triton", block_size=16)
+    assert runner.attention_backend == "triton"
 
 
 def test_mistral_window_is_exercised(model_path):

@@ -12,7 +12,7 @@ from engine.model_config import ModelConfig  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from fakes import test_model_path  # noqa: E402
 from hf_reference import hf_greedy  # noqa: E402
-from test_model_runner import hf_logits, make_runner, random_sequences, run_schedule  # noqa: E402
+from test_model_runner import assert_logits_match, make_runner, random_sequences, run_schedule  # noqa: E402
 
 FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-gemma2", "tiny-gemma3", "tiny-phi3",
             "tiny-olmo2", "tiny-starcoder2", "tiny-gpt2"]
@@ -59,15 +59,7 @@ def assert_generations_match(engine, name, hf_generate, prompts, new_tokens):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_logits_match_transformers(name):
-    path = test_model_path(name)
-    sequences = random_sequences(ModelConfig.from_pretrained(path).vocab_size, [26, 23, 22])
-    with make_runner(path) as runner:
-        seen = run_schedule(runner, sequences)
-    reference = hf_logits(path, sequences)
-    for seq_id, positions in enumerate(seen):
-        for pos, logits in positions.items():
-            torch.testing.assert_close(logits, reference[seq_id][pos], atol=1e-4, rtol=0,
-                                       msg=f"{name} seq {seq_id} position {pos}")
+    assert_logits_match(test_model_path(name))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -144,16 +136,6 @@ def rewritten_checkpoint(name, tmp_path, rewrite):
     tensors = load_file(str(source / "model.safetensors"))
     save_file(rewrite(tensors), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     return tmp_path
-
-
-def assert_logits_match(path, reference_path):
-    sequences = random_sequences(ModelConfig.from_pretrained(path).vocab_size, [26, 23, 22])
-    with make_runner(path) as runner:
-        seen = run_schedule(runner, sequences)
-    reference = hf_logits(reference_path, sequences)
-    for seq_id, positions in enumerate(seen):
-        for pos, logits in positions.items():
-            torch.testing.assert_close(logits, reference[seq_id][pos], atol=1e-4, rtol=0)
 
 
 def test_gpt2_original_upload_layout_loads(tmp_path):
