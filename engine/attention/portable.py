@@ -79,7 +79,8 @@ class PortableBackend(AttentionBackend):
         if "portable" not in meta.extra:  # metadata built without this backend's prepare (tests, graphs)
             self.prepare(meta, {layer.sliding_window})
         decode, prefills = meta.extra["portable"]
-        out = q.new_empty(q.shape)
+        pure_decode = decode is not None and decode.rows is None  # the decode result is the whole output
+        out = None if pure_decode else q.new_empty(q.shape)
         keys = layer.k_cache.view(-1, layer.num_kv_heads, layer.head_dim)
         values = layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
         window = layer.sliding_window
@@ -90,7 +91,7 @@ class PortableBackend(AttentionBackend):
             context_k = keys.index_select(0, decode.key_slots).view(shape).transpose(1, 2)  # [B, kv, K, d]
             context_v = values.index_select(0, decode.key_slots).view(shape).transpose(1, 2)
             result = attend(layer, queries[:, :, None], context_k, context_v, decode.masks[window])[:, :, 0]
-            if decode.rows is None:
+            if pure_decode:
                 out = result
             else:
                 out[decode.rows] = result
