@@ -8,7 +8,6 @@ torch = pytest.importorskip("torch")
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from fakes import test_model_path  # noqa: E402
 from hf_reference import hf_greedy  # noqa: E402
