@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from support.releases import venv_release
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,3 +76,31 @@ def test_api_serve_ready_generate_metrics_stop_without_torch(local_cluster, mode
         assert out["imported"] == []
     finally:
         local_cluster.cancel(out["job_id"])
+
+
+@pytest.mark.slow
+def test_the_chained_evaluation_example_runs_after_the_serve_job(local_cluster, model_path, tmp_path):
+    """docs/examples/evaluate.py as its docstring says: the serve job's id from the API, then an evaluation job
+    submitted with --dependency=after:JOB that finds the cluster through the environment sbatch passes on."""
+    env = {**local_cluster.env, "PYTHONPATH": str(ROOT), "TGI_HPC_CLUSTER": str(local_cluster.profile),
+           "TGI_HPC_SET": f"paths.jobs={tmp_path / 'jobs'}"}
+    serve = (f"from tgi_hpc import api; print(api.serve({str(model_path('smollm2'))!r}, "
+             f"release={str(venv_release())!r}, max_total_tokens=2048).job_id)")
+    job = subprocess.run([sys.executable, "-c", serve], env=env, capture_output=True, text=True, timeout=120,
+                         check=True).stdout.strip()
+    evaluation = ""
+    try:
+        wrap = f"{sys.executable} {ROOT / 'docs/examples/evaluate.py'} {job} --timeout 240 --stop-server"
+        evaluation = subprocess.run(["sbatch", "--parsable", f"--dependency=after:{job}", "--partition=main-cpu",
+                                     "--time=0:10:00", f"--output={tmp_path / 'eval.out'}", "--wrap", wrap],
+                                    env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                                    check=True).stdout.strip().split(";")[0]
+        local_cluster.wait_for_state(evaluation, {"COMPLETED"}, timeout=360)
+        text = (tmp_path / "eval.out").read_text()
+        result = json.loads(text[text.index("{"):])
+        assert result["job_id"] == job and len(result["answers"]) == 3
+        assert all(row["answer"] for row in result["answers"]) and 0 <= result["score"] <= 1
+        assert result["server_counters"]["requests"] >= 3
+        local_cluster.wait_for_state(job, {"CANCELLED"}, timeout=60)     # --stop-server
+    finally:
+        local_cluster.cancel(job, *([evaluation] if evaluation else []))

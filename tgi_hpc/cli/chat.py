@@ -31,8 +31,10 @@ def _pending() -> bool:
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the job to be READY.")
 @with_app
 def chat(app: App, target, system, json_schema, max_tokens, temperature, timeout) -> None:
-    """Chat with JOB (default: my newest running serve job) through /v1/chat/completions: the server applies the
-    model's chat template. /system TEXT, /reset, /exit (or Ctrl-D), /help; a line ending in \\ goes on."""
+    """Chat with JOB's model (default: my newest running serve job), answers streamed.
+
+    Through /v1/chat/completions: the server applies the model's chat template. /system TEXT, /reset,
+    /exit (or Ctrl-D), /help; a line ending in \\ goes on, a line of \"\"\" opens a block, a paste is one message."""
     from tgi_hpc.workflows import access
     from tgi_hpc.workflows.chat import ChatClient, Conversation, response_format
 

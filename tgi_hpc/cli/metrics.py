@@ -47,9 +47,10 @@ def _table(summary):
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the job to be READY.")
 @with_app
 def metrics(app: App, target, interval, window, timeout) -> None:
-    """Live tokens/s (prompt, generated), running and waiting requests, KV-cache usage, prefix-cache hit rate and
-    p50/p90 request latency of JOB (default: my newest running serve job), from its /metrics.
+    """Live numbers of JOB's server (default: my newest running serve job), from its /metrics.
 
+    Prompt and generated tokens/s, requests/s, running and waiting requests, KV-cache usage, prefix-cache hit
+    rate, p50/p90 request latency; rates as Prometheus' rate() computes them, over --window seconds.
     With --json, one sample: two scrapes --interval apart, the rates between them and the counters."""
     from tgi_hpc.workflows import access, metrics as m
 
