@@ -120,9 +120,9 @@ def register(state_file: str, job_id: str) -> Replica:
                          generation=int(os.environ.get(GENERATION_ENV, "0") or 0), submitted_at=times["SubmitTime"])
             st.jobs.append(me)
         me.state, me.started_at, me.ends_at = "starting", started, times["EndTime"]
-        eligible = max(times["EligibleTime"], times["SubmitTime"], me.begin_at)
+        eligible = max(times["EligibleTime"], times["SubmitTime"])   # Slurm's clock: --begin and holds included
         if eligible:
-            st.observe(queue_wait_s=started - eligible)
+            st.observe(queue_wait_s=max(0.0, started - eligible))
         return Replica(**vars(me))
 
 
