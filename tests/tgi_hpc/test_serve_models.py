@@ -153,6 +153,8 @@ def test_hostile_adapter_folders_and_model_folders_run_nothing(hostile, tmp_path
         _bash_n(script)
         records = _run_until_recorded(script, tmp_path / f"rec{i}", 2)
         assert not marker.exists(), f"{value!r} ran as shell"
+        # the folder names hold the marker's path with "/" replaced: run, it would land in the job's cwd
+        assert not list((tmp_path / f"rec{i}").glob("*pwned*")), f"{name!r} ran as shell"
         argvs = sorted((r["argv"] for r in records), key=lambda a: a[a.index("--model-id") + 1] != str(model))
         assert argvs[0][argvs[0].index("--lora-adapters") + 1] == f"lora{i}={lora}"
         assert argvs[1][argvs[1].index("--model-id") + 1] == str(other) and "--lora-adapters" not in argvs[1]
@@ -163,7 +165,7 @@ def _run_until_recorded(script: str, where: Path, count: int, env: dict | None =
     env = {**os.environ, "TGI_HPC_JOB_ID": "4243", "STANDIN_RECORD": str(where / "{port}.json"),
            "SLURM_TMPDIR": str(where), **(env or {})}
     proc = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, cwd=where)
     try:
         deadline = time.monotonic() + 30
         while len(list(where.glob("*.json"))) < count and time.monotonic() < deadline:
