@@ -33,7 +33,7 @@ class GenerateParameters(_Wire):
     do_sample: bool = False
     max_new_tokens: int | None = Field(default=None, ge=0, json_schema_extra=_min(1))
     return_full_text: bool | None = None
-    stop: list[str] = Field(default_factory=list)
+    stop: list[str] | None = Field(default_factory=list)   # null is [] (the validator below)
     truncate: int | None = Field(default=None, ge=0)
     watermark: bool = False
     details: bool = False
