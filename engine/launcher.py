@@ -108,6 +108,13 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
      dict(type=int, help="tokens of all running requests (default: what the KV cache holds)")),
     (("--max-batch-size",), "MAX_BATCH_SIZE", dict(type=int, help="requests per step")),
     (("--waiting-served-ratio",), "WAITING_SERVED_RATIO", dict(default=0.3, type=float, help="as in TGI")),
+    (("--max-new-tokens-default",), "MAX_NEW_TOKENS_DEFAULT",
+     dict(default=1024, type=int, help="tokens generated when a request sets no limit (max_new_tokens, max_tokens, "
+                                       "max_completion_tokens), cut to the room the prompt leaves; 0 = all that "
+                                       "room, TGI's behaviour. /v1/completions keeps OpenAI's default of 16")),
+    (("--prefix-caching",), "PREFIX_CACHING",
+     dict(default=True, type=_bool, help="share the KV blocks of equal prompt prefixes between requests "
+                                         "(true|false); the hits show as usage.prompt_tokens_details.cached_tokens")),
     (("--cuda-memory-fraction",), "CUDA_MEMORY_FRACTION",
      dict(default=1.0, type=float, help="share of the GPU this process may use")),
     (("--kv-cache-bytes",), "KV_CACHE_BYTES", dict(type=_size, help="KV-cache budget on CPU, e.g. 512MiB")),
@@ -127,6 +134,10 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--cpu-gemm",), "CPU_GEMM", dict(default="auto", choices=["auto", "onednn", "aten"],
                                        help="linear layers on CPU: oneDNN with weights reordered at load, or "
                                             "torch's F.linear; auto = oneDNN when it passes a self-check")),
+    (("--drain-timeout",), "DRAIN_TIMEOUT",
+     dict(default=25.0, type=float, help="seconds requests in flight get to finish after SIGTERM (new connections "
+                                         "are refused, /health answers 503 draining); keep it below Slurm's "
+                                         "KillWait (30 s by default), after which Slurm kills the job")),
 ]
 
 
@@ -163,6 +174,8 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
             parser.error(f"{var}={value!r} is not one of {', '.join(map(str, action.choices))}")
     if args.model_id is None:
         parser.error("--model-id is required (or set MODEL_ID)")
+    if int(args.max_new_tokens_default) < 0:
+        parser.error(f"--max-new-tokens-default must be >= 0 (0 = all the room left), got {args.max_new_tokens_default}")
     if args.cpu_threads is not None and int(args.cpu_threads) < 1:
         parser.error(f"--cpu-threads must be >= 1, got {args.cpu_threads}")
     if args.quantize not in (None, "", "none"):
@@ -187,7 +200,8 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         max_top_n_tokens=args.max_top_n_tokens, max_input_tokens=args.max_input_tokens,
         max_total_tokens=args.max_total_tokens, max_batch_prefill_tokens=args.max_batch_prefill_tokens,
         max_batch_total_tokens=args.max_batch_total_tokens, max_batch_size=args.max_batch_size,
-        waiting_served_ratio=args.waiting_served_ratio, cuda_memory_fraction=args.cuda_memory_fraction,
+        waiting_served_ratio=args.waiting_served_ratio, max_new_tokens_default=args.max_new_tokens_default,
+        prefix_caching=args.prefix_caching, cuda_memory_fraction=args.cuda_memory_fraction,
         hostname=args.hostname, port=args.port, api_key=args.api_key or None,
         cors_allow_origin=list(args.cors_allow_origin or []), json_output=args.json_output,
         served_model_name=args.served_model_name or args.model_id, cpu_gemm=args.cpu_gemm,
@@ -269,9 +283,12 @@ async def _exit_when_engine_dies(server: Any, engine: Any) -> None:
         await asyncio.sleep(0.5)
 
 
-async def _serve(server: Any, sock: socket.socket, ready_file: str | None, engine: Any) -> None:
+async def _serve(server: Any, sock: socket.socket, ready_file: str | None, engine: Any, drain: Any) -> None:
+    from engine.server.drain import drain_when_asked
+
     task = asyncio.create_task(server.serve(sockets=[sock]))
     watchdog = asyncio.create_task(_exit_when_engine_dies(server, engine))
+    draining = asyncio.create_task(drain_when_asked(server, drain))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
@@ -281,6 +298,7 @@ async def _serve(server: Any, sock: socket.socket, ready_file: str | None, engin
             write_ready_file(ready_file, {"host": host, "port": port, "pid": os.getpid()})
     await task
     watchdog.cancel()
+    draining.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
     from engine.server.app import build_app
+    from engine.server.drain import Drain, DrainMiddleware
     from engine.worker import available_cpus, resolve_device
     if resolve_device(config.device, 0).type == "cpu" and config.num_shard == 1:  # TP ranks split the cores
         # Every core by default: a Slurm job's cores are its own (cgroups), and on the idle 2-core VM two
@@ -313,13 +332,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # The model runs in the main thread (faster CPU kernels, see AsyncEngine.run_here); HTTP in a thread.
     engine = AsyncEngine(llm)
-    app = build_app(engine, config)
+    drain = Drain(args.drain_timeout)
+    app = DrainMiddleware(build_app(engine, config), drain)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", timeout_graceful_shutdown=5))
-    http = threading.Thread(target=lambda: asyncio.run(_serve(server, sock, args.ready_file, engine)), name="http",
-                            daemon=True)
+    http = threading.Thread(target=lambda: asyncio.run(_serve(server, sock, args.ready_file, engine, drain)),
+                            name="http", daemon=True)
 
     def stop(signum: int, frame: Any) -> None:
-        server.should_exit = True
+        if drain.draining:  # a second signal: stop now
+            server.should_exit = True
+        drain.begin()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)

@@ -64,6 +64,9 @@ class ServeSpec(JobSpec):
     stage_model: bool = True           # copy weights to node-local disk first
     loras: tuple[LoraAdapter, ...] = ()      # adapters of `model` (several models: in `engines`)
     engines: tuple[EngineSpec, ...] = ()     # several models: every engine, the first being `model`
+    service: str = ""                  # a service's job (tgi_hpc/service/): its name, state file and shared key
+    service_state: str = ""
+    service_key_file: str = ""
 
 
 @dataclass(frozen=True)
