@@ -62,6 +62,15 @@ def _block_size(text: str) -> int:
 ATTENTION_CHOICES = ["auto", "flash-attn", "triton", "portable", "flash", "sdpa", "torch"]
 
 
+def _lora_adapters(text: str) -> list[tuple[str, str]]:
+    from engine.lora.names import parse_lora_adapters  # torch-free
+
+    try:
+        return parse_lora_adapters(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -81,6 +90,10 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--quantize",), "QUANTIZE", dict(help="fp8 | bitsandbytes | bitsandbytes-nf4 | bitsandbytes-fp4 quantize "
                                             "a float checkpoint at load; gptq | awq | compressed-tensors "
                                             "checkpoints are read from their config without it")),
+    (("--lora-adapters",), "LORA_ADAPTERS",
+     dict(type=_lora_adapters, help="PEFT LoRA adapters served beside the base model: NAME=DIR,NAME2=DIR2 (a bare DIR "
+                                    "is named after its directory); a request picks one with parameters.adapter_id "
+                                    "or OpenAI's `model`")),
     (("--trust-remote-code",), "TRUST_REMOTE_CODE", dict(default=False, type=_bool, nargs="?", const=True,
                                                          help="allow custom tokenizer code from the snapshot")),
     (("--num-shard",), "NUM_SHARD", dict(default=1, type=int, help="tensor-parallel ranks (one GPU each)")),
@@ -181,7 +194,7 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     config = EngineConfig(
         model_id=model_dir, revision=args.revision, dtype=args.dtype, load_format=args.load_format,
         quantize=args.quantize if args.quantize not in (None, "", "none") else None,
-        trust_remote_code=args.trust_remote_code, num_shard=args.num_shard, master_addr=args.master_addr,
+        trust_remote_code=args.trust_remote_code, lora_adapters=list(args.lora_adapters or []), num_shard=args.num_shard, master_addr=args.master_addr,
         master_port=args.master_port, device=args.device, max_concurrent_requests=args.max_concurrent_requests,
         max_best_of=args.max_best_of, max_stop_sequences=args.max_stop_sequences,
         max_top_n_tokens=args.max_top_n_tokens, max_input_tokens=args.max_input_tokens,

@@ -46,6 +46,7 @@ class Sequence:
     stop: StopMatcher | None = None
     prefill_tokens: list[TokenInfo] | None = None
     grammar: Any = None     # llguidance.LLMatcher fed every generated token; kept across preemption (tokens are too)
+    adapter: int = 0        # LoRA adapter index (engine/lora), 0 = the base model; part of the prefix-cache keys
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
