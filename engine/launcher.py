@@ -223,6 +223,18 @@ def resolve_model_dir(model_id: str, revision: str | None) -> str:
                          f"`hf download {model_id}`, or pass the snapshot directory") from None
 
 
+def resolve_adapter_dir(path: str) -> str:
+    """A LoRA adapter directory as is; a Hub id from the local HF cache when it is there (else left for the
+    adapter check to refuse with its own message)."""
+    if Path(path).is_dir() or path.count("/") != 1 or path.startswith((".", "/")):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(path, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached: the adapter check says so
+        return path
+
+
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {"timestamp": self.formatTime(record), "level": record.levelname, "target": record.name,
@@ -302,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv[1:]):
         logger.warning("--api-key on the command line is visible to other users (ps); set API_KEY instead")
     config = to_config(args, resolve_model_dir(args.model_id, args.revision))
+    config.lora_adapters = [(name, resolve_adapter_dir(path)) for name, path in config.lora_adapters]
     logger.info("config: %r; API key %s", config, "required" if config.api_key else "not set")
     sock = bind_socket(config.hostname, config.port)  # fail fast, before minutes of weight loading
 

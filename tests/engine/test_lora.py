@@ -264,3 +264,14 @@ def test_clients_pick_adapters_by_adapter_id_and_openai_model(tiny, tmp_path):
         assert "unknown adapter 'a3': loaded adapters are 'a1', 'a2'" in refused.value.response.json()["error"]
     finally:
         stop_server(proc)
+
+
+def test_adapters_on_a_quantized_base_match_the_merged_dequantized_model(tiny, tmp_path):
+    from quant_packers import build
+
+    quant, reference = build("gptq", dict(bits=4, group_size=16), tiny["base"], tmp_path)
+    merged = make_adapter(reference, tmp_path / "q", seed=7)
+    with engine_with(quant, [("q", tmp_path / "q")]) as engine:
+        ids = engine.tokenizer.encode(TEXTS[1])
+        (out,) = engine.generate([ids], greedy("q"))
+    assert [t.id for t in out.tokens] == hf_greedy(merged, ids, 12)
