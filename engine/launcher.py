@@ -194,7 +194,8 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     config = EngineConfig(
         model_id=model_dir, revision=args.revision, dtype=args.dtype, load_format=args.load_format,
         quantize=args.quantize if args.quantize not in (None, "", "none") else None,
-        trust_remote_code=args.trust_remote_code, lora_adapters=list(args.lora_adapters or []), num_shard=args.num_shard, master_addr=args.master_addr,
+        trust_remote_code=args.trust_remote_code, lora_adapters=list(args.lora_adapters or []),
+        num_shard=args.num_shard, master_addr=args.master_addr,
         master_port=args.master_port, device=args.device, max_concurrent_requests=args.max_concurrent_requests,
         max_best_of=args.max_best_of, max_stop_sequences=args.max_stop_sequences,
         max_top_n_tokens=args.max_top_n_tokens, max_input_tokens=args.max_input_tokens,

@@ -51,7 +51,8 @@ class LayerLora:
         offset, start, size = layer.output_piece(part)
         b_rows = b[start:start + size]
         self.a[index, slot:slot + rank] = torch.as_tensor(a_rows).to(self.a.dtype)
-        self.b[index, offset:offset + size, slot:slot + rank] = (torch.as_tensor(b_rows).float() * scale).to(self.b.dtype)
+        scaled = torch.as_tensor(b_rows).float() * scale
+        self.b[index, offset:offset + size, slot:slot + rank] = scaled.to(self.b.dtype)
 
 
 def _parts(layer: LinearBase) -> tuple[Any, ...]:

@@ -86,7 +86,8 @@ def _build_info(llm: Any, config: EngineConfig) -> Info:
         attention_checks=dict(getattr(runner, "attention_checks", {})),
         linear_backend=str(getattr(runner, "linear_backend", "unknown")),
         cuda_graphs=list(getattr(runner, "cuda_graph_sizes", [])), block_size=stats.block_size,
-        lora_adapters=[name for name, _ in config.lora_adapters], lora_backend=str(getattr(runner, "lora_backend", "none")),
+        lora_adapters=[name for name, _ in config.lora_adapters],
+        lora_backend=str(getattr(runner, "lora_backend", "none")),
         grammar_backend=f"llguidance {importlib.metadata.version('llguidance')}", version=version)
 
 

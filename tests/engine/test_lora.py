@@ -258,7 +258,8 @@ def test_clients_pick_adapters_by_adapter_id_and_openai_model(tiny, tmp_path):
             assert completion.choices[0].text == texts[adapter], model
         r = httpx.post(f"{url}/generate", json={"inputs": prompt, "parameters": {"adapter_id": "nope"}})
         assert r.status_code == 422 and r.json()["error_type"] == "validation"
-        assert "unknown adapter 'nope': loaded adapters are 'a1', 'a2' (or 'tiny' for the base model)" in r.json()["error"]
+        error = r.json()["error"]
+        assert "unknown adapter 'nope': loaded adapters are 'a1', 'a2' (or 'tiny' for the base model)" in error
         with pytest.raises(openai.UnprocessableEntityError) as refused:
             client.completions.create(model="a3", prompt=prompt, max_tokens=2)
         assert "unknown adapter 'a3': loaded adapters are 'a1', 'a2'" in refused.value.response.json()["error"]
