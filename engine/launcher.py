@@ -140,6 +140,10 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--cpu-gemm",), "CPU_GEMM", dict(default="auto", choices=["auto", "onednn", "aten"],
                                        help="linear layers on CPU: oneDNN with weights reordered at load, or "
                                             "torch's F.linear; auto = oneDNN when it passes a self-check")),
+    (("--drain-timeout",), "DRAIN_TIMEOUT",
+     dict(default=25.0, type=float, help="seconds requests in flight get to finish after SIGTERM (new connections "
+                                         "are refused, /health answers 503 draining); keep it below Slurm's "
+                                         "KillWait (30 s by default), after which Slurm kills the job")),
 ]
 
 
@@ -295,9 +299,12 @@ async def _exit_when_engine_dies(server: Any, engine: Any) -> None:
         await asyncio.sleep(0.5)
 
 
-async def _serve(server: Any, sock: socket.socket, ready_file: str | None, engine: Any) -> None:
+async def _serve(server: Any, sock: socket.socket, ready_file: str | None, engine: Any, drain: Any) -> None:
+    from engine.server.drain import drain_when_asked
+
     task = asyncio.create_task(server.serve(sockets=[sock]))
     watchdog = asyncio.create_task(_exit_when_engine_dies(server, engine))
+    draining = asyncio.create_task(drain_when_asked(server, drain))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
@@ -307,6 +314,7 @@ async def _serve(server: Any, sock: socket.socket, ready_file: str | None, engin
             write_ready_file(ready_file, {"host": host, "port": port, "pid": os.getpid()})
     await task
     watchdog.cancel()
+    draining.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
     from engine.server.app import build_app
+    from engine.server.drain import Drain, DrainMiddleware
     from engine.worker import available_cpus, resolve_device
     if resolve_device(config.device, 0).type == "cpu" and config.num_shard == 1:  # TP ranks split the cores
         # Every core by default: a Slurm job's cores are its own (cgroups), and on the idle 2-core VM two
@@ -340,13 +349,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # The model runs in the main thread (faster CPU kernels, see AsyncEngine.run_here); HTTP in a thread.
     engine = AsyncEngine(llm)
-    app = build_app(engine, config)
+    drain = Drain(args.drain_timeout)
+    app = DrainMiddleware(build_app(engine, config), drain)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", timeout_graceful_shutdown=5))
-    http = threading.Thread(target=lambda: asyncio.run(_serve(server, sock, args.ready_file, engine)), name="http",
-                            daemon=True)
+    http = threading.Thread(target=lambda: asyncio.run(_serve(server, sock, args.ready_file, engine, drain)),
+                            name="http", daemon=True)
 
     def stop(signum: int, frame: Any) -> None:
-        server.should_exit = True
+        if drain.draining:  # a second signal: stop now
+            server.should_exit = True
+        drain.begin()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)

@@ -13,6 +13,7 @@ from tgi_hpc.cli.download import download, models
 from tgi_hpc.cli.jobs import logs, status, stop
 from tgi_hpc.cli.profiles import profiles
 from tgi_hpc.cli.serve import serve
+from tgi_hpc.cli.service import endpoint
 from tgi_hpc.cli.tunnel import ssh_config, tunnel
 
 
@@ -49,7 +50,7 @@ def cli() -> None:
 
 
 for command in (serve, status, logs, stop, download, models, compile_command, release, profiles, tunnel,
-                ssh_config, completion):
+                ssh_config, completion, endpoint):
     cli.add_command(command)
 
 

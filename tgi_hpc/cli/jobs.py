@@ -77,12 +77,26 @@ def logs(app: App, job_id, follow) -> None:
 @click.option("--all", "all_jobs", is_flag=True, help="Stop all my tgi-hpc jobs.")
 @with_app
 def stop(app: App, job_ids, all_jobs) -> None:
-    """Cancel JOB_IDS (or --all of my tgi-hpc jobs)."""
+    """Cancel JOB_IDS (or --all of my tgi-hpc jobs); a SERVICE name stops the whole service."""
     from tgi_hpc.errors import UsageError
     from tgi_hpc.slurm import jobs
 
     if bool(job_ids) == all_jobs:
         raise UsageError("give job ids or --all (not both)")
+    from tgi_hpc.service.state import is_job_id
+
+    services = [j for j in job_ids if not is_job_id(j)]
+    if services:   # a service: no successor any more, then its jobs are cancelled
+        from tgi_hpc.workflows.service import stop_service
+
+        cluster = app.cluster()
+        done = {name: stop_service(cluster, name) for name in services}
+        if len(services) == len(job_ids):
+            app.emit({"stopped": [j for ids in done.values() for j in ids], "services": done},
+                     "\n".join(f"service {n} stopped" + (f": cancelled {' '.join(ids)}" if ids else "")
+                               for n, ids in done.items()))
+            return
+        job_ids = tuple(j for j in job_ids if is_job_id(j))
     result = jobs.stop(app.cluster(), list(job_ids) or None)
     lines = [f"stopped {' '.join(result.stopped)}"] if result.stopped else []
     lines += [f"job {j} had already ended ({state})" for j, state in result.ended.items()]

@@ -135,6 +135,11 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--torch-spec")
     p.add_argument("--wheelhouse")
     p.add_argument("--venv-tool", default="venv", choices=["venv", "virtualenv"])
+    p = sub.add_parser("service", help="a service's job: watch (handover), term (SIGTERM trap), exit")
+    p.add_argument("service_cmd", choices=["watch", "term", "exit"])
+    p.add_argument("--state", required=True, help="the service's state file")
+    p.add_argument("--endpoint-file", default="")
+    p.add_argument("--pid", type=int, default=0, help="the engine's pid")
     args = parser.parse_args(argv)
 
     if args.cmd == "pick-port":
@@ -150,6 +155,10 @@ def _main(argv: list[str] | None) -> int:
             return 1
         endpoint = write_endpoint(args.file, port, args.api_key_file, args.model)
         print(f"[tgi-hpc] endpoint {endpoint.url} written to {args.file}", file=sys.stderr)
+    elif args.cmd == "service":
+        from tgi_hpc.slurm.handover import main as service_main
+
+        return service_main(args)
     elif args.cmd == "stage":
         print(stage(args.src, args.dst))
     elif args.cmd == "download":

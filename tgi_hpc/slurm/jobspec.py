@@ -41,6 +41,9 @@ class ServeSpec(JobSpec):
     engine_args: tuple[str, ...] = ()  # validated engine flags and values
     api_key: bool = True
     stage_model: bool = True           # copy weights to node-local disk first
+    service: str = ""                  # a service's job (tgi_hpc/service/): its name, state file and shared key
+    service_state: str = ""
+    service_key_file: str = ""
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,9 @@ def sbatch_flags(profile: Profile, spec: JobSpec, log_dir: str) -> dict[str, str
         if value not in (None, ""):
             flags[key] = str(value)
     flags.update(_gpu_flags(profile, res))
-    if spec.keep_alive and slurm:
+    if isinstance(spec, ServeSpec) and spec.service:
+        flags["no-requeue"] = True   # a service replaces a lost job with a successor; a requeue would double it
+    elif spec.keep_alive and slurm:
         flags["requeue"] = True
         flags["signal"] = f"B:{slurm.requeue_signal}@{slurm.requeue_signal_delay_s}"
     if slurm:
@@ -141,6 +143,9 @@ def render_job(profile: Profile, spec: JobSpec, *, job_dir: str, release_dir: Sh
             keep_alive=spec.keep_alive and slurm is not None,
             requeue_signal=sh(slurm.requeue_signal) if slurm else "",
             max_requeues=int(slurm.max_requeues) if slurm else 0,
+            service=sh(spec.service) if spec.service else "",
+            service_state=sh(spec.service_state),
+            service_key_file=sh(spec.service_key_file) if spec.service_key_file else "",
         )
     elif isinstance(spec, DownloadSpec):
         context.update(model=sh(spec.model), revision=sh(spec.revision),

@@ -1,0 +1,178 @@
+"""The service core: state file, lead time, replica choice (tgi_hpc/service/)."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+
+import pytest
+
+from tgi_hpc.errors import UsageError
+from tgi_hpc.service.balance import Balancer, Target
+from tgi_hpc.service.lead import check_lead, lead_time, plan
+from tgi_hpc.service.state import (Replica, ServiceState, check_name, default_name, is_stopped, locked,
+                                   read_state, state_path, stopped_path)
+
+
+def _state(tmp_path, **kw) -> str:
+    path = state_path(str(tmp_path), "svc")
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as fh:
+        fh.write(ServiceState("svc", **kw).to_json())
+    return path
+
+
+# --- names -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["", ".", "..", "../x", "a/b", "a b", "-x", "x;rm -rf ~", "é", "a" * 65, "a\nb"])
+def test_hostile_service_names_are_refused(bad):
+    with pytest.raises(UsageError, match="service name"):
+        check_name(bad)
+
+
+@pytest.mark.parametrize("model, name", [("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m-instruct"),
+                                         ("/scratch/me/models/My Model!/", "my-model"), ("/", "model"),
+                                         ("ORG/" + "x" * 80, "x" * 64)])
+def test_default_name_from_the_model_is_valid(model, name):
+    assert default_name(model) == name and check_name(default_name(model))
+
+
+# --- state file ------------------------------------------------------------------------------------
+
+def test_unknown_service_says_how_to_start_one(tmp_path):
+    with pytest.raises(UsageError, match="no service 'nope'.*tgi-hpc serve --service"):
+        read_state(state_path(str(tmp_path), "nope"), "nope")
+
+
+def test_state_round_trips_and_ignores_unknown_keys(tmp_path):
+    path = _state(tmp_path, replicas=2, handover=True, jobs=[Replica("7", slot=1, state="ready", url="http://n:1")])
+    data = json.loads(open(path).read())
+    data["from_a_newer_version"] = 1
+    data["jobs"][0]["also_new"] = 2
+    open(path, "w").write(json.dumps(data))
+    st = read_state(path)
+    assert st.replicas == 2 and st.job("7").slot == 1 and [j.job_id for j in st.serving()] == ["7"]
+
+
+def test_locked_update_is_atomic_and_private(tmp_path):
+    path = _state(tmp_path)
+    with locked(path) as st:
+        st.jobs.append(Replica("1"))
+    assert read_state(path).job("1").state == "submitted"
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    with pytest.raises(RuntimeError):  # a failure inside leaves the old file untouched
+        with locked(path) as st:
+            st.jobs.append(Replica("2"))
+            raise RuntimeError("boom")
+    assert read_state(path).job("2") is None
+    assert sorted(os.listdir(os.path.dirname(path))) == ["svc.json", "svc.lock"]
+
+
+def _add_jobs(path: str, start: int) -> None:
+    for i in range(start, start + 25):
+        with locked(path) as st:
+            st.jobs.append(Replica(str(i)))
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    path = _state(tmp_path)
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_add_jobs, args=(path, k * 100)) for k in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert len(read_state(path).jobs) == 100
+
+
+def test_observations_keep_the_newest_and_refuse_negative_ones(tmp_path):
+    st = ServiceState("s")
+    for value in (1, 2, 3, 4, 5, 6, -1):
+        st.observe(queue_wait_s=value, load_s=value * 10)
+    assert st.queue_waits == [2, 3, 4, 5, 6] and st.load_times == [20, 30, 40, 50, 60]
+
+
+def test_history_is_pruned_but_live_jobs_are_kept(tmp_path):
+    st = ServiceState("s", jobs=[Replica(str(i), state="ended") for i in range(50)] + [Replica("live", state="ready")])
+    st.prune(keep_ended=5)
+    assert [j.job_id for j in st.jobs] == ["45", "46", "47", "48", "49", "live"]
+
+
+def test_stopped_marker(tmp_path):
+    path = _state(tmp_path)
+    assert not is_stopped(path)
+    open(stopped_path(path), "w").close()
+    assert is_stopped(path)
+
+
+# --- lead time -------------------------------------------------------------------------------------
+
+def test_lead_is_queue_wait_plus_load_with_a_floor():
+    assert lead_time([], [], floor_s=300) == 300
+    assert lead_time([100], [50], floor_s=60) == 150
+    assert lead_time([100, 10, 20, 30], [50, 5, 5, 5], floor_s=10) == 35  # the worst of the last three
+    assert lead_time([100], [50], floor_s=60, explicit_s=900) == 900
+
+
+def test_lead_longer_than_the_time_limit_is_refused():
+    with pytest.raises(UsageError, match="not shorter than the job's time limit"):
+        check_lead(3600, 3600)
+    with pytest.raises(UsageError, match="positive"):
+        check_lead(0, 3600)
+    check_lead(600, 3600)
+
+
+def test_plan_starts_the_successor_at_once_when_the_lead_exceeds_what_is_left():
+    p = plan(ends_at=1000, now=900, lead_s=300)
+    assert p.late and p.delay_s == 0
+    p = plan(ends_at=1000, now=100, lead_s=300)
+    assert not p.late and p.delay_s == 600
+
+
+# --- balancing -------------------------------------------------------------------------------------
+
+A, B, C = Target("1", "n1", 10001), Target("2", "n2", 10002), Target("3", "n3", 10003)
+
+
+def test_least_outstanding_connections_wins():
+    bal = Balancer()
+    bal.update([A, B])
+    first, second = bal.acquire(), bal.acquire()
+    assert {first, second} == {A, B}           # spread, not piled on one
+    bal.release(first)
+    assert bal.acquire() == first              # the one with fewer outstanding
+    assert bal.outstanding(second) == 1
+
+
+def test_failed_replica_is_skipped_until_its_time_is_up():
+    clock = [0.0]
+    bal = Balancer(down_for=10, clock=lambda: clock[0])
+    bal.update([A, B])
+    bal.failed(A)
+    assert [bal.acquire() for _ in range(3)] == [B, B, B]
+    clock[0] = 11
+    assert bal.acquire() == A
+
+
+def test_exclude_and_no_replica_left():
+    bal = Balancer()
+    assert bal.acquire() is None
+    bal.update([A])
+    assert bal.acquire(exclude={A}) is None
+    bal.update([])                               # every replica gone
+    assert bal.acquire() is None
+
+
+def test_a_successor_takes_new_connections_at_once():
+    bal = Balancer()
+    bal.update([A])
+    held = bal.acquire()
+    bal.update([C])                              # A draining, C (its successor) ready
+    assert bal.acquire() == C
+    bal.release(held)                            # A's connection ends later: no error
+    assert bal.outstanding(A) == 0
+
+
+def test_target_from_url():
+    assert Target.from_url("5", "http://cn-g001:10005") == Target("5", "cn-g001", 10005)
+    assert Target.from_url("5", "http://[::1]:8080/").host == "::1"
