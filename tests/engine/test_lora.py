@@ -99,6 +99,7 @@ def test_the_prefix_cache_never_shares_blocks_between_adapters():
     assert bm.num_cached_tokens(seq(0)) == 0 and bm.num_cached_tokens(seq(2)) == 0
 
 
+@pytest.mark.slow
 def test_smollm2_adapter_matches_merged(model_path, tmp_path):
     base = model_path("smollm2")
     merged = make_adapter(base, tmp_path / "s", seed=3, r=8, alpha=16, use_rslora=True,
