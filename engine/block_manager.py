@@ -27,6 +27,9 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_token_ids: list[tuple[int, ...] | None] = [None] * num_blocks
+        # prompt tokens looked up / found at each sequence's first admission (not recomputes)
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,6 +81,11 @@ class BlockManager:
             self.ref_counts[block_id] += 1
         seq.block_table = list(cached)
         seq.num_computed_tokens = len(cached) * self.block_size
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            if self.enable_prefix_caching and not seq.wants_prefill_logprobs:
+                self.num_queried_tokens += seq.num_prompt_tokens
+                self.num_hit_tokens += seq.num_computed_tokens
         seq.num_registered_blocks = len(cached)
         self.append(seq, num_tokens)
 

@@ -30,6 +30,8 @@ class EngineConfig:
     max_batch_total_tokens: int | None = None    # None = what the KV cache holds
     max_batch_size: int | None = None
     waiting_served_ratio: float = 0.3
+    max_new_tokens_default: int = 1024      # when a request sets no limit; 0 = all the room left (TGI)
+    prefix_caching: bool = True             # share the KV blocks of equal prompt prefixes
     # memory
     cuda_memory_fraction: float = 1.0
     gpu_memory_utilization: float = 0.9     # of what cuda_memory_fraction leaves

@@ -121,6 +121,13 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
      dict(type=int, help="tokens of all running requests (default: what the KV cache holds)")),
     (("--max-batch-size",), "MAX_BATCH_SIZE", dict(type=int, help="requests per step")),
     (("--waiting-served-ratio",), "WAITING_SERVED_RATIO", dict(default=0.3, type=float, help="as in TGI")),
+    (("--max-new-tokens-default",), "MAX_NEW_TOKENS_DEFAULT",
+     dict(default=1024, type=int, help="tokens generated when a request sets no limit (max_new_tokens, max_tokens, "
+                                       "max_completion_tokens), cut to the room the prompt leaves; 0 = all that "
+                                       "room, TGI's behaviour. /v1/completions keeps OpenAI's default of 16")),
+    (("--prefix-caching",), "PREFIX_CACHING",
+     dict(default=True, type=_bool, help="share the KV blocks of equal prompt prefixes between requests "
+                                         "(true|false); the hits show as usage.prompt_tokens_details.cached_tokens")),
     (("--cuda-memory-fraction",), "CUDA_MEMORY_FRACTION",
      dict(default=1.0, type=float, help="share of the GPU this process may use")),
     (("--kv-cache-bytes",), "KV_CACHE_BYTES", dict(type=_size, help="KV-cache budget on CPU, e.g. 512MiB")),
@@ -180,6 +187,8 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
             parser.error(f"{var}={value!r} is not one of {', '.join(map(str, action.choices))}")
     if args.model_id is None:
         parser.error("--model-id is required (or set MODEL_ID)")
+    if int(args.max_new_tokens_default) < 0:
+        parser.error(f"--max-new-tokens-default must be >= 0 (0 = all the room left), got {args.max_new_tokens_default}")
     if args.cpu_threads is not None and int(args.cpu_threads) < 1:
         parser.error(f"--cpu-threads must be >= 1, got {args.cpu_threads}")
     if args.quantize not in (None, "", "none"):
@@ -205,7 +214,8 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         max_top_n_tokens=args.max_top_n_tokens, max_input_tokens=args.max_input_tokens,
         max_total_tokens=args.max_total_tokens, max_batch_prefill_tokens=args.max_batch_prefill_tokens,
         max_batch_total_tokens=args.max_batch_total_tokens, max_batch_size=args.max_batch_size,
-        waiting_served_ratio=args.waiting_served_ratio, cuda_memory_fraction=args.cuda_memory_fraction,
+        waiting_served_ratio=args.waiting_served_ratio, max_new_tokens_default=args.max_new_tokens_default,
+        prefix_caching=args.prefix_caching, cuda_memory_fraction=args.cuda_memory_fraction,
         hostname=args.hostname, port=args.port, api_key=args.api_key or None,
         cors_allow_origin=list(args.cors_allow_origin or []), json_output=args.json_output,
         served_model_name=args.served_model_name or args.model_id, cpu_gemm=args.cpu_gemm,

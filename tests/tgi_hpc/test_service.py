@@ -176,3 +176,34 @@ def test_a_successor_takes_new_connections_at_once():
 def test_target_from_url():
     assert Target.from_url("5", "http://cn-g001:10005") == Target("5", "cn-g001", 10005)
     assert Target.from_url("5", "http://[::1]:8080/").host == "::1"
+
+
+# --- in-job handover helpers (tgi_hpc/slurm/handover.py) ------------------------------------------
+
+def test_successor_waits_with_begin_or_dependency():
+    from tgi_hpc.slurm.handover import submission_flags
+
+    me = Replica("41", started_at=1000.0)
+    assert submission_flags("begin", 600, me, now=1100) == ["--begin=now+600"]
+    assert submission_flags("dependency", 600, me, now=1100) == ["--dependency=after:41+12"]   # (1700-1000)/60, up
+    assert submission_flags("at_lead", 600, me, now=1100) == []
+    assert submission_flags("begin", 0, me, now=1100) == []      # late: at once
+
+
+def test_successor_does_not_inherit_the_jobs_slurm_environment(monkeypatch):
+    from tgi_hpc.slurm.handover import GENERATION_ENV, SLOT_ENV, _sbatch_env
+
+    for key, value in {"SLURM_JOB_ID": "41", "SLURM_MEM_PER_NODE": "8G", "SBATCH_HOLD": "1",
+                       "SLURM_CONF": "/etc/slurm.conf", "HF_HOME": "/scratch/hf"}.items():
+        monkeypatch.setenv(key, value)
+    env = _sbatch_env(slot=1, generation=3)
+    assert "SLURM_JOB_ID" not in env and "SLURM_MEM_PER_NODE" not in env and "SBATCH_HOLD" not in env
+    assert env["SLURM_CONF"] == "/etc/slurm.conf" and env["HF_HOME"] == "/scratch/hf"
+    assert (env[SLOT_ENV], env[GENERATION_ENV]) == ("1", "3")
+
+
+def test_slurm_times_that_are_unknown_are_zero():
+    from tgi_hpc.slurm.handover import _unix
+
+    assert _unix("Unknown") == 0.0 and _unix("None") == 0.0 and _unix("") == 0.0
+    assert _unix("2026-11-24T05:00:00") > 0
