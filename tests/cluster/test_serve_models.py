@@ -108,3 +108,43 @@ def test_one_engine_killed_fails_the_whole_job_with_no_orphans(local_cluster, mo
         assert "ended (status 137): stopping the others" in tgi("logs", job_id).stdout
     finally:
         tgi("stop", job_id, check=False)
+
+
+def test_an_adapter_downloaded_from_the_hub_is_served_and_listed(local_cluster, model_path, tmp_path):
+    """download (adapter repo) -> serve --lora NAME=ORG/ADAPTER from the store -> the engine in the job lists it in
+    /v1/models and generates with it (adapter_id and OpenAI's model)."""
+    from openai import OpenAI
+
+    from support.adapters import make_adapter
+    from support.hub_server import HubServer
+
+    base = str(model_path("tiny-llama"))
+    make_adapter(Path(base), tmp_path / "hub" / "acme" / "tiny-lora", seed=3)
+    store, jobs_dir = tmp_path / "store", tmp_path / "jobs"
+
+    def tgi(*args, env=None):
+        argv = [sys.executable, "-m", "tgi_hpc", args[0], "--cluster", str(local_cluster.profile),
+                "--set", f"paths.jobs={jobs_dir}", "--set", f"paths.models={store}", *args[1:]]
+        out = subprocess.run(argv, env={**local_cluster.env, **(env or {})}, capture_output=True, text=True, timeout=400)
+        assert out.returncode == 0, f"{args} exited {out.returncode}\n{out.stdout}\n{out.stderr}"
+        return out
+
+    with HubServer(tmp_path / "hub") as url:
+        tgi("download", "--model", "acme/tiny-lora", env={"HF_ENDPOINT": url})
+    result = json.loads(tgi("serve", "--model", base, "--lora", "mine=acme/tiny-lora", "--release", str(venv_release()),
+                            "--wait", "--timeout", "300", "--json").stdout)
+    job_id, st = result["job_id"], result["status"]
+    try:
+        assert st["state"] == "READY" and st["served"] == [base, "mine"]
+        key = Path(st["api_key_file"]).read_text().strip()
+        headers = {"Authorization": f"Bearer {key}"}
+        listed = httpx.get(f"{st['url']}/v1/models", headers=headers, timeout=30).json()
+        assert [m["id"] for m in listed["data"]] == [base, "mine"]
+        body = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 6, "adapter_id": "mine"}}
+        tuned = httpx.post(f"{st['url']}/generate", headers=headers, json=body, timeout=60)
+        assert tuned.status_code == 200, tuned.text
+        oai = OpenAI(base_url=f"{st['url']}/v1", api_key=key)
+        assert oai.completions.create(model="mine", prompt="Hello", max_tokens=4).model == "mine"
+        assert f"tgi-hpc-lora/mine" in Path(result["script_path"]).read_text()
+    finally:
+        tgi("stop", job_id)

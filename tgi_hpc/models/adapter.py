@@ -11,7 +11,8 @@ ADAPTER_BIN = "adapter_model.bin"    # older PEFT exports; the download converts
 
 # A served name: what requests put in `adapter_id` or OpenAI's `model`, and a folder name in the job.
 # No "," or "=" (the engine's --lora-adapters is name=path,name2=path2) and no "/" (it names a folder).
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+RESERVED_NAMES = ("tgi",)   # the engine answers OpenAI's model="tgi" with the base model
 
 
 def is_adapter_repo(files: list[str]) -> bool:
@@ -34,10 +35,13 @@ def adapter_problems(names: set[str]) -> list[str]:
 
 
 def check_adapter_name(name: str) -> str:
-    """`name` if it can be served (1-64 of letters, digits, '.', '_', '-'), else a ValueError saying why."""
-    if not _NAME.fullmatch(name) or name in (".", ".."):
+    """`name` if it can be served (1-64 of letters, digits, '.', '_', '-'; the engine's rule, minus '/' and ':'),
+    else a ValueError saying why."""
+    if not _NAME.fullmatch(name):
         raise ValueError(f"adapter name {name!r}: use 1-64 letters, digits, '.', '_' or '-' (no '/', ',', '=' "
-                         "or spaces), starting with a letter, digit or '_'")
+                         "or spaces), starting with a letter or digit")
+    if name in RESERVED_NAMES:
+        raise ValueError(f"adapter name {name!r} means the base model to the engine; choose another")
     return name
 
 

@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 FRACTION_FLAG = "--cuda-memory-fraction"
 # Flags that must differ between the engines of one job, so one value for all of them cannot be right.
 PER_ENGINE = {FRACTION_FLAG: "--cuda-memory-fraction F once per --model",
-              "--served-model-name": "nothing: each engine is named after its --model"}
+              "--served-model-name": "nothing: each engine is named after its --model",
+              "--lora-adapters": "--lora NAME=ADAPTER (each goes to the model it was trained on)"}
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,9 @@ def _with_models_and_adapters(cluster: Cluster, spec: ServeSpec, opts: ServeOpti
                               offline: bool) -> ServeSpec:
     """--lora adapters attached to their models, and with several models one engine each (tgi_hpc.workflows.engines)."""
     names = [p.model for p in plans]
+    if opts.loras and "--lora-adapters" in spec.engine_args:
+        raise UsageError("--lora and --engine-arg --lora-adapters: give the adapters with --lora only (it checks "
+                         "and stages them)")
     adapters = attach(resolve_adapters(cluster, opts.loras, set(names), cluster_path, offline), names)
     if len(plans) == 1:
         return replace(spec, loras=adapters[0], engine_args=spec.engine_args + tuple(fraction_args(opts.memory_fractions)))
