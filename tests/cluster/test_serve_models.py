@@ -144,7 +144,10 @@ def test_an_adapter_downloaded_from_the_hub_is_served_and_listed(local_cluster, 
         tuned = httpx.post(f"{st['url']}/generate", headers=headers, json=body, timeout=60)
         assert tuned.status_code == 200, tuned.text
         oai = OpenAI(base_url=f"{st['url']}/v1", api_key=key)
-        assert oai.completions.create(model="mine", prompt="Hello", max_tokens=4).model == "mine"
-        assert f"tgi-hpc-lora/mine" in Path(result["script_path"]).read_text()
+        assert oai.completions.create(model="mine", prompt="Hello", max_tokens=4).choices[0].text is not None
+        unknown = httpx.post(f"{st['url']}/generate", headers=headers, timeout=60,
+                             json={**body, "parameters": {**body["parameters"], "adapter_id": "nope"}})
+        assert unknown.status_code == 422 and "mine" in unknown.text   # the engine names the adapters it has
+        assert "tgi-hpc-lora/mine" in Path(result["script_path"]).read_text()
     finally:
         tgi("stop", job_id)
