@@ -58,6 +58,7 @@ async def chat_completions(request: Request) -> Response:
         prompt = _apply_chat_template(state, req, use)
         params = _parameters(req, req.max_completion_tokens or req.max_tokens, top_n,
                              use.grammar if use is not None else grammar)
+        params.adapter_id = _adapter_id(state, req)
         created, rid, logprobs = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", bool(req.logprobs)
         if req.stream and use is not None:
             return open_stream(state, GenerateRequest(inputs=prompt, parameters=params), arrival,
@@ -104,6 +105,7 @@ async def completions(request: Request) -> Response:
         scoring = req.max_tokens == 0  # echo + max_tokens 0: score the prompt, generate nothing
         params = _parameters(req, 1 if scoring else req.max_tokens, req.logprobs or 0,
                              response_format_grammar(req.response_format))
+        params.adapter_id = _adapter_id(state, req)
         default = min(COMPLETIONS_MAX_TOKENS, state.config.max_new_tokens_default or COMPLETIONS_MAX_TOKENS)
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -183,7 +185,9 @@ def _completion_stream(state: ServerState, req: CompletionRequest, rid: str, cre
 
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    return JSONResponse(dump(ModelList(data=[ModelCard(id=state.model_name, owned_by="tgi-hpc")])))
+    cards = [ModelCard(id=state.model_name, owned_by="tgi-hpc")]
+    cards += [ModelCard(id=name, owned_by="tgi-hpc") for name in state.validator.adapters]  # LoRA adapters
+    return JSONResponse(dump(ModelList(data=cards)))
 
 
 ROUTES: list[BaseRoute] = [
@@ -209,6 +213,11 @@ def _parameters(req: OpenAIRequest, max_tokens: int | None, top_n_tokens: int,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, seed=req.seed,
         max_new_tokens=max_tokens, stop=req.stop_list(), top_n_tokens=top_n_tokens or None, details=True,
         grammar=grammar)
+
+
+def _adapter_id(state: ServerState, req: OpenAIRequest) -> str | None:
+    """`model` names a LoRA adapter (or the base model); a server without adapters ignores it, as TGI does."""
+    return req.model if state.validator.adapters else None
 
 
 def _apply_chat_template(state: ServerState, req: ChatCompletionRequest, use: ToolUse | None) -> str:
