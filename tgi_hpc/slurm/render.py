@@ -15,6 +15,7 @@ from tgi_hpc.data import data_dir
 from tgi_hpc.errors import TemplateError
 from tgi_hpc.profiles.schema import Profile, Resources
 from tgi_hpc.quoting import Shell, finalize, sbatch_value, sh, sh_comment, sh_env, sh_join, sh_name, trusted
+from tgi_hpc.service.state import services_dir
 from tgi_hpc.slurm.jobspec import CompileSpec, DownloadSpec, EngineSpec, JobSpec, LoraAdapter, ServeSpec, ShellPath
 
 TITLES = {
@@ -164,9 +165,11 @@ def render_job(profile: Profile, spec: JobSpec, *, job_dir: str, release_dir: Sh
             max_requeues=int(slurm.max_requeues) if slurm else 0,
             loras=_loras(profile, spec.loras),
             engines=[_engine(profile, spec, i, e) for i, e in enumerate(spec.engines)],
-            service=sh(spec.service) if spec.service else "",
-            service_state=sh(spec.service_state),
-            service_key_file=sh(spec.service_key_file) if spec.service_key_file else "",
+            service=sh_comment(spec.service) if spec.service else "",
+            # under the job dir as the job sees it (profile $VARS expand on the node)
+            service_state=path_word(ShellPath(services_dir(job_dir), f"{spec.service}.json")),
+            service_key_file=path_word(ShellPath(services_dir(job_dir), f"{spec.service}.api-key"))
+            if spec.service and spec.service_key_file else "",
         )
     elif isinstance(spec, DownloadSpec):
         context.update(model=sh(spec.model), revision=sh(spec.revision),
