@@ -13,6 +13,7 @@ from tgi_hpc.workflows.metrics import histogram_quantile, increase, parse_exposi
 from tgi_hpc.workflows.scrape import Fleet, Scraper, sample, watch
 
 RECORDED = (Path(__file__).parent / "data" / "engine_metrics.prom").read_text()
+RECORDED_COUNTERS = (Path(__file__).parent / "data" / "engine_metrics_counters.prom").read_text()
 
 
 def exposition(*, prompt: float | None = None, generated: float | None = None, queried: float | None = None,
@@ -50,6 +51,20 @@ def test_the_recorded_engine_text_without_token_counters_falls_back_to_histogram
     assert summary.latency_scope == "since start"
     assert summary.latency_p50_s == pytest.approx(1.0) and summary.latency_p90_s == pytest.approx(4.0)
     assert summary.prefix_hit_rate is None and summary.requests_per_s == 0.0
+
+
+def test_the_recorded_engine_text_with_token_and_prefix_counters():
+    first = parse_exposition(RECORDED_COUNTERS, at=10.0)
+    later = RECORDED_COUNTERS.replace("tgi_generated_tokens_total 900.0", "tgi_generated_tokens_total 1300.0") \
+        .replace("tgi_prefix_cache_queried_tokens_total 4096.0", "tgi_prefix_cache_queried_tokens_total 5096.0") \
+        .replace("tgi_prefix_cache_hit_tokens_total 1024.0", "tgi_prefix_cache_hit_tokens_total 1924.0")
+    summary = summarize([first, parse_exposition(later, at=14.0)])
+    assert summary.token_source == "counters"
+    assert summary.generated_tokens_per_s == 100.0 and summary.prompt_tokens_per_s == 0.0
+    assert summary.prefix_hit_rate == pytest.approx(900 / 1000)
+    assert summary.counters["prefix_cache_queried_tokens"] == 5096 and summary.counters["prompt_tokens"] == 5120
+    assert (summary.running, summary.waiting, summary.kv_cache_usage) == (4, 1, 0.25)
+    assert summarize([first]).prefix_hit_rate == pytest.approx(1024 / 4096)   # one scrape: since the start
 
 
 def test_counters_win_over_histogram_sums_when_both_are_there():
