@@ -267,3 +267,27 @@ def test_sigterm_of_an_unknown_job_or_service_does_nothing(in_job, tmp_path):
     assert fake.calls == []
     with pytest.raises(UsageError, match="no service"):
         handover.on_term(str(tmp_path / "services" / "nope.json"), "41")
+
+
+def test_an_engine_crash_lets_the_successor_start_at_once(in_job):
+    handover, fake, path = in_job
+    with locked(path) as st:
+        st.job("41").successor = "42"
+        st.jobs.append(Replica("42", generation=1, predecessor="41"))
+    handover.on_exit(path, "41")   # the job script ends while the job was still READY
+    assert fake.calls == [["scontrol", "update", "JobId=42", "StartTime=now"]]
+    assert read_state(path).job("41").state == "ended"
+
+
+def test_exit_after_a_handover_releases_nothing(in_job):
+    handover, fake, path = in_job
+    handover.set_state(path, "41", "draining")
+    handover.on_exit(path, "41")
+    assert fake.calls == [] and read_state(path).job("41").state == "ended"
+
+
+def test_a_job_that_never_became_ready_submits_no_successor(in_job):
+    handover, fake, path = in_job
+    handover.set_state(path, "41", "starting")
+    handover.on_exit(path, "41")   # e.g. the model does not load: no chain of failing jobs
+    assert fake.calls == []

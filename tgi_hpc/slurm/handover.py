@@ -6,7 +6,8 @@ it ready once the engine answers, submits the successor so that it is READY befo
 (lead = observed queue wait + load time, with a floor; `--begin`, `--dependency=after:` or a plain
 submission at the lead, per the profile's `slurm.handover_submit`), then, once the successor is READY,
 marks itself draining and sends the engine SIGTERM. `term` runs from the job's SIGTERM trap (time limit,
-scancel, preemption): the successor may start at once. `exit` marks the job ended.
+scancel, preemption): the successor may start at once. `exit` marks the job ended (after the same release
+when the engine ended on its own, e.g. a crash).
 """
 from __future__ import annotations
 
@@ -251,5 +252,14 @@ def main(args) -> int:
         return watch(args.state, job_id, Path(args.endpoint_file), args.pid)
     if args.service_cmd == "term":
         return on_term(args.state, job_id)
-    set_state(args.state, job_id, "ended")
+    return on_exit(args.state, job_id)
+
+
+def on_exit(state_file: str, job_id: str) -> int:
+    """The job script's last step. Ending without a handover or a SIGTERM (the engine crashed) is like a
+    SIGTERM: the successor may start at once. Then the job is history."""
+    me = read_state(state_file).job(job_id)
+    if me is not None and me.state == "ready":   # not "starting": a model that never loads must not loop
+        on_term(state_file, job_id)
+    set_state(state_file, job_id, "ended")
     return 0
