@@ -232,7 +232,7 @@ def in_job(tmp_path, monkeypatch):
     script = tmp_path / "svc.sbatch"
     script.write_text("#!/bin/bash\n")
     path = _state(tmp_path, handover=True, script=str(script),
-                  jobs=[Replica("41", state="ready", started_at=1.0, ends_at=2.0)])
+                  jobs=[Replica("41", state="ready", started_at=1.0, ready_at=1.5, ends_at=2.0)])
     return handover, fake, path
 
 
@@ -290,4 +290,12 @@ def test_a_job_that_never_became_ready_submits_no_successor(in_job):
     handover, fake, path = in_job
     handover.set_state(path, "41", "starting")
     handover.on_exit(path, "41")   # e.g. the model does not load: no chain of failing jobs
+    assert fake.calls == []
+
+
+def test_sigterm_while_loading_submits_no_new_job(in_job):
+    handover, fake, path = in_job
+    with locked(path) as st:
+        st.job("41").state, st.job("41").ready_at = "starting", 0.0
+    handover.on_term(path, "41")   # e.g. the time limit is shorter than the load: no endless chain
     assert fake.calls == []

@@ -240,7 +240,7 @@ def on_term(state_file: str, job_id: str) -> int:
         if st.submit_by == "dependency":
             _run(["scontrol", "update", f"JobId={succ.job_id}", "Dependency="])
         logger.info("job %s ends early: successor %s may start at once", job_id, succ.job_id)
-    elif succ is None or not succ.is_live:
+    elif (succ is None or not succ.is_live) and me.ready_at:   # never READY: no chain of jobs that never load
         submit_successor(state_file, me, 0)
     return 0
 
