@@ -128,6 +128,7 @@ def test_handover_before_the_time_limit_loses_no_request(service_cli, local_clus
         results = [loop.finish() for loop in loops]
         loops = None
         for kind, got in zip(("tunnel", "endpoint + ServiceClient"), results):
+            print(f"handover, {kind}: {len(got)} requests, {sum(r == 200 for _, r in got)} answered 200")
             bad = [(t, r) for t, r in got if r != 200]
             assert not bad, f"{kind}: {len(bad)} of {len(got)} requests failed: {bad[:5]}"
             assert len(got) > 20, f"{kind}: only {len(got)} requests"
@@ -170,6 +171,7 @@ def test_a_scancelled_replica_loses_no_request_not_sent_to_it(service_cli, local
         for kind, got in zip(("tunnel 1", "tunnel 2", "endpoint + ServiceClient"), results):
             assert not [r for _, r in got if isinstance(r, int) and r >= 500], f"{kind}: a 5xx answer"
             failed = [(t - killed_at, r) for t, r in got if r != 200]
+            print(f"scancel, {kind}: {len(got)} requests, {len(failed)} failed: {failed}")
             # at most the one request this loop had in flight on the killed replica, with a clear error
             assert len(failed) <= 1, f"{kind}: {failed}"
             for when, error in failed:
