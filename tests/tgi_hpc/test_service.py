@@ -299,3 +299,16 @@ def test_sigterm_while_loading_submits_no_new_job(in_job):
         st.job("41").state, st.job("41").ready_at = "starting", 0.0
     handover.on_term(path, "41")   # e.g. the time limit is shorter than the load: no endless chain
     assert fake.calls == []
+
+
+def test_a_squeue_hiccup_is_no_verdict_on_the_successor(in_job, monkeypatch):
+    import subprocess
+
+    handover, _, path = in_job
+    with locked(path) as st:
+        st.jobs.append(Replica("42", generation=1))
+    answers = {1: subprocess.CompletedProcess([], 1, "", "slurm_load_jobs error: Socket timed out"),
+               0: subprocess.CompletedProcess([], 0, "FAILED\n", "")}
+    for code, verdict in ((1, "submitted"), (0, "failed")):
+        monkeypatch.setattr(handover, "_run", lambda argv, answer=answers[code], **kw: answer)
+        assert handover._successor_state(path, "42") == verdict

@@ -169,7 +169,10 @@ def _successor_state(state_file: str, job_id: str) -> str:
     if succ is None:
         return "gone"
     if succ.state == "submitted":   # not started yet: did Slurm end it (failed, cancelled)?
-        out = _run(["squeue", "-h", "-j", job_id, "-o", "%T"]).stdout.strip()
+        result = _run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"])
+        if result.returncode != 0:   # a busy controller: no verdict, never a duplicate successor
+            return succ.state
+        out = result.stdout.strip()
         if out.split(" ")[0] in FINAL_STATES or not out:
             return "failed"
     return succ.state
