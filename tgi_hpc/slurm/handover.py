@@ -45,11 +45,17 @@ def _unix(value: str) -> float:
         return 0.0   # Unknown, None, (null)
 
 
-def slurm_times(job_id: str) -> dict[str, float]:
-    """SubmitTime, EligibleTime, StartTime, EndTime of a job (0 when unknown), from `scontrol show job`."""
-    out = _run(["scontrol", "show", "job", "-o", job_id]).stdout
-    fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
-    return {k: _unix(fields.get(k, "")) for k in ("SubmitTime", "EligibleTime", "StartTime", "EndTime")}
+def slurm_times(job_id: str, attempts: int = 5) -> dict[str, float]:
+    """SubmitTime, EligibleTime, StartTime, EndTime of a job (0 when unknown), from `scontrol show job`;
+    asked again when the controller does not answer (without an end time there is no handover)."""
+    for attempt in range(attempts):
+        out = _run(["scontrol", "show", "job", "-o", job_id]).stdout
+        fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+        times = {k: _unix(fields.get(k, "")) for k in ("SubmitTime", "EligibleTime", "StartTime", "EndTime")}
+        if times["EndTime"] or attempt == attempts - 1:
+            return times
+        time.sleep(2.0)
+    return times
 
 
 def _sbatch_env(slot: int, generation: int) -> dict[str, str]:
