@@ -10,12 +10,10 @@ def _fmt(value: float | None, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
-def _table(summary):
+def _table(summary, title: str):
     from rich.table import Table
 
-    what = f"service {summary.target} ({len(summary.replicas)} replicas)" if len(summary.replicas) > 1 or \
-        summary.replicas != [summary.target] else f"job {summary.target}"
-    table = Table(title=f"{what}  {summary.url}", box=None, pad_edge=False, show_header=False)
+    table = Table(title=f"{title}  {summary.url}", box=None, pad_edge=False, show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_column(style="dim")
@@ -42,13 +40,14 @@ def _table(summary):
 
 @click.command()
 @click.argument("target", metavar="[JOB|SERVICE]", required=False)
+@click.option("--model", "-m", help="A job serving several models (or adapters): the one to read (default: all of them).")
 @click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Seconds between scrapes (with --json: between the two scrapes of the sample).")
 @click.option("--window", default=10.0, show_default=True, type=click.FloatRange(min=1),
               help="Rates over this many seconds of scrapes (the live view).")
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the job to be READY.")
 @with_app
-def metrics(app: App, target, interval, window, timeout) -> None:
+def metrics(app: App, target, model, interval, window, timeout) -> None:
     """Live numbers of JOB's server or SERVICE's replicas (default: my newest running serve job), from /metrics.
 
     Prompt and generated tokens/s, requests/s, running and waiting requests, KV-cache usage, prefix-cache hit
@@ -57,7 +56,7 @@ def metrics(app: App, target, interval, window, timeout) -> None:
     With --json, one sample: two scrapes --interval apart, the rates between them and the counters."""
     from tgi_hpc.workflows import access, scrape
 
-    with access.connect(app.cluster(), target, timeout=timeout, progress=app.info) as found:
+    with access.connect(app.cluster(), target, model=model, timeout=timeout, progress=app.info) as found:
         fleet = scrape.Fleet(found.replicas, found.headers)
         try:
             if app.json_output:
@@ -77,6 +76,13 @@ def _live(summaries, found) -> None:
         with Live(auto_refresh=False) as live:
             for summary in summaries:
                 summary.target, summary.url = found.job_id, found.url
-                live.update(_table(summary), refresh=True)
+                live.update(_table(summary, _title(found, summary)), refresh=True)
     except KeyboardInterrupt:
         pass
+
+
+def _title(found, summary) -> str:
+    count = len(summary.replicas)
+    if found.service:
+        return f"service {found.job_id} ({count} replica{'s' if count != 1 else ''} READY)"
+    return f"job {found.job_id}" + (f" ({count} models)" if count > 1 else "")
