@@ -13,12 +13,13 @@ def _fmt(value: float | None, pattern: str) -> str:
 def _table(summary, title: str):
     from rich.table import Table
 
-    table = Table(title=f"{title}  {summary.url}", box=None, pad_edge=False, show_header=False)
+    table = Table(title=title, box=None, pad_edge=False, show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_column(style="dim")
     counters = summary.counters
     rows = [
+        ("server", "", summary.url),
         ("prompt", _fmt(summary.prompt_tokens_per_s, "{:.1f} tok/s"), f"{counters.get('prompt_tokens', 0):.0f} since start"),
         ("generated", _fmt(summary.generated_tokens_per_s, "{:.1f} tok/s"),
          f"{counters.get('generated_tokens', 0):.0f} since start"),
@@ -34,7 +35,8 @@ def _table(summary, title: str):
     ]
     for row in rows:
         table.add_row(*row)
-    table.caption = f"rates over the last {summary.window_s:.0f} s; tokens from {summary.token_source}; Ctrl-C to leave"
+    window = f"rates over the last {summary.window_s:.0f} s" if summary.window_s else "rates after the next scrape"
+    table.caption = f"{window}; tokens from {summary.token_source}; Ctrl-C to leave"
     return table
 
 
@@ -70,15 +72,28 @@ def metrics(app: App, target, model, interval, window, timeout) -> None:
 
 
 def _live(summaries, found) -> None:
+    """Redrawn in place on a terminal; elsewhere (a pipe, TERM=dumb) one table after the other."""
+    from rich.console import Console
     from rich.live import Live
 
+    console = Console()
     try:
-        with Live(auto_refresh=False) as live:
-            for summary in summaries:
-                summary.target, summary.url = found.job_id, found.url
-                live.update(_table(summary, _title(found, summary)), refresh=True)
+        tables = (_table(s, _title(found, s)) for s in _named(summaries, found))
+        if not console.is_terminal or console.is_dumb_terminal:
+            for table in tables:
+                console.print(table)
+            return
+        with Live(console=console, auto_refresh=False) as live:
+            for table in tables:
+                live.update(table, refresh=True)
     except KeyboardInterrupt:
         pass
+
+
+def _named(summaries, found):
+    for summary in summaries:
+        summary.target, summary.url = found.job_id, found.url
+        yield summary
 
 
 def _title(found, summary) -> str:
