@@ -29,6 +29,7 @@ class EngineConfig:
     max_batch_total_tokens: int | None = None    # None = what the KV cache holds
     max_batch_size: int | None = None
     waiting_served_ratio: float = 0.3
+    speculate: int = 0                      # n-gram draft tokens per decode step (TGI's --speculate); 0 = off
     # memory
     cuda_memory_fraction: float = 1.0
     gpu_memory_utilization: float = 0.9     # of what cuda_memory_fraction leaves

@@ -32,3 +32,4 @@ class RequestOutput:
     seed: int | None = None
     prefill_tokens: list[TokenInfo] | None = None  # with prefill_logprobs, on the first output
     error: str | None = None                # set when the engine failed this request
+    token_texts: list[str] | None = None    # `text` split per token of `tokens` (several with speculation)

@@ -46,6 +46,8 @@ class Sequence:
     stop: StopMatcher | None = None
     prefill_tokens: list[TokenInfo] | None = None
     grammar: Any = None     # llguidance.LLMatcher fed every generated token; kept across preemption (tokens are too)
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens scheduled this step
+    ngram_index: Any = None                                   # engine.spec_decode.ngram.NgramIndex
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
