@@ -85,6 +85,7 @@ def _build_info(llm: Any, config: EngineConfig) -> Info:
         attention_checks=dict(getattr(runner, "attention_checks", {})),
         linear_backend=str(getattr(runner, "linear_backend", "unknown")),
         cuda_graphs=list(getattr(runner, "cuda_graph_sizes", [])), block_size=stats.block_size,
+        speculate=config.speculate,
         grammar_backend=f"llguidance {importlib.metadata.version('llguidance')}", version=version)
 
 

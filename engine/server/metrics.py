@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -58,12 +58,27 @@ class _EngineGauges:
             yield GaugeMetricFamily(name, doc, value=float(value))
 
 
+class _SpeculationCounters:
+    """Draft tokens proposed and accepted (`--speculate`), read from engine.stats() at scrape time."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        yield CounterMetricFamily("tgi_speculative_proposed_tokens", "Draft tokens scored by the model",
+                                  value=float(getattr(s, "num_speculative_proposed_total", 0)))
+        yield CounterMetricFamily("tgi_speculative_accepted_tokens", "Draft tokens accepted",
+                                  value=float(getattr(s, "num_speculative_accepted_total", 0)))
+
+
 class ServerMetrics:
     def __init__(self, stats: Callable[[], Any]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.counters = _Counters()
         self.registry.register(self.counters)  # type: ignore[arg-type]
         self.registry.register(_EngineGauges(stats))  # type: ignore[arg-type]
+        self.registry.register(_SpeculationCounters(stats))  # type: ignore[arg-type]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...] = _DURATION_BUCKETS) -> Histogram:
             return Histogram(name, doc, buckets=buckets, registry=self.registry)

@@ -149,6 +149,7 @@ class Info(_Wire):
     linear_backend: str = "unknown"
     cuda_graphs: list[int] = []
     block_size: int
+    speculate: int = 0      # n-gram draft tokens per step (--speculate); 0 = off
     # structured output: `parameters.grammar` types, OpenAI response_format / tools
     grammar_support: bool = True
     grammar_types: list[str] = ["json", "regex"]
