@@ -400,7 +400,7 @@ TEXTS = [f"Repeat this code, renaming add to plus:\n{CODE}\n", "Hello world", CO
          "one two three one two three one two", "x"]
 
 
-def mixed_requests(tokenizer, count=16):
+def mixed_requests(tokenizer, count=16, max_new=30):
     """Different lengths, stop sequences, and sampling rows in the mix (indexes 3, 8, 13)."""
     prompts, params = [], []
     for i in range(count):
@@ -408,7 +408,7 @@ def mixed_requests(tokenizer, count=16):
         if i % 5 == 3:
             params.append(SamplingParams(do_sample=True, seed=i, temperature=0.8, max_new_tokens=12))
         else:
-            params.append(SamplingParams(max_new_tokens=6 + (i * 7) % 30, stop=["\n\n"] if i % 4 == 1 else [],
+            params.append(SamplingParams(max_new_tokens=6 + (i * 7) % max_new, stop=["\n\n"] if i % 4 == 1 else [],
                                          top_n_tokens=i % 2, repetition_penalty=1.1 if i % 6 == 5 else None))
     return prompts, params
 
@@ -421,11 +421,11 @@ def assert_same(got, expected, label=None):
     assert logprobs == pytest.approx(logprobs0, abs=1e-4), label
 
 
-def compare_greedy(name, speculate_config, base_config=None, count=16):
+def compare_greedy(name, speculate_config, base_config=None, count=16, max_new=30):
     results, stats = {}, None
     for speculate, config in ((0, base_config or {}), (3, speculate_config)):
         with real_engine(name, speculate=speculate, **config) as engine:
-            prompts, params = mixed_requests(engine.tokenizer, count)
+            prompts, params = mixed_requests(engine.tokenizer, count, max_new)
             outs = engine.generate(prompts, params)
             results[speculate] = [summary([o]) for o in outs]
             if speculate:
@@ -438,25 +438,30 @@ def compare_greedy(name, speculate_config, base_config=None, count=16):
     assert stats.num_speculative_accepted_total > 0
 
 
-@pytest.mark.parametrize("name,backend", [("tiny-llama", "portable"), ("tiny-qwen3", "portable"),
-                                          ("tiny-mistral", "triton")])
-def test_greedy_on_tiny_models_is_identical_with_speculate_3(name, backend):
-    compare_greedy(name, {"attention_backend": backend}, {"attention_backend": backend})
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_greedy_on_tiny_models_is_identical_with_speculate_3(name):
+    compare_greedy(name, {})
+
+
+def test_greedy_with_the_triton_backend_is_identical_with_speculate_3():
+    # Triton's kernels run interpreted on CPU: a few short requests
+    compare_greedy("tiny-mistral", {"attention_backend": "triton"}, {"attention_backend": "triton"}, count=4,
+                   max_new=8)
 
 
 @pytest.mark.slow
 def test_greedy_on_smollm2_is_identical_with_speculate_3():
-    compare_greedy("smollm2", {})
+    compare_greedy("smollm2", {}, max_new=8)
 
 
-@pytest.mark.slow
 def test_greedy_with_two_shards_is_identical_with_speculate_3():
     compare_greedy("tiny-llama", {"num_shard": 2}, {"num_shard": 1})
 
 
+@pytest.mark.slow
 def test_sampled_token_distribution_is_the_same_with_speculate_3():
     # same seed stream with and without drafts; each generated position's marginal compared by chi-square
-    num_draws = 600
+    num_draws = 500
     params = [SamplingParams(do_sample=True, seed=seed, temperature=1.0, top_k=4, repetition_penalty=1.1,
                              max_new_tokens=5, ignore_eos=True) for seed in range(num_draws)]
     counts = {}
