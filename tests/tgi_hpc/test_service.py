@@ -232,7 +232,7 @@ def in_job(tmp_path, monkeypatch):
     script = tmp_path / "svc.sbatch"
     script.write_text("#!/bin/bash\n")
     path = _state(tmp_path, handover=True, script=str(script),
-                  jobs=[Replica("41", state="ready", started_at=1.0, ends_at=2.0)])
+                  jobs=[Replica("41", state="ready", started_at=1.0, ready_at=1.5, ends_at=2.0)])
     return handover, fake, path
 
 
@@ -267,3 +267,48 @@ def test_sigterm_of_an_unknown_job_or_service_does_nothing(in_job, tmp_path):
     assert fake.calls == []
     with pytest.raises(UsageError, match="no service"):
         handover.on_term(str(tmp_path / "services" / "nope.json"), "41")
+
+
+def test_an_engine_crash_lets_the_successor_start_at_once(in_job):
+    handover, fake, path = in_job
+    with locked(path) as st:
+        st.job("41").successor = "42"
+        st.jobs.append(Replica("42", generation=1, predecessor="41"))
+    handover.on_exit(path, "41")   # the job script ends while the job was still READY
+    assert fake.calls == [["scontrol", "update", "JobId=42", "StartTime=now"]]
+    assert read_state(path).job("41").state == "ended"
+
+
+def test_exit_after_a_handover_releases_nothing(in_job):
+    handover, fake, path = in_job
+    handover.set_state(path, "41", "draining")
+    handover.on_exit(path, "41")
+    assert fake.calls == [] and read_state(path).job("41").state == "ended"
+
+
+def test_a_job_that_never_became_ready_submits_no_successor(in_job):
+    handover, fake, path = in_job
+    handover.set_state(path, "41", "starting")
+    handover.on_exit(path, "41")   # e.g. the model does not load: no chain of failing jobs
+    assert fake.calls == []
+
+
+def test_sigterm_while_loading_submits_no_new_job(in_job):
+    handover, fake, path = in_job
+    with locked(path) as st:
+        st.job("41").state, st.job("41").ready_at = "starting", 0.0
+    handover.on_term(path, "41")   # e.g. the time limit is shorter than the load: no endless chain
+    assert fake.calls == []
+
+
+def test_a_squeue_hiccup_is_no_verdict_on_the_successor(in_job, monkeypatch):
+    import subprocess
+
+    handover, _, path = in_job
+    with locked(path) as st:
+        st.jobs.append(Replica("42", generation=1))
+    answers = {1: subprocess.CompletedProcess([], 1, "", "slurm_load_jobs error: Socket timed out"),
+               0: subprocess.CompletedProcess([], 0, "FAILED\n", "")}
+    for code, verdict in ((1, "submitted"), (0, "failed")):
+        monkeypatch.setattr(handover, "_run", lambda argv, answer=answers[code], **kw: answer)
+        assert handover._successor_state(path, "42") == verdict
