@@ -56,20 +56,18 @@ class _EngineGauges:
         }
         for name, (doc, value) in values.items():
             yield GaugeMetricFamily(name, doc, value=float(value))
-
-
-class _SpeculationCounters:
-    """Draft tokens proposed and accepted (`--speculate`), read from engine.stats() at scrape time."""
-
-    def __init__(self, stats: Callable[[], Any]) -> None:
-        self.stats = stats
-
-    def collect(self) -> Iterator[Metric]:
-        s = self.stats()
-        yield CounterMetricFamily("tgi_speculative_proposed_tokens", "Draft tokens scored by the model",
-                                  value=float(getattr(s, "num_speculative_proposed_total", 0)))
-        yield CounterMetricFamily("tgi_speculative_accepted_tokens", "Draft tokens accepted",
-                                  value=float(getattr(s, "num_speculative_accepted_total", 0)))
+        # per-step token counters (rates: rate(...[1m])); prefix-cache hit rate = hit / queried
+        counters = {
+            "tgi_prompt_tokens": ("Prompt tokens prefilled", "num_prompt_tokens_total"),
+            "tgi_generated_tokens": ("Tokens generated", "num_generated_tokens_total"),
+            "tgi_prefix_cache_queried_tokens": ("Prompt tokens looked up in the prefix cache",
+                                                "num_prefix_cache_queried_tokens"),
+            "tgi_prefix_cache_hit_tokens": ("Prompt tokens found in the prefix cache", "num_prefix_cache_hit_tokens"),
+            "tgi_speculative_proposed_tokens": ("Draft tokens scored (--speculate)", "num_speculative_proposed_total"),
+            "tgi_speculative_accepted_tokens": ("Draft tokens accepted", "num_speculative_accepted_total"),
+        }
+        for name, (doc, attr) in counters.items():  # exposed as NAME_total
+            yield CounterMetricFamily(name, doc, value=float(getattr(s, attr, 0)))
 
 
 class ServerMetrics:
@@ -78,7 +76,6 @@ class ServerMetrics:
         self.counters = _Counters()
         self.registry.register(self.counters)  # type: ignore[arg-type]
         self.registry.register(_EngineGauges(stats))  # type: ignore[arg-type]
-        self.registry.register(_SpeculationCounters(stats))  # type: ignore[arg-type]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...] = _DURATION_BUCKETS) -> Histogram:
             return Histogram(name, doc, buckets=buckets, registry=self.registry)

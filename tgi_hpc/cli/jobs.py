@@ -19,6 +19,8 @@ def _table(rows) -> None:
         table.add_column(column, no_wrap=column != "REASON")
     for st in rows:
         model = st.model.rstrip("/").rsplit("/", 1)[-1] if st.model.startswith(("/", "~")) else st.model
+        others = len(st.models) - 1 + sum(len(m["adapters"]) for m in st.models)   # several models, adapters
+        model += f" (+{others})" if others > 0 else ""
         table.add_row(st.job_id, st.kind, model, st.state, st.elapsed, st.reason or st.detail, st.node, st.url)
     # piped into grep or a file: one line per job, never folded to 80 columns
     Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240).print(table)
@@ -77,13 +79,19 @@ def logs(app: App, job_id, follow) -> None:
 @click.option("--all", "all_jobs", is_flag=True, help="Stop all my tgi-hpc jobs.")
 @with_app
 def stop(app: App, job_ids, all_jobs) -> None:
-    """Cancel JOB_IDS (or --all of my tgi-hpc jobs)."""
+    """Cancel JOB_IDS (or --all of my tgi-hpc jobs); a SERVICE name stops the whole service."""
     from tgi_hpc.errors import UsageError
     from tgi_hpc.slurm import jobs
 
     if bool(job_ids) == all_jobs:
         raise UsageError("give job ids or --all (not both)")
-    result = jobs.stop(app.cluster(), list(job_ids) or None)
+    from tgi_hpc.cli.service import stop_services
+
+    cluster = app.cluster()
+    left = stop_services(app, cluster, list(job_ids), all_jobs)
+    if left is None and not all_jobs:   # only services were named
+        return
+    result = jobs.stop(cluster, None if all_jobs else left)
     lines = [f"stopped {' '.join(result.stopped)}"] if result.stopped else []
     lines += [f"job {j} had already ended ({state})" for j, state in result.ended.items()]
     app.emit({"stopped": result.stopped, "already_ended": result.ended}, "\n".join(lines) or "nothing to stop")
