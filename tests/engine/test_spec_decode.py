@@ -480,3 +480,19 @@ def test_sampled_token_distribution_is_the_same_with_speculate_3():
     assert 0.1 < stats.num_speculative_accepted_total / stats.num_speculative_proposed_total < 0.9, stats
     p_values = [chi_square_p(counts[0][k], counts[3][k]) for k in range(5)]
     assert min(p_values) > 1e-3 / 5, p_values                            # Bonferroni over the positions
+
+
+def test_drafted_rows_keep_their_lora_adapter(model_path, tmp_path):
+    from lora_adapters import make_adapter
+    base = model_path("tiny-llama")
+    make_adapter(base, tmp_path / "a1", seed=1)
+    results = {}
+    for speculate in (0, 3):
+        with real_engine("tiny-llama", speculate=speculate, lora_adapters=[("a1", str(tmp_path / "a1"))]) as engine:
+            ids = engine.tokenizer.encode(TEXTS[3] * 2)
+            outs = engine.generate([ids] * 4, [SamplingParams(max_new_tokens=24, adapter_id=a)
+                                               for a in ("a1", None, "a1", None)])
+            results[speculate] = [[t.id for t in out.tokens] for out in outs]
+            stats = engine.stats()
+    assert stats.num_speculative_accepted_total > 0
+    assert results[3] == results[0] and results[0][0] != results[0][1]
