@@ -20,7 +20,11 @@ def _limit_options(func):
 @click.command()
 @click.option("--model", "-m", required=True, help="Hub id in the model store (ORG/NAME) or a local snapshot directory.")
 @click.option("--revision", default="main", show_default=True, help="Revision of a stored Hub model.")
-@click.option("--gpus", "--num-shard", "gpus", type=click.IntRange(min=0), help="GPUs = tensor-parallel shards. Default: from the model size.")
+@click.option("--gpus", "--num-shard", "gpus", type=click.IntRange(min=0),
+              help="GPUs of the job, all nodes together (= tensor-parallel shards on one node). Default: from the model size.")
+@click.option("--nodes", type=click.IntRange(min=1),
+              help="Nodes for one server (--gpus split evenly over them; tensor parallelism within a node, pipeline "
+                   "stages across nodes). Default: 1, or as many as a model too large for one node needs.")
 @click.option("--time", "time_", help="Slurm time limit, e.g. 3:00:00.")
 @click.option("--partition", "-p", help="Slurm partition. Default: the profile's serve partition.")
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), help="Weights and compute dtype.")
@@ -43,14 +47,14 @@ def _limit_options(func):
 @click.option("--stop-on-exit", is_flag=True, help="With --tunnel: stop the job when the tunnel closes.")
 @click.option("--dry-run", is_flag=True, help="Print the job script; submit nothing.")
 @with_app
-def serve(app: App, model, revision, gpus, time_, partition, dtype, quantize, env, engine_args, release,
+def serve(app: App, model, revision, gpus, nodes, time_, partition, dtype, quantize, env, engine_args, release,
           keep_alive, no_api_key, wait_ready, timeout, open_tunnel, local_port, stop_on_exit, dry_run,
           no_shared_weights, **limits) -> None:
     """Submit a server job for MODEL and print its job id and endpoint."""
     from tgi_hpc.workflows.serve import ServeOptions, run_serve
 
     limits.update(dtype=dtype, quantize=quantize)
-    opts = ServeOptions(model=model, revision=revision, gpus=gpus, time=time_, partition=partition, limits=limits,
+    opts = ServeOptions(model=model, revision=revision, gpus=gpus, nodes=nodes, time=time_, partition=partition, limits=limits,
                         env=list(env), engine_args=list(engine_args), keep_alive=keep_alive, api_key=not no_api_key,
                         shared_weights=not no_shared_weights)
     cluster = app.cluster(strict_paths=not dry_run)

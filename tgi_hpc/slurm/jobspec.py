@@ -41,6 +41,8 @@ class ServeSpec(JobSpec):
     engine_args: tuple[str, ...] = ()  # validated engine flags and values
     api_key: bool = True
     stage_model: bool = True           # copy weights to node-local disk first
+    nodes: int = 1                     # > 1: one engine rank per GPU on every node (srun), pipeline stages
+    sizing: tuple[str, ...] = ()       # how the GPUs and nodes were picked, as comments in the script
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from tgi_hpc.data import data_dir
 from tgi_hpc.errors import TemplateError
 from tgi_hpc.profiles.schema import Profile, Resources
 from tgi_hpc.quoting import Shell, finalize, sbatch_value, sh, sh_comment, sh_env, sh_join, sh_name, trusted
+from tgi_hpc.slurm import multinode
 from tgi_hpc.slurm.jobspec import CompileSpec, DownloadSpec, JobSpec, ServeSpec, ShellPath
 
 TITLES = {
@@ -50,6 +51,8 @@ def path_word(path: ShellPath) -> Shell:
 def _gpu_flags(profile: Profile, res: Resources) -> dict[str, str]:
     if not res.gpus:
         return {}
+    if (res.nodes or 1) > 1:
+        return multinode.gpu_flags(profile, res)
     count = f"{res.gpu_type}:{res.gpus}" if res.gpu_type else str(res.gpus)
     spelling = profile.slurm.gpu_request if profile.slurm else "gpus_per_task"
     if spelling == "gres":
@@ -141,6 +144,8 @@ def render_job(profile: Profile, spec: JobSpec, *, job_dir: str, release_dir: Sh
             keep_alive=spec.keep_alive and slurm is not None,
             requeue_signal=sh(slurm.requeue_signal) if slurm else "",
             max_requeues=int(slurm.max_requeues) if slurm else 0,
+            sizing=[sh_comment(line) for line in spec.sizing],
+            **multinode.script_context(profile, spec.resources),
         )
     elif isinstance(spec, DownloadSpec):
         context.update(model=sh(spec.model), revision=sh(spec.revision),
