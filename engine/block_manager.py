@@ -11,8 +11,9 @@ class BlockManager:
 
     Prefix cache: a full, computed block is registered under a hash chained over every token
     before it, so equal hashes mean equal prefixes (token ids are compared too, against
-    collisions). A freed block keeps its hash and stays revivable until it is handed out again;
-    free blocks are reused least recently freed first.
+    collisions). The chain starts from the sequence's LoRA adapter, so adapters never share KV.
+    A freed block keeps its hash and stays revivable until it is handed out again; free blocks
+    are reused least recently freed first.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -26,6 +27,9 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_token_ids: list[tuple[int, ...] | None] = [None] * num_blocks
+        # prompt tokens looked up / found at each sequence's first admission (not recomputes)
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -38,7 +42,7 @@ class BlockManager:
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
         hashes, bs = seq.block_hashes, self.block_size
         for i in range(len(hashes), num_full_blocks):
-            prev = hashes[-1] if hashes else 0
+            prev = hashes[-1] if hashes else seq.adapter  # the chain starts at the adapter: none shares KV
             hashes.append(hash((prev, *seq.token_ids[i * bs:(i + 1) * bs])))
         return hashes
 
@@ -77,6 +81,11 @@ class BlockManager:
             self.ref_counts[block_id] += 1
         seq.block_table = list(cached)
         seq.num_computed_tokens = len(cached) * self.block_size
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            if self.enable_prefix_caching and not seq.wants_prefill_logprobs:
+                self.num_queried_tokens += seq.num_prompt_tokens
+                self.num_hit_tokens += seq.num_computed_tokens
         seq.num_registered_blocks = len(cached)
         self.append(seq, num_tokens)
 

@@ -13,6 +13,7 @@ class EngineConfig:
     load_format: str = "safetensors"    # "safetensors" | "dummy" (random weights, config shape)
     quantize: str | None = None         # fp8 | bitsandbytes* quantize at load; None = the checkpoint's own
     trust_remote_code: bool = False
+    lora_adapters: list[tuple[str, str]] = field(default_factory=list)  # (name, PEFT adapter dir), index = position + 1
     # parallelism
     num_shard: int = 1                  # tensor-parallel ranks (per pipeline stage)
     pipeline_parallel_size: int = 1     # stages, one per node (ranks started by srun: engine/external_launch.py)
@@ -31,6 +32,8 @@ class EngineConfig:
     max_batch_total_tokens: int | None = None    # None = what the KV cache holds
     max_batch_size: int | None = None
     waiting_served_ratio: float = 0.3
+    max_new_tokens_default: int = 1024      # when a request sets no limit; 0 = all the room left (TGI)
+    prefix_caching: bool = True             # share the KV blocks of equal prompt prefixes
     # memory
     cuda_memory_fraction: float = 1.0
     gpu_memory_utilization: float = 0.9     # of what cuda_memory_fraction leaves

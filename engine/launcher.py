@@ -62,6 +62,15 @@ def _block_size(text: str) -> int:
 ATTENTION_CHOICES = ["auto", "flash-attn", "triton", "portable", "flash", "sdpa", "torch"]
 
 
+def _lora_adapters(text: str) -> list[tuple[str, str]]:
+    from engine.lora.names import parse_lora_adapters  # torch-free
+
+    try:
+        return parse_lora_adapters(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -81,6 +90,10 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--quantize",), "QUANTIZE", dict(help="fp8 | bitsandbytes | bitsandbytes-nf4 | bitsandbytes-fp4 quantize "
                                             "a float checkpoint at load; gptq | awq | compressed-tensors "
                                             "checkpoints are read from their config without it")),
+    (("--lora-adapters",), "LORA_ADAPTERS",
+     dict(type=_lora_adapters, help="PEFT LoRA adapters served beside the base model: NAME=DIR,NAME2=DIR2 (a bare DIR "
+                                    "is named after its directory); a request picks one with parameters.adapter_id "
+                                    "or OpenAI's `model`")),
     (("--trust-remote-code",), "TRUST_REMOTE_CODE", dict(default=False, type=_bool, nargs="?", const=True,
                                                          help="allow custom tokenizer code from the snapshot")),
     (("--num-shard",), "NUM_SHARD", dict(default=1, type=int, help="tensor-parallel ranks (one GPU each)")),
@@ -115,6 +128,13 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
      dict(type=int, help="tokens of all running requests (default: what the KV cache holds)")),
     (("--max-batch-size",), "MAX_BATCH_SIZE", dict(type=int, help="requests per step")),
     (("--waiting-served-ratio",), "WAITING_SERVED_RATIO", dict(default=0.3, type=float, help="as in TGI")),
+    (("--max-new-tokens-default",), "MAX_NEW_TOKENS_DEFAULT",
+     dict(default=1024, type=int, help="tokens generated when a request sets no limit (max_new_tokens, max_tokens, "
+                                       "max_completion_tokens), cut to the room the prompt leaves; 0 = all that "
+                                       "room, TGI's behaviour. /v1/completions keeps OpenAI's default of 16")),
+    (("--prefix-caching",), "PREFIX_CACHING",
+     dict(default=True, type=_bool, help="share the KV blocks of equal prompt prefixes between requests "
+                                         "(true|false); the hits show as usage.prompt_tokens_details.cached_tokens")),
     (("--cuda-memory-fraction",), "CUDA_MEMORY_FRACTION",
      dict(default=1.0, type=float, help="share of the GPU this process may use")),
     (("--kv-cache-bytes",), "KV_CACHE_BYTES", dict(type=_size, help="KV-cache budget on CPU, e.g. 512MiB")),
@@ -134,6 +154,10 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--cpu-gemm",), "CPU_GEMM", dict(default="auto", choices=["auto", "onednn", "aten"],
                                        help="linear layers on CPU: oneDNN with weights reordered at load, or "
                                             "torch's F.linear; auto = oneDNN when it passes a self-check")),
+    (("--drain-timeout",), "DRAIN_TIMEOUT",
+     dict(default=25.0, type=float, help="seconds requests in flight get to finish after SIGTERM (new connections "
+                                         "are refused, /health answers 503 draining); keep it below Slurm's "
+                                         "KillWait (30 s by default), after which Slurm kills the job")),
 ]
 
 
@@ -170,6 +194,8 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
             parser.error(f"{var}={value!r} is not one of {', '.join(map(str, action.choices))}")
     if args.model_id is None:
         parser.error("--model-id is required (or set MODEL_ID)")
+    if int(args.max_new_tokens_default) < 0:
+        parser.error(f"--max-new-tokens-default must be >= 0 (0 = all the room left), got {args.max_new_tokens_default}")
     if args.cpu_threads is not None and int(args.cpu_threads) < 1:
         parser.error(f"--cpu-threads must be >= 1, got {args.cpu_threads}")
     if args.quantize not in (None, "", "none"):
@@ -188,15 +214,16 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     config = EngineConfig(
         model_id=model_dir, revision=args.revision, dtype=args.dtype, load_format=args.load_format,
         quantize=args.quantize if args.quantize not in (None, "", "none") else None,
-        trust_remote_code=args.trust_remote_code, num_shard=args.num_shard,
-        pipeline_parallel_size=args.pipeline_parallel_size, rank_timeout_s=args.rank_timeout,
-        master_addr=args.master_addr,
+        trust_remote_code=args.trust_remote_code, lora_adapters=list(args.lora_adapters or []),
+        num_shard=args.num_shard, pipeline_parallel_size=args.pipeline_parallel_size,
+        rank_timeout_s=args.rank_timeout, master_addr=args.master_addr,
         master_port=args.master_port, device=args.device, max_concurrent_requests=args.max_concurrent_requests,
         max_best_of=args.max_best_of, max_stop_sequences=args.max_stop_sequences,
         max_top_n_tokens=args.max_top_n_tokens, max_input_tokens=args.max_input_tokens,
         max_total_tokens=args.max_total_tokens, max_batch_prefill_tokens=args.max_batch_prefill_tokens,
         max_batch_total_tokens=args.max_batch_total_tokens, max_batch_size=args.max_batch_size,
-        waiting_served_ratio=args.waiting_served_ratio, cuda_memory_fraction=args.cuda_memory_fraction,
+        waiting_served_ratio=args.waiting_served_ratio, max_new_tokens_default=args.max_new_tokens_default,
+        prefix_caching=args.prefix_caching, cuda_memory_fraction=args.cuda_memory_fraction,
         hostname=args.hostname, port=args.port, api_key=args.api_key or None,
         cors_allow_origin=list(args.cors_allow_origin or []), json_output=args.json_output,
         served_model_name=args.served_model_name or args.model_id, cpu_gemm=args.cpu_gemm,
@@ -217,6 +244,18 @@ def resolve_model_dir(model_id: str, revision: str | None) -> str:
         raise SystemExit(f"error: --model-id {model_id!r} is neither a directory nor in the local Hugging Face "
                          f"cache ({type(exc).__name__}); download it first on a node with internet, e.g. "
                          f"`hf download {model_id}`, or pass the snapshot directory") from None
+
+
+def resolve_adapter_dir(path: str) -> str:
+    """A LoRA adapter directory as is; a Hub id from the local HF cache when it is there (else left for the
+    adapter check to refuse with its own message)."""
+    if Path(path).is_dir() or path.count("/") != 1 or path.startswith((".", "/")):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(path, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached: the adapter check says so
+        return path
 
 
 class _JsonFormatter(logging.Formatter):
@@ -278,9 +317,12 @@ async def _exit_when_engine_dies(server: Any, engine: Any) -> None:
         await asyncio.sleep(0.5)
 
 
-async def _serve(server: Any, sock: socket.socket, ready_file: str | None, engine: Any) -> None:
+async def _serve(server: Any, sock: socket.socket, ready_file: str | None, engine: Any, drain: Any) -> None:
+    from engine.server.drain import drain_when_asked
+
     task = asyncio.create_task(server.serve(sockets=[sock]))
     watchdog = asyncio.create_task(_exit_when_engine_dies(server, engine))
+    draining = asyncio.create_task(drain_when_asked(server, drain))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
@@ -290,6 +332,7 @@ async def _serve(server: Any, sock: socket.socket, ready_file: str | None, engin
             write_ready_file(ready_file, {"host": host, "port": port, "pid": os.getpid()})
     await task
     watchdog.cancel()
+    draining.cancel()
 
 
 def _driven_engine(config: EngineConfig, layout: Any) -> Any:
@@ -323,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv[1:]):
         logger.warning("--api-key on the command line is visible to other users (ps); set API_KEY instead")
     config = to_config(args, resolve_model_dir(args.model_id, args.revision))
+    config.lora_adapters = [(name, resolve_adapter_dir(path)) for name, path in config.lora_adapters]
     from engine import parallel_layout
     try:  # ranks started by srun or torchrun: only rank 0 serves HTTP
         layout = parallel_layout.from_env(os.environ, config.num_shard, config.pipeline_parallel_size)
@@ -338,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
     from engine.server.app import build_app
+    from engine.server.drain import Drain, DrainMiddleware
     from engine.worker import available_cpus, resolve_device
     if resolve_device(config.device, 0).type == "cpu" and config.num_shard == 1:  # TP ranks split the cores
         # Every core by default: a Slurm job's cores are its own (cgroups), and on the idle 2-core VM two
@@ -354,13 +399,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # The model runs in the main thread (faster CPU kernels, see AsyncEngine.run_here); HTTP in a thread.
     engine = AsyncEngine(llm)
-    app = build_app(engine, config)
+    drain = Drain(args.drain_timeout)
+    app = DrainMiddleware(build_app(engine, config), drain)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", timeout_graceful_shutdown=5))
-    http = threading.Thread(target=lambda: asyncio.run(_serve(server, sock, args.ready_file, engine)), name="http",
-                            daemon=True)
+    http = threading.Thread(target=lambda: asyncio.run(_serve(server, sock, args.ready_file, engine, drain)),
+                            name="http", daemon=True)
 
     def stop(signum: int, frame: Any) -> None:
-        server.should_exit = True
+        if drain.draining:  # a second signal: stop now
+            server.should_exit = True
+        drain.begin()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)

@@ -72,6 +72,11 @@ class EngineStats:
     block_size: int
     batch_size: int             # spans in the last step
     attention_backend: str
+    # counters since start (Prometheus counters, read at scrape time)
+    num_prompt_tokens_total: int = 0            # tokens prefilled (prompts, and recomputes after preemption)
+    num_generated_tokens_total: int = 0         # tokens sampled
+    num_prefix_cache_queried_tokens: int = 0    # prompt tokens looked up in the prefix cache
+    num_prefix_cache_hit_tokens: int = 0        # of those, found there
 
 
 class LLMEngine:
@@ -109,12 +114,12 @@ class LLMEngine:
         self.max_total_tokens = limits.max_total_tokens
         self.max_batch_prefill_tokens = limits.max_batch_prefill_tokens
         self.max_batch_total_tokens = limits.max_batch_total_tokens
-        # prefix caching is on unless EngineConfig grows a `prefix_caching` flag that says otherwise
         self.block_manager = BlockManager(limits.max_batch_total_tokens // runner.block_size, runner.block_size,
-                                          enable_prefix_caching=getattr(config, "prefix_caching", True))
+                                          enable_prefix_caching=config.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, limits.max_batch_prefill_tokens, config.max_batch_size)
         self.token_texts = TokenTexts(self.tokenizer)
         self.vocab_size = model_config.vocab_size
+        self.adapter_names: list[str] = [name for name, _ in getattr(config, "lora_adapters", [])]
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._mask_filler: MaskFiller | None = None
         self._lock = threading.Lock()
@@ -123,6 +128,8 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = count()
         self._batch_size = 0
+        self._num_prompt_tokens_total = 0
+        self._num_generated_tokens_total = 0
         self._closed = False
         logger.info("engine ready: %d KV blocks x %d tokens, limits %s", self.block_manager.num_blocks,
                     runner.block_size, limits)
@@ -134,6 +141,7 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params,
                        max_tokens=min(num_prompt + params.max_new_tokens, self.max_total_tokens))
         seq.seed = pick_seed(params)
+        seq.adapter = self.adapter_names.index(params.adapter_id) + 1 if params.adapter_id is not None else 0
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, num_prompt, params.skip_special_tokens)
         seq.stop = StopMatcher(params.stop)
         if params.grammar is not None:
@@ -178,6 +186,9 @@ class LLMEngine:
             raise ValueError(f"top_k must be >= 0, got {params.top_k}")
         if not 0 <= params.top_n_tokens <= self.config.max_top_n_tokens:
             raise ValueError(f"top_n_tokens must be in [0, {self.config.max_top_n_tokens}], got {params.top_n_tokens}")
+        if params.adapter_id is not None and params.adapter_id not in self.adapter_names:
+            known = ", ".join(self.adapter_names) or "none (start with --lora-adapters NAME=DIR)"
+            raise ValueError(f"unknown LoRA adapter {params.adapter_id!r}; loaded adapters: {known}")
         if len(params.stop) > self.config.max_stop_sequences:
             raise ValueError(f"at most {self.config.max_stop_sequences} stop sequences, got {len(params.stop)}")
 
@@ -196,6 +207,7 @@ class LLMEngine:
             logger.exception("model step failed for %d sequences", len(batch))
             return outputs + self._fail_batch(batch, f"model step failed: {type(e).__name__}: {e}")
         self.scheduler.on_run_done(batch)
+        self._num_prompt_tokens_total += batch.num_prefill_tokens
         sampled: list[Sequence] = []
         rows: list[int] = []
         row = 0
@@ -209,6 +221,7 @@ class LLMEngine:
                 rows.append(row)
             row += 1
         if sampled:
+            self._num_generated_tokens_total += len(sampled)
             logits = last_logits if len(rows) == len(last_logits) else last_logits[rows]
             bitmask = masks.for_rows(sampled) if masks is not None else None
             outputs += self._append_tokens(sampled, sample(logits, sampled, bitmask))
@@ -247,8 +260,14 @@ class LLMEngine:
         targets = seq.token_ids[first + 1:end + 1]
         logprobs = torch.log_softmax(logits[first - start:end - start].float(), dim=-1)
         values = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
-        texts = self.token_texts
-        seq.prefill_tokens += [TokenInfo(t, texts.text(t), lp, texts.is_special(t)) for t, lp in zip(targets, values)]
+        texts, k = self.token_texts, seq.params.top_n_tokens
+        tops: list[list[TokenInfo]] = [[] for _ in targets]
+        if k:  # the prompt's alternatives too (OpenAI echo + logprobs)
+            top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+            tops = [[TokenInfo(i, texts.text(i), lp, texts.is_special(i)) for i, lp in zip(ids, lps)]
+                    for ids, lps in zip(top.indices.tolist(), top.values.tolist())]
+        seq.prefill_tokens += [TokenInfo(t, texts.text(t), lp, texts.is_special(t), top)
+                               for t, lp, top in zip(targets, values, tops)]
 
     def _append_tokens(self, seqs: list[Sequence], out: Any) -> list[RequestOutput]:
         texts, outputs = self.token_texts, []
@@ -287,7 +306,8 @@ class LLMEngine:
     def _output(self, seq: Sequence, tokens: list[TokenInfo], text: str) -> RequestOutput:
         prefill, seq.prefill_tokens = seq.prefill_tokens, None
         return RequestOutput(seq.request_id, tokens, text, num_prompt_tokens=seq.num_prompt_tokens,
-                             num_generated_tokens=seq.num_generated_tokens, seed=seq.seed, prefill_tokens=prefill)
+                             num_generated_tokens=seq.num_generated_tokens, seed=seq.seed, prefill_tokens=prefill,
+                             num_cached_tokens=seq.num_cached_tokens or 0)
 
     def _final_output(self, seq: Sequence, tokens: list[TokenInfo], text: str,
                       error: str | None = None) -> RequestOutput:
@@ -344,7 +364,9 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running),
                            self.scheduler.num_preempted_total, bm.num_free_blocks, bm.num_blocks,
-                           bm.block_size, self._batch_size, getattr(self.runner, "attention_backend", "unknown"))
+                           bm.block_size, self._batch_size, getattr(self.runner, "attention_backend", "unknown"),
+                           self._num_prompt_tokens_total, self._num_generated_tokens_total,
+                           bm.num_queried_tokens, bm.num_hit_tokens)
 
     def close(self) -> None:
         if not self._closed:

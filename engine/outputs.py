@@ -31,4 +31,5 @@ class RequestOutput:
     num_generated_tokens: int = 0
     seed: int | None = None
     prefill_tokens: list[TokenInfo] | None = None  # with prefill_logprobs, on the first output
+    num_cached_tokens: int = 0              # prompt tokens read from the prefix cache instead of computed
     error: str | None = None                # set when the engine failed this request

@@ -10,13 +10,13 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.server import openai_routes, openapi, sse
+from engine.server.routing import ExactRoute
 from engine.server.auth import ApiKeyMiddleware
-from engine.server.errors import EXCEPTION_HANDLERS, UnhealthyError
+from engine.server.errors import EXCEPTION_HANDLERS, UnhealthyError, ValidationError
 from engine.server.infer import Generation, Infer, StreamEvent
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from engine.server.protocol import (BestOfSequence, CompatGenerateRequest, Details, GenerateRequest,
@@ -31,17 +31,17 @@ logger = logging.getLogger(__name__)
 
 def build_app(engine: AsyncEngine, config: EngineConfig) -> Starlette:
     state = _build_state(engine, config)
+    # every path answers exactly the methods /api-doc/openapi.json declares; others get 405
     routes = [
-        Route("/", compat_generate, methods=["POST"]),
-        Route("/", health, methods=["GET"]),
-        Route("/generate", generate, methods=["POST"]),
-        Route("/generate_stream", generate_stream, methods=["POST"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/info", info, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/docs", openapi.docs, methods=["GET"]),
-        Route("/api-doc/openapi.json", openapi.spec, methods=["GET"]),
+        ExactRoute("/", compat_generate, methods=["POST"]),
+        ExactRoute("/generate", generate, methods=["POST"]),
+        ExactRoute("/generate_stream", generate_stream, methods=["POST"]),
+        ExactRoute("/tokenize", tokenize, methods=["POST"]),
+        ExactRoute("/health", health, methods=["GET"]),
+        ExactRoute("/info", info, methods=["GET"]),
+        ExactRoute("/metrics", metrics, methods=["GET"]),
+        ExactRoute("/docs", openapi.docs, methods=["GET"]),
+        ExactRoute("/api-doc/openapi.json", openapi.spec, methods=["GET"]),
         *openai_routes.ROUTES,
     ]
     middleware = [Middleware(CORSMiddleware, allow_origins=list(config.cors_allow_origin), allow_methods=["*"],
@@ -58,10 +58,12 @@ def _build_state(engine: AsyncEngine, config: EngineConfig) -> ServerState:
     llm = engine.engine
     limits = Limits(max_best_of=config.max_best_of, max_stop_sequences=config.max_stop_sequences,
                     max_top_n_tokens=config.max_top_n_tokens, max_input_tokens=llm.max_input_tokens,
-                    max_total_tokens=llm.max_total_tokens)
+                    max_total_tokens=llm.max_total_tokens, max_new_tokens_default=config.max_new_tokens_default,
+                    vocab_size=getattr(llm, "vocab_size", None))
     metrics = ServerMetrics(engine.stats)
     return ServerState(engine=engine, config=config, tokenizer=llm.tokenizer,
-                       validator=Validator(llm.tokenizer, limits),
+                       validator=Validator(llm.tokenizer, limits, tuple(name for name, _ in config.lora_adapters),
+                                           config.served_model_name or config.model_id),
                        infer=Infer(engine, metrics, config.max_concurrent_requests),
                        metrics=metrics, info=_build_info(llm, config))
 
@@ -85,7 +87,10 @@ def _build_info(llm: Any, config: EngineConfig) -> Info:
         attention_checks=dict(getattr(runner, "attention_checks", {})),
         linear_backend=str(getattr(runner, "linear_backend", "unknown")),
         cuda_graphs=list(getattr(runner, "cuda_graph_sizes", [])), block_size=stats.block_size,
-        grammar_backend=f"llguidance {importlib.metadata.version('llguidance')}", version=version)
+        lora_adapters=[name for name, _ in config.lora_adapters],
+        lora_backend=str(getattr(runner, "lora_backend", "none")),
+        grammar_backend=f"llguidance {importlib.metadata.version('llguidance')}", version=version,
+        max_new_tokens_default=config.max_new_tokens_default, prefix_caching=config.prefix_caching)
 
 
 def server_state(request: Request) -> ServerState:
@@ -192,6 +197,8 @@ def _timing_headers(gen: Generation, num_chars: int, device_type: str) -> dict[s
 async def tokenize(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(TokenizeRequest, await request.body())
+    if not req.inputs:
+        raise ValidationError("`inputs` cannot be empty")
     enc = state.tokenizer(req.inputs, add_special_tokens=True, return_offsets_mapping=True)
     tokens = [SimpleToken(id=i, text=req.inputs[a:b], start=a, stop=b)
               for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]

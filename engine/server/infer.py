@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from engine.outputs import RequestOutput, TokenInfo
@@ -56,6 +56,7 @@ class Generation:
     input_length: int
     timings: Timings
     stop_text: str = ""   # cut from `text` by a stop sequence: TGI's generated_text includes it, OpenAI's not
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache
 
     @property
     def tgi_text(self) -> str:
@@ -69,6 +70,11 @@ class Generation:
     def mean_logprob(self) -> float:
         # TGI's best_of criterion (infer/mod.rs generate_best_of): mean, so length is not penalised
         return sum(t.logprob or 0.0 for t in self.tokens) / max(len(self.tokens), 1)
+
+    @property
+    def cumulative_logprob(self) -> float:
+        # OpenAI's best_of criterion
+        return sum(t.logprob or 0.0 for t in self.tokens)
 
 
 @dataclass(slots=True)
@@ -89,10 +95,15 @@ class _Collector:
     texts: list[str] = field(default_factory=list)
     prefill: list[TokenInfo] = field(default_factory=list)
     seed: int | None = None
+    num_cached_tokens: int = 0
+    started: asyncio.Event | None = None    # set on the first output: the prompt's KV blocks are cached
 
     def add(self, out: RequestOutput) -> Generation | None:
         if self.timings.start is None:
             self.timings.start = time.monotonic()
+            self.num_cached_tokens = out.num_cached_tokens
+            if self.started is not None:
+                self.started.set()
         self.tokens.extend(out.tokens)
         self.texts.append(out.text)
         if out.prefill_tokens:
@@ -106,7 +117,7 @@ class _Collector:
         self.timings.end = time.monotonic()
         text = out.generated_text if out.generated_text is not None else "".join(self.texts)
         return Generation(text, out.finish_reason, self.tokens, self.prefill, self.seed,
-                          self.input_length, self.timings, out.stop_text)
+                          self.input_length, self.timings, out.stop_text, self.num_cached_tokens)
 
 
 class Infer:
@@ -140,6 +151,32 @@ class Infer:
         self._record_success(gen)
         return gen, others
 
+    async def generate_groups(self, groups: list[list[ValidRequest]], arrival: float,
+                              share_prefix: bool) -> list[list[Generation]]:
+        """Run several prompts, each with several sequences (OpenAI n / best_of); results in order.
+
+        With `share_prefix` (the prefix cache is on), a prompt's first sequence runs alone until its
+        prefill is done, so the others find its KV blocks in the prefix cache instead of computing
+        the same prompt again; the prompts themselves run side by side.
+        """
+        for group in groups:
+            self.metrics.input_length.observe(group[0].input_length)
+        results = await _gather_or_cancel([self._group(g, arrival, share_prefix) for g in groups])
+        self._record_success(results[0][0])
+        return results
+
+    async def _group(self, group: list[ValidRequest], arrival: float, share_prefix: bool) -> list[Generation]:
+        started = asyncio.Event()
+        if not share_prefix or len(group) == 1:
+            started.set()
+
+        async def after_first(valid: ValidRequest) -> Generation:
+            await started.wait()
+            return await self._collect(valid, arrival)
+
+        first = self._collect(group[0], arrival, started)
+        return await _gather_or_cancel([first, *(after_first(v) for v in group[1:])])
+
     async def stream(self, valid: ValidRequest, arrival: float) -> AsyncIterator[StreamEvent]:
         """Yield one StreamEvent per generated token; the last carries the finished Generation."""
         self.metrics.input_length.observe(valid.input_length)
@@ -162,8 +199,8 @@ class Infer:
                     return
         raise IncompleteGenerationError()
 
-    async def _collect(self, valid: ValidRequest, arrival: float) -> Generation:
-        collector = _Collector(valid.input_length, Timings(arrival))
+    async def _collect(self, valid: ValidRequest, arrival: float, started: asyncio.Event | None = None) -> Generation:
+        collector = _Collector(valid.input_length, Timings(arrival), started=started)
         async with contextlib.aclosing(self._outputs(valid, collector.timings)) as outputs:
             async for out in outputs:
                 end = collector.add(out)
@@ -190,7 +227,10 @@ class Infer:
                              inference_s=t.inference_s, generated_tokens=gen.generated_tokens)
 
 
-async def _gather_or_cancel(coros: list[Coroutine[Any, Any, Generation]]) -> list[Generation]:
+T = TypeVar("T")
+
+
+async def _gather_or_cancel(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
     """asyncio.gather that cancels (and so aborts) the siblings of a failed or cancelled sub-request."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -56,6 +56,16 @@ class _EngineGauges:
         }
         for name, (doc, value) in values.items():
             yield GaugeMetricFamily(name, doc, value=float(value))
+        # per-step token counters (rates: rate(...[1m])); prefix-cache hit rate = hit / queried
+        counters = {
+            "tgi_prompt_tokens": ("Prompt tokens prefilled", "num_prompt_tokens_total"),
+            "tgi_generated_tokens": ("Tokens generated", "num_generated_tokens_total"),
+            "tgi_prefix_cache_queried_tokens": ("Prompt tokens looked up in the prefix cache",
+                                                "num_prefix_cache_queried_tokens"),
+            "tgi_prefix_cache_hit_tokens": ("Prompt tokens found in the prefix cache", "num_prefix_cache_hit_tokens"),
+        }
+        for name, (doc, attr) in counters.items():  # exposed as NAME_total
+            yield CounterMetricFamily(name, doc, value=float(getattr(s, attr, 0)))
 
 
 class ServerMetrics:

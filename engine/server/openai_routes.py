@@ -1,5 +1,5 @@
-"""OpenAI-compatible routes: /v1/chat/completions (with response_format and tools), /v1/completions, /v1/models
-(n=1).
+"""OpenAI-compatible routes: /v1/chat/completions (with response_format and tools), /v1/completions (prompts as
+text or token ids, batched; echo, legacy logprobs, scoring with max_tokens 0), /v1/models; `n` and `best_of`.
 
 Like TGI, requests become a GenerateRequest and go through the same validation and Infer; errors keep
 TGI's {"error", "error_type"} body with the TGI status codes.
@@ -13,16 +13,19 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute
 
+from engine.server import choices as fan
 from engine.server import sse
 from engine.server.errors import ValidationError
 from engine.server.infer import Generation, StreamEvent
+from engine.server.legacy_logprobs import completion_logprobs, stream_logprobs
 from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
                                     ChatCompletionMessage, ChatCompletionRequest, ChatDelta, ChatLogprob, ChatLogprobs,
                                     ChatToolCall, Completion, CompletionChoice, CompletionRequest, FunctionCall,
                                     GenerateParameters, GenerateRequest, ModelCard, ModelList, OpenAIRequest,
-                                    TopLogprob, Usage, dump)
+                                    PromptTokensDetails, TopLogprob, Usage, dump)
+from engine.server.routing import ExactRoute
 from engine.server.state import ServerState
 from engine.server.streaming import Renderer, open_stream, unless_disconnected
 from engine.server.grammar import response_format_grammar
@@ -33,6 +36,7 @@ from engine.structured.tool_calls import ToolCallStream, parse_tool_call
 
 # a chunk builder gets (event or None for the usage chunk, usage or None)
 ChunkBuilder = Callable[[StreamEvent | None, Usage | None], dict[str, Any]]
+COMPLETIONS_MAX_TOKENS = 16     # OpenAI's documented default for /v1/completions (vLLM's too)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -40,14 +44,21 @@ async def chat_completions(request: Request) -> Response:
     with state.request() as arrival:
         req = parse_body(ChatCompletionRequest, await request.body())
         _check_common(req)
+        n = req.n or 1
+        fan.check_counts(1, n, n, state.config.max_concurrent_requests)
+        if req.stream and n > 1:
+            raise ValidationError("`n` > 1 is not supported when streaming")
         use = tool_use(req, state.tokenizer)
         grammar = response_format_grammar(req.response_format)
         if use is not None and grammar is not None:
             raise ValidationError('`response_format` cannot be combined with `tools` unless `tool_choice` is "none"')
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
+        if top_n > state.config.max_top_n_tokens:
+            raise ValidationError(f"`top_logprobs` must be <= {state.config.max_top_n_tokens}. Given: {top_n}")
         prompt = _apply_chat_template(state, req, use)
         params = _parameters(req, req.max_completion_tokens or req.max_tokens, top_n,
                              use.grammar if use is not None else grammar)
+        params.adapter_id = _adapter_id(state, req)
         created, rid, logprobs = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", bool(req.logprobs)
         if req.stream and use is not None:
             return open_stream(state, GenerateRequest(inputs=prompt, parameters=params), arrival,
@@ -64,68 +75,131 @@ async def chat_completions(request: Request) -> Response:
         with state.infer.permit():
             valid = state.validator.validate(GenerateRequest(inputs=prompt, parameters=params),
                                              add_special_tokens=False)
-            gen, _ = await unless_disconnected(request, state.infer.generate(valid, arrival))
-        call = parse_tool_call(gen.text, use.fmt, use.tools) if use is not None else None
-        message = ChatCompletionMessage(content=gen.text) if call is None else ChatCompletionMessage(
-            content=None, tool_calls=[ChatToolCall(id=new_call_id(), function=FunctionCall(
-                name=call.name, arguments=call.arguments))])
-        choice = ChatCompletionChoice(message=message, finish_reason="tool_calls" if call else _finish(gen),
-                                      logprobs=_chat_logprobs(gen.tokens) if logprobs else None)
-        body = ChatCompletion(id=rid, created=created, model=state.model_name, choices=[choice], usage=_usage(gen),
-                              system_fingerprint=state.system_fingerprint)
+            groups = [fan.fan_out(valid, n, req.seed, prompt_logprobs=False)]
+            gens = await unless_disconnected(request, state.infer.generate_groups(
+                groups, arrival, state.config.prefix_caching))
+        choices = [_chat_choice(gen, use, logprobs, index) for index, gen in enumerate(gens[0])]
+        body = ChatCompletion(id=rid, created=created, model=state.model_name, choices=choices,
+                              usage=fan.usage(gens, gens), system_fingerprint=state.system_fingerprint)
         return JSONResponse(dump(body))
+
+
+def _chat_choice(gen: Generation, use: ToolUse | None, logprobs: bool, index: int) -> ChatCompletionChoice:
+    call = parse_tool_call(gen.text, use.fmt, use.tools) if use is not None else None
+    message = ChatCompletionMessage(content=gen.text) if call is None else ChatCompletionMessage(
+        content=None, tool_calls=[ChatToolCall(id=new_call_id(), function=FunctionCall(
+            name=call.name, arguments=call.arguments))])
+    return ChatCompletionChoice(index=index, message=message, finish_reason="tool_calls" if call else _finish(gen),
+                                logprobs=_chat_logprobs(gen.tokens) if logprobs else None)
 
 
 async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
     with state.request() as arrival:
         req = parse_body(CompletionRequest, await request.body())
-        _check_common(req)
-        if req.suffix:
-            raise ValidationError("Suffix is not supported and can be achieved by preprocessing the prompt.")
-        if req.logprobs:
-            raise ValidationError("`logprobs` is not supported on /v1/completions; use /generate with `details`")
-        if req.echo and req.stream:
-            raise ValidationError("`echo` is not supported when streaming")
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if len(prompts) != 1:
-            raise ValidationError(f"exactly one prompt is supported per request. Given: {len(prompts)}")
-        params = _parameters(req, req.max_tokens, 0, response_format_grammar(req.response_format))
-        gen_req = GenerateRequest(inputs=prompts[0], parameters=params)
+        _check_completion(state, req)
+        prompts = req.prompts()
+        n = req.n or 1
+        best_of = req.best_of if req.best_of is not None else n
+        fan.check_counts(len(prompts), n, best_of, state.config.max_concurrent_requests)
+        scoring = req.max_tokens == 0  # echo + max_tokens 0: score the prompt, generate nothing
+        params = _parameters(req, 1 if scoring else req.max_tokens, req.logprobs or 0,
+                             response_format_grammar(req.response_format))
+        params.adapter_id = _adapter_id(state, req)
+        default = min(COMPLETIONS_MAX_TOKENS, state.config.max_new_tokens_default or COMPLETIONS_MAX_TOKENS)
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
-            def chunk(ev: StreamEvent | None, usage: Usage | None) -> dict[str, Any]:
-                choices = [] if ev is None else [CompletionChoice(text=ev.text, finish_reason=_finish(ev.end))]
-                return dump(Completion(id=rid, created=created, model=state.model_name, usage=usage,
-                                       system_fingerprint=state.system_fingerprint, choices=choices))
-            return open_stream(state, gen_req, arrival, _renderer(chunk, req), openai=True)
+            if len(prompts) > 1 or best_of > 1:
+                raise ValidationError("several prompts, `n` > 1 and `best_of` > 1 are not supported when streaming")
+            ids = None if isinstance(prompts[0], str) else prompts[0]
+            return open_stream(state, _generate_request(state, prompts[0], params), arrival,
+                               _completion_stream(state, req, rid, created), openai=True, prompt_token_ids=ids,
+                               max_new_tokens_default=default)
         with state.infer.permit():
-            valid = state.validator.validate(gen_req)
-            gen, _ = await unless_disconnected(request, state.infer.generate(valid, arrival))
-        text = (valid.inputs if req.echo else "") + gen.text
-        body = Completion(id=rid, created=created, model=state.model_name, usage=_usage(gen),
-                          system_fingerprint=state.system_fingerprint,
-                          choices=[CompletionChoice(text=text, finish_reason=_finish(gen))])
+            groups = [fan.fan_out(_validate(state, prompt, params, default), best_of, req.seed,
+                                  prompt_logprobs=req.echo and req.logprobs is not None) for prompt in prompts]
+            gens = await unless_disconnected(request, state.infer.generate_groups(
+                groups, arrival, state.config.prefix_caching))
+        returned = [fan.best(g, n) for g in gens]
+        choices = [_completion_choice(state, req, group[0], gen, prompt_gens[0].prefill, i * n + j, scoring)
+                   for i, (group, prompt_gens, kept) in enumerate(zip(groups, gens, returned))
+                   for j, gen in enumerate(kept)]
+        body = Completion(id=rid, created=created, model=state.model_name, choices=choices,
+                          usage=fan.usage(gens, returned, count_completion=not scoring),
+                          system_fingerprint=state.system_fingerprint)
         return JSONResponse(dump(body))
+
+
+def _check_completion(state: ServerState, req: CompletionRequest) -> None:
+    _check_common(req)
+    if req.suffix:
+        raise ValidationError("Suffix is not supported and can be achieved by preprocessing the prompt.")
+    if req.logprobs is not None and req.logprobs > state.config.max_top_n_tokens:
+        raise ValidationError(f"`logprobs` must be <= {state.config.max_top_n_tokens}. Given: {req.logprobs}")
+    if req.max_tokens == 0 and not req.echo:
+        raise ValidationError("`max_tokens` 0 generates nothing: it needs `echo` (scoring the prompt)")
+    if req.echo and req.stream:
+        raise ValidationError("`echo` is not supported when streaming")
+
+
+def _generate_request(state: ServerState, prompt: str | list[int], params: GenerateParameters) -> GenerateRequest:
+    if isinstance(prompt, str):
+        return GenerateRequest(inputs=prompt, parameters=params)
+    # a token-id prompt's text is only shown by `echo`; ids outside the vocabulary never reach the tokenizer
+    text = state.tokenizer.decode(state.validator.check_token_ids(prompt), skip_special_tokens=True)
+    return GenerateRequest(inputs=text, parameters=params)
+
+
+def _validate(state: ServerState, prompt: str | list[int], params: GenerateParameters, default: int) -> ValidRequest:
+    ids = None if isinstance(prompt, str) else prompt
+    return state.validator.validate(_generate_request(state, prompt, params), prompt_token_ids=ids,
+                                    max_new_tokens_default=default)
+
+
+def _completion_choice(state: ServerState, req: CompletionRequest, valid: ValidRequest, gen: Generation,
+                       prefill: list[Any], index: int, scoring: bool) -> CompletionChoice:
+    generated = [] if scoring else gen.tokens
+    text = (valid.inputs if req.echo else "") + ("" if scoring else gen.text)
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = completion_logprobs(state.tokenizer, valid.prompt_token_ids, prefill if req.echo else None,
+                                       generated)
+    return CompletionChoice(index=index, text=text, logprobs=logprobs,
+                            finish_reason="length" if scoring else _finish(gen))
+
+
+def _completion_stream(state: ServerState, req: CompletionRequest, rid: str, created: int) -> Renderer:
+    offset = 0
+
+    def chunk(ev: StreamEvent | None, usage: Usage | None) -> dict[str, Any]:
+        nonlocal offset
+        choices = []
+        if ev is not None:
+            logprobs = stream_logprobs(ev.token, ev.text, offset) if req.logprobs is not None else None
+            offset += len(ev.text)
+            choices = [CompletionChoice(text=ev.text, logprobs=logprobs, finish_reason=_finish(ev.end))]
+        return dump(Completion(id=rid, created=created, model=state.model_name, usage=usage,
+                               system_fingerprint=state.system_fingerprint, choices=choices))
+    return _renderer(chunk, req)
 
 
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    return JSONResponse(dump(ModelList(data=[ModelCard(id=state.model_name, owned_by="tgi-hpc")])))
+    cards = [ModelCard(id=state.model_name, owned_by="tgi-hpc")]
+    cards += [ModelCard(id=name, owned_by="tgi-hpc") for name in state.validator.adapters]  # LoRA adapters
+    return JSONResponse(dump(ModelList(data=cards)))
 
 
-ROUTES = [
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/completions", completions, methods=["POST"]),
-    Route("/v1/models", models, methods=["GET"]),
+ROUTES: list[BaseRoute] = [
+    ExactRoute("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ExactRoute("/v1/completions", completions, methods=["POST"]),
+    ExactRoute("/v1/models", models, methods=["GET"]),
 ]
 
 
 # --- request -> GenerateParameters --------------------------------------------------------------
 
 def _check_common(req: OpenAIRequest) -> None:
-    if req.n not in (None, 1):
-        raise ValidationError(f"`n` must be 1 on this server. Given: {req.n}")
     if req.presence_penalty:
         raise ValidationError("`presence_penalty` is not supported by this server; use `frequency_penalty`")
 
@@ -141,11 +215,16 @@ def _parameters(req: OpenAIRequest, max_tokens: int | None, top_n_tokens: int,
         grammar=grammar)
 
 
+def _adapter_id(state: ServerState, req: OpenAIRequest) -> str | None:
+    """`model` names a LoRA adapter (or the base model); a server without adapters ignores it, as TGI does."""
+    return req.model if state.validator.adapters else None
+
+
 def _apply_chat_template(state: ServerState, req: ChatCompletionRequest, use: ToolUse | None) -> str:
     if not getattr(state.tokenizer, "chat_template", None):
         raise ValidationError("this model has no chat template; use /v1/completions or /generate")
     for message in req.messages:
-        if isinstance(message.content, list) and any(p.get("type") != "text" for p in message.content):
+        if isinstance(message.content, list) and any(p.type != "text" for p in message.content):
             raise ValidationError("only text content parts are supported")
     messages, tools = template_inputs(req, state.tokenizer, use)
     try:
@@ -165,7 +244,8 @@ def _finish(gen: Generation | None) -> str | None:
 
 def _usage(gen: Generation) -> Usage:
     return Usage(prompt_tokens=gen.input_length, completion_tokens=gen.generated_tokens,
-                 total_tokens=gen.input_length + gen.generated_tokens)
+                 total_tokens=gen.input_length + gen.generated_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=gen.num_cached_tokens))
 
 
 def _chat_logprobs(tokens: list[Any]) -> ChatLogprobs:

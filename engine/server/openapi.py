@@ -12,25 +12,50 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from engine.server import protocol as p
 
 _REF = "#/components/schemas/{model}"
-_ERRORS = {
+_GENERATION_ERRORS = {
     "422": "Input validation error", "424": "Generation error", "429": "Model is overloaded",
     "500": "Incomplete generation", "401": "Missing or wrong API key (when the server has one)",
 }
+JSON, SSE = "application/json", "text/event-stream"
 
-# (method, path, summary, request model, response model or media type)
-_ROUTES: list[tuple[str, str, str, type[BaseModel] | None, Any]] = [
-    ("post", "/", "Generate (stream=true gives SSE); non-stream answers a list", p.CompatGenerateRequest,
-     p.GenerateResponse),
-    ("post", "/generate", "Generate tokens", p.GenerateRequest, p.GenerateResponse),
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": _REF.format(model=model.__name__)}
+
+
+def _list_of(model: type[BaseModel]) -> dict[str, Any]:
+    return {"type": "array", "items": _ref(model)}
+
+
+def _events_of(model: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.2's itemSchema layout): `data` is `model` as JSON text, or, as the last
+    event, an ErrorResponse when the stream fails, or OpenAI's `[DONE]`."""
+    data = {"anyOf": [_ref(model), _ref(p.ErrorResponse)]}
+    return {"type": "object", "required": ["data"], "properties": {
+        "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"},
+        "data": {"type": "string", "contentMediaType": JSON, "contentSchema": data}}}
+
+
+# (method, path, summary, request model, {media type: response schema (a model, or a JSON schema)}, error codes)
+_ROUTES: list[tuple[str, str, str, type[BaseModel] | None, dict[str, Any], dict[str, str]]] = [
+    ("post", "/", "Generate; `stream: true` answers server-sent events, otherwise a one-element list",
+     p.CompatGenerateRequest, {JSON: _list_of(p.GenerateResponse), SSE: _events_of(p.StreamResponse)}, _GENERATION_ERRORS),
+    ("post", "/generate", "Generate tokens", p.GenerateRequest, {JSON: p.GenerateResponse}, _GENERATION_ERRORS),
     ("post", "/generate_stream", "Generate a stream of tokens (server-sent events)", p.GenerateRequest,
-     p.StreamResponse),
-    ("post", "/tokenize", "Tokenize inputs", p.TokenizeRequest, p.SimpleToken),
-    ("post", "/v1/chat/completions", "OpenAI chat completions", p.ChatCompletionRequest, p.ChatCompletion),
-    ("post", "/v1/completions", "OpenAI completions", p.CompletionRequest, p.Completion),
-    ("get", "/v1/models", "Served model", None, p.ModelList),
-    ("get", "/info", "Model and server limits", None, p.Info),
-    ("get", "/health", "200 when a one-token generation succeeds, 503 otherwise", None, None),
-    ("get", "/metrics", "Prometheus metrics (text format)", None, "text/plain"),
+     {SSE: _events_of(p.StreamResponse)}, _GENERATION_ERRORS),
+    ("post", "/tokenize", "Tokenize inputs", p.TokenizeRequest, {JSON: _list_of(p.SimpleToken)},
+     {"422": "Input validation error", "401": _GENERATION_ERRORS["401"]}),
+    ("post", "/v1/chat/completions", "OpenAI chat completions (`stream: true`: chunks as server-sent events)",
+     p.ChatCompletionRequest, {JSON: p.ChatCompletion, SSE: _events_of(p.ChatCompletionChunk)}, _GENERATION_ERRORS),
+    ("post", "/v1/completions", "OpenAI completions (`stream: true`: chunks as server-sent events)",
+     p.CompletionRequest, {JSON: p.Completion, SSE: _events_of(p.Completion)}, _GENERATION_ERRORS),
+    ("get", "/v1/models", "Served model", None, {JSON: p.ModelList}, {"401": _GENERATION_ERRORS["401"]}),
+    ("get", "/info", "Model and server limits", None, {JSON: p.Info}, {}),
+    ("get", "/health", "200 when a one-token generation succeeds, 503 otherwise", None, {},
+     {"503": "Unhealthy"}),
+    ("get", "/metrics", "Prometheus metrics (text format)", None, {"text/plain": {"type": "string"}}, {}),
+    ("get", "/docs", "Swagger UI page for this document", None, {"text/html": {"type": "string"}}, {}),
+    ("get", "/api-doc/openapi.json", "This document", None, {JSON: {"type": "object"}}, {}),
 ]
 
 _MODELS: list[type[BaseModel]] = [
@@ -42,35 +67,31 @@ _MODELS: list[type[BaseModel]] = [
 
 @functools.cache
 def build_spec(version: str) -> dict[str, Any]:
+    """Every route with its request schema, its success responses by media type and its error responses."""
     _, defs = models_json_schema([(m, "validation") for m in _MODELS], ref_template=_REF)
     paths: dict[str, dict[str, Any]] = {}
-    for method, path, summary, request, response in _ROUTES:
-        op: dict[str, Any] = {"summary": summary, "responses": {"200": _ok(response, path)}}
+    for method, path, summary, request, ok, errors in _ROUTES:
+        op: dict[str, Any] = {"summary": summary, "responses": {"200": _ok(ok)}}
         if request is not None:
-            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
-            op["responses"].update({code: _error(desc) for code, desc in _ERRORS.items()})
+            op["requestBody"] = {"required": True, "content": {JSON: {"schema": _ref(request)}}}
+        op["responses"].update({code: _error(desc) for code, desc in errors.items()})
         paths.setdefault(path, {})[method] = op
     return {"openapi": "3.1.0",
             "info": {"title": "tgi-hpc engine", "version": version,
-                     "description": "Text Generation Inference compatible API, plus OpenAI chat/completions."},
+                     "description": "Text Generation Inference compatible API, plus OpenAI chat/completions. "
+                                    "Each path answers only the methods listed here (others: 405)."},
             "paths": paths, "components": {"schemas": defs.get("$defs", {})}}
 
 
-def _ref(model: type[BaseModel]) -> dict[str, str]:
-    return {"$ref": _REF.format(model=model.__name__)}
-
-
-def _ok(response: Any, path: str) -> dict[str, Any]:
-    if response is None:
+def _ok(content: dict[str, Any]) -> dict[str, Any]:
+    if not content:
         return {"description": "OK"}
-    if isinstance(response, str):
-        return {"description": "OK", "content": {response: {"schema": {"type": "string"}}}}
-    media = "text/event-stream" if path == "/generate_stream" else "application/json"
-    return {"description": "OK", "content": {media: {"schema": _ref(response)}}}
+    schemas = {media: _ref(s) if isinstance(s, type) else s for media, s in content.items()}
+    return {"description": "OK", "content": {media: {"schema": schema} for media, schema in schemas.items()}}
 
 
 def _error(description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": _ref(p.ErrorResponse)}}}
+    return {"description": description, "content": {JSON: {"schema": _ref(p.ErrorResponse)}}}
 
 
 async def spec(request: Request) -> Response:

@@ -1,16 +1,23 @@
 """Wire types: TGI's names (router/src/lib.rs) and the OpenAI subset we serve. No engine types here."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
+MAX_SEED = 2**64 - 1        # TGI's u64; torch.Generator.manual_seed takes no more
 
 
 class _Wire(BaseModel):
-    # unknown fields are ignored, as serde does for TGI's request types
-    model_config = ConfigDict(extra="ignore")
+    # unknown fields are ignored, as serde does for TGI's request types; no type coercion ("5" is not an int),
+    # so the server accepts exactly what /api-doc/openapi.json declares
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def _min(value: int) -> Any:
+    # declared in the schema, checked by the Validator with TGI's own message
+    return {"minimum": value}
 
 
 # --- TGI requests -------------------------------------------------------------------------------
@@ -24,14 +31,14 @@ class GenerateParameters(_Wire):
     top_p: float | None = None
     typical_p: float | None = None
     do_sample: bool = False
-    max_new_tokens: int | None = Field(default=None, ge=0)
+    max_new_tokens: int | None = Field(default=None, ge=0, json_schema_extra=_min(1))
     return_full_text: bool | None = None
-    stop: list[str] = Field(default_factory=list)
+    stop: list[str] | None = Field(default_factory=list)   # null is [] (the validator below)
     truncate: int | None = Field(default=None, ge=0)
     watermark: bool = False
     details: bool = False
     decoder_input_details: bool = False
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     top_n_tokens: int | None = Field(default=None, ge=0)
     grammar: Any | None = None
     adapter_id: str | None = None
@@ -48,7 +55,7 @@ def _default_parameters() -> GenerateParameters:
 
 
 class GenerateRequest(_Wire):
-    inputs: str
+    inputs: str = Field(json_schema_extra={"minLength": 1})   # TGI refuses an empty prompt
     parameters: GenerateParameters = Field(default_factory=_default_parameters)
 
 
@@ -142,6 +149,8 @@ class Info(_Wire):
     max_batch_prefill_tokens: int
     max_batch_total_tokens: int
     max_client_batch_size: int = 1
+    max_new_tokens_default: int = 0      # when a request sets no limit; 0 = all the room left (TGI)
+    prefix_caching: bool = True
     validation_workers: int = 1
     num_shard: int
     attention_backend: str
@@ -149,6 +158,9 @@ class Info(_Wire):
     linear_backend: str = "unknown"
     cuda_graphs: list[int] = []
     block_size: int
+    # LoRA: the --lora-adapters names a request may pick (adapter_id / OpenAI model), and how they run
+    lora_adapters: list[str] = []
+    lora_backend: str = "none"
     # structured output: `parameters.grammar` types, OpenAI response_format / tools
     grammar_support: bool = True
     grammar_types: list[str] = ["json", "regex"]
@@ -184,9 +196,14 @@ class StreamOptions(_Wire):
     include_usage: bool = False
 
 
+class ChatContentPart(_Wire):
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(_Wire):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ChatContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None      # an assistant turn that called tools
     tool_call_id: str | None = None                     # a `tool` turn: the result of that call
@@ -195,7 +212,7 @@ class ChatMessage(_Wire):
         """Plain text of the message; list content keeps its `text` parts (images are rejected upstream)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(part.get("text", "") for part in self.content)
+        return "".join(part.text or "" for part in self.content)
 
 
 class OpenAIRequest(_Wire):
@@ -206,11 +223,11 @@ class OpenAIRequest(_Wire):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1)       # choices per prompt (the server's cap: /info)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -229,20 +246,40 @@ class ChatCompletionRequest(OpenAIRequest):
     response_format: dict[str, Any] | None = None
 
 
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+# one prompt, several, one as token ids, several as token ids (lm-evaluation-harness sends those)
+Prompt = StrictStr | Annotated[list[StrictStr], Field(min_length=1)] | TokenIds | \
+    Annotated[list[TokenIds], Field(min_length=1)]
+
+
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str]
+    prompt: Prompt
     suffix: str | None = None
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0)    # legacy: the top-k alternatives per token
+    best_of: int | None = Field(default=None, ge=1)     # sampled per prompt; the n best are returned
     response_format: dict[str, Any] | None = None
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts as a list: of strings, or of token-id lists."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return self.prompt  # type: ignore[return-value]
 
 
 # --- OpenAI responses ---------------------------------------------------------------------------
+
+class PromptTokensDetails(_Wire):
+    cached_tokens: int = 0      # prompt tokens read from the prefix cache instead of computed
+
 
 class Usage(_Wire):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class TopLogprob(_Wire):
@@ -317,10 +354,20 @@ class ChatCompletionChunk(_Wire):
     usage: Usage | None = None
 
 
+class CompletionLogprobs(_Wire):
+    """The legacy completions format: one entry per token of the choice's text (prompt first with echo);
+    the prompt's first token has no logprob (null), as in OpenAI."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(_Wire):
     index: int = 0
     text: str
-    logprobs: Any | None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 

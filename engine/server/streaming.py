@@ -66,7 +66,8 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 def open_stream(state: ServerState, req: GenerateRequest, arrival: float, render: Renderer, *, openai: bool = False,
-                add_special_tokens: bool = True) -> EventStream:
+                add_special_tokens: bool = True, prompt_token_ids: list[int] | None = None,
+                max_new_tokens_default: int | None = None) -> EventStream:
     """Admit and validate now (so 429/422 are real statuses), then stream `render(event)` chunks.
 
     Once the stream is open an error can only be its last event; OpenAI streams end with [DONE].
@@ -74,7 +75,9 @@ def open_stream(state: ServerState, req: GenerateRequest, arrival: float, render
     stack = contextlib.ExitStack()
     stack.enter_context(state.infer.permit())
     try:
-        valid = state.validator.validate(req, stream=True, add_special_tokens=add_special_tokens)
+        valid = state.validator.validate(req, stream=True, add_special_tokens=add_special_tokens,
+                                         prompt_token_ids=prompt_token_ids,
+                                         max_new_tokens_default=max_new_tokens_default)
     except ServerError:
         stack.close()
         raise

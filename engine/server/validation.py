@@ -19,6 +19,8 @@ class Limits:
     max_top_n_tokens: int
     max_input_tokens: int
     max_total_tokens: int
+    max_new_tokens_default: int = 0     # when a request sets none; 0 = all the room left (TGI)
+    vocab_size: int | None = None       # token-id prompts must lie below it
 
 
 @dataclass(slots=True)
@@ -44,24 +46,46 @@ def parse_body(model: type[pydantic.BaseModel], body: bytes) -> Any:
         raise ValidationError(_describe(exc)) from None
 
 
+_PROMPT_FORMS = ("`prompt` must be a string, a list of strings, a list of token ids or a list of lists of token "
+                 "ids, none of them empty")
+
+
 def _describe(exc: pydantic.ValidationError) -> str:
+    errors = exc.errors(include_url=False)
+    if any(err["loc"][:1] == ("prompt",) and len(err["loc"]) > 1 for err in errors):
+        return _PROMPT_FORMS  # one line instead of one error per member of the union
     parts = []
-    for err in exc.errors(include_url=False)[:3]:
+    for err in errors[:3]:
         where = ".".join(str(p) for p in err["loc"]) or "body"
         parts.append(f"`{where}`: {err['msg']}" if err["type"] != "json_invalid" else f"invalid JSON: {err['msg']}")
     return "; ".join(parts)
 
 
 class Validator:
-    def __init__(self, tokenizer: Any, limits: Limits) -> None:
+    def __init__(self, tokenizer: Any, limits: Limits, adapters: tuple[str, ...] = (), base_name: str = "") -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.adapters = adapters        # --lora-adapters names
+        self.base_name = base_name      # this name (or "tgi", or none) means the base model
 
-    def validate(self, req: GenerateRequest, *, stream: bool = False,
-                 add_special_tokens: bool = True) -> ValidRequest:
+    def adapter(self, adapter_id: str | None) -> str | None:
+        """The LoRA adapter a request names (None = the base model); 422 naming the loaded ones if unknown."""
+        if adapter_id in (None, "", "tgi", self.base_name):
+            return None
+        if adapter_id not in self.adapters:
+            known = ", ".join(repr(a) for a in self.adapters)
+            raise ValidationError(f"unknown adapter {adapter_id!r}: " + (
+                f"loaded adapters are {known} (or {self.base_name!r} for the base model)" if self.adapters
+                else "this server has no LoRA adapters (start it with --lora-adapters NAME=DIR)"))
+        return adapter_id
+
+    def validate(self, req: GenerateRequest, *, stream: bool = False, add_special_tokens: bool = True,
+                 prompt_token_ids: list[int] | None = None, max_new_tokens_default: int | None = None) -> ValidRequest:
+        """Check `req`; `prompt_token_ids` (OpenAI token prompts) replace tokenizing `req.inputs`, and
+        `max_new_tokens_default` the server's default (an API's own, e.g. 16 on /v1/completions)."""
         p = req.parameters
         best_of = self._check_sampling(p, stream)
-        if p.max_new_tokens == 0:
+        if p.max_new_tokens is not None and p.max_new_tokens <= 0:
             raise ValidationError("`max_new_tokens` must be strictly positive")
         if len(p.stop) > self.limits.max_stop_sequences:
             raise ValidationError(f"`stop` supports up to {self.limits.max_stop_sequences} stop sequences. "
@@ -72,19 +96,22 @@ class Validator:
         if p.watermark:
             raise ValidationError("`watermark` is not supported by this server")
         grammar = tgi_grammar(p.grammar)
-        if p.adapter_id not in (None, "", "tgi"):
-            raise ValidationError("`adapter_id` (LoRA adapters) is not supported by this server")
+        adapter = self.adapter(p.adapter_id)
         if stream and p.decoder_input_details:
             raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
-        if not req.inputs:
+        if prompt_token_ids is not None:
+            ids = self.check_token_ids(prompt_token_ids)
+        elif not req.inputs:
             raise ValidationError("`inputs` cannot be empty")
-        ids = self._tokenize(req.inputs, p.truncate, add_special_tokens)
-        max_new_tokens = self._check_lengths(len(ids), p.max_new_tokens)
+        else:
+            ids = self._tokenize(req.inputs, p.truncate, add_special_tokens)
+        max_new_tokens = self._check_lengths(len(ids), p.max_new_tokens, max_new_tokens_default)
         params = SamplingParams(
             do_sample=best_of > 1 or _is_sampling(p), temperature=p.temperature if p.temperature is not None else 1.0,
             top_k=p.top_k, top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
             frequency_penalty=p.frequency_penalty, seed=p.seed, max_new_tokens=max_new_tokens,
-            stop=list(p.stop), top_n_tokens=top_n, prefill_logprobs=p.decoder_input_details, grammar=grammar)
+            stop=list(p.stop), top_n_tokens=top_n, prefill_logprobs=p.decoder_input_details, grammar=grammar,
+            adapter_id=adapter)
         return ValidRequest(inputs=req.inputs, prompt_token_ids=ids, params=params, best_of=best_of,
                             details=p.details or p.decoder_input_details,
                             decoder_input_details=p.decoder_input_details,
@@ -125,11 +152,22 @@ class Validator:
             raise ValidationError("`inputs` cannot be empty")
         return ids
 
-    def _check_lengths(self, input_length: int, max_new_tokens: int | None) -> int:
+    def check_token_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.limits.vocab_size
+        if not ids:
+            raise ValidationError("`prompt` cannot be empty")
+        if min(ids) < 0 or (vocab is not None and max(ids) >= vocab):
+            bad = next(i for i in ids if i < 0 or (vocab is not None and i >= vocab))
+            raise ValidationError(f"`prompt` token ids must be >= 0 and < {vocab} (the vocabulary). Given: {bad}")
+        return list(ids)
+
+    def _check_lengths(self, input_length: int, max_new_tokens: int | None, default: int | None) -> int:
         total = self.limits.max_total_tokens
         if max_new_tokens is None:
-            # TGI's default: whatever room the prompt leaves
-            max_new_tokens = max(total - input_length, 1)
+            # the default, cut to the room the prompt leaves; 0 = all that room (TGI's default)
+            room = max(total - input_length, 1)
+            default = self.limits.max_new_tokens_default if default is None else default
+            max_new_tokens = min(default, room) if default > 0 else room
         if input_length > self.limits.max_input_tokens:
             raise ValidationError(f"`inputs` must have less than {self.limits.max_input_tokens} tokens. "
                                   f"Given: {input_length}")

@@ -89,7 +89,7 @@ def test_serve_ready_status_logs_stop(cli, local_cluster, model_path, release):
 
 
 def test_keep_alive_requeue_keeps_job_id_and_port(cli, local_cluster, model_path, release):
-    result = _serve(cli, model_path("tiny-llama"), release, "--keep-alive", "--partition", "long")
+    result = _serve(cli, model_path("tiny-llama"), release, "--requeue", "--partition", "long")
     job_id, port = result["job_id"], result["status"]["port"]
     script = Path(result["script_path"]).read_text()
     assert "#SBATCH --requeue" in script and "#SBATCH --signal=B:USR1@" in script
@@ -150,7 +150,7 @@ def test_unknown_account_is_rejected_at_submit(cli, local_cluster, model_path, r
 
 
 def test_preempted_server_comes_back_with_the_same_job_id_and_port(cli, local_cluster, model_path, release):
-    result = _serve(cli, model_path("tiny-llama"), release, "--keep-alive", "--partition", "long",
+    result = _serve(cli, model_path("tiny-llama"), release, "--requeue", "--partition", "long",
                     "--gpus", str(local_cluster.gpus))
     job_id, port = result["job_id"], result["status"]["port"]
     urgent = local_cluster.sbatch("-p", "unkillable", "-n1", "--gpus-per-task=1", "-o", "/dev/null",

@@ -40,7 +40,7 @@ class CharTokenizer:
             raise RuntimeError("tokenizer bug with a secret path /home/x")
         return ([BOS] if add_special_tokens else []) + [ord(c) + OFFSET for c in text]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(chr(i - OFFSET) for i in ids if i >= OFFSET)
 
     def __call__(self, text: str, add_special_tokens: bool = True, return_offsets_mapping: bool = False) -> dict:
@@ -73,6 +73,7 @@ class FakeEngine:
 
     block_size = 4
     num_total_blocks = 256
+    vocab_size = 1000
 
     def __init__(self, step_delay_s: float = 0.0) -> None:
         self.tokenizer = CharTokenizer()
@@ -381,7 +382,14 @@ def test_generation_error_is_424(client):
     ({"grammar": {"type": "lark", "value": "start: x"}}, '`grammar.type` must be "json" or "regex". Given: \'lark\''),
     ({"grammar": "json"}, '`grammar` must be {"type": "json" | "regex", "value": ...}'),
     ({"truncate": 0}, "`truncate` must be strictly positive and less than 200. Given: 0"),
-    ({"max_new_tokens": "many"}, "`parameters.max_new_tokens`: Input should be a valid integer, unable to parse string as an integer"),
+    ({"max_new_tokens": "many"}, "`parameters.max_new_tokens`: Input should be a valid integer"),
+    # no coercion: the server accepts what /api-doc/openapi.json declares, not what pydantic could convert
+    ({"top_n_tokens": "2"}, "`parameters.top_n_tokens`: Input should be a valid integer"),
+    ({"top_n_tokens": True}, "`parameters.top_n_tokens`: Input should be a valid integer"),
+    ({"top_n_tokens": 1.5}, "`parameters.top_n_tokens`: Input should be a valid integer"),
+    ({"do_sample": "yes"}, "`parameters.do_sample`: Input should be a valid boolean"),
+    ({"seed": 2**64}, "`parameters.seed`: Input should be less than or equal to 18446744073709551615"),
+    ({"max_new_tokens": -1}, "`parameters.max_new_tokens`: Input should be greater than or equal to 0"),
 ])
 def test_validation_errors(client, parameters, message):
     r = client.post("/generate", json={"inputs": "ab", "parameters": parameters})
@@ -426,8 +434,14 @@ def test_unexpected_error_is_a_plain_500_without_traceback():
 def test_unknown_route_keeps_error_shape(client):
     r = client.get("/nope")
     assert r.status_code == 404 and set(r.json()) == {"error", "error_type"}
-    r = client.get("/generate")
-    assert r.status_code == 405 and set(r.json()) == {"error", "error_type"}
+    # every method /api-doc/openapi.json does not declare: 405 with TGI's body and an Allow header
+    for method, path, allow in [("get", "/generate", "POST"), ("get", "/", "POST"), ("head", "/health", "GET"),
+                                ("put", "/v1/completions", "POST"), ("delete", "/info", "GET"),
+                                ("post", "/v1/models", "GET")]:
+        r = client.request(method.upper(), path)
+        assert r.status_code == 405 and r.headers["allow"] == allow, (method, path)
+        if method != "head":
+            assert r.json()["error_type"] == "method_not_allowed"
 
 
 # --- OpenAI routes ------------------------------------------------------------------------------
@@ -444,7 +458,8 @@ def test_chat_completion(served):
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "the"}
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": len("<user>hi\n<assistant>"), "completion_tokens": 3,
-                             "total_tokens": len("<user>hi\n<assistant>") + 3}
+                             "total_tokens": len("<user>hi\n<assistant>") + 3,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert len(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
     (rid,) = set(fake.seen) - before
     assert fake.seen[rid].do_sample is False  # temperature 0 = greedy
@@ -483,7 +498,33 @@ def test_completions(client):
 
 
 @pytest.mark.parametrize("route, body, fragment", [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, "`n` must be 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "`n`: Input should be greater"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 129}, "must be <= 128 sequences"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2, "stream": True},
+     "`n` > 1 is not supported when streaming"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 6},
+     "`top_logprobs` must be <= 5"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+     "`messages.0.content"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "`n`: Input should be greater than or equal to 1"),
+    ("/v1/completions", {"prompt": "x", "best_of": 129}, "Given: 1 x 129"),
+    ("/v1/completions", {"prompt": ["x"] * 3, "n": 50}, "Given: 3 x 50"),
+    ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, "`best_of` must be >= `n`"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 6}, "`logprobs` must be <= 5"),
+    ("/v1/completions", {"prompt": [5, 100000]}, "token ids must be >= 0 and < 1000 (the vocabulary). Given: 100000"),
+    ("/v1/completions", {"prompt": [[5], [-1]]}, "Given: -1"),
+    ("/v1/completions", {"prompt": []}, "`prompt` must be a string, a list of strings"),
+    ("/v1/completions", {"prompt": [[]]}, "`prompt` must be a string, a list of strings"),
+    ("/v1/completions", {"prompt": [[1, 2], "x"]}, "`prompt` must be a string, a list of strings"),
+    ("/v1/completions", {"prompt": [1, "x"]}, "`prompt` must be a string, a list of strings"),
+    ("/v1/completions", {"prompt": [1, 2.0]}, "`prompt` must be a string, a list of strings"),
+    ("/v1/completions", {"prompt": [True]}, "`prompt` must be a string, a list of strings"),
+    ("/v1/completions", {"prompt": [[[1]]]}, "`prompt` must be a string, a list of strings"),
+    ("/v1/completions", {"prompt": ""}, "`inputs` cannot be empty"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "`max_tokens` 0 generates nothing: it needs `echo`"),
+    ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, "not supported when streaming"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}, "not supported when streaming"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, "`seed`: Input should be greater than or equal to 0"),
     ("/v1/chat/completions", {"messages": [{"role": "bad", "content": "x"}]}, "chat template error"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "`tools[0].function` is required"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -597,7 +638,6 @@ def test_health_ok_runs_a_probe(served):
     client, fake = served
     before = set(fake.seen)
     assert client.get("/health").status_code == 200
-    assert client.get("/").status_code == 200
     assert any(rid.startswith("health-") for rid in set(fake.seen) - before)
 
 

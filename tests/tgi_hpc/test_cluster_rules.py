@@ -56,7 +56,7 @@ def test_serve_dry_run_renders_valid_bash_on_every_cluster(capsys, profile, clus
     assert code == 0, err
     result = subprocess.run(["bash", "-n"], input=out, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert out.startswith("#!/bin/bash") and "#SBATCH --requeue" in out
+    assert out.startswith("#!/bin/bash") and "#SBATCH --no-requeue" in out and "service watch" in out
     assert f"--served-model-name {model}" in out            # /v1/models says the model id, not a temp path
     assert "export TRITON_CACHE_DIR=\"${SLURM_TMPDIR}\"/triton-cache" in out   # node-local, per job
 

@@ -8,11 +8,14 @@ import click
 from tgi_hpc import __version__
 from tgi_hpc.cli._app import global_options
 from tgi_hpc.cli.compile import compile_command, release
+from tgi_hpc.cli.chat import chat
 from tgi_hpc.cli.completion import completion
 from tgi_hpc.cli.download import download, models
 from tgi_hpc.cli.jobs import logs, status, stop
+from tgi_hpc.cli.metrics import metrics
 from tgi_hpc.cli.profiles import profiles
 from tgi_hpc.cli.serve import serve
+from tgi_hpc.cli.service import endpoint
 from tgi_hpc.cli.tunnel import ssh_config, tunnel
 
 
@@ -45,11 +48,12 @@ def cli() -> None:
     tgi-hpc compile                        build the offline engine release once
     tgi-hpc serve --model ORG/NAME --wait  submit a server job and wait until it answers
     tgi-hpc status | logs JOB | stop JOB   watch and manage your jobs
+    tgi-hpc metrics JOB | chat JOB         live numbers of a server, or talk to it
     """
 
 
-for command in (serve, status, logs, stop, download, models, compile_command, release, profiles, tunnel,
-                ssh_config, completion):
+for command in (serve, status, logs, stop, metrics, chat, download, models, compile_command, release, profiles, tunnel,
+                ssh_config, completion, endpoint):
     cli.add_command(command)
 
 

@@ -77,13 +77,19 @@ def logs(app: App, job_id, follow) -> None:
 @click.option("--all", "all_jobs", is_flag=True, help="Stop all my tgi-hpc jobs.")
 @with_app
 def stop(app: App, job_ids, all_jobs) -> None:
-    """Cancel JOB_IDS (or --all of my tgi-hpc jobs)."""
+    """Cancel JOB_IDS (or --all of my tgi-hpc jobs); a SERVICE name stops the whole service."""
     from tgi_hpc.errors import UsageError
     from tgi_hpc.slurm import jobs
 
     if bool(job_ids) == all_jobs:
         raise UsageError("give job ids or --all (not both)")
-    result = jobs.stop(app.cluster(), list(job_ids) or None)
+    from tgi_hpc.cli.service import stop_services
+
+    cluster = app.cluster()
+    left = stop_services(app, cluster, list(job_ids), all_jobs)
+    if left is None and not all_jobs:   # only services were named
+        return
+    result = jobs.stop(cluster, None if all_jobs else left)
     lines = [f"stopped {' '.join(result.stopped)}"] if result.stopped else []
     lines += [f"job {j} had already ended ({state})" for j, state in result.ended.items()]
     app.emit({"stopped": result.stopped, "already_ended": result.ended}, "\n".join(lines) or "nothing to stop")

@@ -28,7 +28,14 @@ def hold(app: App, tunnel_obj, info, cluster, stop_job: bool) -> None:
         pass
     finally:
         tunnel_obj.close()
-    if stop_job:
+    from tgi_hpc.service.state import is_job_id
+
+    if stop_job and not is_job_id(info.job_id):   # a service
+        from tgi_hpc.workflows.service import stop_service
+
+        stop_service(cluster, info.job_id)
+        app.info(f"tunnel closed; service {info.job_id} stopped")
+    elif stop_job:
         jobs.stop(cluster, [info.job_id])
         app.info(f"tunnel closed; job {info.job_id} stopped")
     else:
@@ -38,7 +45,7 @@ def hold(app: App, tunnel_obj, info, cluster, stop_job: bool) -> None:
 
 
 @tunnel.command("open")
-@click.argument("job_id", required=False)
+@click.argument("job_id", metavar="[JOB|SERVICE]", required=False)
 @click.option("--local-port", type=click.IntRange(0, 65535), help="Port on this machine (default: the job's port, if free).")
 @click.option("--background", is_flag=True, help="Detach; manage it with `tunnel list` / `tunnel stop`.")
 @click.option("--accept-host-key", is_flag=True, help="Trust and record an unknown SSH host key.")
@@ -46,7 +53,8 @@ def hold(app: App, tunnel_obj, info, cluster, stop_job: bool) -> None:
 @click.option("--foreground-child", is_flag=True, hidden=True)
 @with_app
 def open_command(app: App, job_id, local_port, background, accept_host_key, timeout, foreground_child) -> None:
-    """Forward 127.0.0.1:PORT here to JOB's server (default: my newest running serve job)."""
+    """Forward 127.0.0.1:PORT here to JOB's server (default: my newest running serve job), or to SERVICE's
+    READY replicas: each new connection to the least busy one, following handovers and failing over."""
     from tgi_hpc.workflows import tunnel_session as ts
 
     cluster = app.cluster()
@@ -60,8 +68,16 @@ def open_command(app: App, job_id, local_port, background, accept_host_key, time
         info = ts.start_background(argv, job_id, timeout=timeout + 60)
         app.emit(info.to_dict(), ts.instructions(info))
         return
-    tunnel_obj, info = ts.open_tunnel(cluster, job_id, local_port=local_port, accept_host_key=accept_host_key,
-                                      timeout=timeout, progress=app.info)
+    from tgi_hpc.service.state import is_job_id
+
+    if is_job_id(job_id):
+        tunnel_obj, info = ts.open_tunnel(cluster, job_id, local_port=local_port, accept_host_key=accept_host_key,
+                                          timeout=timeout, progress=app.info)
+    else:   # a service: balanced over its replicas, following its handovers
+        from tgi_hpc.workflows.service_tunnel import open_service_tunnel
+
+        tunnel_obj, info = open_service_tunnel(cluster, job_id, local_port=local_port, accept_host_key=accept_host_key,
+                                               timeout=timeout, progress=app.info)
     if foreground_child:
         ts.register(info)
     app.emit(info.to_dict(), ts.instructions(info))

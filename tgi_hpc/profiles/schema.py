@@ -78,6 +78,13 @@ class SlurmSection(_Strict):
     requeue_signal: str = "USR1"          # --signal=B:<sig>@<delay> for keep-alive
     requeue_signal_delay_s: int = 120
     max_requeues: int = 10
+    # Services (serve --replicas/--handover): Slurm's KillWait, the seconds between SIGTERM and SIGKILL
+    # (30 by default: https://slurm.schedmd.com/slurm.conf.html#OPT_KillWait); the engine drains within it.
+    kill_wait_s: int = Field(default=30, ge=1)
+    # How a successor waits for its turn: begin (sbatch --begin), dependency (--dependency=after:JOB+MIN),
+    # or at_lead (the job submits it at the lead time). https://slurm.schedmd.com/sbatch.html
+    handover_submit: Literal["begin", "dependency", "at_lead"] = "begin"
+    handover_floor_s: int = Field(default=300, ge=0)   # the shortest lead, whatever was observed (ours)
     defaults: dict[JobKind, Resources] = Field(default_factory=dict)  # per job kind
     extra: dict[str, str | bool] = Field(default_factory=dict)        # #SBATCH flags for every job
 

@@ -1,0 +1,74 @@
+"""`tgi-hpc endpoint SERVICE`, and the service side of `serve`, `tunnel` and `stop`."""
+from __future__ import annotations
+
+import click
+
+from tgi_hpc.cli._app import App, with_app
+
+
+def serve_service(app: App, cluster, opts, svc, *, release, dry_run, wait, timeout, open_tunnel, local_port,
+                  stop_on_exit) -> None:
+    from tgi_hpc.workflows.service import run_service, stop_service
+
+    result = run_service(cluster, opts, svc, release=release, dry_run=dry_run, wait=wait and not open_tunnel,
+                         timeout=timeout, progress=app.info, again=app.again())
+    if dry_run:
+        app.emit({"script": result.script}, lambda: click.echo(result.script, nl=False))
+        return
+    if not open_tunnel:
+        app.emit(result.to_dict(), result.summary())
+        return
+    from tgi_hpc.cli.tunnel import hold
+    from tgi_hpc.workflows.tunnel_session import instructions
+    from tgi_hpc.workflows.service_tunnel import open_service_tunnel
+
+    try:
+        tunnel_obj, info = open_service_tunnel(cluster, result.name, local_port=local_port, timeout=timeout,
+                                               progress=app.info)
+    except BaseException:
+        if stop_on_exit:
+            stop_service(cluster, result.name)
+        raise
+    app.emit({**result.to_dict(), "tunnel": info.to_dict()}, instructions(info))
+    hold(app, tunnel_obj, info, cluster, stop_job=stop_on_exit)
+
+
+@click.command()
+@click.argument("service")
+@click.option("--no-check", is_flag=True, help="Trust the state file; do not ask Slurm which replicas still run.")
+@with_app
+def endpoint(app: App, service, no_check) -> None:
+    """Print SERVICE's current URLs and API key as shell exports (eval them), or --json.
+
+    \b
+    For clients in other jobs on the cluster:  eval "$(tgi-hpc endpoint NAME)"
+    then TGI_HPC_URLS (every serving replica), TGI_HPC_URL, TGI_HPC_API_KEY, OPENAI_BASE_URL/OPENAI_API_KEY,
+    and TGI_HPC_SERVICE_STATE for tgi_hpc.client.ServiceClient, which follows successors and retries.
+    """
+    from tgi_hpc.workflows.service import service_endpoint
+
+    found = service_endpoint(app.cluster(), service, check_slurm=not no_check)
+    if not found.urls:
+        app.info(f"service {service}: no replica is READY now (jobs: "
+                 + (" ".join(f"{j['job_id']}={j['state']}" for j in found.jobs) or "none") + ")")
+    app.emit(found.to_dict(), found.exports())
+
+
+def stop_services(app: App, cluster, names: list[str], all_jobs: bool) -> list[str] | None:
+    """`stop` with service names: each service is marked stopped, then its jobs are cancelled; `stop --all`
+    marks every service stopped first, so no job submits a successor on its way out. Returns the job ids
+    left for `stop` (None when only services were named: their result is printed here)."""
+    from tgi_hpc.service.state import is_job_id
+    from tgi_hpc.workflows.service import stop_all_services, stop_service
+
+    if all_jobs:
+        stop_all_services(cluster)
+        return None
+    services = [n for n in names if not is_job_id(n)]
+    done = {name: stop_service(cluster, name) for name in services}
+    if services and len(services) == len(names):
+        app.emit({"stopped": [j for ids in done.values() for j in ids], "services": done},
+                 "\n".join(f"service {n} stopped" + (f": cancelled {' '.join(ids)}" if ids else "")
+                           for n, ids in done.items()))
+        return None
+    return [n for n in names if is_job_id(n)]

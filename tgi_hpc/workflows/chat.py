@@ -1,0 +1,156 @@
+"""A chat conversation with a serve job: the history, and one streamed `/v1/chat/completions` turn at a time.
+
+The server applies the model's chat template; only messages travel. `--json-schema` becomes OpenAI's
+`response_format` (json_schema), which the engine enforces with its grammar.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tgi_hpc.errors import TgiHpcError, UsageError
+
+HELP = ("/system TEXT  set the system prompt (the conversation goes on)\n"
+        "/reset        forget the conversation (the system prompt stays)\n"
+        "/exit         leave (Ctrl-D too)\n"
+        "A line ending in \\ continues on the next line; a line of \"\"\" starts and ends a block; "
+        "a pasted block is one message.")
+
+
+class ChatError(TgiHpcError):
+    """The server refused or broke off a turn (its message is shown; the conversation goes on)."""
+
+
+def response_format(schema_file: str | None) -> dict | None:
+    """--json-schema FILE -> OpenAI's response_format, or None."""
+    if schema_file is None:
+        return None
+    path = Path(schema_file)
+    try:
+        schema = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--json-schema {schema_file}: cannot read a JSON schema ({exc})") from exc
+    if not isinstance(schema, dict):
+        raise UsageError(f"--json-schema {schema_file}: a JSON schema is an object, not {type(schema).__name__}")
+    return {"type": "json_schema", "json_schema": {"name": path.stem or "schema", "schema": schema, "strict": True}}
+
+
+@dataclass
+class Conversation:
+    """Messages so far (the system prompt kept apart, so /reset keeps it) and the request options."""
+
+    system: str | None = None
+    history: list[dict] = field(default_factory=list)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    response_format: dict | None = None
+
+    def messages(self) -> list[dict]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
+
+    def reset(self) -> None:
+        self.history.clear()
+
+    def request(self, model: str) -> dict:
+        body = {"model": model or "tgi", "messages": self.messages(), "stream": True}
+        optional = {"max_tokens": self.max_tokens, "temperature": self.temperature,
+                    "response_format": self.response_format}
+        return body | {k: v for k, v in optional.items() if v is not None}
+
+
+def command(line: str) -> tuple[str, str] | None:
+    """("system", text), ("reset", ""), ("exit", ""), ("help", "") for a slash command, else None (a message).
+    `//text` sends "/text"."""
+    if not line.startswith("/") or line.startswith("//"):
+        return None
+    name, _, rest = line[1:].partition(" ")
+    if name in ("system", "reset", "exit", "quit", "help"):
+        return ("exit" if name == "quit" else name), rest.strip()
+    raise UsageError(f"unknown command /{name}; /help lists them (start with // to send a line beginning with /)")
+
+
+def message_text(line: str) -> str:
+    return line[1:] if line.startswith("//") else line
+
+
+def read_message(read_line: Callable[[str], str], pending: Callable[[], bool] = lambda: False,
+                 prompt: str = "> ", more: str = "... ") -> str:
+    """One message from the terminal: a line; lines ending in \\ go on; a \"\"\" line opens a block up to the
+    next \"\"\" line; lines already waiting when one is read (a paste: `pending()`) join it. EOFError at the end."""
+    lines: list[str] = []
+    block = False
+    while True:
+        line = read_line(prompt)
+        if line.strip() == '"""' and (block or not lines):
+            if block:
+                return "\n".join(lines)
+            block, prompt = True, more
+        elif block:
+            lines.append(line)
+        elif line.endswith("\\"):
+            lines.append(line[:-1])
+            prompt = more
+        else:
+            lines.append(line)
+            if not pending():
+                return "\n".join(lines)
+            prompt = ""
+
+
+class ChatClient:
+    """Streams turns from a server's /v1/chat/completions."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None, model: str = "", timeout: float = 300.0):
+        self._client = httpx.Client(base_url=url, headers=headers or {}, trust_env=False,
+                                    timeout=httpx.Timeout(timeout, connect=30.0))
+        self.model = model
+
+    def turn(self, conversation: Conversation, text: str) -> Iterator[str]:
+        """Send `text`, yield the answer's pieces as they arrive; the full answer joins the history at the end
+        (a turn that fails or is interrupted leaves the history as it was)."""
+        body = conversation.request(self.model)
+        body["messages"] = body["messages"] + [{"role": "user", "content": text}]
+        pieces: list[str] = []
+        try:
+            with self._client.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    raise ChatError(_error_message(response))
+                for event in _sse_data(response.iter_lines()):
+                    if "error" in event:
+                        raise ChatError(f"the server stopped: {event['error']}")
+                    for choice in event.get("choices", []):
+                        piece = (choice.get("delta") or {}).get("content") or ""
+                        if piece:
+                            pieces.append(piece)
+                            yield piece
+        except httpx.HTTPError as exc:
+            raise ChatError(f"the connection to the server failed: {exc}") from exc
+        conversation.history += [{"role": "user", "content": text}, {"role": "assistant", "content": "".join(pieces)}]
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _sse_data(lines: Iterator[str]) -> Iterator[dict]:
+    """The JSON of each `data:` line of a server-sent event stream, until `data: [DONE]`."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def _error_message(response: httpx.Response) -> str:
+    response.read()
+    try:
+        body = response.json()
+        detail = f"{body['error']} ({body.get('error_type', '?')})"
+    except (ValueError, KeyError, TypeError):
+        detail = response.text[:300]
+    return f"the server answered {response.status_code}: {detail}"
