@@ -70,3 +70,13 @@ def test_the_choice_is_checked_and_reported():
 def test_a_backend_another_rank_refuses_is_not_used(monkeypatch):
     with pytest.raises(RuntimeError, match="another rank failed its check"):
         backend.choose(torch.device("cpu"), torch.float32, agree=lambda ok: False)
+
+
+def test_prefill_sized_steps_hand_over_to_grouped_gemms(monkeypatch):
+    calls = []
+    monkeypatch.setattr(backend, "grouped_apply", lambda *args: calls.append(args) or args[1])
+    batch = LoraBatch()
+    batch.set([SeqSpan(0, [0] * backend.GROUPED_FROM_TOKENS, 0, [], adapter=1)], DEVICE)
+    x = torch.zeros(backend.GROUPED_FROM_TOKENS, 8, device=DEVICE)
+    backend.triton_apply(x, x.clone(), torch.zeros(1, 2, 8), torch.zeros(1, 8, 2), batch)
+    assert len(calls) == 1  # no kernel launch: the Triton module is not even needed here
