@@ -50,8 +50,7 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tenso
                token_indices: torch.Tensor) -> torch.Tensor:
     """Add each token's adapter update to y in place and return y.
 
-    x [T, in], y [T, out], a [N, R, in] contiguous, b [N, out, R] with contiguous last dims, token_indices [T]
-    int32.
+    x [T, in], y [T, out] (last dim contiguous), a [N, R, in], b [N, out, R] contiguous, token_indices [T] int32.
     """
     num_tokens, in_features = x.shape
     rank, out_features = a.shape[1], b.shape[1]

@@ -1,11 +1,8 @@
 """How the LoRA update runs: the Triton kernels on CUDA, grouped torch matmuls elsewhere; chosen once at start.
 
 Both add, for every token, `B_i (A_i x)` of its adapter i to the layer's output. The grouped path runs two
-matmuls per adapter present in the step (tokens gathered by adapter). On decode-sized steps that mix
-adapters it runs every adapter at once instead: one shrink GEMM against all stacked A, the columns of other
-adapters masked out per token, one expand GEMM against all stacked B. That reads the same weight bytes
-(all adapters present are read either way) in 3 ops instead of 4 per adapter, which is what a small step
-pays for on CPU; the wasted FLOPs only matter on large steps, which stay grouped. The Triton path is one launch pair per layer; on prefill-sized steps,
+matmuls per adapter present in the step (tokens gathered by adapter), so a whole batch costs a few small
+GEMMs per layer whatever its mix. The Triton path is one launch pair per layer; on prefill-sized steps,
 where per-token programs lose to tensor-core GEMMs, it hands over to the grouped path.
 """
 from __future__ import annotations
@@ -22,14 +19,11 @@ logger = logging.getLogger(__name__)
 
 Apply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LoraBatch], torch.Tensor]
 GROUPED_FROM_TOKENS = 256   # Triton backend: steps with more tokens use the grouped GEMMs
-DENSE_UP_TO_TOKENS = 64     # grouped backend: smaller steps with several adapters run all adapters at once
 
 
 def grouped_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                   batch: LoraBatch) -> torch.Tensor:
     """y[rows_i] += (x[rows_i] A_i^T) B_i^T for each adapter i in the step; y is updated in place."""
-    if len(batch.groups) > 1 and batch.num_tokens <= DENSE_UP_TO_TOKENS:
-        return dense_apply(x, y, a, b, batch)
     for index, rows in batch.groups:
         update = (x[rows] @ a[index].T) @ b[index].T
         if isinstance(rows, slice):
@@ -37,16 +31,6 @@ def grouped_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Te
         else:
             y.index_add_(0, rows, update)
     return y
-
-
-def dense_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                batch: LoraBatch) -> torch.Tensor:
-    """Every adapter's shrink in one GEMM, each token's own columns kept, one expand GEMM; y in place."""
-    num, width, in_features = a.shape
-    h = x @ a.reshape(num * width, in_features).T                   # [T, N * W]
-    h *= batch.column_mask(num, width, h.dtype)
-    b_flat = b.permute(1, 0, 2).reshape(b.shape[1], num * width)     # a view of the stack's [out, N * W] storage
-    return y.addmm_(h, b_flat.T)
 
 
 def triton_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

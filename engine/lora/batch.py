@@ -17,7 +17,6 @@ class LoraBatch:
         self.num_tokens = 0
         self.token_indices: torch.Tensor | None = None
         self.groups: list[tuple[int, slice | torch.Tensor]] = []
-        self._masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     @property
     def active(self) -> bool:
@@ -32,20 +31,11 @@ class LoraBatch:
             if span.adapter:
                 rows.setdefault(span.adapter, []).append((start, len(indices)))
         self.num_tokens = len(indices)
-        self._masks = {}
         self.groups = [(adapter - 1, _rows(ranges, device)) for adapter, ranges in sorted(rows.items())]
         self.token_indices = torch.tensor(indices, dtype=torch.int32).to(device) if self.groups else None
 
     def clear(self) -> None:
-        self.num_tokens, self.token_indices, self.groups, self._masks = 0, None, [], {}
-
-    def column_mask(self, num_adapters: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """[T, num_adapters * width]: 1 where the column belongs to the token's adapter (built once per step)."""
-        key = (num_adapters, width, dtype)
-        if key not in self._masks:
-            owner = torch.arange(num_adapters * width, device=self.token_indices.device) // width + 1
-            self._masks[key] = (self.token_indices[:, None].long() == owner[None, :]).to(dtype)
-        return self._masks[key]
+        self.num_tokens, self.token_indices, self.groups = 0, None, []
 
 
 def _rows(ranges: list[tuple[int, int]], device: torch.device) -> slice | torch.Tensor:

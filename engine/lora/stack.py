@@ -34,9 +34,7 @@ class LayerLora:
         self.rank, self.batch, self.apply = rank, batch, BACKENDS[backend]
         width = len(self.parts) * rank
         self.a = torch.zeros(num_adapters, width, layer.input_size, dtype=dtype, device=device)
-        # B is stored [out, N * width] (all adapters side by side, one GEMM in dense_apply) and used as [N, out, width]
-        b_flat = torch.zeros(layer.output_size, num_adapters * width, dtype=dtype, device=device)
-        self.b = b_flat.view(layer.output_size, num_adapters, width).permute(1, 0, 2)
+        self.b = torch.zeros(num_adapters, layer.output_size, width, dtype=dtype, device=device)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if not self.batch.active:
