@@ -128,6 +128,7 @@ def test_handover_before_the_time_limit_loses_no_request(service_cli, local_clus
         results = [loop.finish() for loop in loops]
         loops = None
         for kind, got in zip(("tunnel", "endpoint + ServiceClient"), results):
+            print(f"handover, {kind}: {len(got)} requests, {sum(r == 200 for _, r in got)} answered 200")
             bad = [(t, r) for t, r in got if r != 200]
             assert not bad, f"{kind}: {len(bad)} of {len(got)} requests failed: {bad[:5]}"
             assert len(got) > 20, f"{kind}: only {len(got)} requests"
@@ -170,6 +171,7 @@ def test_a_scancelled_replica_loses_no_request_not_sent_to_it(service_cli, local
         for kind, got in zip(("tunnel 1", "tunnel 2", "endpoint + ServiceClient"), results):
             assert not [r for _, r in got if isinstance(r, int) and r >= 500], f"{kind}: a 5xx answer"
             failed = [(t - killed_at, r) for t, r in got if r != 200]
+            print(f"scancel, {kind}: {len(got)} requests, {len(failed)} failed: {failed}")
             # at most the one request this loop had in flight on the killed replica, with a clear error
             assert len(failed) <= 1, f"{kind}: {failed}"
             for when, error in failed:
@@ -184,3 +186,35 @@ def test_a_scancelled_replica_loses_no_request_not_sent_to_it(service_cli, local
             tunnel.wait(10)
         left = _cleanup(service_cli, local_cluster, name)
     assert not left, f"jobs left running after `stop {name}`: {left}"
+
+
+def test_serve_a_service_from_the_laptop_with_a_tunnel(laptop, local_cluster, model_path, tmp_path):  # noqa: F811
+    """The laptop's side of `serve --replicas --tunnel --stop-on-exit`: state, script and key written over
+    SFTP, held jobs released over SSH, the tunnel balanced over both; Ctrl-C stops the whole service."""
+    import signal
+
+    from support.releases import standin_release
+
+    tgi, popen, _, jobs = laptop
+    release = standin_release(tmp_path / "release")   # its python puts this checkout first in the jobs
+    proc = popen("serve", "--model", str(model_path("tiny-llama")), "--release", str(release), "--service", "lap",
+                 "--replicas", "2", "--tunnel", "--local-port", "0", "--stop-on-exit", "--timeout", "120")
+    ids = []
+    try:
+        out = _read_until(proc, r"api key: \S+", timeout=150)
+        url = next(w for w in out.split() if w.startswith("http://127.0.0.1:"))
+        key = Path(out.split("api key: ")[1].split()[0]).read_text().strip()
+        state = json.loads((jobs / "services" / "lap.json").read_text())
+        ids = [j["job_id"] for j in state["jobs"]]
+        assert len(ids) == 2 and oct((jobs / "services" / "lap.api-key").stat().st_mode & 0o777) == "0o600"
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as client:
+            assert all(client.post("/generate", json=BODY).status_code == 200 for _ in range(4))
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+        assert (jobs / "services" / "lap.stopped").exists()
+        for job_id in ids:
+            local_cluster.wait_for_state(job_id, {"CANCELLED", "COMPLETED"}, timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        local_cluster.cancel(*ids) if ids else None
