@@ -257,5 +257,14 @@ def test_one_model_with_adapters_lists_them_in_the_endpoint_and_status(tmp_path,
         assert endpoint["model"] == model and endpoint["adapters"] == ["one", "two"] and endpoint["port"] == st["port"]
         argv = json.loads((tmp_path / f"{st['port']}.json").read_text())["argv"]
         assert argv[argv.index("--lora-adapters") + 1] == f"one={first},two={second}"
+        assert f"{Path(model).name} (+2)" in _cli(tmp_path, "status", result["job_id"]).stdout.replace("\n", " ")
     finally:
         _cli(tmp_path, "stop", result["job_id"], check=False)
+
+
+def test_a_dry_run_from_a_laptop_reads_no_adapter_and_still_renders(monkeypatch, caplog):
+    from tgi_hpc.cli import main
+
+    monkeypatch.setenv("TGI_HPC_REMOTE", "1")
+    code = main(["serve", "--cluster", "mila", "--model", BIG, "--model", SMALL, "--lora", "x=acme/lora", "--dry-run"])
+    assert code == 0 and "dry run: adapter x is not read from the cluster" in caplog.text

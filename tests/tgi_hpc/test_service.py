@@ -185,7 +185,7 @@ def test_successor_waits_with_begin_or_dependency():
 
     me = Replica("41", started_at=1000.0)
     assert submission_flags("begin", 600, me, now=1100) == ["--begin=now+600"]
-    assert submission_flags("dependency", 600, me, now=1100) == ["--dependency=after:41+12"]   # (1700-1000)/60, up
+    assert submission_flags("dependency", 600, me, now=1100) == ["--dependency=after:41+11"]   # 11.7 min: rounded down
     assert submission_flags("at_lead", 600, me, now=1100) == []
     assert submission_flags("begin", 0, me, now=1100) == []      # late: at once
 
@@ -299,3 +299,16 @@ def test_sigterm_while_loading_submits_no_new_job(in_job):
         st.job("41").state, st.job("41").ready_at = "starting", 0.0
     handover.on_term(path, "41")   # e.g. the time limit is shorter than the load: no endless chain
     assert fake.calls == []
+
+
+def test_a_squeue_hiccup_is_no_verdict_on_the_successor(in_job, monkeypatch):
+    import subprocess
+
+    handover, _, path = in_job
+    with locked(path) as st:
+        st.jobs.append(Replica("42", generation=1))
+    answers = {1: subprocess.CompletedProcess([], 1, "", "slurm_load_jobs error: Socket timed out"),
+               0: subprocess.CompletedProcess([], 0, "FAILED\n", "")}
+    for code, verdict in ((1, "submitted"), (0, "failed")):
+        monkeypatch.setattr(handover, "_run", lambda argv, answer=answers[code], **kw: answer)
+        assert handover._successor_state(path, "42") == verdict

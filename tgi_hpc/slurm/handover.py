@@ -45,11 +45,17 @@ def _unix(value: str) -> float:
         return 0.0   # Unknown, None, (null)
 
 
-def slurm_times(job_id: str) -> dict[str, float]:
-    """SubmitTime, EligibleTime, StartTime, EndTime of a job (0 when unknown), from `scontrol show job`."""
-    out = _run(["scontrol", "show", "job", "-o", job_id]).stdout
-    fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
-    return {k: _unix(fields.get(k, "")) for k in ("SubmitTime", "EligibleTime", "StartTime", "EndTime")}
+def slurm_times(job_id: str, attempts: int = 5) -> dict[str, float]:
+    """SubmitTime, EligibleTime, StartTime, EndTime of a job (0 when unknown), from `scontrol show job`;
+    asked again when the controller does not answer (without an end time there is no handover)."""
+    for attempt in range(attempts):
+        out = _run(["scontrol", "show", "job", "-o", job_id]).stdout
+        fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+        times = {k: _unix(fields.get(k, "")) for k in ("SubmitTime", "EligibleTime", "StartTime", "EndTime")}
+        if times["EndTime"] or attempt == attempts - 1:
+            return times
+        time.sleep(2.0)
+    return times
 
 
 def _sbatch_env(slot: int, generation: int) -> dict[str, str]:
@@ -67,8 +73,8 @@ def submission_flags(submit_by: str, delay_s: float, predecessor: Replica, now: 
         return []
     if submit_by == "begin":
         return [f"--begin=now+{int(delay_s)}"]
-    if submit_by == "dependency":   # after:JOB+MINUTES counts from the predecessor's start
-        minutes = math.ceil((now + delay_s - predecessor.started_at) / 60)
+    if submit_by == "dependency":   # after:JOB+MINUTES counts from the predecessor's start; early, not late
+        minutes = math.floor((now + delay_s - predecessor.started_at) / 60)
         return [f"--dependency=after:{predecessor.job_id}+{max(1, minutes)}"]
     return []
 
@@ -169,7 +175,10 @@ def _successor_state(state_file: str, job_id: str) -> str:
     if succ is None:
         return "gone"
     if succ.state == "submitted":   # not started yet: did Slurm end it (failed, cancelled)?
-        out = _run(["squeue", "-h", "-j", job_id, "-o", "%T"]).stdout.strip()
+        result = _run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"])
+        if result.returncode != 0:   # a busy controller: no verdict, never a duplicate successor
+            return succ.state
+        out = result.stdout.strip()
         if out.split(" ")[0] in FINAL_STATES or not out:
             return "failed"
     return succ.state
