@@ -120,6 +120,8 @@ class RankWorker:
         """The --lora-adapters on this rank's layers, and the LoRA backend every rank agreed on."""
         if not self.config.lora_adapters:
             return None, "none", {}
+        if self.layout.pp_size > 1:
+            raise ValueError("--lora-adapters with --pipeline-parallel-size > 1 is not supported yet")
         adapters = [read_adapter(name, path) for name, path in self.config.lora_adapters]  # checked by the runner
         backend, report = lora_backend.choose(self.device, self.dtype,
                                               agree=lambda ok: distributed.all_reduce_min(int(ok), self.device) == 1)
