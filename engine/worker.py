@@ -18,6 +18,7 @@ from engine.attention.flash import flash_version
 from engine.attention.selection import choose_backend
 from engine.batch import SeqSpan
 from engine.config import EngineConfig
+from engine.kv_budget import kv_budget
 from engine.layers import cpu_gemm, quantization
 from engine.lora import backend as lora_backend
 from engine.lora.adapter import read_adapter
@@ -216,8 +217,8 @@ class RankWorker:
         free, total = torch.cuda.mem_get_info(self.device)
         stats = torch.cuda.memory_stats(self.device)
         peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-        fraction = self.config.cuda_memory_fraction * self.config.gpu_memory_utilization
-        return total * fraction - (total - free) - peak + current
+        return kv_budget(total, free, peak, current, torch.cuda.memory_reserved(self.device),
+                         self.config.cuda_memory_fraction, self.config.gpu_memory_utilization)
 
     @torch.inference_mode()
     def warmup(self) -> None:
