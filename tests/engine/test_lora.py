@@ -239,6 +239,7 @@ def test_clients_pick_adapters_by_adapter_id_and_openai_model(tiny, tmp_path):
         assert [m.id for m in client.models.list().data] == ["tiny", "a1", "a2"]
         info = httpx.get(f"{url}/info").json()
         assert (info["lora_adapters"], info["lora_backend"]) == (["a1", "a2"], "grouped")
+        assert info["lora_checks"] == {"triton": "needs CUDA", "grouped": "ok"}
         prompt = TEXTS[1]
 
         def generate(adapter_id):
