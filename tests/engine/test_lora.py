@@ -278,3 +278,17 @@ def test_adapters_on_a_quantized_base_match_the_merged_dequantized_model(tiny, t
         ids = engine.tokenizer.encode(TEXTS[1])
         (out,) = engine.generate([ids], greedy("q"))
     assert [t.id for t in out.tokens] == hf_greedy(merged, ids, 12)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_lora_backend_matches_merged_and_the_cpu_tokens(tiny):
+    """On CUDA the Triton kernels are chosen (self-check passed) and give the merged model's tokens."""
+    config = dict(device="cuda", cuda_graphs=[4])  # graphs asked for: LoRA turns them off
+    with engine_with(tiny["base"], [("a1", tiny["a1"]), ("a2", tiny["a2"])], **config) as engine:
+        assert engine.runner.lora_backend == "triton", engine.runner.lora_checks
+        assert engine.runner.cuda_graph_sizes == []
+        prompts = [engine.tokenizer.encode(t) for t in TEXTS]
+        pairs = [(i, a) for a in ("a1", None, "a2") for i in range(len(prompts))]
+        outs = engine.generate([prompts[i] for i, _ in pairs], [greedy(a) for _, a in pairs])
+    for (i, a), out in zip(pairs, outs):
+        assert [t.id for t in out.tokens] == hf_greedy(tiny["merged"][a], prompts[i], 12), (i, a)
