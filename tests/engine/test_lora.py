@@ -258,10 +258,14 @@ def test_clients_pick_adapters_by_adapter_id_and_openai_model(tiny, tmp_path):
         for model, adapter in (("a1", "a1"), ("a2", "a2"), ("tiny", None), ("tgi", None)):
             completion = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
             assert completion.choices[0].text == texts[adapter], model
+            assert completion.model == (model if adapter else "tiny")
         r = httpx.post(f"{url}/generate", json={"inputs": prompt, "parameters": {"adapter_id": "nope"}})
         assert r.status_code == 422 and r.json()["error_type"] == "validation"
         error = r.json()["error"]
         assert "unknown adapter 'nope': loaded adapters are 'a1', 'a2' (or 'tiny' for the base model)" in error
+        chat = client.chat.completions.create(model="a2", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                              temperature=0, stream=True)
+        assert {chunk.model for chunk in chat} == {"a2"}
         with pytest.raises(openai.UnprocessableEntityError) as refused:
             client.completions.create(model="a3", prompt=prompt, max_tokens=2)
         assert "unknown adapter 'a3': loaded adapters are 'a1', 'a2'" in refused.value.response.json()["error"]
