@@ -9,7 +9,7 @@ If any rank dies, every other rank exits instead of hanging: each rank bumps a h
 rendezvous store (hosted by rank 0) every second; rank 0 watches everyone, the others watch rank 0 and
 the store itself. A counter that stops for `rank_timeout_s`, or a store that is gone, ends the process
 with status 1 (srun --kill-on-bad-exit then ends the whole step). The control group waits without a
-timeout (an idle server sends nothing); the device group's collectives time out after STARTUP_TIMEOUT_S
+timeout (an idle server sends nothing); the device group's collectives time out after LAUNCHED_GROUP_TIMEOUT_S
 (loading a large model's weights takes a while on some ranks).
 """
 from __future__ import annotations
@@ -32,11 +32,10 @@ from engine.model_inputs import validate_spans
 from engine.model_runner import split_logits
 from engine.models.decoder import check_tensor_parallel
 from engine.parallel_layout import ParallelLayout
-from engine.worker import RankWorker
+from engine.worker import LAUNCHED_GROUP_TIMEOUT_S, RankWorker
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = 1800.0
 HEARTBEAT_S = 1.0
 EXIT_GRACE_S = 10.0
 
@@ -101,7 +100,7 @@ class DistributedRunner:
         self._failure: str | None = None
         self._closed = False
         store = distributed.create_store(config.master_addr, config.master_port, layout.world_size,
-                                         is_master=True, timeout_s=STARTUP_TIMEOUT_S)
+                                         is_master=True, timeout_s=LAUNCHED_GROUP_TIMEOUT_S)
         self._store = store
         self._watch = PeerWatch(config, layout, self._on_dead)
         self._worker = RankWorker(config, model_config, 0, store, layout)
@@ -167,7 +166,7 @@ class DistributedRunner:
 def follower_main(config: EngineConfig, model_config: ModelConfig, layout: ParallelLayout) -> int:
     """Ranks 1..N-1: build this rank's shard and stage, then run each broadcast step until told to stop."""
     store = distributed.create_store(config.master_addr, config.master_port, layout.world_size,
-                                     is_master=False, timeout_s=STARTUP_TIMEOUT_S)
+                                     is_master=False, timeout_s=LAUNCHED_GROUP_TIMEOUT_S)
     watch = PeerWatch(config, layout, _exit_now)
     worker = RankWorker(config, model_config, layout.rank, store, layout)
     control = _control_group()

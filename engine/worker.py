@@ -37,6 +37,11 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+# Collectives of ranks srun started: loading a large model's shard takes long on some ranks, and a dead rank
+# is caught by the heartbeats (engine/external_launch.py), not by this timeout.
+LAUNCHED_GROUP_TIMEOUT_S = 1800.0
+
+
 def available_cpus() -> int:
     """Cores this process may use (a Slurm allocation, not the whole node)."""
     try:
@@ -82,7 +87,7 @@ class RankWorker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         distributed.init_parallel(self.layout, store, self.device,
-                                  timeout_s=config.rank_timeout_s if layout else 300.0)
+                                  timeout_s=LAUNCHED_GROUP_TIMEOUT_S if layout else 300.0)
         self.model = self._load_model()
         self.lora, self.lora_backend, self.lora_report = self._load_adapters()
         self.linear_backend = cpu_gemm.choose(config.cpu_gemm, self.device, self.dtype)
@@ -121,6 +126,8 @@ class RankWorker:
         """The --lora-adapters on this rank's layers, and the LoRA backend every rank agreed on."""
         if not self.config.lora_adapters:
             return None, "none", {}
+        if self.layout.pp_size > 1:
+            raise ValueError("--lora-adapters with --pipeline-parallel-size > 1 is not supported yet")
         adapters = [read_adapter(name, path) for name, path in self.config.lora_adapters]  # checked by the runner
         backend, report = lora_backend.choose(self.device, self.dtype,
                                               agree=lambda ok: distributed.all_reduce_min(int(ok), self.device) == 1)

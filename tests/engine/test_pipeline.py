@@ -107,7 +107,7 @@ def test_pipeline_and_tensor_ranks_give_the_single_process_tokens(model_path, na
 def _start_all(path, tmp_path, world=2):
     """Every rank through the real launcher; rank 0 serves HTTP and writes the ready file."""
     port, ready = find_free_port(), tmp_path / "ready.json"
-    ranks = [follower(path, rank, world, port, 1, world, "--rank-timeout", "3",
+    ranks = [follower(path, rank, world, port, 1, world, "--rank-timeout", "5",
                       *(["--port", "0", "--hostname", "127.0.0.1", "--ready-file", str(ready)] if rank == 0 else []))
              for rank in range(world)]
     deadline = time.monotonic() + 300

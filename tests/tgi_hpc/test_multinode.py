@@ -153,3 +153,17 @@ def test_the_catalog_picks_gpus_and_nodes_from_memory(name, model, nodes, gpus):
 def test_a_model_too_large_for_the_cluster_says_so():
     with pytest.raises(UsageError, match=r"needs \d+ GPUs of 40 GB \(7 nodes\), more than the 4 nodes"):
         _render("narval", model="meta-llama/Llama-3.1-405B-Instruct")
+
+
+@pytest.mark.parametrize("cluster", ["mila", "fir", "narval", "tamia"])
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_serve_dry_run_nodes_through_the_cli(cluster, nodes, capsys):
+    from tgi_hpc.cli import main
+
+    account = [] if cluster == "mila" else ["--set", "slurm.account=" + ("aip-x" if cluster == "tamia" else "def-x")]
+    code = main(["serve", "--cluster", cluster, *account, "--model", "Qwen/Qwen3-235B-A22B", "--dry-run",
+                 "--nodes", str(nodes), "--gpus", str(4 * nodes)])
+    out = capsys.readouterr().out
+    assert code == 0
+    _bash_n(out)
+    assert f"--pipeline-parallel-size {nodes}" in out and "--num-shard 4" in out
