@@ -34,6 +34,7 @@ class EngineConfig:
     waiting_served_ratio: float = 0.3
     max_new_tokens_default: int = 1024      # when a request sets no limit; 0 = all the room left (TGI)
     prefix_caching: bool = True             # share the KV blocks of equal prompt prefixes
+    speculate: int = 0                      # n-gram draft tokens per decode step (TGI's --speculate); 0 = off
     # memory
     cuda_memory_fraction: float = 1.0
     gpu_memory_utilization: float = 0.9     # of what cuda_memory_fraction leaves

@@ -58,6 +58,16 @@ def _block_size(text: str) -> int:
     return size
 
 
+def _speculate(text: str) -> int:
+    try:
+        num = int(text)
+    except ValueError:
+        num = -1
+    if not 0 <= num <= 16:
+        raise argparse.ArgumentTypeError(f"invalid speculate {text!r}; use 0 (off) to 16 draft tokens per step")
+    return num
+
+
 # engine/attention/selection.py's CHOICES, spelled out so that --help imports no torch (a test keeps them equal)
 ATTENTION_CHOICES = ["auto", "flash-attn", "triton", "portable", "flash", "sdpa", "torch"]
 
@@ -127,6 +137,9 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--max-batch-total-tokens",), "MAX_BATCH_TOTAL_TOKENS",
      dict(type=int, help="tokens of all running requests (default: what the KV cache holds)")),
     (("--max-batch-size",), "MAX_BATCH_SIZE", dict(type=int, help="requests per step")),
+    (("--speculate",), "SPECULATE",
+     dict(default=0, type=_speculate, help="n-gram speculative decoding: draft tokens per step, taken from the "
+                                           "prompt and output and verified in one forward (0 = off)")),
     (("--waiting-served-ratio",), "WAITING_SERVED_RATIO", dict(default=0.3, type=float, help="as in TGI")),
     (("--max-new-tokens-default",), "MAX_NEW_TOKENS_DEFAULT",
      dict(default=1024, type=int, help="tokens generated when a request sets no limit (max_new_tokens, max_tokens, "
@@ -227,7 +240,8 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         hostname=args.hostname, port=args.port, api_key=args.api_key or None,
         cors_allow_origin=list(args.cors_allow_origin or []), json_output=args.json_output,
         served_model_name=args.served_model_name or args.model_id, cpu_gemm=args.cpu_gemm,
-        cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend, block_size=args.block_size)
+        cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend, block_size=args.block_size,
+        speculate=args.speculate)
     if args.kv_cache_bytes is not None:
         config.cpu_kv_cache_bytes = args.kv_cache_bytes
     return config

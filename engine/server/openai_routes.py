@@ -68,7 +68,7 @@ async def chat_completions(request: Request) -> Response:
                 choices = [] if ev is None else [ChatChunkChoice(
                     delta=ChatDelta(content=ev.text), logprobs=_chat_logprobs([ev.token]) if logprobs else None,
                     finish_reason=_finish(ev.end))]
-                return dump(ChatCompletionChunk(id=rid, created=created, model=state.model_name, usage=usage,
+                return dump(ChatCompletionChunk(id=rid, created=created, model=_model(state, req), usage=usage,
                                                 system_fingerprint=state.system_fingerprint, choices=choices))
             return open_stream(state, GenerateRequest(inputs=prompt, parameters=params), arrival,
                                _renderer(chunk, req), openai=True, add_special_tokens=False)
@@ -79,7 +79,7 @@ async def chat_completions(request: Request) -> Response:
             gens = await unless_disconnected(request, state.infer.generate_groups(
                 groups, arrival, state.config.prefix_caching))
         choices = [_chat_choice(gen, use, logprobs, index) for index, gen in enumerate(gens[0])]
-        body = ChatCompletion(id=rid, created=created, model=state.model_name, choices=choices,
+        body = ChatCompletion(id=rid, created=created, model=_model(state, req), choices=choices,
                               usage=fan.usage(gens, gens), system_fingerprint=state.system_fingerprint)
         return JSONResponse(dump(body))
 
@@ -124,7 +124,7 @@ async def completions(request: Request) -> Response:
         choices = [_completion_choice(state, req, group[0], gen, prompt_gens[0].prefill, i * n + j, scoring)
                    for i, (group, prompt_gens, kept) in enumerate(zip(groups, gens, returned))
                    for j, gen in enumerate(kept)]
-        body = Completion(id=rid, created=created, model=state.model_name, choices=choices,
+        body = Completion(id=rid, created=created, model=_model(state, req), choices=choices,
                           usage=fan.usage(gens, returned, count_completion=not scoring),
                           system_fingerprint=state.system_fingerprint)
         return JSONResponse(dump(body))
@@ -178,7 +178,7 @@ def _completion_stream(state: ServerState, req: CompletionRequest, rid: str, cre
             logprobs = stream_logprobs(ev.token, ev.text, offset) if req.logprobs is not None else None
             offset += len(ev.text)
             choices = [CompletionChoice(text=ev.text, logprobs=logprobs, finish_reason=_finish(ev.end))]
-        return dump(Completion(id=rid, created=created, model=state.model_name, usage=usage,
+        return dump(Completion(id=rid, created=created, model=_model(state, req), usage=usage,
                                system_fingerprint=state.system_fingerprint, choices=choices))
     return _renderer(chunk, req)
 
@@ -213,6 +213,11 @@ def _parameters(req: OpenAIRequest, max_tokens: int | None, top_n_tokens: int,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, seed=req.seed,
         max_new_tokens=max_tokens, stop=req.stop_list(), top_n_tokens=top_n_tokens or None, details=True,
         grammar=grammar)
+
+
+def _model(state: ServerState, req: OpenAIRequest) -> str:
+    """The `model` a response names: the LoRA adapter that served it, else the served model."""
+    return req.model if req.model in state.validator.adapters else state.model_name
 
 
 def _adapter_id(state: ServerState, req: OpenAIRequest) -> str | None:
@@ -266,7 +271,7 @@ def _tool_renderer(state: ServerState, req: ChatCompletionRequest, use: ToolUse,
     def chunk(delta: ChatDelta | None, finish: str | None, usage: Usage | None = None) -> bytes:
         choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
         return sse.encode_event(dump(ChatCompletionChunk(
-            id=rid, created=created, model=state.model_name, usage=usage,
+            id=rid, created=created, model=_model(state, req), usage=usage,
             system_fingerprint=state.system_fingerprint, choices=choices)), space=True)
 
     def delta(kind: str, text: str) -> ChatDelta:
