@@ -65,8 +65,8 @@ def _limit_options(func):
 @click.option("--stop-on-exit", is_flag=True, help="With --tunnel: stop the job when the tunnel closes.")
 @click.option("--dry-run", is_flag=True, help="Print the job script; submit nothing.")
 @with_app
-def serve(app: App, models, loras, memory_fractions, revision, gpus, nodes, time_, partition, dtype, quantize, env, engine_args, release,
-          keep_alive, no_api_key, wait_ready, timeout, open_tunnel, local_port, stop_on_exit, dry_run,
+def serve(app: App, models, loras, memory_fractions, revision, gpus, nodes, time_, partition, dtype, quantize, env,
+          engine_args, release, keep_alive, no_api_key, wait_ready, timeout, open_tunnel, local_port, stop_on_exit, dry_run,
           no_shared_weights, replicas, service_name, handover_lead, requeue, **limits) -> None:
     """Submit a server job for MODEL (or several: one engine each) and print its job id and endpoint."""
     from tgi_hpc.workflows.serve import ServeOptions, run_serve

@@ -190,7 +190,8 @@ def _with_models_and_adapters(cluster: Cluster, spec: ServeSpec, opts: ServeOpti
                          "and stages them)")
     adapters = attach(resolve_adapters(cluster, opts.loras, set(names), cluster_path, offline), names)
     if len(plans) == 1:
-        return replace(spec, loras=adapters[0], engine_args=spec.engine_args + tuple(fraction_args(opts.memory_fractions)))
+        fraction = tuple(fraction_args(opts.memory_fractions))
+        return replace(spec, loras=adapters[0], engine_args=spec.engine_args + fraction)
     engines = plan_engines(plans, adapters, spec.resources, spec.engine_args, opts.memory_fractions)
     return replace(spec, loras=adapters[0], engines=engines, num_shard=engines[0].num_shard)
 
@@ -221,8 +222,9 @@ class ServeResult:
         if self.status and self.status.get("state") == "READY":
             url, key = self.status["url"], self.status.get("api_key_file")
             lines += [f"  READY at {url} on {self.status['node']}"]
+            models = self.status.get("models", [])
             lines += [f"  {m['model']} at {m['url']}" + (f" (adapters: {', '.join(m['adapters'])})" if m["adapters"] else "")
-                      for m in self.status.get("models", []) if len(self.status["models"]) > 1 or m["adapters"]]
+                      for m in models if len(models) > 1 or m["adapters"]]
             auth = f' -H "Authorization: Bearer $(cat {sh(key)})"' if key else ""
             lines += [f"  api key file: {key or '(none)'}",
                       f"  try: curl {url}/generate{auth} -H 'Content-Type: application/json' "
