@@ -27,7 +27,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 @pytest.fixture(scope="module")
 def fuzz_server(model_path, tmp_path_factory):
     proc, url, log = start_server(model_path("tiny-llama"), tmp_path_factory.mktemp("fuzz"), "--max-total-tokens",
-                                  "64", "--max-new-tokens-default", "4", "--max-concurrent-requests", "8")
+                                  "64", "--max-new-tokens-default", "4", "--max-concurrent-requests", "8",
+                                  "--cpu-threads", "1")
     yield url
     stop_server(proc)
     assert "Traceback" not in log.read_text()
