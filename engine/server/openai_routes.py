@@ -6,6 +6,7 @@ TGI's {"error", "error_type"} body with the TGI status codes.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -17,7 +18,8 @@ from starlette.routing import BaseRoute
 
 from engine.server import choices as fan
 from engine.server import sse
-from engine.server.errors import ValidationError
+from engine.server.choice_stream import open_choice_stream
+from engine.server.errors import ServerError, ValidationError
 from engine.server.infer import Generation, StreamEvent
 from engine.server.legacy_logprobs import completion_logprobs, stream_logprobs
 from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
@@ -46,9 +48,9 @@ async def chat_completions(request: Request) -> Response:
         _check_common(req)
         n = req.n or 1
         fan.check_counts(1, n, n, state.config.max_concurrent_requests)
-        if req.stream and n > 1:
-            raise ValidationError("`n` > 1 is not supported when streaming")
         use = tool_use(req, state.tokenizer)
+        if req.stream and n > 1 and use is not None:
+            raise ValidationError("`n` > 1 with `tools` is not supported when streaming")
         grammar = response_format_grammar(req.response_format)
         if use is not None and grammar is not None:
             raise ValidationError('`response_format` cannot be combined with `tools` unless `tool_choice` is "none"')
@@ -56,19 +58,24 @@ async def chat_completions(request: Request) -> Response:
         if top_n > state.config.max_top_n_tokens:
             raise ValidationError(f"`top_logprobs` must be <= {state.config.max_top_n_tokens}. Given: {top_n}")
         prompt = _apply_chat_template(state, req, use)
-        params = _parameters(req, req.max_completion_tokens or req.max_tokens, top_n,
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = _parameters(req, max_tokens, top_n,
                              use.grammar if use is not None else grammar)
         created, rid, logprobs = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", bool(req.logprobs)
         if req.stream and use is not None:
             return open_stream(state, GenerateRequest(inputs=prompt, parameters=params), arrival,
                                _tool_renderer(state, req, use, rid, created), openai=True, add_special_tokens=False)
         if req.stream:
-            def chunk(ev: StreamEvent | None, usage: Usage | None) -> dict[str, Any]:
+            def chunk(ev: StreamEvent | None, usage: Usage | None, index: int = 0) -> dict[str, Any]:
                 choices = [] if ev is None else [ChatChunkChoice(
-                    delta=ChatDelta(content=ev.text), logprobs=_chat_logprobs([ev.token]) if logprobs else None,
-                    finish_reason=_finish(ev.end))]
+                    index=index, delta=ChatDelta(content=ev.text),
+                    logprobs=_chat_logprobs([ev.token]) if logprobs else None, finish_reason=_finish(ev.end))]
                 return dump(ChatCompletionChunk(id=rid, created=created, model=state.model_name, usage=usage,
                                                 system_fingerprint=state.system_fingerprint, choices=choices))
+            if n > 1:
+                return _stream_choices(state, req, arrival, chunk, lambda: [fan.fan_out(state.validator.validate(
+                    GenerateRequest(inputs=prompt, parameters=params), stream=True, add_special_tokens=False),
+                    n, req.seed, prompt_logprobs=False)])
             return open_stream(state, GenerateRequest(inputs=prompt, parameters=params), arrival,
                                _renderer(chunk, req), openai=True, add_special_tokens=False)
         with state.infer.permit():
@@ -106,9 +113,23 @@ async def completions(request: Request) -> Response:
                              response_format_grammar(req.response_format))
         default = min(COMPLETIONS_MAX_TOKENS, state.config.max_new_tokens_default or COMPLETIONS_MAX_TOKENS)
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+        if req.stream and (len(prompts) > 1 or n > 1):
+            offsets: dict[int, int] = {}
+
+            def chunk(ev: StreamEvent | None, usage: Usage | None, index: int = 0) -> dict[str, Any]:
+                choices = []
+                if ev is not None:
+                    offset = offsets.get(index, 0)
+                    logprobs = stream_logprobs(ev.token, ev.text, offset) if req.logprobs is not None else None
+                    offsets[index] = offset + len(ev.text)
+                    choices = [CompletionChoice(index=index, text=ev.text, logprobs=logprobs,
+                                                finish_reason=_finish(ev.end))]
+                return dump(Completion(id=rid, created=created, model=state.model_name, usage=usage,
+                                       system_fingerprint=state.system_fingerprint, choices=choices))
+            return _stream_choices(state, req, arrival, chunk, lambda: [
+                fan.fan_out(_validate(state, p, params, default, stream=True), n, req.seed, prompt_logprobs=False)
+                for p in prompts])
         if req.stream:
-            if len(prompts) > 1 or best_of > 1:
-                raise ValidationError("several prompts, `n` > 1 and `best_of` > 1 are not supported when streaming")
             ids = None if isinstance(prompts[0], str) else prompts[0]
             return open_stream(state, _generate_request(state, prompts[0], params), arrival,
                                _completion_stream(state, req, rid, created), openai=True, prompt_token_ids=ids,
@@ -138,6 +159,8 @@ def _check_completion(state: ServerState, req: CompletionRequest) -> None:
         raise ValidationError("`max_tokens` 0 generates nothing: it needs `echo` (scoring the prompt)")
     if req.echo and req.stream:
         raise ValidationError("`echo` is not supported when streaming")
+    if req.stream and (req.best_of or 1) > (req.n or 1):
+        raise ValidationError("`best_of` must equal `n` when streaming (the best are known only at the end)")
 
 
 def _generate_request(state: ServerState, prompt: str | list[int], params: GenerateParameters) -> GenerateRequest:
@@ -148,10 +171,32 @@ def _generate_request(state: ServerState, prompt: str | list[int], params: Gener
     return GenerateRequest(inputs=text, parameters=params)
 
 
-def _validate(state: ServerState, prompt: str | list[int], params: GenerateParameters, default: int) -> ValidRequest:
+def _validate(state: ServerState, prompt: str | list[int], params: GenerateParameters, default: int,
+              stream: bool = False) -> ValidRequest:
     ids = None if isinstance(prompt, str) else prompt
     return state.validator.validate(_generate_request(state, prompt, params), prompt_token_ids=ids,
-                                    max_new_tokens_default=default)
+                                    max_new_tokens_default=default, stream=stream)
+
+
+def _stream_choices(state: ServerState, req: OpenAIRequest, arrival: float, chunk: Callable[..., dict[str, Any]],
+                    build_groups: Callable[[], list[list[ValidRequest]]]) -> Response:
+    """Several choices in one stream: admitted and validated now (real 429/422), then interleaved chunks,
+    each with its choice index, and the usage chunk once all have ended."""
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    permit = contextlib.ExitStack()
+    permit.enter_context(state.infer.permit())
+    try:
+        groups = build_groups()
+    except ServerError:
+        permit.close()
+        raise
+
+    def render(index: int, ev: StreamEvent) -> list[bytes]:
+        return [sse.encode_event(chunk(ev, None, index), space=True)]
+
+    def close(gens: list[list[Generation]]) -> list[bytes]:
+        return [sse.encode_event(chunk(None, fan.usage(gens, gens)), space=True)] if include_usage else []
+    return open_choice_stream(state, groups, arrival, render, close, permit)
 
 
 def _completion_choice(state: ServerState, req: CompletionRequest, valid: ValidRequest, gen: Generation,

@@ -127,6 +127,13 @@ def test_n_choices_are_reproducible_with_a_seed(tiny):
     assert [c.message.content for c in chat.choices] == [c.message.content for c in chat2.choices]
     assert [c.index for c in chat.choices] == [0, 1, 2]
     assert all(len(c.logprobs.content[0].top_logprobs) == 2 for c in chat.choices)
+    stream = list(oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], n=3,
+                                              max_tokens=6, seed=7, stream=True))
+    texts = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert [texts[i] for i in range(3)] == [c.message.content for c in chat.choices]
 
 
 def test_best_of_returns_the_highest_cumulative_logprob(tiny):

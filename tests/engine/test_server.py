@@ -560,6 +560,38 @@ def test_completions_logprobs_without_echo_and_streamed(client):
     assert [c["choices"][0]["logprobs"]["tokens"] for c in chunks] == [["t"], ["h"], ["e"]]
 
 
+def test_streamed_choices_interleave_with_their_index(served):
+    client, fake = served
+    before = set(fake.seen)
+    r = client.post("/v1/completions", json={"prompt": ["ab", "cd"], "n": 2, "max_tokens": 3, "seed": 1,
+                                             "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}})
+    events = sse_events(r.text)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    by_index: dict[int, list] = {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        by_index.setdefault(choice["index"], []).append(choice)
+    assert sorted(by_index) == [0, 1, 2, 3]
+    for choices in by_index.values():
+        assert "".join(c["text"] for c in choices) == "the"
+        assert [c["logprobs"]["text_offset"] for c in choices] == [[0], [1], [2]]
+        assert [c["finish_reason"] for c in choices] == [None, None, "length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    assert sorted(p.seed for _, p in _new_requests(fake, before)) == [1, 1, 2, 2]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 3,
+                                                  "max_tokens": 2, "stream": True})
+    chunks = [json.loads(e[len("data: "):]) for e in sse_events(r.text)[:-1]]
+    assert sorted({c["choices"][0]["index"] for c in chunks}) == [0, 1, 2] and len(chunks) == 6
+
+
+def test_stream_of_choices_ends_with_an_error_event(client):
+    r = client.post("/v1/completions", json={"prompt": ["ab", "FAIL"], "max_tokens": 3, "stream": True})
+    events = sse_events(r.text)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: "):])["error_type"] == "generation"
+
+
 def test_best_of_returns_the_highest_cumulative_logprob(served):
     client, fake = served
     before = set(fake.seen)
@@ -611,8 +643,9 @@ def test_max_new_tokens_default():
 @pytest.mark.parametrize("route, body, fragment", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "`n`: Input should be greater"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 129}, "must be <= 128 sequences"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2, "stream": True},
-     "`n` > 1 is not supported when streaming"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2, "stream": True,
+                              "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "`n` > 1 with `tools` is not supported when streaming"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 6},
      "`top_logprobs` must be <= 5"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
@@ -624,6 +657,9 @@ def test_max_new_tokens_default():
     ("/v1/completions", {"prompt": "x", "logprobs": 6}, "`logprobs` must be <= 5"),
     ("/v1/completions", {"prompt": [5, 100000]}, "token ids must be >= 0 and < 1000 (the vocabulary). Given: 100000"),
     ("/v1/completions", {"prompt": [[5], [-1]]}, "Given: -1"),
+    ("/v1/completions", {"prompt": [5] * 201}, "`inputs` must have less than 200 tokens. Given: 201"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "`max_new_tokens` must be strictly positive"),
     ("/v1/completions", {"prompt": []}, "`prompt` must be a string, a list of strings"),
     ("/v1/completions", {"prompt": [[]]}, "`prompt` must be a string, a list of strings"),
     ("/v1/completions", {"prompt": [[1, 2], "x"]}, "`prompt` must be a string, a list of strings"),
@@ -633,8 +669,8 @@ def test_max_new_tokens_default():
     ("/v1/completions", {"prompt": [[[1]]]}, "`prompt` must be a string, a list of strings"),
     ("/v1/completions", {"prompt": ""}, "`inputs` cannot be empty"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "`max_tokens` 0 generates nothing: it needs `echo`"),
-    ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, "not supported when streaming"),
-    ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}, "not supported when streaming"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}, "`best_of` must equal `n` when streaming"),
+    ("/v1/completions", {"prompt": ["x", "y"], "n": 2, "stream": True, "max_tokens": 999}, "must be <= 256"),
     ("/v1/completions", {"prompt": "x", "seed": -1}, "`seed`: Input should be greater than or equal to 0"),
     ("/v1/chat/completions", {"messages": [{"role": "bad", "content": "x"}]}, "chat template error"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "`tools[0].function` is required"),
