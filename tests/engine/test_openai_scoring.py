@@ -76,16 +76,20 @@ def test_echo_logprobs_equal_transformers(smollm2, hf):
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 0
 
 
-def _harness_scores(url: str, contexts: list[list[int]], continuations: list[list[int]]) -> list[tuple[float, bool]]:
-    """lm-evaluation-harness's local-completions loglikelihood: one batched request of token-id prompts."""
+def _harness_scores(url: str, contexts: list[list[int]], continuations: list[list[int]],
+                    max_tokens: int = 0) -> list[tuple[float, bool]]:
+    """lm-evaluation-harness's local-completions loglikelihood: one batched request of token-id prompts (the
+    harness itself sends max_tokens 1 and drops the generated token's entry)."""
     prompts = [c + k for c, k in zip(contexts, continuations)]
-    out = client(url).completions.create(model="m", prompt=prompts, echo=True, logprobs=1, max_tokens=0,
-                                         temperature=0)
+    out = client(url).completions.create(model="m", prompt=prompts, echo=True, logprobs=1, max_tokens=max_tokens,
+                                         temperature=0, seed=1234)
     assert [c.index for c in out.choices] == list(range(len(prompts)))
     results = []
-    for choice, ctx in zip(out.choices, contexts):
-        lps = choice.logprobs.token_logprobs[len(ctx):]
-        tops = choice.logprobs.top_logprobs[len(ctx):]
+    for choice, ctx, prompt in zip(out.choices, contexts, prompts):
+        assert len(choice.logprobs.tokens) == len(prompt) + max_tokens
+        end = len(prompt)
+        lps = choice.logprobs.token_logprobs[len(ctx):end]
+        tops = choice.logprobs.top_logprobs[len(ctx):end]
         results.append((sum(lps), all(lp >= max(top.values()) - 1e-6 for lp, top in zip(lps, tops))))
     return results
 
@@ -107,6 +111,9 @@ def test_multiple_choice_loop_matches_transformers(smollm2, hf):
     assert [g for _, g in served] == [g for _, g in reference]
     best = max(range(len(conts)), key=lambda i: served[i][0])
     assert best == max(range(len(conts)), key=lambda i: reference[i][0])
+    harness = _harness_scores(url, [ctx] * len(conts), conts, max_tokens=1)
+    assert [s for s, _ in harness] == pytest.approx([s for s, _ in served], abs=1e-5)
+    assert [g for _, g in harness] == [g for _, g in served]
 
 
 def test_n_choices_are_reproducible_with_a_seed(tiny):
