@@ -12,7 +12,7 @@ class SeqSpan:
     Prefill is a span starting at 0, a prefill chunk starts later, decode is a span of one token.
     The runner writes the span's K/V into the slots given by `block_table` and returns logits
     for the last token ("last"), every token ("all", for prefill logprobs) or nothing ("none",
-    an unfinished prefill chunk).
+    an unfinished prefill chunk). Its tokens go through LoRA adapter `adapter` (0 = none).
     """
 
     seq_id: int
@@ -20,3 +20,4 @@ class SeqSpan:
     start_pos: int
     block_table: list[int]
     logits: Literal["none", "last", "all"] = "last"
+    adapter: int = 0            # LoRA adapter index (engine/lora), 0 = the base model

@@ -11,8 +11,9 @@ class BlockManager:
 
     Prefix cache: a full, computed block is registered under a hash chained over every token
     before it, so equal hashes mean equal prefixes (token ids are compared too, against
-    collisions). A freed block keeps its hash and stays revivable until it is handed out again;
-    free blocks are reused least recently freed first.
+    collisions). The chain starts from the sequence's LoRA adapter, so adapters never share KV.
+    A freed block keeps its hash and stays revivable until it is handed out again; free blocks
+    are reused least recently freed first.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -41,7 +42,7 @@ class BlockManager:
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
         hashes, bs = seq.block_hashes, self.block_size
         for i in range(len(hashes), num_full_blocks):
-            prev = hashes[-1] if hashes else 0
+            prev = hashes[-1] if hashes else seq.adapter  # the chain starts at the adapter: none shares KV
             hashes.append(hash((prev, *seq.token_ids[i * bs:(i + 1) * bs])))
         return hashes
 

@@ -62,6 +62,15 @@ def _block_size(text: str) -> int:
 ATTENTION_CHOICES = ["auto", "flash-attn", "triton", "portable", "flash", "sdpa", "torch"]
 
 
+def _lora_adapters(text: str) -> list[tuple[str, str]]:
+    from engine.lora.names import parse_lora_adapters  # torch-free
+
+    try:
+        return parse_lora_adapters(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -81,6 +90,10 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--quantize",), "QUANTIZE", dict(help="fp8 | bitsandbytes | bitsandbytes-nf4 | bitsandbytes-fp4 quantize "
                                             "a float checkpoint at load; gptq | awq | compressed-tensors "
                                             "checkpoints are read from their config without it")),
+    (("--lora-adapters",), "LORA_ADAPTERS",
+     dict(type=_lora_adapters, help="PEFT LoRA adapters served beside the base model: NAME=DIR,NAME2=DIR2 (a bare DIR "
+                                    "is named after its directory); a request picks one with parameters.adapter_id "
+                                    "or OpenAI's `model`")),
     (("--trust-remote-code",), "TRUST_REMOTE_CODE", dict(default=False, type=_bool, nargs="?", const=True,
                                                          help="allow custom tokenizer code from the snapshot")),
     (("--num-shard",), "NUM_SHARD", dict(default=1, type=int, help="tensor-parallel ranks (one GPU each)")),
@@ -194,7 +207,8 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     config = EngineConfig(
         model_id=model_dir, revision=args.revision, dtype=args.dtype, load_format=args.load_format,
         quantize=args.quantize if args.quantize not in (None, "", "none") else None,
-        trust_remote_code=args.trust_remote_code, num_shard=args.num_shard, master_addr=args.master_addr,
+        trust_remote_code=args.trust_remote_code, lora_adapters=list(args.lora_adapters or []),
+        num_shard=args.num_shard, master_addr=args.master_addr,
         master_port=args.master_port, device=args.device, max_concurrent_requests=args.max_concurrent_requests,
         max_best_of=args.max_best_of, max_stop_sequences=args.max_stop_sequences,
         max_top_n_tokens=args.max_top_n_tokens, max_input_tokens=args.max_input_tokens,
@@ -222,6 +236,18 @@ def resolve_model_dir(model_id: str, revision: str | None) -> str:
         raise SystemExit(f"error: --model-id {model_id!r} is neither a directory nor in the local Hugging Face "
                          f"cache ({type(exc).__name__}); download it first on a node with internet, e.g. "
                          f"`hf download {model_id}`, or pass the snapshot directory") from None
+
+
+def resolve_adapter_dir(path: str) -> str:
+    """A LoRA adapter directory as is; a Hub id from the local HF cache when it is there (else left for the
+    adapter check to refuse with its own message)."""
+    if Path(path).is_dir() or path.count("/") != 1 or path.startswith((".", "/")):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(path, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached: the adapter check says so
+        return path
 
 
 class _JsonFormatter(logging.Formatter):
@@ -307,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv[1:]):
         logger.warning("--api-key on the command line is visible to other users (ps); set API_KEY instead")
     config = to_config(args, resolve_model_dir(args.model_id, args.revision))
+    config.lora_adapters = [(name, resolve_adapter_dir(path)) for name, path in config.lora_adapters]
     logger.info("config: %r; API key %s", config, "required" if config.api_key else "not set")
     sock = bind_socket(config.hostname, config.port)  # fail fast, before minutes of weight loading
 

@@ -119,6 +119,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, limits.max_batch_prefill_tokens, config.max_batch_size)
         self.token_texts = TokenTexts(self.tokenizer)
         self.vocab_size = model_config.vocab_size
+        self.adapter_names: list[str] = [name for name, _ in getattr(config, "lora_adapters", [])]
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._mask_filler: MaskFiller | None = None
         self._lock = threading.Lock()
@@ -140,6 +141,7 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params,
                        max_tokens=min(num_prompt + params.max_new_tokens, self.max_total_tokens))
         seq.seed = pick_seed(params)
+        seq.adapter = self.adapter_names.index(params.adapter_id) + 1 if params.adapter_id is not None else 0
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, num_prompt, params.skip_special_tokens)
         seq.stop = StopMatcher(params.stop)
         if params.grammar is not None:
@@ -184,6 +186,9 @@ class LLMEngine:
             raise ValueError(f"top_k must be >= 0, got {params.top_k}")
         if not 0 <= params.top_n_tokens <= self.config.max_top_n_tokens:
             raise ValueError(f"top_n_tokens must be in [0, {self.config.max_top_n_tokens}], got {params.top_n_tokens}")
+        if params.adapter_id is not None and params.adapter_id not in self.adapter_names:
+            known = ", ".join(self.adapter_names) or "none (start with --lora-adapters NAME=DIR)"
+            raise ValueError(f"unknown LoRA adapter {params.adapter_id!r}; loaded adapters: {known}")
         if len(params.stop) > self.config.max_stop_sequences:
             raise ValueError(f"at most {self.config.max_stop_sequences} stop sequences, got {len(params.stop)}")
 

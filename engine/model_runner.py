@@ -15,6 +15,7 @@ import torch
 from engine import distributed
 from engine.batch import SeqSpan
 from engine.config import EngineConfig
+from engine.lora.adapter import read_adapters
 from engine.model_config import ModelConfig
 from engine.model_inputs import validate_spans
 from engine.models.decoder import check_tensor_parallel
@@ -37,6 +38,8 @@ class ModelRunner:
         if config.num_shard < 1:
             raise ValueError(f"num_shard must be >= 1, got {config.num_shard}")
         check_tensor_parallel(model_config, config.num_shard)
+        if config.lora_adapters:  # every adapter problem fails here, before minutes of weight loading
+            read_adapters(config.lora_adapters, model_config, config.served_model_name or config.model_id)
         self.config, self.model_config = config, model_config
         self._workers: list[tuple[mp.process.BaseProcess, mp.connection.Connection]] = []
         self._rank0: RankWorker | None = None
@@ -56,6 +59,8 @@ class ModelRunner:
         self.attention_backend: str = self._rank0.attention_backend
         self.attention_checks: dict[str, str] = self._rank0.attention_report  # candidate -> "ok" or why not
         self.linear_backend: str = self._rank0.linear_backend
+        self.lora_backend: str = self._rank0.lora_backend            # "none" without adapters
+        self.lora_checks: dict[str, str] = self._rank0.lora_report
         graphs = self._rank0.graphs
         self.cuda_graph_sizes: list[int] = graphs.batch_sizes if graphs is not None else []
         logger.info("model runner ready: %s on %s x%d, %s, attention %s, linear %s, decode CUDA graphs %s, "

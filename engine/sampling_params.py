@@ -26,3 +26,4 @@ class SamplingParams:
     prefill_logprobs: bool = False          # decoder_input_details
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None      # output constrained to it; the request ends when it is complete
+    adapter_id: str | None = None           # a --lora-adapters name; None = the base model

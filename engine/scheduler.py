@@ -124,7 +124,8 @@ class Scheduler:
         else:
             logits = "last" if end == seq.num_tokens else "none"
         batch.seqs.append(seq)
-        batch.spans.append(SeqSpan(seq.seq_id, seq.token_ids[start:end], start, seq.block_table, logits))
+        batch.spans.append(SeqSpan(seq.seq_id, seq.token_ids[start:end], start, seq.block_table, logits,
+                                   seq.adapter))
         if end - start == 1 and start >= seq.num_prompt_tokens:
             batch.num_decode_tokens += 1
         else:

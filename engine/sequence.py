@@ -47,6 +47,7 @@ class Sequence:
     prefill_tokens: list[TokenInfo] | None = None
     num_cached_tokens: int | None = None    # prompt tokens found in the prefix cache at first admission
     grammar: Any = None     # llguidance.LLMatcher fed every generated token; kept across preemption (tokens are too)
+    adapter: int = 0        # LoRA adapter index (engine/lora), 0 = the base model; part of the prefix-cache keys
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

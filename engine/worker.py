@@ -19,6 +19,9 @@ from engine.attention.selection import choose_backend
 from engine.batch import SeqSpan
 from engine.config import EngineConfig
 from engine.layers import cpu_gemm, quantization
+from engine.lora import backend as lora_backend
+from engine.lora.adapter import read_adapter
+from engine.lora.stack import AdapterSet
 from engine.model_config import ModelConfig
 from engine.model_inputs import prepare_inputs
 from engine.models import model_class
@@ -67,6 +70,7 @@ class RankWorker:
             torch.cuda.set_device(self.device)
         distributed.init_tensor_parallel(rank, config.num_shard, store, self.device)
         self.model = self._load_model()
+        self.lora, self.lora_backend, self.lora_report = self._load_adapters()
         self.linear_backend = cpu_gemm.choose(config.cpu_gemm, self.device, self.dtype)
         if self.linear_backend == "onednn":
             cpu_gemm.prepack_model(self.model)
@@ -99,6 +103,18 @@ class RankWorker:
             raise ValueError(f"unknown load format {self.config.load_format!r}; use safetensors or dummy")
         return model.eval()
 
+    def _load_adapters(self) -> tuple[AdapterSet | None, str, dict[str, str]]:
+        """The --lora-adapters on this rank's layers, and the LoRA backend every rank agreed on."""
+        if not self.config.lora_adapters:
+            return None, "none", {}
+        adapters = [read_adapter(name, path) for name, path in self.config.lora_adapters]  # checked by the runner
+        backend, report = lora_backend.choose(self.device, self.dtype,
+                                              agree=lambda ok: distributed.all_reduce_min(int(ok), self.device) == 1)
+        if self.rank == 0:
+            logger.info("LoRA backend %s, checked against the reference: %s", backend,
+                        ", ".join(f"{name} {verdict}" for name, verdict in report.items()))
+        return AdapterSet(self.model, adapters, backend, self.dtype, self.device), backend, report
+
     def _choose_backend(self):
         start = time.monotonic()
         backend, block_size, report = choose_backend(
@@ -119,7 +135,9 @@ class RankWorker:
         if not sizes or self.device.type != "cuda":
             return []
         reason = None
-        if not self.attention.supports_cuda_graphs:
+        if self.lora is not None:
+            reason = "LoRA adapters are loaded (their per-token adapter map is not captured)"
+        elif not self.attention.supports_cuda_graphs:
             reason = f"the {self.attention.name} attention backend reads host-side lengths"
         elif config.num_shard > 1:
             reason = "not implemented with tensor parallelism"
@@ -198,7 +216,13 @@ class RankWorker:
             logits = self.model.compute_logits(self.graphs.run(spans))
             return None if logits is None else logits.float()
         inputs = prepare_inputs(spans, self.block_size, self.device, self.attention, self.windows)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
+        if self.lora is not None:
+            self.lora.set_batch(spans, self.device)
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
+        finally:
+            if self.lora is not None:
+                self.lora.clear_batch()
         if inputs.logits_rows.numel() == 0:
             return hidden.new_zeros(0, self.model_config.vocab_size, dtype=torch.float32)
         logits = self.model.compute_logits(hidden[inputs.logits_rows])

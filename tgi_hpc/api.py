@@ -9,8 +9,8 @@
     print(server.metrics())                  # tokens/s, queue, KV usage, latency (one sample)
     server.stop()
 
-Every function also takes a job id (`api.endpoint("4148", cluster="mila")`), e.g. in a job chained with
-`sbatch --dependency=after:4148` (docs/examples/). Errors are `tgi_hpc.errors.TgiHpcError` subclasses.
+Every function also takes a job id or a service name (`api.endpoint("4148", cluster="mila")`), e.g. in a job
+chained with `sbatch --dependency=after:4148` (docs/examples/). Errors are `tgi_hpc.errors.TgiHpcError` subclasses.
 `cluster` defaults to $TGI_HPC_CLUSTER, else the cluster detected here, and `overrides` to $TGI_HPC_SET (as for
 the command). Pass a `Server` (from `serve` or `attach`) around to reuse one SSH connection from a laptop.
 """
@@ -22,12 +22,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tgi_hpc.errors import UsageError
+from tgi_hpc.service.state import check_name, is_job_id
 from tgi_hpc.slurm import jobs
 from tgi_hpc.slurm.cluster import Cluster, open_cluster
 from tgi_hpc.slurm.jobs import JobStatus
-from tgi_hpc.workflows import access, metrics as metrics_flow
+from tgi_hpc.workflows import access, scrape
 from tgi_hpc.workflows.access import Access
 from tgi_hpc.workflows.serve import LIMIT_FLAGS, ServeOptions, run_serve
+from tgi_hpc.workflows.service import ServiceOptions, run_service, stop_service
 
 logger = logging.getLogger(__name__)
 
@@ -45,94 +47,126 @@ def _open(cluster: str | Cluster | None, overrides: Sequence[str], remote: bool 
 
 @dataclass
 class Server:
-    """A serve job: its id, model and cluster. Methods act on the job; `close()` ends an SSH connection."""
+    """A serve job, or a service (`serve(replicas=..., handover=...)`, `attach("NAME")`): its first job's id, the
+    model, the cluster. Methods act on it; `close()` ends the SSH connection to the cluster, if any."""
 
-    job_id: str
+    job_id: str                    # the job; a service's first job ("" when attached by name)
     model: str
     cluster: Cluster = field(repr=False)
+    service: str = ""              # the service's name: endpoint() and metrics() follow its replicas
+
+    @property
+    def target(self) -> str:
+        return self.service or self.job_id
 
     @property
     def port(self) -> int | None:
-        """The port the server listens on, once the job has published it."""
-        found = jobs.read_endpoint(self.cluster, self.job_id)
+        """The port the job's server listens on, once the job has published it."""
+        found = jobs.read_endpoint(self.cluster, self.job_id) if self.job_id else None
         return found.port if found else None
 
     def status(self) -> JobStatus:
-        """PENDING / STARTING / READY / ENDING or how it ended (a /health probe once the server is up)."""
-        return jobs.status(self.cluster, [self.job_id])[0]
+        """The job's state: PENDING / STARTING / READY / ENDING or how it ended (a /health probe once it is up)."""
+        return jobs.status(self.cluster, [self._job()])[0]
 
     def wait_until_ready(self, timeout: float = 1800) -> JobStatus:
-        """Block until READY (a real one-token generation went through); JobFailedError if the job ends first,
-        ReadinessTimeout after `timeout` seconds (the job keeps running)."""
+        """Block until READY (a real one-token generation went through; a service: one replica READY);
+        JobFailedError if the job ends first, ReadinessTimeout after `timeout` seconds (it keeps running)."""
+        if self.service:
+            from tgi_hpc.workflows.service_tunnel import _wait_serving
+
+            first = _wait_serving(self.cluster, self.service, timeout, logger.info)[0]
+            return jobs.status(self.cluster, [first.job_id])[0]
         return jobs.wait(self.cluster, self.job_id, until={"READY"}, timeout=timeout,
-                         on_change=lambda st: logger.info("%s", st.describe()),
-                         on_beat=jobs.heartbeat(logger.info))
+                         on_change=lambda st: logger.info("%s", st.describe()), on_beat=jobs.heartbeat(logger.info))
 
     def endpoint(self, timeout: float = 600) -> Access:
-        """URL + API key that work from here (waits for READY). Close it (or use `with`) to close a tunnel."""
-        return access.connect(self.cluster, self.job_id, timeout=timeout, progress=logger.info)
+        """URL + API key that work from here (waits for READY). Close it (or use `with`) to close a tunnel.
+        A service's `urls()` lists its READY replicas on the cluster; from a laptop, its tunnel balances them."""
+        return access.connect(self.cluster, self.target, timeout=timeout, progress=logger.info)
 
     def metrics(self, interval: float = 1.0) -> dict:
-        """One sample of the server's numbers: two /metrics scrapes `interval` s apart (see `tgi-hpc metrics`)."""
+        """One sample of the server's numbers (a service: its replicas added up), as `tgi-hpc metrics --json`."""
         with self.endpoint() as found:
-            scraper = metrics_flow.Scraper(found.url, found.headers)
+            fleet = scrape.Fleet(found.replicas, found.headers)
             try:
-                summary = metrics_flow.sample(scraper, interval)
+                summary = scrape.sample(fleet, interval)
             finally:
-                scraper.close()
-        summary.job_id, summary.url = found.job_id, found.url
+                fleet.close()
+        summary.target, summary.url = found.job_id, found.url
         return summary.to_dict()
 
     def stop(self) -> None:
-        """Cancel the job (a job that had already ended is left as it was)."""
-        jobs.stop(self.cluster, [self.job_id])
+        """Cancel the job, or every job of the service (none submits a successor any more); a job that had
+        already ended is left as it was."""
+        if self.service:
+            stop_service(self.cluster, self.service)
+        else:
+            jobs.stop(self.cluster, [self.job_id])
 
     def close(self) -> None:
         self.cluster.close()
 
+    def _job(self) -> str:
+        if not self.job_id:
+            raise UsageError(f"{self.service!r} is a service: its jobs change; use endpoint() or metrics(), "
+                             f"or `tgi-hpc endpoint {self.service}` for its replicas")
+        return self.job_id
+
 
 def serve(model: str, *, cluster: str | Cluster | None = None, overrides: Sequence[str] = (), remote: bool | None = None,
           revision: str = "main", gpus: int | None = None, time: str | None = None, partition: str | None = None,
-          env: Mapping[str, str] | None = None, engine_args: Sequence[str] = (), keep_alive: bool = False,
+          env: Mapping[str, str] | None = None, engine_args: Sequence[str] = (), requeue: bool = False,
+          replicas: int = 1, service: str | None = None, handover: str | None = None, keep_alive: bool = False,
           api_key: bool = True, shared_weights: bool = True, release: str | None = None, wait: bool = False,
           timeout: float = 1800, **limits: object) -> Server:
-    """Submit a serve job, as `tgi-hpc serve` does. `limits`: dtype, quantize and TGI's engine limits
-    (max_total_tokens=..., max_concurrent_requests=...); `engine_args`: other engine flags as "FLAG=VALUE"."""
+    """Submit a serve job, as `tgi-hpc serve` does (same options, same checks). `limits`: dtype, quantize and TGI's
+    engine limits (max_total_tokens=..., ...); `engine_args`: other engine flags as "FLAG=VALUE". `replicas`,
+    `service`, `handover` (a lead: seconds or a Slurm time) or `keep_alive` make it a service; `requeue`, one job
+    that requeues itself."""
     unknown = sorted(set(limits) - set(LIMIT_FLAGS))
     if unknown:
         raise UsageError(f"serve(): unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(LIMIT_FLAGS))}")
     opts = ServeOptions(model=model, revision=revision, gpus=gpus, time=time, partition=partition, limits=dict(limits),
                         env=[f"{k}={v}" for k, v in (env or {}).items()], engine_args=list(engine_args),
-                        keep_alive=keep_alive, api_key=api_key, shared_weights=shared_weights)
+                        keep_alive=requeue, api_key=api_key, shared_weights=shared_weights)
     where = _open(cluster, overrides, remote)
+    if replicas > 1 or service or handover or keep_alive:
+        if requeue:
+            raise UsageError("serve(): requeue is for a single job; a service hands over to a successor instead")
+        svc = ServiceOptions(service, replicas, bool(handover or keep_alive), handover)
+        started = run_service(where, opts, svc, release=release, wait=wait, timeout=timeout, progress=logger.info)
+        return Server(started.job_id or "", model, where, started.name)
     result = run_serve(where, opts, release=release, wait=wait, timeout=timeout, progress=logger.info)
     return Server(result.job_id, model, where)
 
 
-def attach(job: str | Server, *, cluster: str | Cluster | None = None, overrides: Sequence[str] = (),
+def attach(target: str | Server, *, cluster: str | Cluster | None = None, overrides: Sequence[str] = (),
            remote: bool | None = None) -> Server:
-    """A Server for a job submitted elsewhere (by the command, another script, a predecessor job)."""
-    if isinstance(job, Server):
-        return job
+    """A Server for a job or service started elsewhere (the command, another script, a predecessor job)."""
+    if isinstance(target, Server):
+        return target
     where = _open(cluster, overrides, remote)
-    return Server(access.resolve_job(where, job), "", where)
+    if is_job_id(target):
+        return Server(target, "", where)
+    return Server("", "", where, check_name(target))
 
 
-def status(job: str | Server, **where) -> JobStatus:
-    return attach(job, **where).status()
+def status(target: str | Server, **where) -> JobStatus:
+    return attach(target, **where).status()
 
 
-def wait_until_ready(job: str | Server, timeout: float = 1800, **where) -> JobStatus:
-    return attach(job, **where).wait_until_ready(timeout)
+def wait_until_ready(target: str | Server, timeout: float = 1800, **where) -> JobStatus:
+    return attach(target, **where).wait_until_ready(timeout)
 
 
-def endpoint(job: str | Server, timeout: float = 600, **where) -> Access:
-    return attach(job, **where).endpoint(timeout)
+def endpoint(target: str | Server, timeout: float = 600, **where) -> Access:
+    return attach(target, **where).endpoint(timeout)
 
 
-def metrics(job: str | Server, interval: float = 1.0, **where) -> dict:
-    return attach(job, **where).metrics(interval)
+def metrics(target: str | Server, interval: float = 1.0, **where) -> dict:
+    return attach(target, **where).metrics(interval)
 
 
-def stop(job: str | Server, **where) -> None:
-    attach(job, **where).stop()
+def stop(target: str | Server, **where) -> None:
+    attach(target, **where).stop()

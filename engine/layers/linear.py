@@ -23,8 +23,11 @@ class LinearBase(nn.Module):
 
     How W is stored, loaded and multiplied is the layer's quantization method (engine.layers.quantization),
     chosen once when the model is built; subclasses only say which part of each checkpoint tensor this
-    rank holds (`output_piece`, `input_piece`).
+    rank holds (`output_piece`, `input_piece`). `lora` (engine.lora.stack.LayerLora, set when adapters are
+    loaded) adds each token's low-rank adapter update to the output.
     """
+
+    lora = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
@@ -50,7 +53,8 @@ class LinearBase(nn.Module):
         self.method.finish_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        y = self.method.apply(self, x, self.bias)
+        return y if self.lora is None else self.lora.add(x, y)
 
 
 class ReplicatedLinear(LinearBase):
@@ -124,4 +128,6 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is whole on every rank and added once, after the reduce
         y = self.method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        if self.lora is not None:  # x A_rank^T is this rank's part of x A^T: its update is reduced with y
+            y = self.lora.add(x, y)
         return all_reduce(y)

@@ -62,7 +62,8 @@ def _build_state(engine: AsyncEngine, config: EngineConfig) -> ServerState:
                     vocab_size=getattr(llm, "vocab_size", None))
     metrics = ServerMetrics(engine.stats)
     return ServerState(engine=engine, config=config, tokenizer=llm.tokenizer,
-                       validator=Validator(llm.tokenizer, limits),
+                       validator=Validator(llm.tokenizer, limits, tuple(name for name, _ in config.lora_adapters),
+                                           config.served_model_name or config.model_id),
                        infer=Infer(engine, metrics, config.max_concurrent_requests),
                        metrics=metrics, info=_build_info(llm, config))
 
@@ -86,6 +87,8 @@ def _build_info(llm: Any, config: EngineConfig) -> Info:
         attention_checks=dict(getattr(runner, "attention_checks", {})),
         linear_backend=str(getattr(runner, "linear_backend", "unknown")),
         cuda_graphs=list(getattr(runner, "cuda_graph_sizes", [])), block_size=stats.block_size,
+        lora_adapters=[name for name, _ in config.lora_adapters],
+        lora_backend=str(getattr(runner, "lora_backend", "none")),
         grammar_backend=f"llguidance {importlib.metadata.version('llguidance')}", version=version,
         max_new_tokens_default=config.max_new_tokens_default, prefix_caching=config.prefix_caching)
 

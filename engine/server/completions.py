@@ -15,7 +15,7 @@ from engine.server.errors import ValidationError
 from engine.server.grammar import response_format_grammar
 from engine.server.infer import Generation, StreamEvent
 from engine.server.legacy_logprobs import completion_logprobs, stream_logprobs
-from engine.server.openai_common import check_common, finish, parameters, stream_choices
+from engine.server.openai_common import adapter_id, check_common, finish, parameters, stream_choices
 from engine.server.protocol import (Completion, CompletionChoice, CompletionRequest, GenerateParameters,
                                     GenerateRequest, Usage, dump)
 from engine.server.state import ServerState
@@ -37,6 +37,7 @@ async def completions(request: Request) -> Response:
         scoring = req.max_tokens == 0  # echo + max_tokens 0: score the prompt, generate nothing
         params = parameters(req, 1 if scoring else req.max_tokens, req.logprobs or 0,
                             response_format_grammar(req.response_format))
+        params.adapter_id = adapter_id(state, req)
         default = min(COMPLETIONS_MAX_TOKENS, state.config.max_new_tokens_default or COMPLETIONS_MAX_TOKENS)
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         if req.stream:

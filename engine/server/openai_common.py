@@ -38,6 +38,11 @@ def parameters(req: OpenAIRequest, max_tokens: int | None, top_n_tokens: int,
         grammar=grammar)
 
 
+def adapter_id(state: ServerState, req: OpenAIRequest) -> str | None:
+    """`model` names a LoRA adapter (or the base model); a server without adapters ignores it, as TGI does."""
+    return req.model if state.validator.adapters else None
+
+
 def finish(gen: Generation | None) -> str | None:
     if gen is None:
         return None

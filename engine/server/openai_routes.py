@@ -20,7 +20,8 @@ from engine.server.completions import completions
 from engine.server.errors import ValidationError
 from engine.server.grammar import response_format_grammar
 from engine.server.infer import Generation, StreamEvent
-from engine.server.openai_common import check_common, finish, parameters, renderer, stream_choices, usage_of
+from engine.server.openai_common import (adapter_id, check_common, finish, parameters, renderer, stream_choices,
+                                         usage_of)
 from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
                                     ChatCompletionMessage, ChatCompletionRequest, ChatDelta, ChatLogprob, ChatLogprobs,
                                     ChatToolCall, FunctionCall, GenerateRequest, ModelCard, ModelList, TopLogprob,
@@ -51,8 +52,8 @@ async def chat_completions(request: Request) -> Response:
             raise ValidationError(f"`top_logprobs` must be <= {state.config.max_top_n_tokens}. Given: {top_n}")
         prompt = _apply_chat_template(state, req, use)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = parameters(req, max_tokens, top_n,
-                             use.grammar if use is not None else grammar)
+        params = parameters(req, max_tokens, top_n, use.grammar if use is not None else grammar)
+        params.adapter_id = adapter_id(state, req)
         created, rid, logprobs = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", bool(req.logprobs)
         if req.stream and use is not None:
             return open_stream(state, GenerateRequest(inputs=prompt, parameters=params), arrival,
@@ -93,7 +94,9 @@ def _chat_choice(gen: Generation, use: ToolUse | None, logprobs: bool, index: in
 
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    return JSONResponse(dump(ModelList(data=[ModelCard(id=state.model_name, owned_by="tgi-hpc")])))
+    cards = [ModelCard(id=state.model_name, owned_by="tgi-hpc")]
+    cards += [ModelCard(id=name, owned_by="tgi-hpc") for name in state.validator.adapters]  # LoRA adapters
+    return JSONResponse(dump(ModelList(data=cards)))
 
 
 ROUTES: list[BaseRoute] = [

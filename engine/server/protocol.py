@@ -159,6 +159,9 @@ class Info(_Wire):
     linear_backend: str = "unknown"
     cuda_graphs: list[int] = []
     block_size: int
+    # LoRA: the --lora-adapters names a request may pick (adapter_id / OpenAI model), and how they run
+    lora_adapters: list[str] = []
+    lora_backend: str = "none"
     # structured output: `parameters.grammar` types, OpenAI response_format / tools
     grammar_support: bool = True
     grammar_types: list[str] = ["json", "regex"]

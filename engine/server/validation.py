@@ -62,9 +62,22 @@ def _describe(exc: pydantic.ValidationError) -> str:
 
 
 class Validator:
-    def __init__(self, tokenizer: Any, limits: Limits) -> None:
+    def __init__(self, tokenizer: Any, limits: Limits, adapters: tuple[str, ...] = (), base_name: str = "") -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.adapters = adapters        # --lora-adapters names
+        self.base_name = base_name      # this name (or "tgi", or none) means the base model
+
+    def adapter(self, adapter_id: str | None) -> str | None:
+        """The LoRA adapter a request names (None = the base model); 422 naming the loaded ones if unknown."""
+        if adapter_id in (None, "", "tgi", self.base_name):
+            return None
+        if adapter_id not in self.adapters:
+            known = ", ".join(repr(a) for a in self.adapters)
+            raise ValidationError(f"unknown adapter {adapter_id!r}: " + (
+                f"loaded adapters are {known} (or {self.base_name!r} for the base model)" if self.adapters
+                else "this server has no LoRA adapters (start it with --lora-adapters NAME=DIR)"))
+        return adapter_id
 
     def validate(self, req: GenerateRequest, *, stream: bool = False, add_special_tokens: bool = True,
                  prompt_token_ids: list[int] | None = None, max_new_tokens_default: int | None = None) -> ValidRequest:
@@ -83,8 +96,7 @@ class Validator:
         if p.watermark:
             raise ValidationError("`watermark` is not supported by this server")
         grammar = tgi_grammar(p.grammar)
-        if p.adapter_id not in (None, "", "tgi"):
-            raise ValidationError("`adapter_id` (LoRA adapters) is not supported by this server")
+        adapter = self.adapter(p.adapter_id)
         if stream and p.decoder_input_details:
             raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
         if prompt_token_ids is not None:
@@ -98,7 +110,8 @@ class Validator:
             do_sample=best_of > 1 or _is_sampling(p), temperature=p.temperature if p.temperature is not None else 1.0,
             top_k=p.top_k, top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
             frequency_penalty=p.frequency_penalty, seed=p.seed, max_new_tokens=max_new_tokens,
-            stop=list(p.stop), top_n_tokens=top_n, prefill_logprobs=p.decoder_input_details, grammar=grammar)
+            stop=list(p.stop), top_n_tokens=top_n, prefill_logprobs=p.decoder_input_details, grammar=grammar,
+            adapter_id=adapter)
         return ValidRequest(inputs=req.inputs, prompt_token_ids=ids, params=params, best_of=best_of,
                             details=p.details or p.decoder_input_details,
                             decoder_input_details=p.decoder_input_details,

@@ -70,7 +70,7 @@ def test_api_serve_ready_generate_metrics_stop_without_torch(local_cluster, mode
         assert out["without_key"] == 401
         assert out["by_id"] == "READY"
         metrics = out["metrics"]
-        assert metrics["job_id"] == out["job_id"] and metrics["counters"]["requests"] >= 2   # the probe + ours
+        assert metrics["target"] == out["job_id"] and metrics["replicas"] == [out["job_id"]] and metrics["counters"]["requests"] >= 2   # the probe + ours
         assert metrics["counters"]["generated_tokens"] >= 6 and metrics["kv_cache_usage"] is not None
         assert out["after_stop"] == "CANCELLED"
         assert out["imported"] == []

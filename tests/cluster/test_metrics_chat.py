@@ -4,20 +4,16 @@ a load, the live view, and a chat driven through a pseudo-terminal (streaming, /
 from __future__ import annotations
 
 import json
-import os
-import re
-import select
-import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from support.releases import venv_release
+from support.terminal import Terminal
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,70 +68,26 @@ def test_metrics_json_reports_the_counters_after_a_load(served):
         stop.set()
         worker.join(120)
     counters, old = sample["counters"], before["counters"]
-    assert sample["job_id"] == job_id and sample["url"] == url
+    assert sample["target"] == job_id and sample["url"] == url and sample["replicas"] == [job_id]
     assert counters["requests"] >= old["requests"] + 4
     assert counters["generated_tokens"] >= old["generated_tokens"] + generated
     assert counters["prompt_tokens"] > old["prompt_tokens"]
-    assert sample["token_source"] in ("counters", "histogram sums")
+    assert sample["token_source"] == "counters"     # the engine's per-step counters, not the histogram sums
+    assert counters["prefix_cache_queried_tokens"] >= old["prefix_cache_queried_tokens"] + 4
     assert sample["generated_tokens_per_s"] > 0 and sample["requests_per_s"] > 0
     assert sample["latency_p50_s"] > 0 and sample["latency_p90_s"] >= sample["latency_p50_s"]
     assert 0 <= sample["kv_cache_usage"] <= 1 and sample["waiting"] >= 0 and sample["running"] >= 0
     assert sample["window_s"] >= 3
 
 
-def test_metrics_for_a_job_that_is_not_a_job_id_is_refused(served):
+def test_metrics_and_chat_refuse_a_hostile_or_unknown_target(served):
     tgi = served[0]
     out = tgi("metrics", "4148; touch /tmp/x", "--json", check=False)
-    assert out.returncode == 2 and "is not a job id" in out.stderr
-
-
-class Terminal:
-    """A command on a pseudo-terminal: what it writes is collected (with the time of each read)."""
-
-    def __init__(self, argv: list[str], env: dict[str, str]):
-        import pty
-
-        master, slave = pty.openpty()
-        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env={**env, "TERM": "dumb"},
-                                     start_new_session=True, close_fds=True)
-        os.close(slave)
-        self.master, self.reads, self.seen = master, [], ""
-
-    def _pump(self, timeout: float) -> None:
-        ready, _, _ = select.select([self.master], [], [], timeout)
-        if ready:
-            try:
-                data = os.read(self.master, 65536).decode(errors="replace")
-            except OSError:       # the other end closed
-                data = ""
-            if data:
-                self.reads.append((time.monotonic(), data))
-                self.seen += data
-
-    def expect(self, pattern: str, timeout: float = 120, start: int = 0) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = re.search(pattern, self.seen[start:], re.S)
-            if found:
-                return found
-            if self.proc.poll() is not None:
-                self._pump(0.2)
-                if not re.search(pattern, self.seen[start:], re.S):
-                    break
-            self._pump(0.2)
-        raise AssertionError(f"{pattern!r} not seen in:\n{self.seen[start:]}")
-
-    def send(self, text: str) -> int:
-        """Type `text`; returns where the output after it starts."""
-        mark = len(self.seen)
-        os.write(self.master, text.encode())
-        return mark
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-        os.close(self.master)
+    assert out.returncode == 2 and "service name '4148; touch /tmp/x': use letters" in out.stderr
+    out = tgi("chat", "no-such-service", check=False)
+    assert out.returncode == 2 and "no service 'no-such-service'" in out.stderr
+    out = tgi("metrics", "999999", "--json", "--timeout", "5", check=False)
+    assert out.returncode == 5 and "no such job: 999999" in out.stderr
 
 
 def _reference(url: str, key: str, messages: list[dict], **extra) -> str:

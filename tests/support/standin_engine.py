@@ -13,9 +13,10 @@ args = sys.argv[1:]
 port = int(args[args.index("--port") + 1])
 host = args[args.index("--hostname") + 1] if "--hostname" in args else "0.0.0.0"
 key = os.environ.get("API_KEY")
-if os.environ.get("STANDIN_RECORD"):
-    with open(os.environ["STANDIN_RECORD"], "w") as fh:
-        json.dump({"argv": sys.argv, "has_api_key": bool(key)}, fh)
+if os.environ.get("STANDIN_RECORD"):  # "{port}" in the path: one record per engine of a several-models job
+    with open(os.environ["STANDIN_RECORD"].replace("{port}", str(port)), "w") as fh:
+        json.dump({"argv": sys.argv, "has_api_key": bool(key), "pid": os.getpid(),
+                   "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}, fh)
 
 
 class Handler(BaseHTTPRequestHandler):

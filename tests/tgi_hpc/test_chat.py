@@ -80,10 +80,9 @@ def _sse(*events: dict | str) -> str:
     return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events)
 
 
-def _client(handler) -> ChatClient:
-    client = ChatClient("http://test", {"Authorization": "Bearer k"}, model="org/model")
-    client._client = httpx.Client(base_url="http://test", transport=httpx.MockTransport(handler),
-                                  headers={"Authorization": "Bearer k"})
+def _client(handler, urls="http://test") -> ChatClient:
+    client = ChatClient(urls, {"Authorization": "Bearer k"}, model="org/model")
+    client._client = httpx.Client(transport=httpx.MockTransport(handler), headers={"Authorization": "Bearer k"})
     return client
 
 
@@ -137,3 +136,22 @@ def test_a_dropped_connection_is_a_chat_error():
 
     with pytest.raises(ChatError, match="connection to the server failed"):
         list(_client(handler).turn(Conversation(), "hi"))
+
+
+def test_a_service_turn_skips_a_refusing_or_draining_replica_for_the_next():
+    asked = []
+
+    def handler(request):
+        asked.append(request.url.host)
+        if request.url.host == "gone":
+            raise httpx.ConnectError("connection refused")
+        if request.url.host == "draining":
+            return httpx.Response(503, json={"error": "the server is draining", "error_type": "draining"})
+        return httpx.Response(200, text=_sse({"choices": [{"delta": {"content": "ok"}}]}, "[DONE]"))
+
+    urls = lambda: ["http://gone:1", "http://draining:2", "http://ready:3"]  # noqa: E731
+    conversation = Conversation()
+    assert list(_client(handler, urls).turn(conversation, "hi")) == ["ok"]
+    assert asked == ["gone", "draining", "ready"] and len(conversation.history) == 2
+    with pytest.raises(ChatError, match="draining"):
+        list(_client(handler, lambda: ["http://gone:1", "http://draining:2"]).turn(conversation, "hi"))

@@ -457,3 +457,31 @@ def test_not_enough_disk_space_fails_before_downloading_weights(hub, tmp_path, m
     with pytest.raises(DownloadError, match="not enough disk space .* 0.0 MB are free"):
         download_model("acme/tiny-st", tmp_path / "store", endpoint=url, progress=False)
     assert not [r for r in srv.requests if r.path.startswith("/_cdn/")]
+
+
+def test_an_adapter_repo_is_stored_as_an_adapter(tmp_path, model_path, capsys):
+    """A PEFT repo (adapter_config.json + adapter_model.safetensors, no config.json) is stored whole and small;
+    `models` shows it as an adapter, and `serve --lora` finds it complete."""
+    from support.adapters import make_adapter
+    from tgi_hpc.cli import main
+
+    repo = tmp_path / "hub" / "acme" / "tiny-lora"
+    make_adapter(model_path("tiny-llama"), repo, base_name="acme/tiny-llama")
+    (repo / "training_args.bin").write_bytes(os.urandom(5000))   # training state: never needed to serve
+    with HubServer(tmp_path / "hub", lfs_threshold=LFS_THRESHOLD) as url:
+        stored = download_model("acme/tiny-lora", tmp_path / "store", endpoint=url, progress=False)
+    assert stored.complete and stored.kind == "adapter" and stored.format == "safetensors"
+    assert _files(stored.path) == {"adapter_config.json", "adapter_model.safetensors"}
+    assert _sha256(stored.path / "adapter_model.safetensors") == _sha256(repo / "adapter_model.safetensors")
+    assert read_manifest(stored.path)["base_model"] == "acme/tiny-llama"
+    assert stored.size_bytes < 1_000_000
+    assert main(["models", "--cluster", "local", "--set", f"paths.models={tmp_path / 'store'}"]) == 0
+    assert "acme/tiny-lora@main" in (out := capsys.readouterr().out) and "(adapter)" in out
+
+
+def test_an_adapter_repo_without_weights_is_refused(tmp_path):
+    repo = tmp_path / "hub" / "acme" / "no-weights"
+    _write_json(repo / "adapter_config.json", {"base_model_name_or_path": "acme/x", "r": 4})
+    with HubServer(tmp_path / "hub", lfs_threshold=LFS_THRESHOLD) as url:
+        with pytest.raises(DownloadError, match="no adapter_model.safetensors"):
+            download_model("acme/no-weights", tmp_path / "store", endpoint=url, progress=False)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tgi_hpc.errors import TgiHpcError
-from tgi_hpc.workflows.metrics import Scraper, histogram_quantile, increase, parse_exposition, sample, summarize, watch
+from tgi_hpc.workflows.metrics import histogram_quantile, increase, parse_exposition, summarize, summarize_replicas
+from tgi_hpc.workflows.scrape import Fleet, Scraper, sample, watch
 
 RECORDED = (Path(__file__).parent / "data" / "engine_metrics.prom").read_text()
+RECORDED_COUNTERS = (Path(__file__).parent / "data" / "engine_metrics_counters.prom").read_text()
 
 
 def exposition(*, prompt: float | None = None, generated: float | None = None, queried: float | None = None,
@@ -48,6 +51,20 @@ def test_the_recorded_engine_text_without_token_counters_falls_back_to_histogram
     assert summary.latency_scope == "since start"
     assert summary.latency_p50_s == pytest.approx(1.0) and summary.latency_p90_s == pytest.approx(4.0)
     assert summary.prefix_hit_rate is None and summary.requests_per_s == 0.0
+
+
+def test_the_recorded_engine_text_with_token_and_prefix_counters():
+    first = parse_exposition(RECORDED_COUNTERS, at=10.0)
+    later = RECORDED_COUNTERS.replace("tgi_generated_tokens_total 900.0", "tgi_generated_tokens_total 1300.0") \
+        .replace("tgi_prefix_cache_queried_tokens_total 4096.0", "tgi_prefix_cache_queried_tokens_total 5096.0") \
+        .replace("tgi_prefix_cache_hit_tokens_total 1024.0", "tgi_prefix_cache_hit_tokens_total 1924.0")
+    summary = summarize([first, parse_exposition(later, at=14.0)])
+    assert summary.token_source == "counters"
+    assert summary.generated_tokens_per_s == 100.0 and summary.prompt_tokens_per_s == 0.0
+    assert summary.prefix_hit_rate == pytest.approx(900 / 1000)
+    assert summary.counters["prefix_cache_queried_tokens"] == 5096 and summary.counters["prompt_tokens"] == 5120
+    assert (summary.running, summary.waiting, summary.kv_cache_usage) == (4, 1, 0.25)
+    assert summarize([first]).prefix_hit_rate == pytest.approx(1024 / 4096)   # one scrape: since the start
 
 
 def test_counters_win_over_histogram_sums_when_both_are_there():
@@ -128,38 +145,84 @@ class _Server:
     """A fake /metrics endpoint behind httpx's MockTransport, answering a script of texts."""
 
     def __init__(self, texts: list[str], status: int = 200):
-        import httpx
-
         self.texts, self.status = list(texts), status
-        self.transport = httpx.MockTransport(lambda request: httpx.Response(self.status, text=self.texts.pop(0)))
+        self.transport = httpx.MockTransport(self.answer)
+
+    def answer(self, request: httpx.Request) -> httpx.Response:
+        if not self.texts:
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(self.status, text=self.texts.pop(0))
 
 
-def _scraper(server: _Server, clock) -> Scraper:
-    import httpx
+def _fleet(servers: dict[str, _Server], clock, replicas=None) -> Fleet:
+    """A Fleet over fake servers: URL http://<job id> -> that server."""
 
-    scraper = Scraper("http://test", clock=clock)
-    scraper._client = httpx.Client(base_url="http://test", transport=server.transport)
-    return scraper
+    def make(url: str, headers: dict) -> Scraper:
+        scraper = Scraper(url, headers, clock=clock)
+        scraper._client = httpx.Client(base_url=url, transport=servers[url.split("//")[1]].transport)
+        return scraper
+
+    return Fleet(replicas or (lambda: {job: f"http://{job}" for job in servers}), make_scraper=make)
 
 
 def test_sample_is_two_scrapes_interval_apart_and_watch_keeps_a_window():
     now = [0.0]
-    server = _Server([exposition(generated=g) for g in (0, 20, 40, 60, 100, 100)])
-    scraper = _scraper(server, clock=lambda: now[0])
+    fleet = _fleet({"4148": _Server([exposition(generated=g) for g in (0, 20, 40, 60, 100, 100)])},
+                   clock=lambda: now[0])
 
     def sleep(seconds):
         now[0] += seconds
 
-    assert sample(scraper, 2.0, sleep=sleep).generated_tokens_per_s == 10.0
-    views = watch(scraper, interval=1.0, window=2.0, sleep=sleep)
+    one = sample(fleet, 2.0, sleep=sleep)
+    assert one.generated_tokens_per_s == 10.0 and one.replicas == ["4148"] and one.window_s == 2.0
+    views = watch(fleet, interval=1.0, window=2.0, sleep=sleep)
     rates = [next(views).generated_tokens_per_s for _ in range(4)]
     assert rates == [None, 20.0, 30.0, 20.0]   # the last one spans 2 s: the oldest scrape has left the window
 
 
+def test_replicas_are_rated_each_on_its_own_then_added_up():
+    a = [parse_exposition(exposition(generated=g, running=2, waiting=1, kv=0.2,
+                                     latency={1.0: n, 5.0: n, math.inf: n}), t)
+         for t, g, n in ((0, 100, 10), (2, 300, 20))]
+    # the other replica restarted between the scrapes (a successor reusing nothing): 500 -> 60 counts as 60
+    b = [parse_exposition(exposition(generated=g, running=1, waiting=0, kv=0.6,
+                                     latency={1.0: 0, 5.0: n, math.inf: n}), t)
+         for t, g, n in ((0, 500, 30), (2, 60, 10))]
+    summary = summarize_replicas([a, b])
+    assert summary.generated_tokens_per_s == pytest.approx(200 / 2 + 60 / 2)
+    assert (summary.running, summary.waiting) == (3, 1) and summary.kv_cache_usage == pytest.approx(0.4)
+    assert summary.counters["generated_tokens"] == 360
+    # window latency: 10 fast requests on a, 10 slow ones on b (its whole count after the restart)
+    assert summary.latency_scope == "window" and summary.latency_p90_s > 1.0 and summary.latency_p50_s == 1.0
+
+
+def test_a_fleet_follows_replicas_that_come_and_go_and_skips_one_that_stopped_answering():
+    now = [0.0]
+    servers = {"1": _Server([exposition(generated=g) for g in (0, 10, 20)]),
+               "2": _Server([exposition(generated=g) for g in (0, 50)]),
+               "3": _Server([])}                        # listed READY but refusing: left out
+    current = [{"1": "http://1"}]
+    fleet = _fleet(servers, clock=lambda: now[0], replicas=lambda: current[0])
+    views = watch(fleet, interval=1.0, window=10.0, sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert next(views).replicas == ["1"]
+    current[0] = {"1": "http://1", "2": "http://2", "3": "http://3"}      # a successor, and a broken one
+    view = next(views)
+    assert view.replicas == ["1", "2"] and view.generated_tokens_per_s == 10.0   # 2 has one scrape: no rate yet
+    current[0] = {"2": "http://2"}                                          # 1 handed over
+    view = next(views)
+    assert view.replicas == ["2"] and view.generated_tokens_per_s == 50.0
+    current[0] = {"3": "http://3"}
+    with pytest.raises(TgiHpcError, match="cannot read http://3/metrics"):
+        next(views)
+    current[0] = {}
+    with pytest.raises(TgiHpcError, match="none is READY"):
+        fleet.scrape()
+
+
 def test_an_error_page_or_garbage_is_a_clear_error():
-    scraper = _scraper(_Server(["oops"], status=502), clock=lambda: 0.0)
+    scraper = _fleet({"1": _Server(["oops"], status=502)}, clock=lambda: 0.0)
     with pytest.raises(TgiHpcError, match="answered 502"):
         scraper.scrape()
-    scraper = _scraper(_Server(["<html>\n"]), clock=lambda: 0.0)
+    scraper = _fleet({"1": _Server(["<html>\n"])}, clock=lambda: 0.0)
     with pytest.raises(TgiHpcError, match="not Prometheus text"):
         scraper.scrape()

@@ -176,3 +176,139 @@ def test_a_successor_takes_new_connections_at_once():
 def test_target_from_url():
     assert Target.from_url("5", "http://cn-g001:10005") == Target("5", "cn-g001", 10005)
     assert Target.from_url("5", "http://[::1]:8080/").host == "::1"
+
+
+# --- in-job handover helpers (tgi_hpc/slurm/handover.py) ------------------------------------------
+
+def test_successor_waits_with_begin_or_dependency():
+    from tgi_hpc.slurm.handover import submission_flags
+
+    me = Replica("41", started_at=1000.0)
+    assert submission_flags("begin", 600, me, now=1100) == ["--begin=now+600"]
+    assert submission_flags("dependency", 600, me, now=1100) == ["--dependency=after:41+12"]   # (1700-1000)/60, up
+    assert submission_flags("at_lead", 600, me, now=1100) == []
+    assert submission_flags("begin", 0, me, now=1100) == []      # late: at once
+
+
+def test_successor_does_not_inherit_the_jobs_slurm_environment(monkeypatch):
+    from tgi_hpc.slurm.handover import GENERATION_ENV, SLOT_ENV, _sbatch_env
+
+    for key, value in {"SLURM_JOB_ID": "41", "SLURM_MEM_PER_NODE": "8G", "SBATCH_HOLD": "1",
+                       "SLURM_CONF": "/etc/slurm.conf", "HF_HOME": "/scratch/hf"}.items():
+        monkeypatch.setenv(key, value)
+    env = _sbatch_env(slot=1, generation=3)
+    assert "SLURM_JOB_ID" not in env and "SLURM_MEM_PER_NODE" not in env and "SBATCH_HOLD" not in env
+    assert env["SLURM_CONF"] == "/etc/slurm.conf" and env["HF_HOME"] == "/scratch/hf"
+    assert (env[SLOT_ENV], env[GENERATION_ENV]) == ("1", "3")
+
+
+def test_slurm_times_that_are_unknown_are_zero():
+    from tgi_hpc.slurm.handover import _unix
+
+    assert _unix("Unknown") == 0.0 and _unix("None") == 0.0 and _unix("") == 0.0
+    assert _unix("2026-11-24T05:00:00") > 0
+
+
+class _FakeSlurm:
+    """The process boundary of the in-job helper: records argv, answers sbatch with a job id."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, argv, **kwargs):
+        import subprocess
+
+        self.calls.append(argv)
+        out = "77\n" if argv[0] == "sbatch" else ""
+        return subprocess.CompletedProcess(argv, 0, out, "")
+
+
+@pytest.fixture
+def in_job(tmp_path, monkeypatch):
+    from tgi_hpc.slurm import handover
+
+    fake = _FakeSlurm()
+    monkeypatch.setattr(handover, "_run", fake)
+    script = tmp_path / "svc.sbatch"
+    script.write_text("#!/bin/bash\n")
+    path = _state(tmp_path, handover=True, script=str(script),
+                  jobs=[Replica("41", state="ready", started_at=1.0, ready_at=1.5, ends_at=2.0)])
+    return handover, fake, path
+
+
+def test_sigterm_lets_a_pending_successor_start_at_once(in_job):
+    handover, fake, path = in_job
+    with locked(path) as st:
+        st.job("41").successor = "42"
+        st.jobs.append(Replica("42", generation=1, predecessor="41"))
+    handover.on_term(path, "41")
+    assert fake.calls == [["scontrol", "update", "JobId=42", "StartTime=now"]]
+    assert read_state(path).job("41").state == "draining"
+
+
+def test_sigterm_without_a_successor_submits_one_now(in_job):
+    handover, fake, path = in_job
+    handover.on_term(path, "41")
+    assert fake.calls[0][:2] == ["sbatch", "--parsable"] and not any(a.startswith("--begin") for a in fake.calls[0])
+    succ = read_state(path).job("77")
+    assert (succ.generation, succ.predecessor, read_state(path).job("41").successor) == (1, "41", "77")
+
+
+def test_sigterm_of_a_stopped_service_submits_nothing(in_job):
+    handover, fake, path = in_job
+    open(stopped_path(path), "w").close()
+    handover.on_term(path, "41")
+    assert fake.calls == []
+
+
+def test_sigterm_of_an_unknown_job_or_service_does_nothing(in_job, tmp_path):
+    handover, fake, path = in_job
+    handover.on_term(path, "999")
+    assert fake.calls == []
+    with pytest.raises(UsageError, match="no service"):
+        handover.on_term(str(tmp_path / "services" / "nope.json"), "41")
+
+
+def test_an_engine_crash_lets_the_successor_start_at_once(in_job):
+    handover, fake, path = in_job
+    with locked(path) as st:
+        st.job("41").successor = "42"
+        st.jobs.append(Replica("42", generation=1, predecessor="41"))
+    handover.on_exit(path, "41")   # the job script ends while the job was still READY
+    assert fake.calls == [["scontrol", "update", "JobId=42", "StartTime=now"]]
+    assert read_state(path).job("41").state == "ended"
+
+
+def test_exit_after_a_handover_releases_nothing(in_job):
+    handover, fake, path = in_job
+    handover.set_state(path, "41", "draining")
+    handover.on_exit(path, "41")
+    assert fake.calls == [] and read_state(path).job("41").state == "ended"
+
+
+def test_a_job_that_never_became_ready_submits_no_successor(in_job):
+    handover, fake, path = in_job
+    handover.set_state(path, "41", "starting")
+    handover.on_exit(path, "41")   # e.g. the model does not load: no chain of failing jobs
+    assert fake.calls == []
+
+
+def test_sigterm_while_loading_submits_no_new_job(in_job):
+    handover, fake, path = in_job
+    with locked(path) as st:
+        st.job("41").state, st.job("41").ready_at = "starting", 0.0
+    handover.on_term(path, "41")   # e.g. the time limit is shorter than the load: no endless chain
+    assert fake.calls == []
+
+
+def test_a_squeue_hiccup_is_no_verdict_on_the_successor(in_job, monkeypatch):
+    import subprocess
+
+    handover, _, path = in_job
+    with locked(path) as st:
+        st.jobs.append(Replica("42", generation=1))
+    answers = {1: subprocess.CompletedProcess([], 1, "", "slurm_load_jobs error: Socket timed out"),
+               0: subprocess.CompletedProcess([], 0, "FAILED\n", "")}
+    for code, verdict in ((1, "submitted"), (0, "failed")):
+        monkeypatch.setattr(handover, "_run", lambda argv, answer=answers[code], **kw: answer)
+        assert handover._successor_state(path, "42") == verdict

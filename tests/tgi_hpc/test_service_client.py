@@ -169,3 +169,27 @@ def test_endpoint_prints_exports_without_the_key(run, tmp_path, servers):
     assert f'export TGI_HPC_API_KEY="$(cat {key})"' in out
     code, out, _ = run("endpoint", "--cluster", "local", "--set", f"paths.jobs={tmp_path}", "--no-check", "--json", "svc")
     assert json.loads(out)["urls"] == [url] and json.loads(out)["api_key"] == "s3cret"
+
+
+def test_service_job_with_a_hostile_job_dir_is_valid_bash(run, tmp_path):
+    import subprocess
+
+    jobs = "/tmp/a b'c;$(x)"
+    code, out, err = run("serve", "--cluster", "mila", "--model", "a/b", "--keep-alive", "--dry-run",
+                         "--set", f"paths.jobs={jobs}")
+    assert code == 0, err
+    assert subprocess.run(["bash", "-n"], input=out, text=True).returncode == 0
+    assert "--state \"$SERVICE_STATE\" || true' TERM INT" in out     # the trap quotes nothing itself
+    state_line = next(line for line in out.splitlines() if line.startswith("SERVICE_STATE="))
+    assert subprocess.run(["bash", "-c", state_line + '; printf %s "$SERVICE_STATE"'], capture_output=True,
+                          text=True).stdout == f"{jobs}/services/b.json"
+
+
+def test_stop_service_marks_it_stopped_first(run, tmp_path):
+    (tmp_path / "services").mkdir()
+    _write_state(tmp_path / "services" / "svc.json", ["http://127.0.0.1:9"])
+    code, out, err = run("stop", "--cluster", "local", "--set", f"paths.jobs={tmp_path}", "svc")
+    assert code == 0, err
+    assert out.strip() == "service svc stopped" and (tmp_path / "services" / "svc.stopped").exists()
+    code, _, err = run("stop", "--cluster", "local", "--set", f"paths.jobs={tmp_path}", "other")
+    assert code == 2 and "no service 'other'" in err and "known: svc" in err

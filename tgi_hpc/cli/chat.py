@@ -22,7 +22,7 @@ def _pending() -> bool:
 
 
 @click.command()
-@click.argument("target", metavar="[JOB]", required=False)
+@click.argument("target", metavar="[JOB|SERVICE]", required=False)
 @click.option("--system", "system", help="System prompt (change it later with /system TEXT).")
 @click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False),
               help="Answers are JSON matching this JSON-schema file (OpenAI response_format json_schema).")
@@ -31,7 +31,7 @@ def _pending() -> bool:
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the job to be READY.")
 @with_app
 def chat(app: App, target, system, json_schema, max_tokens, temperature, timeout) -> None:
-    """Chat with JOB's model (default: my newest running serve job), answers streamed.
+    """Chat with JOB's or SERVICE's model (default: my newest running serve job), answers streamed.
 
     Through /v1/chat/completions: the server applies the model's chat template. /system TEXT, /reset,
     /exit (or Ctrl-D), /help; a line ending in \\ goes on, a line of \"\"\" opens a block, a paste is one message."""
@@ -41,8 +41,9 @@ def chat(app: App, target, system, json_schema, max_tokens, temperature, timeout
     conversation = Conversation(system, max_tokens=max_tokens, temperature=temperature,
                                 response_format=response_format(json_schema))
     with access.connect(app.cluster(), target, timeout=timeout, progress=app.info) as found:
-        client = ChatClient(found.url, found.headers, found.model)
-        app.info(f"chat with job {found.job_id} ({found.model or 'model'}) at {found.url}; /help for commands")
+        client = ChatClient(found.urls, found.headers, found.model)
+        what = "service" if found.service else "job"
+        app.info(f"chat with {what} {found.job_id} ({found.model or 'model'}) at {found.url}; /help for commands")
         try:
             _loop(app, client, conversation)
         finally:
@@ -50,7 +51,7 @@ def chat(app: App, target, system, json_schema, max_tokens, temperature, timeout
 
 
 def _loop(app: App, client, conversation) -> None:
-    import readline  # noqa: F401  (line editing and history for input())
+    import readline  # noqa: F401  (imported for its effect: line editing and history in input())
 
     from tgi_hpc.errors import UsageError
     from tgi_hpc.workflows.chat import HELP, command, message_text, read_message

@@ -17,7 +17,8 @@ from tgi_hpc.cli._app import App, DefaultGroup, with_app
 @click.option("--dry-run", is_flag=True, help="With --job: print the job script; submit nothing.")
 @with_app
 def download(app: App, model, revision, here, store, wait_done, dry_run) -> None:
-    """Store MODEL's safetensors, config and tokenizer in the model store."""
+    """Store MODEL's safetensors, config and tokenizer in the model store (a PEFT adapter repo: its
+    adapter_config.json and adapter_model.safetensors, for `serve --lora`)."""
     from tgi_hpc.workflows.prepare import run_download
 
     result = run_download(app.cluster(strict_paths=not dry_run), model, revision, here=here, store=store,
@@ -41,7 +42,7 @@ def list_models_command(app: App) -> None:
 
     def human() -> None:
         for r in rows:
-            flag = "" if r["complete"] else "  (incomplete)"
+            flag = ("" if r["complete"] else "  (incomplete)") + ("  (adapter)" if r.get("kind") == "adapter" else "")
             click.echo(f"{r['model_id']}@{r['revision']}  {r['size_bytes'] / 1e9:.2f} GB  {r['format']}{flag}")
 
     app.emit(rows, human)

@@ -19,6 +19,8 @@ def _table(rows) -> None:
         table.add_column(column, no_wrap=column != "REASON")
     for st in rows:
         model = st.model.rstrip("/").rsplit("/", 1)[-1] if st.model.startswith(("/", "~")) else st.model
+        others = len(st.models) - 1 + sum(len(m["adapters"]) for m in st.models)   # several models, adapters
+        model += f" (+{others})" if others > 0 else ""
         table.add_row(st.job_id, st.kind, model, st.state, st.elapsed, st.reason or st.detail, st.node, st.url)
     # piped into grep or a file: one line per job, never folded to 80 columns
     Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240).print(table)
@@ -83,21 +85,13 @@ def stop(app: App, job_ids, all_jobs) -> None:
 
     if bool(job_ids) == all_jobs:
         raise UsageError("give job ids or --all (not both)")
-    from tgi_hpc.service.state import is_job_id
+    from tgi_hpc.cli.service import stop_services
 
-    services = [j for j in job_ids if not is_job_id(j)]
-    if services:   # a service: no successor any more, then its jobs are cancelled
-        from tgi_hpc.workflows.service import stop_service
-
-        cluster = app.cluster()
-        done = {name: stop_service(cluster, name) for name in services}
-        if len(services) == len(job_ids):
-            app.emit({"stopped": [j for ids in done.values() for j in ids], "services": done},
-                     "\n".join(f"service {n} stopped" + (f": cancelled {' '.join(ids)}" if ids else "")
-                               for n, ids in done.items()))
-            return
-        job_ids = tuple(j for j in job_ids if is_job_id(j))
-    result = jobs.stop(app.cluster(), list(job_ids) or None)
+    cluster = app.cluster()
+    left = stop_services(app, cluster, list(job_ids), all_jobs)
+    if left is None and not all_jobs:   # only services were named
+        return
+    result = jobs.stop(cluster, None if all_jobs else left)
     lines = [f"stopped {' '.join(result.stopped)}"] if result.stopped else []
     lines += [f"job {j} had already ended ({state})" for j, state in result.ended.items()]
     app.emit({"stopped": result.stopped, "already_ended": result.ended}, "\n".join(lines) or "nothing to stop")

@@ -13,7 +13,9 @@ def _fmt(value: float | None, pattern: str) -> str:
 def _table(summary):
     from rich.table import Table
 
-    table = Table(title=f"job {summary.job_id}  {summary.url}", box=None, pad_edge=False, show_header=False)
+    what = f"service {summary.target} ({len(summary.replicas)} replicas)" if len(summary.replicas) > 1 or \
+        summary.replicas != [summary.target] else f"job {summary.target}"
+    table = Table(title=f"{what}  {summary.url}", box=None, pad_edge=False, show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_column(style="dim")
@@ -39,7 +41,7 @@ def _table(summary):
 
 
 @click.command()
-@click.argument("target", metavar="[JOB]", required=False)
+@click.argument("target", metavar="[JOB|SERVICE]", required=False)
 @click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Seconds between scrapes (with --json: between the two scrapes of the sample).")
 @click.option("--window", default=10.0, show_default=True, type=click.FloatRange(min=1),
@@ -47,24 +49,25 @@ def _table(summary):
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the job to be READY.")
 @with_app
 def metrics(app: App, target, interval, window, timeout) -> None:
-    """Live numbers of JOB's server (default: my newest running serve job), from its /metrics.
+    """Live numbers of JOB's server or SERVICE's replicas (default: my newest running serve job), from /metrics.
 
     Prompt and generated tokens/s, requests/s, running and waiting requests, KV-cache usage, prefix-cache hit
-    rate, p50/p90 request latency; rates as Prometheus' rate() computes them, over --window seconds.
+    rate, p50/p90 request latency; rates as Prometheus' rate() computes them, over --window seconds (a
+    service: each replica scraped on its own, then added up).
     With --json, one sample: two scrapes --interval apart, the rates between them and the counters."""
-    from tgi_hpc.workflows import access, metrics as m
+    from tgi_hpc.workflows import access, scrape
 
     with access.connect(app.cluster(), target, timeout=timeout, progress=app.info) as found:
-        scraper = m.Scraper(found.url, found.headers)
+        fleet = scrape.Fleet(found.replicas, found.headers)
         try:
             if app.json_output:
-                summary = m.sample(scraper, interval)
-                summary.job_id, summary.url = found.job_id, found.url
+                summary = scrape.sample(fleet, interval)
+                summary.target, summary.url = found.job_id, found.url
                 app.emit(summary.to_dict())
                 return
-            _live(m.watch(scraper, interval, window), found)
+            _live(scrape.watch(fleet, interval, window), found)
         finally:
-            scraper.close()
+            fleet.close()
 
 
 def _live(summaries, found) -> None:
@@ -73,7 +76,7 @@ def _live(summaries, found) -> None:
     try:
         with Live(auto_refresh=False) as live:
             for summary in summaries:
-                summary.job_id, summary.url = found.job_id, found.url
+                summary.target, summary.url = found.job_id, found.url
                 live.update(_table(summary), refresh=True)
     except KeyboardInterrupt:
         pass

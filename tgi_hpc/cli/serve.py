@@ -19,7 +19,15 @@ def _limit_options(func):
 
 
 @click.command()
-@click.option("--model", "-m", required=True, help="Hub id in the model store (ORG/NAME) or a local snapshot directory.")
+@click.option("--model", "-m", "models", required=True, multiple=True,
+              help="Hub id in the model store (ORG/NAME) or a local snapshot directory. Repeat it to serve several "
+                   "models in one job: one engine each, on its own port and GPUs (or GPU memory share).")
+@click.option("--lora", "loras", multiple=True, metavar="NAME=ORG/ADAPTER",
+              help="Serve a PEFT LoRA adapter (from the model store, or NAME=FOLDER) beside its base model; "
+                   "requests choose it by NAME (adapter_id, or OpenAI's model). Repeatable.")
+@click.option("--cuda-memory-fraction", "memory_fractions", multiple=True, type=float, metavar="F",
+              help="Share of each GPU's memory for the engine, once per --model (default with several models "
+                   "on fewer GPUs than models: from the models' sizes).")
 @click.option("--revision", default="main", show_default=True, help="Revision of a stored Hub model.")
 @click.option("--gpus", "--num-shard", "gpus", type=click.IntRange(min=0), help="GPUs = tensor-parallel shards. Default: from the model size.")
 @click.option("--time", "time_", help="Slurm time limit, e.g. 3:00:00.")
@@ -53,18 +61,23 @@ def _limit_options(func):
 @click.option("--stop-on-exit", is_flag=True, help="With --tunnel: stop the job when the tunnel closes.")
 @click.option("--dry-run", is_flag=True, help="Print the job script; submit nothing.")
 @with_app
-def serve(app: App, model, revision, gpus, time_, partition, dtype, quantize, env, engine_args, release,
+def serve(app: App, models, loras, memory_fractions, revision, gpus, time_, partition, dtype, quantize, env, engine_args, release,
           keep_alive, no_api_key, wait_ready, timeout, open_tunnel, local_port, stop_on_exit, dry_run,
           no_shared_weights, replicas, service_name, handover_lead, requeue, **limits) -> None:
-    """Submit a server job for MODEL and print its job id and endpoint."""
+    """Submit a server job for MODEL (or several: one engine each) and print its job id and endpoint."""
     from tgi_hpc.workflows.serve import ServeOptions, run_serve
 
     limits.update(dtype=dtype, quantize=quantize)
-    opts = ServeOptions(model=model, revision=revision, gpus=gpus, time=time_, partition=partition, limits=limits,
+    opts = ServeOptions(model=models[0], other_models=list(models[1:]), loras=list(loras),
+                        memory_fractions=list(memory_fractions), revision=revision, gpus=gpus, time=time_,
+                        partition=partition, limits=limits,
                         env=list(env), engine_args=list(engine_args), keep_alive=requeue, api_key=not no_api_key,
                         shared_weights=not no_shared_weights)
     cluster = app.cluster(strict_paths=not dry_run)
     if replicas > 1 or service_name or handover_lead or keep_alive:
+        if len(models) > 1:
+            raise UsageError("a service (--replicas/--handover/--keep-alive) serves one --model; "
+                             "run one service per model")
         from tgi_hpc.cli.service import serve_service
         from tgi_hpc.workflows.service import ServiceOptions
 

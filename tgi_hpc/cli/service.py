@@ -52,3 +52,23 @@ def endpoint(app: App, service, no_check) -> None:
         app.info(f"service {service}: no replica is READY now (jobs: "
                  + (" ".join(f"{j['job_id']}={j['state']}" for j in found.jobs) or "none") + ")")
     app.emit(found.to_dict(), found.exports())
+
+
+def stop_services(app: App, cluster, names: list[str], all_jobs: bool) -> list[str] | None:
+    """`stop` with service names: each service is marked stopped, then its jobs are cancelled; `stop --all`
+    marks every service stopped first, so no job submits a successor on its way out. Returns the job ids
+    left for `stop` (None when only services were named: their result is printed here)."""
+    from tgi_hpc.service.state import is_job_id
+    from tgi_hpc.workflows.service import stop_all_services, stop_service
+
+    if all_jobs:
+        stop_all_services(cluster)
+        return None
+    services = [n for n in names if not is_job_id(n)]
+    done = {name: stop_service(cluster, name) for name in services}
+    if services and len(services) == len(names):
+        app.emit({"stopped": [j for ids in done.values() for j in ids], "services": done},
+                 "\n".join(f"service {n} stopped" + (f": cancelled {' '.join(ids)}" if ids else "")
+                           for n, ids in done.items()))
+        return None
+    return [n for n in names if is_job_id(n)]

@@ -24,6 +24,7 @@ from typing import Any
 
 from tgi_hpc import __version__
 from tgi_hpc.errors import DownloadError
+from tgi_hpc.models.adapter import ADAPTER_BIN, ADAPTER_CONFIG, base_model, is_adapter_repo, plan_adapter_files
 from tgi_hpc.models.convert_bin import convert_bin_to_safetensors
 from tgi_hpc.models.hf_token import find_token
 from tgi_hpc.models.hub import Hub, HubFile, format_size
@@ -84,10 +85,13 @@ def download_model(model_id: str, store: Path, *, revision: str = "main", token:
             logger.info("%s (%s) is already in %s", model_id, revision, folder)
             return read_stored_model(folder)
         (folder / MANIFEST).unlink(missing_ok=True)  # incomplete until the new manifest is written
-        records, fmt, converted = _fetch_and_convert(hub, commit, entries, folder, convert_bin)
+        adapter = is_adapter_repo([p for p in entries if "/" not in p])
+        fetch = _fetch_adapter if adapter else _fetch_and_convert
+        records, fmt, converted = fetch(hub, commit, entries, folder, convert_bin)
         _remove_leftovers(folder, old, {r["path"] for r in records})
         write_manifest(folder, {
             "model_id": model_id, "revision": revision, "commit": commit, "format": fmt, "files": records,
+            "kind": "adapter" if adapter else "model", **(_adapter_base(folder) if adapter else {}),
             "converted_from": converted, "endpoint": hub.origin, "tool": f"tgi-hpc {__version__}",
             "downloaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         })
@@ -116,6 +120,31 @@ def _fetch_and_convert(hub: Hub, commit: str, entries: dict[str, HubFile], folde
         (folder / name).unlink()
     records = [r for r in records if r["path"] not in bins]
     return records + [_record(folder, name) for name in outputs], "safetensors", bins
+
+
+def _fetch_adapter(hub: Hub, commit: str, entries: dict[str, HubFile], folder: Path,
+                   convert_bin: bool) -> tuple[list[dict[str, Any]], str, list[str]]:
+    """A PEFT adapter repo: its config and weights only (a few MB; no config.json or tokenizer needed)."""
+    plan = plan_adapter_files(list(entries))
+    if len(plan) < 2:
+        raise DownloadError(f"{hub.model_id} has {ADAPTER_CONFIG} but no adapter_model.safetensors or "
+                            f"{ADAPTER_BIN} at the top level (files: {', '.join(sorted(entries)[:20])})")
+    records = _fetch_all(hub, commit, [entries[p] for p in plan], folder)
+    if not plan[1].endswith(".bin"):
+        return records, "safetensors", []
+    if not convert_bin:
+        return records, "bin", []
+    outputs = convert_bin_to_safetensors(folder, [ADAPTER_BIN])
+    (folder / ADAPTER_BIN).unlink()
+    return [records[0]] + [_record(folder, name) for name in outputs], "safetensors", [ADAPTER_BIN]
+
+
+def _adapter_base(folder: Path) -> dict[str, str]:
+    try:
+        base = base_model(json.loads((folder / ADAPTER_CONFIG).read_text()))
+    except (OSError, ValueError, AttributeError) as e:
+        raise DownloadError(f"{ADAPTER_CONFIG} in {folder} is not valid JSON ({e})") from e
+    return {"base_model": base} if base else {}
 
 
 def _weights_from_index(folder: Path, weights: list[str], entries: dict[str, HubFile], model_id: str) -> list[str]:

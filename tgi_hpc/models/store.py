@@ -42,6 +42,7 @@ class StoredModel:
     size_bytes: int
     format: str  # "safetensors", "bin", "gguf" or "unknown"
     complete: bool
+    kind: str = "model"        # or "adapter": a PEFT adapter (adapter_config.json + adapter_model.safetensors)
 
 
 def validate_model_id(model_id: str) -> str:
@@ -94,7 +95,8 @@ def read_stored_model(folder: Path) -> StoredModel:
     files = manifest["files"]
     complete = all(_has_size(folder / f["path"], f["size"]) for f in files)
     return StoredModel(manifest["model_id"], manifest["revision"], manifest.get("commit"), folder,
-                       sum(f["size"] for f in files), manifest.get("format", "unknown"), complete)
+                       sum(f["size"] for f in files), manifest.get("format", "unknown"), complete,
+                       manifest.get("kind", "model"))
 
 
 def remove_model(store: Path, model_id: str, revision: str | None = None) -> list[Path]:
@@ -179,4 +181,4 @@ def _guess_format(folder: Path) -> str:
 def stored_dict(m: StoredModel) -> dict:
     """A stored model as JSON-ready data (what `models --json` prints and the login-node helper returns)."""
     return {"model_id": m.model_id, "revision": m.revision, "size_bytes": m.size_bytes, "format": m.format,
-            "complete": m.complete, "path": str(m.path)}
+            "complete": m.complete, "path": str(m.path), "kind": m.kind}

@@ -6,6 +6,19 @@ from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
+class EngineEndpoint:
+    """One engine of the job: the model it serves, its port, and the LoRA adapters requests may name."""
+
+    model: str
+    port: int
+    adapters: tuple[str, ...] = ()
+
+    @property
+    def served_names(self) -> list[str]:
+        return [self.model, *self.adapters]
+
+
+@dataclass(frozen=True)
 class Endpoint:
     job_id: str
     node: str             # Slurm's node name (SLURMD_NODENAME) or the hostname
@@ -15,6 +28,20 @@ class Endpoint:
     model: str = ""
     restart_count: int = 0
     started_at: float = 0.0
+    adapters: tuple[str, ...] = ()               # LoRA adapters served beside `model`
+    models: tuple[EngineEndpoint, ...] = ()      # several models: every engine, the first = model/port above
+
+    @property
+    def engines(self) -> list[EngineEndpoint]:
+        return list(self.models) or [EngineEndpoint(self.model, self.port, self.adapters)]
+
+    @property
+    def served_names(self) -> list[str]:
+        """Every name a request may use: each model and each adapter."""
+        return [name for engine in self.engines for name in engine.served_names]
+
+    def url_of(self, engine: EngineEndpoint) -> str:
+        return f"http://{self.host}:{engine.port}"
 
     @property
     def url(self) -> str:
@@ -27,6 +54,9 @@ class Endpoint:
     def from_json(cls, text: str) -> "Endpoint":
         data = json.loads(text)
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        known["adapters"] = tuple(known.get("adapters", ()))
+        known["models"] = tuple(EngineEndpoint(m["model"], int(m["port"]), tuple(m.get("adapters", ())))
+                                for m in known.get("models", ()))
         return cls(**known)
 
 

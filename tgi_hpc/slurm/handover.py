@@ -6,7 +6,8 @@ it ready once the engine answers, submits the successor so that it is READY befo
 (lead = observed queue wait + load time, with a floor; `--begin`, `--dependency=after:` or a plain
 submission at the lead, per the profile's `slurm.handover_submit`), then, once the successor is READY,
 marks itself draining and sends the engine SIGTERM. `term` runs from the job's SIGTERM trap (time limit,
-scancel, preemption): the successor may start at once. `exit` marks the job ended.
+scancel, preemption): the successor may start at once. `exit` marks the job ended (after the same release
+when the engine ended on its own, e.g. a crash).
 """
 from __future__ import annotations
 
@@ -44,11 +45,17 @@ def _unix(value: str) -> float:
         return 0.0   # Unknown, None, (null)
 
 
-def slurm_times(job_id: str) -> dict[str, float]:
-    """SubmitTime, EligibleTime, StartTime, EndTime of a job (0 when unknown), from `scontrol show job`."""
-    out = _run(["scontrol", "show", "job", "-o", job_id]).stdout
-    fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
-    return {k: _unix(fields.get(k, "")) for k in ("SubmitTime", "EligibleTime", "StartTime", "EndTime")}
+def slurm_times(job_id: str, attempts: int = 5) -> dict[str, float]:
+    """SubmitTime, EligibleTime, StartTime, EndTime of a job (0 when unknown), from `scontrol show job`;
+    asked again when the controller does not answer (without an end time there is no handover)."""
+    for attempt in range(attempts):
+        out = _run(["scontrol", "show", "job", "-o", job_id]).stdout
+        fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+        times = {k: _unix(fields.get(k, "")) for k in ("SubmitTime", "EligibleTime", "StartTime", "EndTime")}
+        if times["EndTime"] or attempt == attempts - 1:
+            return times
+        time.sleep(2.0)
+    return times
 
 
 def _sbatch_env(slot: int, generation: int) -> dict[str, str]:
@@ -168,7 +175,10 @@ def _successor_state(state_file: str, job_id: str) -> str:
     if succ is None:
         return "gone"
     if succ.state == "submitted":   # not started yet: did Slurm end it (failed, cancelled)?
-        out = _run(["squeue", "-h", "-j", job_id, "-o", "%T"]).stdout.strip()
+        result = _run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"])
+        if result.returncode != 0:   # a busy controller: no verdict, never a duplicate successor
+            return succ.state
+        out = result.stdout.strip()
         if out.split(" ")[0] in FINAL_STATES or not out:
             return "failed"
     return succ.state
@@ -239,7 +249,7 @@ def on_term(state_file: str, job_id: str) -> int:
         if st.submit_by == "dependency":
             _run(["scontrol", "update", f"JobId={succ.job_id}", "Dependency="])
         logger.info("job %s ends early: successor %s may start at once", job_id, succ.job_id)
-    elif succ is None or not succ.is_live:
+    elif (succ is None or not succ.is_live) and me.ready_at:   # never READY: no chain of jobs that never load
         submit_successor(state_file, me, 0)
     return 0
 
@@ -251,5 +261,14 @@ def main(args) -> int:
         return watch(args.state, job_id, Path(args.endpoint_file), args.pid)
     if args.service_cmd == "term":
         return on_term(args.state, job_id)
-    set_state(args.state, job_id, "ended")
+    return on_exit(args.state, job_id)
+
+
+def on_exit(state_file: str, job_id: str) -> int:
+    """The job script's last step. Ending without a handover or a SIGTERM (the engine crashed) is like a
+    SIGTERM: the successor may start at once. Then the job is history."""
+    me = read_state(state_file).job(job_id)
+    if me is not None and me.state == "ready":   # not "starting": a model that never loads must not loop
+        on_term(state_file, job_id)
+    set_state(state_file, job_id, "ended")
     return 0

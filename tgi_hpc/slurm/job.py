@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from tgi_hpc.files import write_atomic
-from tgi_hpc.slurm.endpoint import Endpoint
+from tgi_hpc.slurm.endpoint import Endpoint, EngineEndpoint
 from tgi_hpc.slurm.ports import pick_port
 
 
@@ -35,8 +35,8 @@ def ensure_api_key(path: Path) -> None:
 
 def stage(src: Path, dst: Path) -> Path:
     """Copy a snapshot to node-local disk, skipping files whose size and mtime already match."""
-    if not (src / "config.json").is_file():
-        raise SystemExit(f"tgi_hpc.slurm.job: no model at {src} (config.json missing)")
+    if not ((src / "config.json").is_file() or (src / "adapter_config.json").is_file()):
+        raise SystemExit(f"tgi_hpc.slurm.job: no model or adapter at {src} (config.json missing)")
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
         if path.is_dir() or any(part.startswith(".") for part in rel.parts):
@@ -68,7 +68,8 @@ def await_ready(ready_file: Path, pid: int, timeout: float = 24 * 3600) -> int:
     return 0
 
 
-def write_endpoint(path: Path, port: int, api_key_file: str, model: str) -> Endpoint:
+def write_endpoint(path: Path, port: int, api_key_file: str, model: str, adapters: tuple[str, ...] = (),
+                   models: tuple[EngineEndpoint, ...] = ()) -> Endpoint:
     endpoint = Endpoint(
         job_id=job_id(),
         node=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
@@ -78,9 +79,32 @@ def write_endpoint(path: Path, port: int, api_key_file: str, model: str) -> Endp
         model=model,
         restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
         started_at=time.time(),
+        adapters=adapters,
+        models=models,
     )
     write_atomic(path, endpoint.to_json() + "\n", mode=0o644)
     return endpoint
+
+
+def await_engines(engines: list[list[str]]) -> tuple[EngineEndpoint, ...]:
+    """[[model, ready file, pid, "adapter,..."], ...] -> each engine's endpoint, once all listen; () if one died."""
+    found = []
+    for model, ready_file, pid, adapters in engines:
+        port = await_ready(Path(ready_file), int(pid))
+        if not port:
+            return ()
+        found.append(EngineEndpoint(model, port, tuple(a for a in adapters.split(",") if a)))
+    return tuple(found)
+
+
+def gpu_slice(first: int, count: int, env: dict[str, str] | os._Environ = os.environ) -> str:
+    """GPUs first..first+count-1 of the job's CUDA_VISIBLE_DEVICES (ids or UUIDs), for one engine of several."""
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    if len(visible) < first + count:
+        raise SystemExit(f"tgi_hpc.slurm.job: the job sees {len(visible)} GPU(s) (CUDA_VISIBLE_DEVICES="
+                         f"{env.get('CUDA_VISIBLE_DEVICES', '')!r}); engine GPUs {first}..{first + count - 1} "
+                         "are not there")
+    return ",".join(visible[first:first + count])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +138,12 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--pid", type=int, default=0, help="the engine's pid: stop waiting if it dies")
     p.add_argument("--api-key-file", default="")
     p.add_argument("--model", default="")
+    p.add_argument("--adapter", action="append", default=[], help="a LoRA adapter served beside --model")
+    p.add_argument("--engine", nargs=4, action="append", default=[], metavar=("MODEL", "READY_FILE", "PID", "ADAPTERS"),
+                   help="several models: one per engine (ADAPTERS: comma-separated names, or '')")
+    p = sub.add_parser("gpu-slice")
+    p.add_argument("--first", type=int, required=True)
+    p.add_argument("--count", type=int, required=True)
     p = sub.add_parser("stage")
     p.add_argument("--src", type=Path, required=True)
     p.add_argument("--dst", type=Path, required=True)
@@ -148,12 +178,23 @@ def _main(argv: list[str] | None) -> int:
         print(port)
     elif args.cmd == "api-key":
         ensure_api_key(args.file)
+    elif args.cmd == "write-endpoint" and args.engine:
+        engines = await_engines(args.engine)
+        if not engines:
+            print("[tgi-hpc] an engine exited before listening: no endpoint published", file=sys.stderr)
+            return 1
+        endpoint = write_endpoint(args.file, engines[0].port, args.api_key_file, engines[0].model,
+                                  engines[0].adapters, engines)
+        print(f"[tgi-hpc] endpoint {', '.join(f'{e.model} on port {e.port}' for e in engines)} written to "
+              f"{args.file}", file=sys.stderr)
+    elif args.cmd == "gpu-slice":
+        print(gpu_slice(args.first, args.count))
     elif args.cmd == "write-endpoint":
         port = args.port or await_ready(args.ready_file, args.pid or os.getppid())
         if not port:
             print("[tgi-hpc] the engine exited before listening: no endpoint published", file=sys.stderr)
             return 1
-        endpoint = write_endpoint(args.file, port, args.api_key_file, args.model)
+        endpoint = write_endpoint(args.file, port, args.api_key_file, args.model, tuple(args.adapter))
         print(f"[tgi-hpc] endpoint {endpoint.url} written to {args.file}", file=sys.stderr)
     elif args.cmd == "service":
         from tgi_hpc.slurm.handover import main as service_main

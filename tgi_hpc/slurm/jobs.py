@@ -55,6 +55,8 @@ class JobStatus:
     model: str = ""
     elapsed: str = ""             # Slurm's run time so far (squeue %M / sacct Elapsed)
     endpoint: dict = field(default_factory=dict)
+    served: list[str] = field(default_factory=list)   # names requests may use: models and LoRA adapters
+    models: list[dict] = field(default_factory=list)  # each engine: model, url, port, adapters
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -126,13 +128,16 @@ def _status(cluster: Cluster, job_id: str, job: SlurmJob | None, with_probe: boo
             status.url, status.port, status.api_key_file = endpoint.url, endpoint.port, endpoint.api_key_file
             status.endpoint = {"host": endpoint.host, "node": endpoint.node, "port": endpoint.port}
             status.model = endpoint.model
+            status.served = endpoint.served_names
+            status.models = [{"model": e.model, "url": endpoint.url_of(e), "port": e.port, "adapters": list(e.adapters)}
+                             for e in endpoint.engines]
             if not with_probe:
                 status.state, status.detail = "LISTENING", "endpoint published; not probed"
             else:
-                from tgi_hpc.slurm.readiness import probe_from  # httpx: only when a server is there to probe
+                from tgi_hpc.slurm.readiness import probe_engines  # httpx: only when a server is there to probe
 
-                result = probe_from(cluster.runner, endpoint.url, read_api_key(cluster, endpoint),
-                                    generate=with_probe == "generate")
+                result = probe_engines(cluster.runner, endpoint, read_api_key(cluster, endpoint),
+                                       generate=with_probe == "generate")
                 status.detail = result.detail
                 if result.ready:
                     status.state = "READY"

@@ -34,6 +34,27 @@ class JobSpec:
 
 
 @dataclass(frozen=True)
+class LoraAdapter:
+    """A PEFT adapter served beside its base model; requests name it (`adapter_id`, OpenAI `model`)."""
+
+    name: str
+    source: str                        # as the user gave it (Hub id in the store, or a folder)
+    where: ShellPath = ShellPath()     # its folder where the job runs
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine of a job that serves several models (one engine per model, each on its own port)."""
+
+    model: str
+    model_dir: ShellPath
+    num_shard: int = 1
+    gpu_slice: tuple[int, int] | None = None   # (first, count) of the job's GPUs it sees; None: all of them
+    engine_args: tuple[str, ...] = ()          # the job's flags plus this engine's share (memory, CPU threads)
+    loras: tuple[LoraAdapter, ...] = ()
+
+
+@dataclass(frozen=True)
 class ServeSpec(JobSpec):
     model: str = ""                    # as the user gave it (Hub id or directory)
     model_dir: ShellPath = ShellPath()
@@ -41,6 +62,8 @@ class ServeSpec(JobSpec):
     engine_args: tuple[str, ...] = ()  # validated engine flags and values
     api_key: bool = True
     stage_model: bool = True           # copy weights to node-local disk first
+    loras: tuple[LoraAdapter, ...] = ()      # adapters of `model` (several models: in `engines`)
+    engines: tuple[EngineSpec, ...] = ()     # several models: every engine, the first being `model`
     service: str = ""                  # a service's job (tgi_hpc/service/): its name, state file and shared key
     service_state: str = ""
     service_key_file: str = ""

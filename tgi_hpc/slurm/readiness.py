@@ -74,3 +74,13 @@ def probe_from(runner, url: str, api_key: str | None, generate: bool = True) -> 
         return Probe(bool(ready), str(detail))
     except (ValueError, IndexError):
         return Probe(False, f"probe failed on the login node: {result.stderr.strip()[:200]}")
+
+
+def probe_engines(runner, endpoint, api_key: str | None, generate: bool = True) -> Probe:
+    """A job serving several models is ready when every engine is: the first that is not says why."""
+    engines = endpoint.engines
+    for engine in engines:
+        result = probe_from(runner, endpoint.url_of(engine), api_key, generate=generate)
+        if not result.ready:
+            return Probe(False, f"{engine.model}: {result.detail}") if len(engines) > 1 else result
+    return result

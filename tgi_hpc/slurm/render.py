@@ -15,7 +15,8 @@ from tgi_hpc.data import data_dir
 from tgi_hpc.errors import TemplateError
 from tgi_hpc.profiles.schema import Profile, Resources
 from tgi_hpc.quoting import Shell, finalize, sbatch_value, sh, sh_comment, sh_env, sh_join, sh_name, trusted
-from tgi_hpc.slurm.jobspec import CompileSpec, DownloadSpec, JobSpec, ServeSpec, ShellPath
+from tgi_hpc.service.state import services_dir
+from tgi_hpc.slurm.jobspec import CompileSpec, DownloadSpec, EngineSpec, JobSpec, LoraAdapter, ServeSpec, ShellPath
 
 TITLES = {
     "serve": "tgi-hpc serve job: runs the engine and publishes its endpoint",
@@ -116,6 +117,25 @@ def _common(profile: Profile, spec: JobSpec, job_dir: str, python: str) -> dict[
     }
 
 
+def _loras(profile: Profile, loras: tuple[LoraAdapter, ...]) -> list[dict[str, Shell]]:
+    """Each adapter's name, folder, and node-local copy (staged like the weights)."""
+    return [{"name": sh(a.name), "dir": path_word(a.where),
+             "stage_dir": path_word(ShellPath(profile.paths.node_local, f"tgi-hpc-lora/{a.name}"))} for a in loras]
+
+
+def _engine(profile: Profile, spec: ServeSpec, index: int, engine: EngineSpec) -> dict[str, object]:
+    """One engine of a several-models job, every value quoted (templates/slurm/serve_engines.sh.j2)."""
+    first, count = engine.gpu_slice or (0, 0)
+    return {
+        "index": index, "model": sh(engine.model), "model_comment": sh_comment(engine.model),
+        "model_dir": path_word(engine.model_dir), "num_shard": int(engine.num_shard),
+        "stage_dir": path_word(ShellPath(profile.paths.node_local, f"tgi-hpc-models/{index}")),
+        "gpu_first": int(first), "gpu_count": int(count),
+        "engine_args": sh_join(list(engine.engine_args)) if engine.engine_args else "",
+        "loras": _loras(profile, engine.loras), "adapter_names": sh(",".join(a.name for a in engine.loras)),
+    }
+
+
 def render_job(profile: Profile, spec: JobSpec, *, job_dir: str, release_dir: ShellPath | None = None,
                python: str = sys.executable) -> str:
     """The whole job script for `spec` on `profile`; `job_dir` holds logs, the script and endpoint.
@@ -129,7 +149,7 @@ def render_job(profile: Profile, spec: JobSpec, *, job_dir: str, release_dir: Sh
         context.update(
             release_dir=path_word(release_dir or ShellPath(profile.paths.releases, "current")),
             model=sh(spec.model),
-            model_comment=sh_comment(spec.model),
+            model_comment=sh_comment(" + ".join(e.model for e in spec.engines) if spec.engines else spec.model),
             model_dir=path_word(spec.model_dir),
             stage_model=spec.stage_model,
             stage_dir=path_word(ShellPath(profile.paths.node_local, "tgi-hpc-model")),
@@ -143,9 +163,13 @@ def render_job(profile: Profile, spec: JobSpec, *, job_dir: str, release_dir: Sh
             keep_alive=spec.keep_alive and slurm is not None,
             requeue_signal=sh(slurm.requeue_signal) if slurm else "",
             max_requeues=int(slurm.max_requeues) if slurm else 0,
-            service=sh(spec.service) if spec.service else "",
-            service_state=sh(spec.service_state),
-            service_key_file=sh(spec.service_key_file) if spec.service_key_file else "",
+            loras=_loras(profile, spec.loras),
+            engines=[_engine(profile, spec, i, e) for i, e in enumerate(spec.engines)],
+            service=sh_comment(spec.service) if spec.service else "",
+            # under the job dir as the job sees it (profile $VARS expand on the node)
+            service_state=path_word(ShellPath(services_dir(job_dir), f"{spec.service}.json")),
+            service_key_file=path_word(ShellPath(services_dir(job_dir), f"{spec.service}.api-key"))
+            if spec.service and spec.service_key_file else "",
         )
     elif isinstance(spec, DownloadSpec):
         context.update(model=sh(spec.model), revision=sh(spec.revision),

@@ -1,48 +1,75 @@
-"""Reaching a READY serve job's HTTP API from here: its own address on the cluster (a login node or another
-job), else this laptop's background tunnel to it, else a tunnel opened for as long as the caller needs it.
+"""Reaching a READY serve job, or a service's replicas, from here: their own addresses on the cluster (a login
+node or another job), else this laptop's background tunnel, else a tunnel opened for as long as the caller needs.
 
-`metrics`, `chat` and `tgi_hpc.api.endpoint` all go through `connect`, so they reach a job the same way.
+`metrics`, `chat` and `tgi_hpc.api.endpoint` all go through `connect`, so they reach a target the same way.
+A service's replicas change with each handover: `urls()` and `replicas()` read its state file again.
 """
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from tgi_hpc.errors import UsageError
+from tgi_hpc.errors import SlurmError, UsageError
+from tgi_hpc.remote.runner import LocalRunner
+from tgi_hpc.service.state import check_name, is_job_id
 from tgi_hpc.slurm import jobs
 from tgi_hpc.slurm.cluster import Cluster
 from tgi_hpc.workflows import tunnel_session
+from tgi_hpc.workflows.service import read_service, service_endpoint
 
 logger = logging.getLogger(__name__)
-
-_JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?$")
 
 
 @dataclass
 class Access:
-    """An open way to a job's server: `url` answers here; `api_key` is None when it runs without one."""
+    """An open way to a job's server or a service: `url` answers here; `api_key` is None without a key."""
 
-    job_id: str
+    job_id: str                    # the job id, or the service's name
     url: str
     api_key: str | None
     model: str = ""
     via: str = "direct"            # "direct" (node:port), "tunnel" (opened here), "background tunnel"
-    _tunnel: object | None = field(default=None, repr=False)
+    service: bool = False
+    _cluster: Cluster | None = field(default=None, repr=False)
+    _tunnels: dict = field(default_factory=dict, repr=False)    # what this access opened: key -> tunnel
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def to_dict(self) -> dict:
-        return {"job_id": self.job_id, "url": self.url, "api_key": self.api_key, "model": self.model, "via": self.via}
+        return {"job_id": self.job_id, "url": self.url, "api_key": self.api_key, "model": self.model, "via": self.via,
+                "service": self.service}
+
+    def urls(self) -> list[str]:
+        """Where a request may go now: a service's READY replicas on the cluster; else the one URL (a job, or
+        the laptop's balanced tunnel, which follows the service itself)."""
+        if not (self.service and self.via == "direct"):
+            return [self.url]
+        return [j.url for j in read_service(self._cluster, self.job_id).serving()] or [self.url]
+
+    def replicas(self) -> dict[str, str]:
+        """Job id -> a URL here for each server behind the target (a service: each READY replica, through a tunnel
+        of its own from a laptop), for reads that must reach every one (metrics)."""
+        if not self.service:
+            return {self.job_id: self.url}
+        serving = {j.job_id: j.url for j in read_service(self._cluster, self.job_id).serving()}
+        if self.via == "direct":
+            return serving
+        for gone in [key for key in self._tunnels if key != "" and key not in serving]:
+            self._tunnels.pop(gone).close()
+        for job_id, url in serving.items():
+            if job_id not in self._tunnels:
+                self._tunnels[job_id] = _plain_tunnel(self._cluster, url)
+        return {job_id: self._tunnels[job_id].url for job_id in serving}
 
     def close(self) -> None:
-        """Close the tunnel this access opened (a direct address or a background tunnel stays as it was)."""
-        if self._tunnel is not None:
-            self._tunnel.close()
-            self._tunnel = None
+        """Close the tunnels this access opened (a direct address or a background tunnel stays as it was)."""
+        for tunnel in self._tunnels.values():
+            tunnel.close()
+        self._tunnels.clear()
 
     def __enter__(self) -> Access:
         return self
@@ -51,30 +78,72 @@ class Access:
         self.close()
 
 
+def _plain_tunnel(cluster: Cluster, url: str):
+    from tgi_hpc.remote.tunnel import Tunnel
+
+    parts = urlsplit(url)
+    shared = not isinstance(cluster.runner, LocalRunner)
+    return Tunnel(tunnel_session._connector(cluster, False), parts.hostname, parts.port, local_port=0,
+                  close_connection=not shared).start()
+
+
 def resolve_job(cluster: Cluster, target: str | None) -> str:
     """A job id as given, or my newest running serve job when none is given."""
     if target is None:
         return tunnel_session.pick_job(cluster, None)
-    if not _JOB_ID.match(target):
+    if not is_job_id(target):
         raise UsageError(f"{target!r} is not a job id (digits, or ARRAY_TASK like 4148_2)")
     return target
 
 
 def connect(cluster: Cluster, target: str | None = None, *, timeout: float = 600,
             progress=lambda message: None) -> Access:
-    """Wait for the job to be READY, then the shortest way to it from here (see the module docstring)."""
+    """Wait until the target answers, then the shortest way to it from here (see the module docstring).
+    `target`: a job id, a service name, or None (my newest running serve job)."""
+    if target is not None and not is_job_id(target):
+        return _connect_service(cluster, check_name(target), timeout, progress)
     job_id = resolve_job(cluster, target)
-    st = jobs.wait(cluster, job_id, until={"READY"}, timeout=timeout, on_change=lambda s: progress(s.describe()),
-                   on_beat=jobs.heartbeat(progress))
+    if jobs.status(cluster, [job_id], with_probe=False)[0].state == "UNKNOWN":
+        raise SlurmError(f"no such job: {job_id} (Slurm does not know it)")
+    jobs.wait(cluster, job_id, until={"READY"}, timeout=timeout, on_change=lambda s: progress(s.describe()),
+              on_beat=jobs.heartbeat(progress))
     endpoint = jobs.read_endpoint(cluster, job_id)
     if cluster.is_local and endpoint is not None:
-        return Access(job_id, endpoint.url, jobs.read_api_key(cluster, endpoint), endpoint.model, "direct")
-    for info in tunnel_session.list_tunnels():
-        if info.job_id == job_id and info.cluster == (cluster.profile.cluster or cluster.profile.name):
-            key = Path(info.api_key_file).read_text().strip() if info.api_key_file else None
-            logger.info("job %s: using the background tunnel at %s", job_id, info.url)
-            return Access(job_id, info.url, key, info.model, "background tunnel")
+        return Access(job_id, endpoint.url, jobs.read_api_key(cluster, endpoint), endpoint.model, "direct",
+                      _cluster=cluster)
+    found = _background(cluster, job_id)
+    if found is not None:
+        return found
     tunnel, info = tunnel_session.open_tunnel(cluster, job_id, local_port=0, timeout=timeout, progress=progress)
-    key = Path(info.api_key_file).read_text().strip() if info.api_key_file else None
-    logger.info("job %s (%s): tunnel at %s", job_id, st.node, info.url)
-    return Access(job_id, info.url, key, info.model, "tunnel", tunnel)
+    return Access(job_id, info.url, _read_key(info.api_key_file), info.model, "tunnel", _cluster=cluster,
+                  _tunnels={"": tunnel})
+
+
+def _connect_service(cluster: Cluster, name: str, timeout: float, progress) -> Access:
+    from tgi_hpc.workflows.service_tunnel import _wait_serving, open_service_tunnel
+
+    if cluster.is_local:
+        _wait_serving(cluster, name, timeout, progress)
+        found = service_endpoint(cluster, name)
+        model = read_service(cluster, name).model
+        return Access(name, (found.urls or [""])[0], found.api_key, model, "direct", True, _cluster=cluster)
+    background = _background(cluster, name)
+    if background is not None:
+        return background
+    tunnel, info = open_service_tunnel(cluster, name, local_port=0, timeout=timeout, progress=progress)
+    return Access(name, info.url, _read_key(info.api_key_file), info.model, "tunnel", True, _cluster=cluster,
+                  _tunnels={"": tunnel})
+
+
+def _background(cluster: Cluster, name: str) -> Access | None:
+    """This laptop's background tunnel to the job or service, if `tunnel --background` opened one."""
+    for info in tunnel_session.list_tunnels():
+        if info.job_id == name and info.cluster == (cluster.profile.cluster or cluster.profile.name):
+            logger.info("%s: using the background tunnel at %s", name, info.url)
+            return Access(name, info.url, _read_key(info.api_key_file), info.model, "background tunnel",
+                          not is_job_id(name), _cluster=cluster)
+    return None
+
+
+def _read_key(path: str) -> str | None:
+    return Path(path).read_text().strip() or None if path else None

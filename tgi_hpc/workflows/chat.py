@@ -102,11 +102,14 @@ def read_message(read_line: Callable[[str], str], pending: Callable[[], bool] = 
 
 
 class ChatClient:
-    """Streams turns from a server's /v1/chat/completions."""
+    """Streams turns from a server's /v1/chat/completions. `urls` (a URL, or a function listing the current ones:
+    a service's READY replicas) is asked each turn; a replica that refuses the connection or is draining is
+    skipped for the next one, as nothing was started there."""
 
-    def __init__(self, url: str, headers: dict[str, str] | None = None, model: str = "", timeout: float = 300.0):
-        self._client = httpx.Client(base_url=url, headers=headers or {}, trust_env=False,
-                                    timeout=httpx.Timeout(timeout, connect=30.0))
+    def __init__(self, urls: str | Callable[[], list[str]], headers: dict[str, str] | None = None, model: str = "",
+                 timeout: float = 300.0):
+        self._urls = urls if callable(urls) else (lambda: [urls])
+        self._client = httpx.Client(headers=headers or {}, trust_env=False, timeout=httpx.Timeout(timeout, connect=30.0))
         self.model = model
 
     def turn(self, conversation: Conversation, text: str) -> Iterator[str]:
@@ -115,24 +118,42 @@ class ChatClient:
         body = conversation.request(self.model)
         body["messages"] = body["messages"] + [{"role": "user", "content": text}]
         pieces: list[str] = []
-        try:
-            with self._client.stream("POST", "/v1/chat/completions", json=body) as response:
-                if response.status_code != 200:
-                    raise ChatError(_error_message(response))
-                for event in _sse_data(response.iter_lines()):
-                    if "error" in event:
-                        raise ChatError(f"the server stopped: {event['error']}")
-                    for choice in event.get("choices", []):
-                        piece = (choice.get("delta") or {}).get("content") or ""
-                        if piece:
-                            pieces.append(piece)
-                            yield piece
-        except httpx.HTTPError as exc:
-            raise ChatError(f"the connection to the server failed: {exc}") from exc
+        for piece in self._stream(body):
+            pieces.append(piece)
+            yield piece
         conversation.history += [{"role": "user", "content": text}, {"role": "assistant", "content": "".join(pieces)}]
+
+    def _stream(self, body: dict) -> Iterator[str]:
+        skipped = []
+        for url in self._urls():
+            try:
+                with self._client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+                    if response.status_code == 503 and _error(response)[1] == "draining":
+                        skipped.append(f"{url} is draining")
+                        continue
+                    if response.status_code != 200:
+                        message, kind = _error(response)
+                        raise ChatError(f"the server answered {response.status_code}: {message} ({kind})")
+                    yield from _pieces(response)
+                    return
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                skipped.append(f"{url}: {exc}")
+            except httpx.HTTPError as exc:
+                raise ChatError(f"the connection to the server failed: {exc}") from exc
+        raise ChatError(f"the connection to the server failed: {'; '.join(skipped) or 'no server is READY'}")
 
     def close(self) -> None:
         self._client.close()
+
+
+def _pieces(response: httpx.Response) -> Iterator[str]:
+    for event in _sse_data(response.iter_lines()):
+        if "error" in event:
+            raise ChatError(f"the server stopped: {event['error']}")
+        for choice in event.get("choices", []):
+            piece = (choice.get("delta") or {}).get("content") or ""
+            if piece:
+                yield piece
 
 
 def _sse_data(lines: Iterator[str]) -> Iterator[dict]:
@@ -146,11 +167,11 @@ def _sse_data(lines: Iterator[str]) -> Iterator[dict]:
         yield json.loads(data)
 
 
-def _error_message(response: httpx.Response) -> str:
+def _error(response: httpx.Response) -> tuple[str, str]:
+    """TGI's error body: (message, error_type)."""
     response.read()
     try:
         body = response.json()
-        detail = f"{body['error']} ({body.get('error_type', '?')})"
+        return str(body["error"]), str(body.get("error_type", "?"))
     except (ValueError, KeyError, TypeError):
-        detail = response.text[:300]
-    return f"the server answered {response.status_code}: {detail}"
+        return response.text[:300], "?"

@@ -10,7 +10,7 @@ VALUE_FLAGS = {
     "--max-batch-prefill-tokens", "--max-batch-total-tokens", "--max-batch-size",
     "--waiting-served-ratio", "--cuda-memory-fraction", "--cors-allow-origin", "--load-format",
     "--served-model-name", "--kv-cache-bytes", "--cuda-graphs", "--cpu-gemm", "--attention-backend", "--block-size",
-    "--cpu-threads", "--drain-timeout", "--max-new-tokens-default", "--prefix-caching",
+    "--cpu-threads", "--drain-timeout", "--max-new-tokens-default", "--prefix-caching", "--lora-adapters",
 }
 SWITCH_FLAGS = {"--json-output"}
 # Set by the job itself; --api-key in particular must never be on a command line.

@@ -10,15 +10,9 @@ histogram sums (counted when a request starts and ends, so they move in steps).
 from __future__ import annotations
 
 import math
-import time
-from collections import deque
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
-
-from tgi_hpc.errors import TgiHpcError
 
 PROMPT_TOKENS = ("tgi_prompt_tokens_total", "tgi_request_input_length_sum")
 GENERATED_TOKENS = ("tgi_generated_tokens_total", "tgi_request_generated_tokens_sum")
@@ -85,7 +79,8 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
 
 @dataclass
 class Summary:
-    """What `tgi-hpc metrics` shows: rates over the window, gauges from the last scrape, counters since start."""
+    """What `tgi-hpc metrics` shows: rates over the window, gauges from the last scrape, counters since start.
+    For a service, the sum over its replicas (KV usage: their mean; latency: their buckets together)."""
 
     window_s: float
     prompt_tokens_per_s: float | None = None
@@ -98,13 +93,17 @@ class Summary:
     latency_p50_s: float | None = None
     latency_p90_s: float | None = None
     latency_scope: str = "none"        # "window" (requests that ended in it), "since start", or "none"
-    token_source: str = "none"         # "counters", "histogram sums" or "none"
+    token_source: str = "none"         # "counters", "histogram sums", "mixed" or "none"
     counters: dict[str, float] = field(default_factory=dict)
-    job_id: str = ""
+    target: str = ""                   # the job id or service name
     url: str = ""
+    replicas: list[str] = field(default_factory=list)    # the jobs scraped
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+Series = list[list[Scrape]]            # per replica, its scrapes oldest first
 
 
 def _first_present(scrape: Scrape, names: tuple[str, ...]) -> str | None:
@@ -118,91 +117,80 @@ def _rate(scrapes: list[Scrape], name: str | None) -> float | None:
     return increase([s.values[name] for s in scrapes]) / span
 
 
+def _total(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
+def _token_rates(series: Series, summary: Summary) -> None:
+    prompt = [_first_present(scrapes[-1], PROMPT_TOKENS) for scrapes in series]
+    generated = [_first_present(scrapes[-1], GENERATED_TOKENS) for scrapes in series]
+    sources = {"counters" if name.endswith("_total") else "histogram sums" for name in prompt + generated if name}
+    summary.token_source = sources.pop() if len(sources) == 1 else ("mixed" if sources else "none")
+    summary.prompt_tokens_per_s = _total([_rate(scrapes, name) for scrapes, name in zip(series, prompt)])
+    summary.generated_tokens_per_s = _total([_rate(scrapes, name) for scrapes, name in zip(series, generated)])
+    summary.requests_per_s = _total([_rate(scrapes, REQUESTS if REQUESTS in scrapes[-1].values else None)
+                                     for scrapes in series])
+    totals = {"prompt_tokens": prompt, "generated_tokens": generated, "requests": [REQUESTS] * len(series),
+              "failures": [FAILURES] * len(series), "prefix_cache_queried_tokens": [PREFIX_QUERIED] * len(series),
+              "prefix_cache_hit_tokens": [PREFIX_HIT] * len(series)}
+    for key, names in totals.items():
+        value = _total([scrapes[-1].values.get(name) if name else None for scrapes, name in zip(series, names)])
+        if value is not None:
+            summary.counters[key] = value
+
+
 def _bucket_increase(scrapes: list[Scrape], name: str) -> dict[float, float]:
     bounds = set.intersection(*(set(s.buckets.get(name, {})) for s in scrapes))
     return {le: increase([s.buckets[name][le] for s in scrapes]) for le in bounds}
 
 
-def _latency(scrapes: list[Scrape], summary: Summary) -> None:
-    if LATENCY not in scrapes[-1].buckets:
-        return
-    window = _bucket_increase(scrapes, LATENCY) if len(scrapes) > 1 else {}
-    scope, buckets = ("window", window) if window.get(math.inf, 0) > 0 else ("since start", scrapes[-1].buckets[LATENCY])
+def _add(into: dict[float, float], buckets: dict[float, float]) -> None:
+    for le, count in buckets.items():
+        into[le] = into.get(le, 0.0) + count
+
+
+def _latency(series: Series, summary: Summary) -> None:
+    window: dict[float, float] = {}
+    since_start: dict[float, float] = {}
+    for scrapes in series:
+        if LATENCY in scrapes[-1].buckets:
+            _add(since_start, scrapes[-1].buckets[LATENCY])
+            if len(scrapes) > 1:
+                _add(window, _bucket_increase(scrapes, LATENCY))
+    scope, buckets = ("window", window) if window.get(math.inf, 0) > 0 else ("since start", since_start)
     if buckets.get(math.inf, 0) > 0:
         summary.latency_scope = scope
         summary.latency_p50_s = histogram_quantile(0.5, buckets)
         summary.latency_p90_s = histogram_quantile(0.9, buckets)
 
 
-def _prefix_hit_rate(scrapes: list[Scrape]) -> float | None:
-    last = scrapes[-1].values
-    if PREFIX_QUERIED not in last or PREFIX_HIT not in last:
+def _prefix_hit_rate(series: Series) -> float | None:
+    reporting = [scrapes for scrapes in series if PREFIX_QUERIED in scrapes[-1].values and PREFIX_HIT in scrapes[-1].values]
+    if not reporting:
         return None
-    queried = increase([s.values.get(PREFIX_QUERIED, 0.0) for s in scrapes])
+    queried = sum(increase([s.values.get(PREFIX_QUERIED, 0.0) for s in scrapes]) for scrapes in reporting)
     if queried > 0:                    # the window's hit rate; an idle window shows the one since start
-        return increase([s.values.get(PREFIX_HIT, 0.0) for s in scrapes]) / queried
-    return last[PREFIX_HIT] / last[PREFIX_QUERIED] if last[PREFIX_QUERIED] > 0 else None
+        return sum(increase([s.values.get(PREFIX_HIT, 0.0) for s in scrapes]) for scrapes in reporting) / queried
+    queried = sum(scrapes[-1].values[PREFIX_QUERIED] for scrapes in reporting)
+    return sum(scrapes[-1].values[PREFIX_HIT] for scrapes in reporting) / queried if queried > 0 else None
 
 
 def summarize(scrapes: list[Scrape]) -> Summary:
-    """Rates over all of `scrapes` (oldest first); with a single scrape, only gauges and totals."""
-    last = scrapes[-1]
-    summary = Summary(window_s=round(last.at - scrapes[0].at, 3))
-    prompt, generated = _first_present(last, PROMPT_TOKENS), _first_present(last, GENERATED_TOKENS)
-    if prompt or generated:
-        summary.token_source = "counters" if (prompt or generated).endswith("_total") else "histogram sums"
-    summary.prompt_tokens_per_s = _rate(scrapes, prompt)
-    summary.generated_tokens_per_s = _rate(scrapes, generated)
-    summary.requests_per_s = _rate(scrapes, REQUESTS if REQUESTS in last.values else None)
-    for attr, name in GAUGES.items():
-        setattr(summary, attr, last.values.get(name))
-    summary.prefix_hit_rate = _prefix_hit_rate(scrapes)
-    _latency(scrapes, summary)
-    totals = {"prompt_tokens": prompt, "generated_tokens": generated, "requests": REQUESTS, "failures": FAILURES,
-              "prefix_cache_queried_tokens": PREFIX_QUERIED, "prefix_cache_hit_tokens": PREFIX_HIT}
-    summary.counters = {key: last.values[name] for key, name in totals.items() if name and name in last.values}
+    """One server: rates over all of `scrapes` (oldest first); with a single scrape, only gauges and totals."""
+    return summarize_replicas([scrapes])
+
+
+def summarize_replicas(series: Series) -> Summary:
+    """Several servers (a service's replicas): each one's rates from its own counters (a replica's restart is its
+    own reset), then added up, as `sum(rate(...))` does."""
+    summary = Summary(window_s=round(max(scrapes[-1].at - scrapes[0].at for scrapes in series), 3))
+    _token_rates(series, summary)
+    last = [scrapes[-1].values for scrapes in series]
+    summary.running = _total([values.get(GAUGES["running"]) for values in last])
+    summary.waiting = _total([values.get(GAUGES["waiting"]) for values in last])
+    usage = [values[GAUGES["kv_cache_usage"]] for values in last if GAUGES["kv_cache_usage"] in values]
+    summary.kv_cache_usage = sum(usage) / len(usage) if usage else None
+    summary.prefix_hit_rate = _prefix_hit_rate(series)
+    _latency(series, summary)
     return summary
-
-
-class Scraper:
-    """GET /metrics from one server (/metrics needs no API key, but one is sent when known)."""
-
-    def __init__(self, url: str, headers: dict[str, str] | None = None, timeout: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic):
-        self._client = httpx.Client(base_url=url, headers=headers or {}, timeout=timeout, trust_env=False)
-        self._clock = clock
-        self.url = url
-
-    def scrape(self) -> Scrape:
-        try:
-            response = self._client.get("/metrics")
-        except httpx.HTTPError as exc:
-            raise TgiHpcError(f"cannot read {self.url}/metrics: {exc} (is the job still running?)") from exc
-        if response.status_code != 200:
-            raise TgiHpcError(f"{self.url}/metrics answered {response.status_code}: {response.text[:200]}")
-        try:
-            return parse_exposition(response.text, self._clock())
-        except ValueError as exc:
-            raise TgiHpcError(f"{self.url}/metrics is not Prometheus text: {exc}") from exc
-
-    def close(self) -> None:
-        self._client.close()
-
-
-def sample(scraper: Scraper, interval: float = 2.0, sleep: Callable[[float], None] = time.sleep) -> Summary:
-    """One sample: two scrapes `interval` seconds apart, rates between them."""
-    first = scraper.scrape()
-    sleep(interval)
-    return summarize([first, scraper.scrape()])
-
-
-def watch(scraper: Scraper, interval: float = 1.0, window: float = 10.0,
-          sleep: Callable[[float], None] = time.sleep) -> Iterator[Summary]:
-    """A summary every `interval` seconds, rates over the scrapes of the last `window` seconds."""
-    scrapes: deque[Scrape] = deque()
-    while True:
-        scrapes.append(scraper.scrape())
-        while len(scrapes) > 2 and scrapes[-1].at - scrapes[1].at >= window:
-            scrapes.popleft()
-        yield summarize(list(scrapes))
-        sleep(interval)

@@ -118,7 +118,7 @@ def run_download(cluster: Cluster, model: str, revision: str = "main", *, here: 
         stored = download_model(model, Path(target), revision=revision, token=token, progress=True)
         return PrepareResult("download", "here", details={"model": stored.model_id, "revision": stored.revision,
                                                          "path": str(stored.path), "size_bytes": stored.size_bytes,
-                                                         "format": stored.format})
+                                                         "format": stored.format, "kind": stored.kind})
     spec = DownloadSpec(kind="download", resources=resources_for(cluster.profile, "download"),
                         model=model, revision=revision)
     return _submit(cluster, spec, wait=wait, dry_run=dry_run, progress=progress, env=secrets)

@@ -18,6 +18,8 @@ from tgi_hpc.slurm.cluster import Cluster
 from tgi_hpc.slurm.jobspec import ServeSpec, ShellPath
 from tgi_hpc.workflows.checks import check_release, check_snapshot, find_shared_weights
 from tgi_hpc.workflows.engine_flags import engine_args
+from tgi_hpc.workflows.engines import ModelPlan, check_models, fraction_args, plan_engines, total_size
+from tgi_hpc.workflows.lora import attach, check_adapters, resolve_adapters
 
 # serve option -> engine (TGI launcher) flag
 LIMIT_FLAGS = {
@@ -41,6 +43,9 @@ class ServeOptions:
     keep_alive: bool = False
     api_key: bool = True
     shared_weights: bool = True    # look in the profile's read-only weight folders before the model store
+    other_models: list[str] = field(default_factory=list)     # --model A --model B: B..., one engine each
+    loras: list[str] = field(default_factory=list)            # NAME=ORG/ADAPTER or NAME=FOLDER
+    memory_fractions: list[float] = field(default_factory=list)   # --cuda-memory-fraction, one per model
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
@@ -113,6 +118,10 @@ def check_before_submit(cluster: Cluster, spec: ServeSpec, release: ShellPath, e
     """The release and a complete snapshot must be where the job will look (else it fails after the queue)."""
     in_store = spec.model_dir.base == cluster.profile.paths.models
     check_snapshot(cluster, cluster.expand(str(spec.model_dir)), spec.model, in_store)
+    for engine in spec.engines[1:]:
+        in_store = engine.model_dir.base == cluster.profile.paths.models
+        check_snapshot(cluster, cluster.expand(str(engine.model_dir)), engine.model, in_store)
+    check_adapters(cluster, tuple(a for e in spec.engines for a in e.loras) if spec.engines else spec.loras)
     check_release(cluster, cluster.expand(str(release)), explicit_release)
 
 
@@ -123,7 +132,10 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions, *, offline: bool = Fa
     where = _model_location(cluster, opts)
     config = _read_config(cluster, where, offline)
     quantize = check_quantize(opts.limits.get("quantize"), config)   # refused here, before any queue
-    size = catalog_size_b(opts.model, config, quantize)
+    first = ModelPlan(opts.model, where, catalog_size_b(opts.model, config, quantize))
+    check_models([opts.model, *opts.other_models])
+    others = [_plan_model(cluster, replace(opts, model=m), offline) for m in opts.other_models]
+    size = total_size([first.size_b, *(p.size_b for p in others)])
     resources = resources_for(profile, "serve", size, opts.gpus)
     default = profile.slurm.defaults.get("serve") if profile.slurm else None
     resources = fit_partition(profile, resources, default.partition if default else None)
@@ -136,11 +148,34 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions, *, offline: bool = Fa
         if value is not None:
             argv += [LIMIT_FLAGS[key], str(value)]
     argv += engine_args(opts.engine_args)
-    return ServeSpec(
+    spec = ServeSpec(
         kind="serve", resources=resources, keep_alive=opts.keep_alive, env=parse_env(opts.env),
         model=opts.model, model_dir=where, num_shard=num_shard, engine_args=tuple(argv),
         api_key=opts.api_key, stage_model=cluster.uses_slurm,
     )
+    return _with_models_and_adapters(cluster, spec, opts, [first, *others], offline)
+
+
+def _plan_model(cluster: Cluster, opts: ServeOptions, offline: bool) -> ModelPlan:
+    """Another --model of the job: where it is, and its size (checked against --quantize like the first)."""
+    where = _model_location(cluster, opts)
+    config = _read_config(cluster, where, offline)
+    quantize = check_quantize(opts.limits.get("quantize"), config)
+    return ModelPlan(opts.model, where, catalog_size_b(opts.model, config, quantize))
+
+
+def _with_models_and_adapters(cluster: Cluster, spec: ServeSpec, opts: ServeOptions, plans: list[ModelPlan],
+                              offline: bool) -> ServeSpec:
+    """--lora adapters attached to their models, and with several models one engine each (tgi_hpc.workflows.engines)."""
+    names = [p.model for p in plans]
+    if opts.loras and "--lora-adapters" in spec.engine_args:
+        raise UsageError("--lora and --engine-arg --lora-adapters: give the adapters with --lora only (it checks "
+                         "and stages them)")
+    adapters = attach(resolve_adapters(cluster, opts.loras, set(names), cluster_path, offline), names)
+    if len(plans) == 1:
+        return replace(spec, loras=adapters[0], engine_args=spec.engine_args + tuple(fraction_args(opts.memory_fractions)))
+    engines = plan_engines(plans, adapters, spec.resources, spec.engine_args, opts.memory_fractions)
+    return replace(spec, loras=adapters[0], engines=engines, num_shard=engines[0].num_shard)
 
 
 def release_dir(cluster: Cluster, release: str | None) -> ShellPath:
@@ -169,6 +204,8 @@ class ServeResult:
         if self.status and self.status.get("state") == "READY":
             url, key = self.status["url"], self.status.get("api_key_file")
             lines += [f"  READY at {url} on {self.status['node']}"]
+            lines += [f"  {m['model']} at {m['url']}" + (f" (adapters: {', '.join(m['adapters'])})" if m["adapters"] else "")
+                      for m in self.status.get("models", []) if len(self.status["models"]) > 1 or m["adapters"]]
             auth = f' -H "Authorization: Bearer $(cat {sh(key)})"' if key else ""
             lines += [f"  api key file: {key or '(none)'}",
                       f"  try: curl {url}/generate{auth} -H 'Content-Type: application/json' "
@@ -195,7 +232,9 @@ def run_serve(cluster: Cluster, opts: ServeOptions, *, release: str | None = Non
         return ServeResult(jobs.render(cluster, spec, release_dir=rel))
     check_before_submit(cluster, spec, rel, explicit_release=release is not None)
     sub = jobs.submit(cluster, spec, release_dir=rel)
-    progress(f"submitted job {sub.job_id} ({spec.model}, {spec.num_shard} shard(s)); log: {sub.log_path}")
+    what = ", ".join(e.model for e in spec.engines) + ": one engine each" if spec.engines else \
+        f"{spec.model}, {spec.num_shard} shard(s)"
+    progress(f"submitted job {sub.job_id} ({what}); log: {sub.log_path}")
     result = ServeResult(sub.script, sub.job_id, sub.script_path, sub.log_path, again=again)
     if wait:
         result.status = jobs.wait(cluster, sub.job_id, until={"READY"}, timeout=timeout,

@@ -229,3 +229,11 @@ def stop_service(cluster: Cluster, name: str) -> list[str]:
         if attempt == 0:
             time.sleep(2)
     return stopped
+
+
+def stop_all_services(cluster: Cluster) -> list[str]:
+    """Before `stop --all` cancels every job: no service job may submit a successor on its way out."""
+    names = list_services(cluster)
+    for name in names:
+        cluster.runner.write_file(stopped_path(state_path(cluster.job_dir, name)), f"{time.time()}\n", mode=0o600)
+    return names

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tgi_hpc.errors import TunnelError, UsageError
@@ -35,6 +35,7 @@ class TunnelInfo:
     api_key_file: str       # a local 0600 copy ("" when the server has no key)
     pid: int = 0
     model: str = ""         # the served model name (the id given to `serve`)
+    models: list[dict] = field(default_factory=list)   # every engine: model, url, local_port, remote, adapters
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,6 +80,41 @@ def _connector(cluster: Cluster, accept_host_key: bool):
     return lambda: connect(cluster.profile.login_host, accept_new_host_key=accept_host_key)
 
 
+class Tunnels:
+    """The tunnels of a job that serves several models (one local port each), closed together."""
+
+    def __init__(self, tunnels: list) -> None:
+        self.tunnels = tunnels
+
+    def close(self) -> None:
+        for tunnel in self.tunnels:
+            tunnel.close()
+
+
+def _more_tunnels(cluster: Cluster, job_id: str, endpoint, first, local_port: int | None, shared: bool,
+                  accept_host_key: bool) -> list:
+    """One more tunnel per further engine: local port = its remote port when free (or --local-port + i)."""
+    from tgi_hpc.remote.tunnel import Tunnel, wait_http_ready
+
+    opened = [first]
+    try:
+        for i, engine in enumerate(endpoint.engines[1:], start=1):
+            def target(i=i) -> tuple[str, int]:
+                current = jobs.read_endpoint(cluster, job_id) or endpoint
+                engines = current.engines
+                return current.host, (engines[i] if i < len(engines) else engine).port
+
+            port = local_port + i if local_port else (engine.port if is_port_free(engine.port, "127.0.0.1") else 0)
+            tunnel = Tunnel(_connector(cluster, accept_host_key), endpoint.host, target, local_port=port,
+                            close_connection=not shared).start()
+            opened.append(tunnel)
+            wait_http_ready(tunnel.url, timeout=60)
+    except BaseException:
+        Tunnels(opened).close()
+        raise
+    return opened
+
+
 def open_tunnel(cluster: Cluster, job_id: str, *, local_port: int | None = None, accept_host_key: bool = False,
                 timeout: float = 600, progress=lambda message: None):
     """Wait for the job to be READY, forward a local port to it, check /health through it."""
@@ -104,7 +140,12 @@ def open_tunnel(cluster: Cluster, job_id: str, *, local_port: int | None = None,
     info = TunnelInfo(job_id, cluster.profile.cluster or cluster.profile.name, tunnel.url, tunnel.local_port,
                       f"{st.node or endpoint.host}:{endpoint.port}",
                       _local_key(cluster, job_id, jobs.read_api_key(cluster, endpoint)), os.getpid(), endpoint.model)
-    return tunnel, info
+    if len(endpoint.engines) == 1 and not endpoint.adapters:
+        return tunnel, info
+    opened = _more_tunnels(cluster, job_id, endpoint, tunnel, local_port, shared, accept_host_key)
+    info.models = [{"model": e.model, "url": t.url, "local_port": t.local_port, "adapters": list(e.adapters),
+                    "remote": f"{st.node or endpoint.host}:{e.port}"} for e, t in zip(endpoint.engines, opened)]
+    return (Tunnels(opened) if len(opened) > 1 else tunnel), info
 
 
 def instructions(info: TunnelInfo) -> str:
@@ -112,7 +153,10 @@ def instructions(info: TunnelInfo) -> str:
     key_file = info.api_key_file
     auth = f' -H "Authorization: Bearer $(cat {shlex.quote(key_file)})"' if key_file else ""
     key = f"open({key_file!r}).read().strip()" if key_file else '"-"'
-    return "\n".join([
+    served = [f"{m['model']} at {m['url']}  (-> {m['remote']})"
+              + (f"; adapters (model= or adapter_id): {', '.join(m['adapters'])}" if m["adapters"] else "")
+              for m in info.models]
+    return "\n".join([*served, *([""] if served else []),
         f"ready at {info.url}  (job {info.job_id} on {info.remote})",
         f"api key: {info.api_key_file or '(none: server started with --no-api-key)'}",
         f"curl {info.url}/generate{auth} -H 'Content-Type: application/json' \\",

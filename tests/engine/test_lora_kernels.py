@@ -1,0 +1,72 @@
+"""The batched LoRA update: the Triton kernels and the grouped torch path against the float64 reference,
+on randomized mixed batches (several adapters, base rows, odd sizes). Without CUDA the kernels run in
+Triton's interpreter (fp32/fp16)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.batch import SeqSpan
+from engine.kernels import triton_available
+from engine.kernels.lora_reference import lora_reference
+from engine.lora import backend
+from engine.lora.batch import LoraBatch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
+
+
+def random_case(seed, dtype, *, num_adapters=3, rank=12, in_features=72, out_features=50):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 7, (int(torch.randint(1, 8, (1,), generator=gen)),), generator=gen).tolist()
+    adapters = torch.randint(0, num_adapters + 1, (len(lengths),), generator=gen).tolist()
+    spans = [SeqSpan(i, [0] * n, 0, [], adapter=k) for i, (n, k) in enumerate(zip(lengths, adapters))]
+    batch = LoraBatch()
+    batch.set(spans, DEVICE)
+    t = sum(lengths)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
+    indices = torch.tensor([k for n, k in zip(lengths, adapters) for _ in range(n)], dtype=torch.int32, device=DEVICE)
+    return (rand(t, in_features), rand(t, out_features), rand(num_adapters, rank, in_features, scale=0.2),
+            rand(num_adapters, out_features, rank, scale=0.2), batch, indices)
+
+
+# CPU half matmuls are slow and lossy: the grouped path is checked in fp32 there
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.float16] if DEVICE.type == "cuda" else []))
+@pytest.mark.parametrize("seed", range(4))
+def test_grouped_path_matches_the_reference(seed, dtype):
+    x, y, a, b, batch, indices = random_case(seed, dtype)
+    expected = lora_reference(x, y, a, b, indices)
+    got = backend.grouped_apply(x, y.clone(), a, b, batch)
+    assert (got.double() - expected).abs().max() <= TOL[dtype]
+    if batch.token_indices is not None:
+        assert torch.equal(batch.token_indices, indices)
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("seed,rank,in_features,out_features", [(0, 12, 72, 50), (1, 1, 16, 17), (2, 48, 130, 200),
+                                                               (3, 7, 64, 64)])
+def test_triton_kernels_match_the_reference(seed, rank, in_features, out_features, dtype):
+    from engine.kernels.lora import lora_apply
+
+    x, y, a, b, _, indices = random_case(seed, dtype, rank=rank, in_features=in_features, out_features=out_features)
+    expected = lora_reference(x, y, a, b, indices)
+    got = lora_apply(x, y.clone(), a, b, indices)
+    assert got.dtype == dtype
+    assert (got.double() - expected).abs().max() <= TOL[dtype]
+    base_rows = indices == 0
+    assert torch.equal(got[base_rows], y[base_rows])  # base rows are left untouched
+
+
+def test_the_choice_is_checked_and_reported():
+    name, report = backend.choose(torch.device("cpu"), torch.float32)
+    assert name == "grouped" and report == {"triton": "needs CUDA", "grouped": "ok"}
+    broken = lambda x, y, a, b, batch: y  # noqa: E731 - adds nothing: must fail the self-check
+    assert "max error" in backend.self_check(broken, torch.device("cpu"), torch.float32)
+
+
+def test_a_backend_another_rank_refuses_is_not_used(monkeypatch):
+    with pytest.raises(RuntimeError, match="another rank failed its check"):
+        backend.choose(torch.device("cpu"), torch.float32, agree=lambda ok: False)
