@@ -1,8 +1,9 @@
 """How the LoRA update runs: the Triton kernels on CUDA, grouped torch matmuls elsewhere; chosen once at start.
 
 Both add, for every token, `B_i (A_i x)` of its adapter i to the layer's output. The grouped path runs two
-matmuls per adapter present in the step (tokens gathered by adapter), so a whole batch costs a few small
-GEMMs per layer whatever its mix. The Triton path is one launch pair per layer; on prefill-sized steps,
+matmuls per adapter present in the step; the worker orders a step's spans by adapter
+(engine/lora/batch.py `order_by_adapter`), so each adapter's tokens are one slice and a whole batch costs a
+few small GEMMs per layer whatever its mix. The Triton path is one launch pair per layer; on prefill-sized steps,
 where per-token programs lose to tensor-core GEMMs, it hands over to the grouped path.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from engine.server.errors import ValidationError
 from engine.server.grammar import response_format_grammar
 from engine.server.infer import Generation, StreamEvent
 from engine.server.legacy_logprobs import completion_logprobs, stream_logprobs
-from engine.server.openai_common import adapter_id, check_common, finish, parameters, stream_choices
+from engine.server.openai_common import adapter_id, check_common, finish, model_name, parameters, stream_choices
 from engine.server.protocol import (Completion, CompletionChoice, CompletionRequest, GenerateParameters,
                                     GenerateRequest, Usage, dump)
 from engine.server.state import ServerState
@@ -53,7 +53,7 @@ async def completions(request: Request) -> Response:
         choices = [_completion_choice(state, req, group[0], gen, prompt_gens[0].prefill, i * n + j, scoring)
                    for i, (group, prompt_gens, kept) in enumerate(zip(groups, gens, returned))
                    for j, gen in enumerate(kept)]
-        body = Completion(id=rid, created=created, model=state.model_name, choices=choices,
+        body = Completion(id=rid, created=created, model=model_name(state, req), choices=choices,
                           usage=fan.usage(gens, returned, count_completion=not scoring),
                           system_fingerprint=state.system_fingerprint)
         return JSONResponse(dump(body))
@@ -111,6 +111,6 @@ def _chunk_builder(state: ServerState, req: CompletionRequest, rid: str,
             logprobs = stream_logprobs(ev.token, ev.text, offset) if req.logprobs is not None else None
             offsets[index] = offset + len(ev.text)
             choices = [CompletionChoice(index=index, text=ev.text, logprobs=logprobs, finish_reason=finish(ev.end))]
-        return dump(Completion(id=rid, created=created, model=state.model_name, usage=usage,
+        return dump(Completion(id=rid, created=created, model=model_name(state, req), usage=usage,
                                system_fingerprint=state.system_fingerprint, choices=choices))
     return chunk

@@ -189,10 +189,13 @@ class Infer:
                 if end is not None and not tokens and last_token is not None:
                     # the end came without a new token: close on the last token with the remaining text
                     tokens = [replace(last_token, text="")]
+                # several tokens in one step (speculation): one event each, with its own text
+                texts = out.token_texts if out.token_texts is not None and len(out.token_texts) == len(tokens) \
+                    else [""] * (len(tokens) - 1) + [out.text]
                 for i, token in enumerate(tokens):
                     index += 1
                     last = i == len(tokens) - 1
-                    yield StreamEvent(index, token, out.text if last else "", end if last else None)
+                    yield StreamEvent(index, token, texts[i], end if last else None)
                     last_token = token
                 if end is not None:
                     self._record_success(end)

@@ -38,6 +38,11 @@ def parameters(req: OpenAIRequest, max_tokens: int | None, top_n_tokens: int,
         grammar=grammar)
 
 
+def model_name(state: ServerState, req: OpenAIRequest) -> str:
+    """The `model` a response names: the LoRA adapter that served it, else the served model."""
+    return req.model if req.model in state.validator.adapters else state.model_name
+
+
 def adapter_id(state: ServerState, req: OpenAIRequest) -> str | None:
     """`model` names a LoRA adapter (or the base model); a server without adapters ignores it, as TGI does."""
     return req.model if state.validator.adapters else None

@@ -20,8 +20,8 @@ from engine.server.completions import completions
 from engine.server.errors import ValidationError
 from engine.server.grammar import response_format_grammar
 from engine.server.infer import Generation, StreamEvent
-from engine.server.openai_common import (adapter_id, check_common, finish, parameters, renderer, stream_choices,
-                                         usage_of)
+from engine.server.openai_common import (adapter_id, check_common, finish, model_name, parameters, renderer,
+                                         stream_choices, usage_of)
 from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
                                     ChatCompletionMessage, ChatCompletionRequest, ChatDelta, ChatLogprob, ChatLogprobs,
                                     ChatToolCall, FunctionCall, GenerateRequest, ModelCard, ModelList, TopLogprob,
@@ -63,7 +63,7 @@ async def chat_completions(request: Request) -> Response:
                 choices = [] if ev is None else [ChatChunkChoice(
                     index=index, delta=ChatDelta(content=ev.text),
                     logprobs=_chat_logprobs([ev.token]) if logprobs else None, finish_reason=finish(ev.end))]
-                return dump(ChatCompletionChunk(id=rid, created=created, model=state.model_name, usage=usage,
+                return dump(ChatCompletionChunk(id=rid, created=created, model=model_name(state, req), usage=usage,
                                                 system_fingerprint=state.system_fingerprint, choices=choices))
             if n > 1:
                 return stream_choices(state, req, arrival, chunk, lambda: [fan.fan_out(state.validator.validate(
@@ -78,7 +78,7 @@ async def chat_completions(request: Request) -> Response:
             gens = await unless_disconnected(request, state.infer.generate_groups(
                 groups, arrival, state.config.prefix_caching))
         choices = [_chat_choice(gen, use, logprobs, index) for index, gen in enumerate(gens[0])]
-        body = ChatCompletion(id=rid, created=created, model=state.model_name, choices=choices,
+        body = ChatCompletion(id=rid, created=created, model=model_name(state, req), choices=choices,
                               usage=fan.usage(gens, gens), system_fingerprint=state.system_fingerprint)
         return JSONResponse(dump(body))
 
@@ -142,7 +142,7 @@ def _tool_renderer(state: ServerState, req: ChatCompletionRequest, use: ToolUse,
     def chunk(delta: ChatDelta | None, finish: str | None, usage: Usage | None = None) -> bytes:
         choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
         return sse.encode_event(dump(ChatCompletionChunk(
-            id=rid, created=created, model=state.model_name, usage=usage,
+            id=rid, created=created, model=model_name(state, req), usage=usage,
             system_fingerprint=state.system_fingerprint, choices=choices)), space=True)
 
     def delta(kind: str, text: str) -> ChatDelta:

@@ -159,9 +159,11 @@ class Info(_Wire):
     linear_backend: str = "unknown"
     cuda_graphs: list[int] = []
     block_size: int
+    speculate: int = 0      # n-gram draft tokens per step (--speculate); 0 = off
     # LoRA: the --lora-adapters names a request may pick (adapter_id / OpenAI model), and how they run
     lora_adapters: list[str] = []
     lora_backend: str = "none"
+    lora_checks: dict[str, str] = Field(default_factory=dict)  # each LoRA backend tried: "ok" or why not
     # structured output: `parameters.grammar` types, OpenAI response_format / tools
     grammar_support: bool = True
     grammar_types: list[str] = ["json", "regex"]

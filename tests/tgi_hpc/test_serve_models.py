@@ -200,8 +200,6 @@ def _alive(pid: int) -> bool:
 
 
 def test_two_models_ready_on_two_ports_with_their_gpus_and_one_death_fails_the_job(tmp_path, model_path):
-    import httpx
-
     release = standin_release(tmp_path / "rel")
     lora = _adapter(tmp_path / "lora", str(model_path("tiny-llama")))
     result = json.loads(_cli(tmp_path, "serve", "--model", str(model_path("tiny-llama")), "--model",
@@ -268,3 +266,13 @@ def test_a_dry_run_from_a_laptop_reads_no_adapter_and_still_renders(monkeypatch,
     monkeypatch.setenv("TGI_HPC_REMOTE", "1")
     code = main(["serve", "--cluster", "mila", "--model", BIG, "--model", SMALL, "--lora", "x=acme/lora", "--dry-run"])
     assert code == 0 and "dry run: adapter x is not read from the cluster" in caplog.text
+
+
+def test_the_summary_names_each_model_and_its_adapters():
+    from tgi_hpc.workflows.serve import ServeResult
+
+    models = [{"model": "a/x", "url": "http://n:10001", "port": 10001, "adapters": ["sql"]},
+              {"model": "b/y", "url": "http://n:10002", "port": 10002, "adapters": []}]
+    status = {"state": "READY", "url": "http://n:10001", "node": "n", "api_key_file": "", "models": models}
+    text = ServeResult("", "7", status=status).summary()
+    assert "  a/x at http://n:10001 (adapters: sql)\n  b/y at http://n:10002\n" in text
