@@ -266,6 +266,9 @@ def test_clients_pick_adapters_by_adapter_id_and_openai_model(tiny, tmp_path):
         chat = client.chat.completions.create(model="a2", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                               temperature=0, stream=True)
         assert {chunk.model for chunk in chat} == {"a2"}
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'tgi_lora_request_count{adapter="a1"} 2.0' in metrics  # /generate and a completion
+        assert 'tgi_lora_request_count{adapter="a2"} 3.0' in metrics  # and the chat stream
         with pytest.raises(openai.UnprocessableEntityError) as refused:
             client.completions.create(model="a3", prompt=prompt, max_tokens=2)
         assert "unknown adapter 'a3': loaded adapters are 'a1', 'a2'" in refused.value.response.json()["error"]
