@@ -47,8 +47,9 @@ def test_multi_node_scripts_start_one_rank_per_gpu_with_srun(name, per_node, nod
     gpu_line = next(line for line in script.splitlines() if re.match(r"#SBATCH --(gres|gpus)", line))
     assert gpu_line.endswith(f":{nodes * per_node}" if "--gpus=" in gpu_line else f"{per_node}")
     engine = next(line for line in script.splitlines() if "python -m engine" in line)
+    cpus = f"--cpus-per-task={spec.resources.cpus_per_task} " if spec.resources.cpus_per_task else ""
     assert engine.startswith(f"srun --kill-on-bad-exit=1 --distribution=block --nodes={nodes} "
-                             f"--ntasks-per-node={per_node} python -m engine ")
+                             f"--ntasks-per-node={per_node} {cpus}python -m engine ")
     rest = script[script.index(engine):]
     assert f"--num-shard {per_node}" in rest and f"--pipeline-parallel-size {nodes}" in rest
     assert '--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"' in rest

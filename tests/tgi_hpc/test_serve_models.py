@@ -276,3 +276,11 @@ def test_the_summary_names_each_model_and_its_adapters():
     status = {"state": "READY", "url": "http://n:10001", "node": "n", "api_key_file": "", "models": models}
     text = ServeResult("", "7", status=status).summary()
     assert "  a/x at http://n:10001 (adapters: sql)\n  b/y at http://n:10002\n" in text
+
+
+def test_an_adapter_given_as_the_model_points_to_lora(tmp_path):
+    lora = _adapter(tmp_path / "lora", BIG)
+    cluster = open_cluster("local", [f"paths.jobs={tmp_path / 'jobs'}"])
+    spec = build_serve_spec(cluster, ServeOptions(model=str(lora)))
+    with pytest.raises(ModelNotFoundError, match="PEFT adapter, not a model: serve its base model with --lora"):
+        check_before_submit(cluster, spec, ShellPath("", str(standin_release(tmp_path / "rel"))), True)
