@@ -98,6 +98,18 @@ class BlockManager:
         for _ in range(self.num_blocks_for(num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free_block())
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the tail blocks `seq` needs no more once it holds `num_tokens` tokens (the KV of
+        rejected draft tokens). Their content was never registered in the prefix cache, and the slots
+        past num_computed_tokens in the blocks kept are rewritten before anything reads them."""
+        keep = self.num_blocks_for(num_tokens)
+        assert keep >= seq.num_registered_blocks, f"seq {seq.seq_id}: truncating registered blocks"
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] == 0, f"block {block_id} of seq {seq.seq_id} is shared"
+            self.free_block_ids[block_id] = None
+
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
         old_hash = self.block_hash[block_id]

@@ -15,7 +15,9 @@ class EngineConfig:
     trust_remote_code: bool = False
     lora_adapters: list[tuple[str, str]] = field(default_factory=list)  # (name, PEFT adapter dir), index = position + 1
     # parallelism
-    num_shard: int = 1
+    num_shard: int = 1                  # tensor-parallel ranks (per pipeline stage)
+    pipeline_parallel_size: int = 1     # stages, one per node (ranks started by srun: engine/external_launch.py)
+    rank_timeout_s: float = 60.0        # a rank silent this long (or a collective this slow) ends every rank
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     device: str | None = None           # None = cuda if available else cpu
@@ -32,6 +34,7 @@ class EngineConfig:
     waiting_served_ratio: float = 0.3
     max_new_tokens_default: int = 1024      # when a request sets no limit; 0 = all the room left (TGI)
     prefix_caching: bool = True             # share the KV blocks of equal prompt prefixes
+    speculate: int = 0                      # n-gram draft tokens per decode step (TGI's --speculate); 0 = off
     # memory
     cuda_memory_fraction: float = 1.0
     gpu_memory_utilization: float = 0.9     # of what cuda_memory_fraction leaves

@@ -1,7 +1,10 @@
-"""Tensor-parallel process group helpers; rank 0 / size 1 when no group was initialised.
+"""Process group helpers; rank 0 / size 1 when no group was initialised.
 
-The group is module state set by `init_tensor_parallel`, not torch's default-group check, so a
+The groups are module state set by `init_parallel`, not torch's default-group check, so a
 single-rank runner works in a process where somebody else initialised torch.distributed.
+Tensor-parallel collectives (`all_reduce`, `gather_to_rank0`) run in this rank's tensor group (its
+pipeline stage); `all_reduce_min` agrees over every rank; the pipeline's point-to-point sends use
+global ranks (engine/pipeline.py).
 """
 from __future__ import annotations
 
@@ -12,17 +15,27 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.parallel_layout import ParallelLayout
+
 logger = logging.getLogger(__name__)
 
 _group_initialised = False
+_tp_group: dist.ProcessGroup | None = None    # None with one tensor rank per stage
+_tp_ranks: list[int] = [0]
+_layout = ParallelLayout(0, 1)
 
 
 def tp_rank() -> int:
-    return dist.get_rank() if _group_initialised else 0
+    return _layout.tp_rank
 
 
 def tp_size() -> int:
-    return dist.get_world_size() if _group_initialised else 1
+    return _layout.tp_size
+
+
+def layout() -> ParallelLayout:
+    """This process's place among the ranks (a single rank when nothing was initialised)."""
+    return _layout
 
 
 def backend_for(device: torch.device) -> str:
@@ -39,33 +52,48 @@ def create_store(host: str, port: int, world_size: int, is_master: bool,
 def init_tensor_parallel(rank: int, world_size: int, store: dist.Store, device: torch.device,
                          timeout_s: float = 300.0) -> None:
     """Join the engine's process group (one per process; every rank calls this)."""
-    global _group_initialised
-    if world_size == 1:
+    init_parallel(ParallelLayout.single_node(rank, world_size), store, device, timeout_s)
+
+
+def init_parallel(parallel: ParallelLayout, store: dist.Store | None, device: torch.device,
+                  timeout_s: float = 300.0) -> None:
+    """Join the world group, then every stage's tensor group (all ranks create all groups, in order)."""
+    global _group_initialised, _tp_group, _tp_ranks, _layout
+    if parallel.world_size == 1:
         return
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process: run one "
                            "tensor-parallel engine per process, or close() the previous one first")
-    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size,
+    dist.init_process_group(backend_for(device), store=store, rank=parallel.rank, world_size=parallel.world_size,
                             timeout=timedelta(seconds=timeout_s))
-    _group_initialised = True
+    _group_initialised, _layout = True, parallel
+    _tp_ranks = parallel.stage_ranks(parallel.stage)
+    if parallel.pp_size == 1:
+        _tp_group = dist.group.WORLD
+    elif parallel.tp_size > 1:
+        for stage in range(parallel.pp_size):
+            group = dist.new_group(parallel.stage_ranks(stage))
+            if stage == parallel.stage:
+                _tp_group = group
 
 
 def destroy_tensor_parallel() -> None:
-    global _group_initialised
+    global _group_initialised, _tp_group, _tp_ranks, _layout
     if _group_initialised and dist.is_initialized():
         dist.destroy_process_group()
-    _group_initialised = False
+    _group_initialised, _tp_group, _tp_ranks, _layout = False, None, [0], ParallelLayout(0, 1)
 
 
 def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place; a no-op on one rank."""
+    """Sum over this stage's tensor ranks, in place; a no-op on one rank."""
     if tp_size() > 1:
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=_tp_group)
     return tensor
 
 
 def all_reduce_min(value: int, device: torch.device) -> int:
-    if tp_size() == 1:
+    """The smallest `value` over every rank of every stage (KV blocks, kernel checks: all must agree)."""
+    if not _group_initialised:
         return value
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
@@ -73,12 +101,12 @@ def all_reduce_min(value: int, device: torch.device) -> int:
 
 
 def gather_to_rank0(tensor: torch.Tensor) -> torch.Tensor | None:
-    """Concatenate every rank's `tensor` along the last dim on rank 0; None on other ranks."""
+    """Concatenate the stage's tensor ranks' `tensor` along the last dim on its tensor rank 0; None elsewhere."""
     if tp_size() == 1:
         return tensor
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(tp_size())] if tp_rank() == 0 else None
-    dist.gather(tensor, parts, dst=0)
+    dist.gather(tensor, parts, dst=_tp_ranks[0], group=_tp_group)
     return torch.cat(parts, dim=-1) if parts is not None else None
 
 

@@ -58,6 +58,16 @@ def _block_size(text: str) -> int:
     return size
 
 
+def _speculate(text: str) -> int:
+    try:
+        num = int(text)
+    except ValueError:
+        num = -1
+    if not 0 <= num <= 16:
+        raise argparse.ArgumentTypeError(f"invalid speculate {text!r}; use 0 (off) to 16 draft tokens per step")
+    return num
+
+
 # engine/attention/selection.py's CHOICES, spelled out so that --help imports no torch (a test keeps them equal)
 ATTENTION_CHOICES = ["auto", "flash-attn", "triton", "portable", "flash", "sdpa", "torch"]
 
@@ -97,6 +107,13 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--trust-remote-code",), "TRUST_REMOTE_CODE", dict(default=False, type=_bool, nargs="?", const=True,
                                                          help="allow custom tokenizer code from the snapshot")),
     (("--num-shard",), "NUM_SHARD", dict(default=1, type=int, help="tensor-parallel ranks (one GPU each)")),
+    (("--pipeline-parallel-size",), "PIPELINE_PARALLEL_SIZE",
+     dict(default=1, type=int, help="pipeline stages, one per node: needs one process per GPU started by srun or "
+                                    "torchrun (ranks from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID or "
+                                    "RANK/WORLD_SIZE/LOCAL_RANK); --num-shard is then the GPUs per node")),
+    (("--rank-timeout",), "RANK_TIMEOUT",
+     dict(default=60.0, type=float, help="seconds without a heartbeat from a rank before every rank exits "
+                                         "(ranks started by srun or torchrun)")),
     (("--master-addr",), "MASTER_ADDR", dict(default="127.0.0.1", help="torch.distributed rendezvous address")),
     (("--master-port",), "MASTER_PORT", dict(default=29500, type=int, help="torch.distributed rendezvous port")),
     (("--device",), "DEVICE", dict(help="cpu or cuda (default: cuda when available)")),
@@ -120,6 +137,9 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--max-batch-total-tokens",), "MAX_BATCH_TOTAL_TOKENS",
      dict(type=int, help="tokens of all running requests (default: what the KV cache holds)")),
     (("--max-batch-size",), "MAX_BATCH_SIZE", dict(type=int, help="requests per step")),
+    (("--speculate",), "SPECULATE",
+     dict(default=0, type=_speculate, help="n-gram speculative decoding: draft tokens per step, taken from the "
+                                           "prompt and output and verified in one forward (0 = off)")),
     (("--waiting-served-ratio",), "WAITING_SERVED_RATIO", dict(default=0.3, type=float, help="as in TGI")),
     (("--max-new-tokens-default",), "MAX_NEW_TOKENS_DEFAULT",
      dict(default=1024, type=int, help="tokens generated when a request sets no limit (max_new_tokens, max_tokens, "
@@ -208,7 +228,8 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         model_id=model_dir, revision=args.revision, dtype=args.dtype, load_format=args.load_format,
         quantize=args.quantize if args.quantize not in (None, "", "none") else None,
         trust_remote_code=args.trust_remote_code, lora_adapters=list(args.lora_adapters or []),
-        num_shard=args.num_shard, master_addr=args.master_addr,
+        num_shard=args.num_shard, pipeline_parallel_size=args.pipeline_parallel_size,
+        rank_timeout_s=args.rank_timeout, master_addr=args.master_addr,
         master_port=args.master_port, device=args.device, max_concurrent_requests=args.max_concurrent_requests,
         max_best_of=args.max_best_of, max_stop_sequences=args.max_stop_sequences,
         max_top_n_tokens=args.max_top_n_tokens, max_input_tokens=args.max_input_tokens,
@@ -219,7 +240,8 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         hostname=args.hostname, port=args.port, api_key=args.api_key or None,
         cors_allow_origin=list(args.cors_allow_origin or []), json_output=args.json_output,
         served_model_name=args.served_model_name or args.model_id, cpu_gemm=args.cpu_gemm,
-        cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend, block_size=args.block_size)
+        cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend, block_size=args.block_size,
+        speculate=args.speculate)
     if args.kv_cache_bytes is not None:
         config.cpu_kv_cache_bytes = args.kv_cache_bytes
     return config
@@ -327,6 +349,31 @@ async def _serve(server: Any, sock: socket.socket, ready_file: str | None, engin
     draining.cancel()
 
 
+def _driven_engine(config: EngineConfig, layout: Any) -> Any:
+    """Rank 0 of srun/torchrun-started ranks: the engine over a runner that drives all of them."""
+    from engine.external_launch import DistributedRunner
+    from engine.llm_engine import LLMEngine
+    from engine.model_config import ModelConfig
+
+    model_config = ModelConfig.from_pretrained(config.model_id)
+    logger.info("rank 0 of %d (%d pipeline stage(s) x %d shard(s)); rendezvous at %s:%d", layout.world_size,
+                layout.pp_size, layout.tp_size, config.master_addr, config.master_port)
+    return LLMEngine(config, runner=DistributedRunner(config, model_config, layout), model_config=model_config)
+
+
+def _follow(config: EngineConfig, layout: Any, cpu_threads: int | None) -> int:
+    """Ranks 1..N-1: no HTTP, no port, no endpoint; they run the steps rank 0 broadcasts."""
+    import torch
+
+    from engine.external_launch import follower_main
+    from engine.model_config import ModelConfig
+    if cpu_threads is not None:
+        torch.set_num_threads(cpu_threads)
+    logging.getLogger().setLevel(logging.WARNING)  # rank 0 logs for the job
+    logging.getLogger("engine.external_launch").setLevel(logging.INFO)
+    return follower_main(config, ModelConfig.from_pretrained(config.model_id), layout)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.json_output)
@@ -334,6 +381,13 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("--api-key on the command line is visible to other users (ps); set API_KEY instead")
     config = to_config(args, resolve_model_dir(args.model_id, args.revision))
     config.lora_adapters = [(name, resolve_adapter_dir(path)) for name, path in config.lora_adapters]
+    from engine import parallel_layout
+    try:  # ranks started by srun or torchrun: only rank 0 serves HTTP
+        layout = parallel_layout.from_env(os.environ, config.num_shard, config.pipeline_parallel_size)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if layout is not None and layout.rank != 0:
+        return _follow(config, layout, args.cpu_threads)
     logger.info("config: %r; API key %s", config, "required" if config.api_key else "not set")
     sock = bind_socket(config.hostname, config.port)  # fail fast, before minutes of weight loading
 
@@ -353,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.cpu_threads)
         logger.info("CPU: the model uses %d torch threads on %d cores", torch.get_num_threads(), available_cpus())
     try:
-        llm = LLMEngine(config)
+        llm = LLMEngine(config) if layout is None else _driven_engine(config, layout)
     except (ValueError, FileNotFoundError) as exc:
         logger.error("cannot start the engine: %s", exc)
         return 1

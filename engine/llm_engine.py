@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
@@ -14,10 +15,12 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import FinishReason, RequestOutput, TokenInfo
-from engine.sampler import pick_seed, sample
+from engine.sampler import SamplerOutput, pick_seed, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.verifier import verify
 from engine.stop import StopMatcher
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.masks import MaskFiller, PendingMasks
@@ -77,6 +80,8 @@ class EngineStats:
     num_generated_tokens_total: int = 0         # tokens sampled
     num_prefix_cache_queried_tokens: int = 0    # prompt tokens looked up in the prefix cache
     num_prefix_cache_hit_tokens: int = 0        # of those, found there
+    num_speculative_proposed_total: int = 0     # draft tokens scored (--speculate)
+    num_speculative_accepted_total: int = 0     # of those, accepted
 
 
 class LLMEngine:
@@ -116,7 +121,11 @@ class LLMEngine:
         self.max_batch_total_tokens = limits.max_batch_total_tokens
         self.block_manager = BlockManager(limits.max_batch_total_tokens // runner.block_size, runner.block_size,
                                           enable_prefix_caching=config.prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, limits.max_batch_prefill_tokens, config.max_batch_size)
+        self.scheduler = Scheduler(self.block_manager, limits.max_batch_prefill_tokens, config.max_batch_size,
+                                   num_speculative_tokens=config.speculate,
+                                   propose=NgramProposer().propose if config.speculate > 0 else None)
+        self.num_draft_tokens_total = 0
+        self.num_accepted_tokens_total = 0
         self.token_texts = TokenTexts(self.tokenizer)
         self.vocab_size = model_config.vocab_size
         self.adapter_names: list[str] = [name for name, _ in getattr(config, "lora_adapters", [])]
@@ -210,13 +219,16 @@ class LLMEngine:
         self._num_prompt_tokens_total += batch.num_prefill_tokens
         sampled: list[Sequence] = []
         rows: list[int] = []
+        drafted: list[Sequence] = []
         row = 0
         for seq, span in zip(batch.seqs, batch.spans):
-            if span.logits == "all":
+            if seq.draft_token_ids:
+                drafted.append(seq)
+            elif span.logits == "all":
                 self._add_prefill_logprobs(seq, span.start_pos, all_logits[seq.seq_id])
             if span.logits == "none":
                 continue
-            if seq.num_computed_tokens == seq.num_tokens:
+            if seq.num_computed_tokens == seq.num_tokens and not seq.draft_token_ids:
                 sampled.append(seq)
                 rows.append(row)
             row += 1
@@ -224,7 +236,22 @@ class LLMEngine:
             self._num_generated_tokens_total += len(sampled)
             logits = last_logits if len(rows) == len(last_logits) else last_logits[rows]
             bitmask = masks.for_rows(sampled) if masks is not None else None
-            outputs += self._append_tokens(sampled, sample(logits, sampled, bitmask))
+            out = sample(logits, sampled, bitmask)
+            outputs += [self._append_run(seq, out, [j]) for j, seq in enumerate(sampled)]
+        if drafted:
+            outputs += self._append_verified(drafted, verify(drafted, [all_logits[s.seq_id] for s in drafted]))
+        return outputs
+
+    def _append_verified(self, seqs: list[Sequence], outs: list[SamplerOutput]) -> list[RequestOutput]:
+        outputs = []
+        for seq, out in zip(seqs, outs):
+            num_accepted = len(out.token_ids) - 1
+            self._num_generated_tokens_total += len(out.token_ids)
+            self.num_draft_tokens_total += len(seq.draft_token_ids)
+            self.num_accepted_tokens_total += num_accepted
+            outputs.append(self._append_run(seq, out, range(len(out.token_ids))))
+            if not seq.is_finished:
+                self.scheduler.commit_draft(seq, num_accepted)
         return outputs
 
     def _start_masks(self, batch: ScheduledBatch) -> PendingMasks | None:
@@ -269,28 +296,31 @@ class LLMEngine:
         seq.prefill_tokens += [TokenInfo(t, texts.text(t), lp, texts.is_special(t), top)
                                for t, lp, top in zip(targets, values, tops)]
 
-    def _append_tokens(self, seqs: list[Sequence], out: Any) -> list[RequestOutput]:
-        texts, outputs = self.token_texts, []
-        for j, seq in enumerate(seqs):
-            token_id, params = out.token_ids[j], seq.params
+    def _append_run(self, seq: Sequence, out: SamplerOutput, rows: Sequence_[int]) -> RequestOutput:
+        """Append `out`'s tokens at `rows` to `seq` in order, stopping at the first that ends it (a stop
+        sequence, EOS, the grammar's end or the length limit): one output with every token kept."""
+        texts, infos, pieces, reason = self.token_texts, [], [], None
+        for j in rows:
+            token_id = out.token_ids[j]
             seq.append_token(token_id)
             if seq.grammar is not None:
                 seq.grammar.consume_token(token_id)
             top = [TokenInfo(t, texts.text(t), lp, texts.is_special(t))
                    for t, lp in zip(out.top_token_ids[j], out.top_logprobs[j])]
-            info = TokenInfo(token_id, texts.text(token_id), out.logprobs[j] if params.logprobs else None,
-                             texts.is_special(token_id), top)
-            text, stopped = seq.stop.feed(seq.detokenizer.decode_next(seq.token_ids))
+            infos.append(TokenInfo(token_id, texts.text(token_id), out.logprobs[j] if seq.params.logprobs else None,
+                                   texts.is_special(token_id), top))
+            piece, stopped = seq.stop.feed(seq.detokenizer.decode_next(seq.token_ids))
+            pieces.append(piece)
             reason = self._finish_reason(seq, token_id, stopped)
-            if reason is None:
-                outputs.append(self._output(seq, [info], text))
-                continue
-            if reason != "stop_sequence":
-                tail, _ = seq.stop.feed(seq.detokenizer.flush(seq.token_ids))
-                text += tail + seq.stop.flush()
-            self.scheduler.finish(seq, reason)
-            outputs.append(self._final_output(seq, [info], text))
-        return outputs
+            if reason is not None:
+                break
+        if reason is None:
+            return self._output(seq, infos, "".join(pieces), pieces)
+        if reason != "stop_sequence":
+            tail, _ = seq.stop.feed(seq.detokenizer.flush(seq.token_ids))
+            pieces[-1] += tail + seq.stop.flush()
+        self.scheduler.finish(seq, reason)
+        return self._final_output(seq, infos, "".join(pieces), pieces=pieces)
 
     def _finish_reason(self, seq: Sequence, token_id: int, stopped: bool) -> FinishReason | None:
         if stopped:
@@ -303,15 +333,16 @@ class LLMEngine:
             return "length"
         return None
 
-    def _output(self, seq: Sequence, tokens: list[TokenInfo], text: str) -> RequestOutput:
+    def _output(self, seq: Sequence, tokens: list[TokenInfo], text: str,
+                pieces: list[str] | None = None) -> RequestOutput:
         prefill, seq.prefill_tokens = seq.prefill_tokens, None
         return RequestOutput(seq.request_id, tokens, text, num_prompt_tokens=seq.num_prompt_tokens,
                              num_generated_tokens=seq.num_generated_tokens, seed=seq.seed, prefill_tokens=prefill,
-                             num_cached_tokens=seq.num_cached_tokens or 0)
+                             num_cached_tokens=seq.num_cached_tokens or 0, token_texts=pieces)
 
     def _final_output(self, seq: Sequence, tokens: list[TokenInfo], text: str,
-                      error: str | None = None) -> RequestOutput:
-        output = self._output(seq, tokens, text)
+                      error: str | None = None, pieces: list[str] | None = None) -> RequestOutput:
+        output = self._output(seq, tokens, text, pieces)
         output.finished, output.finish_reason, output.error = True, seq.finish_reason, error
         output.generated_text, output.stop_text = seq.stop.text, seq.stop.cut
         if error is not None:
@@ -366,7 +397,8 @@ class LLMEngine:
                            self.scheduler.num_preempted_total, bm.num_free_blocks, bm.num_blocks,
                            bm.block_size, self._batch_size, getattr(self.runner, "attention_backend", "unknown"),
                            self._num_prompt_tokens_total, self._num_generated_tokens_total,
-                           bm.num_queried_tokens, bm.num_hit_tokens)
+                           bm.num_queried_tokens, bm.num_hit_tokens,
+                           self.num_draft_tokens_total, self.num_accepted_tokens_total)
 
     def close(self) -> None:
         if not self._closed:

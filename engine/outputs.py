@@ -33,3 +33,4 @@ class RequestOutput:
     prefill_tokens: list[TokenInfo] | None = None  # with prefill_logprobs, on the first output
     num_cached_tokens: int = 0              # prompt tokens read from the prefix cache instead of computed
     error: str | None = None                # set when the engine failed this request
+    token_texts: list[str] | None = None    # `text` split per token of `tokens` (several with speculation)

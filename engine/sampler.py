@@ -55,9 +55,15 @@ def pick_seed(params: SamplingParams) -> int | None:
     return random.getrandbits(63) if is_sampling(params) else None
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmask | None = None) -> SamplerOutput:
-    """Choose one token per row of `logits` [n, vocab] (float32) with that row's parameters, among the tokens
-    `bitmask` allows for the rows it names."""
+@dataclass(slots=True)
+class ProcessedScores:
+    scores: torch.Tensor                  # [n, vocab] after mask, penalties and warpers (greedy = their argmax)
+    logprobs: torch.Tensor                # [n, vocab] log_softmax of the scores
+    sampling: list[bool]                  # per row: draws (True) or takes the argmax
+
+
+def process(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmask | None = None) -> ProcessedScores:
+    """Grammar mask, penalties and warpers of each row, then log_softmax: the distribution a row draws from."""
     params = [row.params for row in rows]
     scores = logits.float()
     if bitmask is not None:
@@ -69,12 +75,24 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
     sampling = [is_sampling(p) for p in params]
     if any(sampling):
         scores = apply_warpers(scores, params, sampling)
-    logprobs = torch.log_softmax(scores, dim=-1)
-    next_ids = scores.argmax(dim=-1)
+    return ProcessedScores(scores, torch.log_softmax(scores, dim=-1), sampling)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmask | None = None) -> SamplerOutput:
+    """Choose one token per row of `logits` [n, vocab] (float32) with that row's parameters, among the tokens
+    `bitmask` allows for the rows it names."""
+    processed = process(logits, rows, bitmask)
+    logprobs, sampling = processed.logprobs, processed.sampling
+    next_ids = processed.scores.argmax(dim=-1)
     if any(sampling):
         next_ids = _draw(logprobs, next_ids, rows, sampling)
-    chosen = logprobs.gather(1, next_ids[:, None]).squeeze(1)
-    top_n = max(p.top_n_tokens for p in params)
+    return report(logprobs, next_ids, [row.params for row in rows])
+
+
+def report(logprobs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
+    """The chosen tokens' logprobs and each row's top_n_tokens alternatives."""
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    top_n = max((p.top_n_tokens for p in params), default=0)
     top_ids: list[list[int]] = [[] for _ in params]
     top_lps: list[list[float]] = [[] for _ in params]
     if top_n > 0:
@@ -82,7 +100,28 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
         all_ids, all_lps = top.indices.tolist(), top.values.tolist()
         for r, p in enumerate(params):
             top_ids[r], top_lps[r] = all_ids[r][:p.top_n_tokens], all_lps[r][:p.top_n_tokens]
-    return SamplerOutput(next_ids.tolist(), chosen.tolist(), top_ids, top_lps)
+    return SamplerOutput(token_ids.tolist(), chosen.tolist(), top_ids, top_lps)
+
+
+def generator_for(row: SampleRow) -> torch.Generator:
+    """The request's own CPU generator, seeded on its first draw."""
+    if row.generator is None:
+        row.generator = torch.Generator()
+        row.generator.manual_seed(row.seed if row.seed is not None else random.getrandbits(63))
+    return row.generator
+
+
+def draw_uniform(row: SampleRow) -> float:
+    return float(torch.rand((), dtype=torch.float64, generator=generator_for(row)))
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token ids [n] drawn from unnormalised `probs` [n, vocab] (float64) by one uniform per row."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # strictly below the total, so zero-probability tokens at the tail can never be picked
+    target = torch.minimum(uniforms.to(cdf.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=cdf.shape[-1] - 1)
 
 
 def _draw(logprobs: torch.Tensor, next_ids: torch.Tensor, rows: Sequence[SampleRow],
@@ -90,20 +129,10 @@ def _draw(logprobs: torch.Tensor, next_ids: torch.Tensor, rows: Sequence[SampleR
     # inverse CDF: one uniform per row from the request's own CPU generator, so a seed gives the
     # same draws on any device and batch; the vocab-wide work is one cumsum + searchsorted
     idx = [r for r, s in enumerate(sampling) if s]
-    uniforms = torch.empty(len(idx), dtype=torch.float64)
-    for j, r in enumerate(idx):
-        row = rows[r]
-        if row.generator is None:
-            row.generator = torch.Generator()
-            row.generator.manual_seed(row.seed if row.seed is not None else random.getrandbits(63))
-        uniforms[j] = torch.rand((), dtype=torch.float64, generator=row.generator)
-    cdf = logprobs[idx].double().exp().cumsum(dim=-1)
-    total = cdf[:, -1:]
-    # strictly below the total, so zero-probability tokens at the tail can never be picked
-    target = torch.minimum(uniforms.to(cdf.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    uniforms = torch.tensor([draw_uniform(rows[r]) for r in idx], dtype=torch.float64)
+    drawn = inverse_cdf(logprobs[idx].double().exp(), uniforms)
     next_ids = next_ids.clone()
-    next_ids[torch.tensor(idx, device=next_ids.device)] = drawn.clamp(max=cdf.shape[-1] - 1)
+    next_ids[torch.tensor(idx, device=next_ids.device)] = drawn
     return next_ids
 
 

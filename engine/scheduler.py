@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.batch import SeqSpan
@@ -18,6 +19,7 @@ class ScheduledBatch:
     spans: list[SeqSpan] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_draft_tokens: int = 0       # speculative tokens riding on decode spans
 
     def __len__(self) -> int:
         return len(self.spans)
@@ -34,10 +36,16 @@ class Scheduler:
     `max_batch_size` caps the running sequences. Unlike TGI's router, which reserves each
     request's whole max_new_tokens up front, blocks are taken as tokens arrive (hence preemption),
     and TGI's waiting_served_ratio is not needed: prefill chunks ride along with the decodes.
+
+    Speculation (`propose` set): a decode span carries up to `num_speculative_tokens` draft tokens
+    after the real one (logits "all"). Drafts take prefill budget and only spare blocks, so they never
+    cause a preemption. Their K/V counts as computed only once `commit_draft` says how many were
+    accepted; the blocks past that are given back.
     """
 
     def __init__(self, block_manager: BlockManager, max_batch_prefill_tokens: int,
-                 max_batch_size: int | None = None):
+                 max_batch_size: int | None = None, num_speculative_tokens: int = 0,
+                 propose: Callable[[Sequence, int], list[int]] | None = None):
         if max_batch_prefill_tokens <= 0:
             raise ValueError(f"max_batch_prefill_tokens must be positive, got {max_batch_prefill_tokens}")
         self.block_manager = block_manager
@@ -46,6 +54,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preempted_total = 0
+        self.num_speculative_tokens = num_speculative_tokens if propose is not None else 0
+        self.propose = propose
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -65,11 +75,14 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            if not self._reserve(seq, num_new):
+            is_decode = num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+            seq.draft_token_ids = self._draft(seq, budget, len(self.running) - i - 1) if is_decode else []
+            if not self._reserve(seq, num_new + len(seq.draft_token_ids)):
                 break  # seq itself was preempted: it was the newest, nothing follows it
             self._add_span(batch, seq, num_new)
-            if num_new > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+            if not is_decode:
                 budget -= num_new
+            budget -= len(seq.draft_token_ids)
             i += 1
         # admitting while preempting would only thrash
         if self.num_preempted_total == num_preempted:
@@ -86,6 +99,18 @@ class Scheduler:
         if capacity <= 0:
             capacity = bm.block_size
         return min(num_uncomputed, budget, capacity)
+
+    def _draft(self, seq: Sequence, budget: int, num_after: int) -> list[int]:
+        """Draft tokens for a decode of `seq`: none that could pass max_tokens (all accepted plus the
+        bonus must fit), none past the budget, none for grammar rows (their masks follow one token
+        at a time), and none that need blocks the `num_after` decodes still to come might want."""
+        room = min(self.num_speculative_tokens, seq.max_tokens - seq.num_tokens - 1, budget)
+        if room <= 0 or seq.grammar is not None:
+            return []
+        draft = self.propose(seq, room)[:room]
+        bm = self.block_manager
+        needed = bm.num_blocks_for(seq.num_computed_tokens + 1 + len(draft)) - len(seq.block_table)
+        return draft if draft and needed <= bm.num_free_blocks - num_after else []
 
     def _reserve(self, seq: Sequence, num_new: int) -> bool:
         """Grow `seq` by `num_new` tokens, preempting the newest running sequences if needed."""
@@ -119,27 +144,40 @@ class Scheduler:
     def _add_span(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
         start = seq.num_computed_tokens
         end = start + num_new
-        if seq.wants_prefill_logprobs:
+        if seq.wants_prefill_logprobs or seq.draft_token_ids:
             logits = "all"
         else:
             logits = "last" if end == seq.num_tokens else "none"
         batch.seqs.append(seq)
-        batch.spans.append(SeqSpan(seq.seq_id, seq.token_ids[start:end], start, seq.block_table, logits,
-                                   seq.adapter))
+        batch.spans.append(SeqSpan(seq.seq_id, seq.token_ids[start:end] + seq.draft_token_ids, start,
+                                   seq.block_table, logits, seq.adapter))
+        batch.num_draft_tokens += len(seq.draft_token_ids)
         if end - start == 1 and start >= seq.num_prompt_tokens:
             batch.num_decode_tokens += 1
         else:
             batch.num_prefill_tokens += num_new
 
     def on_run_done(self, batch: ScheduledBatch) -> None:
-        """The runner wrote the spans' K/V: advance each sequence and feed the prefix cache."""
+        """The runner wrote the spans' K/V: advance each sequence (drafts wait for `commit_draft`) and
+        feed the prefix cache."""
         for seq, span in zip(batch.seqs, batch.spans):
-            seq.num_computed_tokens += len(span.token_ids)
+            seq.num_computed_tokens += len(span.token_ids) - len(seq.draft_token_ids)
             if seq.num_computed_tokens >= seq.num_prompt_tokens:
                 seq.wants_prefill_logprobs = False
             self.block_manager.mark_computed(seq)
 
+    def commit_draft(self, seq: Sequence, num_accepted: int) -> None:
+        """`seq` kept its first `num_accepted` drafts and got one token after them (already appended):
+        their K/V is computed; the rejected drafts' blocks go back, and full blocks join the prefix cache."""
+        assert 0 <= num_accepted <= len(seq.draft_token_ids), (num_accepted, seq.draft_token_ids)
+        seq.num_computed_tokens += num_accepted
+        assert seq.num_computed_tokens == seq.num_tokens - 1, (seq.num_computed_tokens, seq.num_tokens)
+        seq.draft_token_ids = []
+        self.block_manager.truncate(seq, seq.num_tokens)
+        self.block_manager.mark_computed(seq)
+
     def preempt(self, seq: Sequence) -> None:
+        seq.draft_token_ids = []
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -152,5 +190,6 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -48,6 +48,8 @@ class Sequence:
     num_cached_tokens: int | None = None    # prompt tokens found in the prefix cache at first admission
     grammar: Any = None     # llguidance.LLMatcher fed every generated token; kept across preemption (tokens are too)
     adapter: int = 0        # LoRA adapter index (engine/lora), 0 = the base model; part of the prefix-cache keys
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens scheduled this step
+    ngram_index: Any = None                                   # engine.spec_decode.ngram.NgramIndex
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -73,7 +73,10 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, packed: PackedMapp
     """Load a checkpoint into `model`, routing fused q/k/v and gate/up through `packed`."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded_ids: set[int] = set()
+    elsewhere = model.other_stage_parameters() if hasattr(model, "other_stage_parameters") else ()
     for name, target, shard_id, loaded in _routed_checkpoint(model, Path(model_dir), packed, skip):
+        if target not in params and target.startswith(elsewhere):
+            continue  # another pipeline stage holds it (engine/pipeline.py)
         if target not in params:
             if target.endswith(".bias") and not read_full(loaded).any():
                 continue  # some GPTQ exports write all-zero biases for bias-free layers

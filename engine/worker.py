@@ -13,18 +13,21 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from engine import cuda_graphs, distributed
+from engine import cuda_graphs, distributed, pipeline
 from engine.attention.flash import flash_version
 from engine.attention.selection import choose_backend
 from engine.batch import SeqSpan
 from engine.config import EngineConfig
+from engine.kv_budget import kv_budget
 from engine.layers import cpu_gemm, quantization
 from engine.lora import backend as lora_backend
 from engine.lora.adapter import read_adapter
+from engine.lora.batch import order_by_adapter
 from engine.lora.stack import AdapterSet
 from engine.model_config import ModelConfig
 from engine.model_inputs import prepare_inputs
 from engine.models import model_class
+from engine.parallel_layout import ParallelLayout
 from engine.weights import load_dummy, load_safetensors
 
 logger = logging.getLogger(__name__)
@@ -32,6 +35,11 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+# Collectives of ranks srun started: loading a large model's shard takes long on some ranks, and a dead rank
+# is caught by the heartbeats (engine/external_launch.py), not by this timeout.
+LAUNCHED_GROUP_TIMEOUT_S = 1800.0
 
 
 def available_cpus() -> int:
@@ -51,6 +59,12 @@ def resolve_device(name: str | None, rank: int) -> torch.device:
     return device
 
 
+def gpu_index(layout: ParallelLayout) -> int:
+    """The local rank's GPU, or GPU 0 when the launcher shows each task only its own (srun --gpus-per-task)."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return layout.local_rank if visible > layout.local_rank else 0
+
+
 def resolve_dtype(name: str | None, model_config: ModelConfig, device: torch.device) -> torch.dtype:
     if name is None:
         name = model_config.torch_dtype if device.type == "cuda" else "float32"
@@ -61,14 +75,19 @@ def resolve_dtype(name: str | None, model_config: ModelConfig, device: torch.dev
 
 # tokens from which a CPU step counts as prefill-heavy: a few long GEMMs while HTTP idles (engine/launcher.py)
 class RankWorker:
+    """`layout`: this rank's place among ranks an external launcher started (engine/external_launch.py);
+    None = rank `rank` of the num_shard tensor-parallel ranks this engine spawned itself."""
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, rank: int,
-                 store: torch.distributed.Store | None) -> None:
+                 store: torch.distributed.Store | None, layout: ParallelLayout | None = None) -> None:
         self.config, self.model_config, self.rank = config, model_config, rank
-        self.device = resolve_device(config.device, rank)
+        self.layout = layout or ParallelLayout.single_node(rank, config.num_shard)
+        self.device = resolve_device(config.device, gpu_index(self.layout) if layout else rank)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        distributed.init_tensor_parallel(rank, config.num_shard, store, self.device)
+        distributed.init_parallel(self.layout, store, self.device,
+                                  timeout_s=LAUNCHED_GROUP_TIMEOUT_S if layout else 300.0)
         self.model = self._load_model()
         self.lora, self.lora_backend, self.lora_report = self._load_adapters()
         self.linear_backend = cpu_gemm.choose(config.cpu_gemm, self.device, self.dtype)
@@ -107,6 +126,8 @@ class RankWorker:
         """The --lora-adapters on this rank's layers, and the LoRA backend every rank agreed on."""
         if not self.config.lora_adapters:
             return None, "none", {}
+        if self.layout.pp_size > 1:
+            raise ValueError("--lora-adapters with --pipeline-parallel-size > 1 is not supported yet")
         adapters = [read_adapter(name, path) for name, path in self.config.lora_adapters]  # checked by the runner
         backend, report = lora_backend.choose(self.device, self.dtype,
                                               agree=lambda ok: distributed.all_reduce_min(int(ok), self.device) == 1)
@@ -139,8 +160,8 @@ class RankWorker:
             reason = "LoRA adapters are loaded (their per-token adapter map is not captured)"
         elif not self.attention.supports_cuda_graphs:
             reason = f"the {self.attention.name} attention backend reads host-side lengths"
-        elif config.num_shard > 1:
-            reason = "not implemented with tensor parallelism"
+        elif config.num_shard > 1 or self.layout.pp_size > 1:
+            reason = "not implemented with tensor or pipeline parallelism"
         if reason:
             logger.info("decode CUDA graphs off: %s", reason)
             return []
@@ -168,7 +189,8 @@ class RankWorker:
     def _allocate_kv_cache(self) -> int:
         cfg = self.model_config
         layer0 = self.attention_layers[0]
-        bytes_per_block = (2 * cfg.num_hidden_layers * self.block_size * layer0.num_kv_heads * cfg.head_dim
+        num_layers = len(self.attention_layers)  # this pipeline stage's layers
+        bytes_per_block = (2 * num_layers * self.block_size * layer0.num_kv_heads * cfg.head_dim
                            * self.dtype.itemsize)
         budget = self._gpu_kv_budget() if self.device.type == "cuda" else self.config.cpu_kv_cache_bytes
         scratch = 1 if self.graph_sizes else 0  # one block past the scheduler's: padding rows of decode graphs
@@ -176,7 +198,7 @@ class RankWorker:
         if num_blocks < 1:
             raise RuntimeError(f"no memory left for the KV cache (one block needs {bytes_per_block} bytes); "
                                "raise --cuda-memory-fraction / cpu_kv_cache_bytes or use more shards")
-        self.kv_cache = torch.empty(2, cfg.num_hidden_layers, num_blocks + scratch, self.block_size,
+        self.kv_cache = torch.empty(2, num_layers, num_blocks + scratch, self.block_size,
                                     layer0.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
         self.kv_cache[:, :, 0].zero_()  # padded gathers read block 0: keep it finite
         for i, layer in enumerate(self.attention_layers):
@@ -195,8 +217,8 @@ class RankWorker:
         free, total = torch.cuda.mem_get_info(self.device)
         stats = torch.cuda.memory_stats(self.device)
         peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-        fraction = self.config.cuda_memory_fraction * self.config.gpu_memory_utilization
-        return total * fraction - (total - free) - peak + current
+        return kv_budget(total, free, peak, current, torch.cuda.memory_reserved(self.device),
+                         self.config.cuda_memory_fraction, self.config.gpu_memory_utilization)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -204,21 +226,31 @@ class RankWorker:
         num_tokens = min(self.config.max_batch_prefill_tokens or 4096 + 50, cfg.max_position_embeddings)
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
-        hidden = self.model(input_ids, positions, None)
-        self.model.compute_logits(hidden[-min(num_tokens, 1024):])
+        if self.layout.pp_size > 1:  # this stage alone, on zeros where its peers' tensors would be
+            rows = torch.arange(max(0, num_tokens - 1024), num_tokens, device=self.device)
+            inputs = pipeline.ModelInputs(input_ids, positions, None, rows)
+            pipeline.forward_stage(self.model, self.layout, inputs, self.dtype, communicate=False)
+        else:
+            hidden = self.model(input_ids, positions, None)
+            self.model.compute_logits(hidden[-min(num_tokens, 1024):])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def execute(self, spans: list[SeqSpan]) -> torch.Tensor | None:
         """Forward the spans; rank 0 gets float32 logits of the requested rows, other ranks None."""
+        if self.layout.pp_size > 1:
+            return pipeline.run_stage(self, spans)
         if self.graphs is not None and self.graphs.can_run(spans):
             logits = self.model.compute_logits(self.graphs.run(spans))
             return None if logits is None else logits.float()
+        restore = None
+        if self.lora is not None:  # each adapter's tokens in one slice: a few GEMMs per adapter, no gathers
+            spans, restore = order_by_adapter(spans)
         inputs = prepare_inputs(spans, self.block_size, self.device, self.attention, self.windows)
-        if self.lora is not None:
-            self.lora.set_batch(spans, self.device)
         try:
+            if self.lora is not None:
+                self.lora.set_batch(spans, self.device)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
         finally:
             if self.lora is not None:
@@ -226,6 +258,8 @@ class RankWorker:
         if inputs.logits_rows.numel() == 0:
             return hidden.new_zeros(0, self.model_config.vocab_size, dtype=torch.float32)
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        if logits is not None and restore is not None:
+            logits = logits[torch.tensor(restore, device=logits.device)]
         return None if logits is None else logits.float()
 
     def close(self) -> None:

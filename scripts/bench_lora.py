@@ -9,7 +9,8 @@ temp dir, then in one process and alternating, --repeats times each:
   lora-base  the engine with the adapters loaded, 16 requests on the base model (the cost of having them);
   lora-mixed the same engine, request i on adapter i % 4 (one batch mixes all four).
 Every request has the same prompt length and --new-tokens (ignore_eos). Prints tok/s (generated tokens over
-wall time) per run and the medians' ratios against `base` from the same invocation.
+wall time, and over this process's CPU time: steadier on a shared machine) per run and the medians' ratios
+against `base` from the same invocation.
 """
 from __future__ import annotations
 
@@ -49,12 +50,15 @@ def build_adapters(model_dir: str, out: Path, count: int, rank: int) -> list[tup
     return pairs
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], adapters: list[str | None], new_tokens: int) -> float:
+def run(engine: LLMEngine, prompts: list[list[int]], adapters: list[str | None], new_tokens: int
+        ) -> tuple[float, float]:
+    """(generated tokens per wall second, per CPU second of this process)."""
     params = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, adapter_id=a) for a in adapters]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outs = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    return sum(len(o.tokens) for o in outs) / elapsed
+    elapsed, cpu_s = time.perf_counter() - start, time.process_time() - cpu
+    tokens = sum(len(o.tokens) for o in outs)
+    return tokens / elapsed, tokens / cpu_s
 
 
 def main() -> None:
@@ -89,17 +93,23 @@ def main() -> None:
         for engine, adapters in cases.values():  # warm-up
             run(engine, prompts[:2], adapters[:2], 4)
         results: dict[str, list[float]] = {name: [] for name in cases}
+        per_cpu_s: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(args.repeats):
             for name, (engine, adapters) in cases.items():
-                results[name].append(run(engine, prompts, adapters, args.new_tokens))
-                print(f"{name:11s} {results[name][-1]:8.1f} tok/s", file=sys.stderr)
+                wall, cpu = run(engine, prompts, adapters, args.new_tokens)
+                results[name].append(wall)
+                per_cpu_s[name].append(cpu)
+                print(f"{name:11s} {wall:8.1f} tok/s {cpu:8.1f} tok/CPU-s", file=sys.stderr)
         backend = lora.runner.lora_backend
         base.close()
         lora.close()
     medians = {name: statistics.median(values) for name, values in results.items()}
+    cpu_medians = {name: statistics.median(values) for name, values in per_cpu_s.items()}
     print(json.dumps({"machine": machine_info(torch.device(args.device)), "args": vars(args), "lora_backend": backend,
                       "tok_s": results, "median_tok_s": medians,
-                      "ratio_vs_base": {name: round(m / medians["base"], 3) for name, m in medians.items()}},
+                      "ratio_vs_base": {name: round(m / medians["base"], 3) for name, m in medians.items()},
+                      "tok_per_cpu_s": per_cpu_s, "median_tok_per_cpu_s": cpu_medians,
+                      "cpu_ratio_vs_base": {name: round(m / cpu_medians["base"], 3) for name, m in cpu_medians.items()}},
                      indent=1))
 
 

@@ -1,9 +1,10 @@
 """Portable paged attention: plain torch, any device (the CPU default).
 
-No query is padded to the longest one. Decode rows (one new token) of all sequences attend in one
-batched SDPA over their gathered contexts (padded to the longest context, masked). Each prefill
-chunk runs its own causal SDPA: a chunk with no cached context attends to its fresh K/V directly,
-without touching the cache; a later chunk gathers its context from the cache.
+Decode rows (one new token) of all sequences attend in one batched SDPA over their gathered contexts
+(padded to the longest context, masked). Short spans over a cached context (speculative verification:
+a decode token and its drafts) join that batch, their queries padded to the longest such span. Each
+prefill chunk runs its own causal SDPA: a chunk with no cached context attends to its fresh K/V
+directly, without touching the cache; a later chunk gathers its context from the cache.
 """
 from __future__ import annotations
 
@@ -22,12 +23,20 @@ class _Prefill:
     masks: dict[int | None, torch.Tensor | None]    # window -> [Q, K] (None = plain causal)
 
 
+# longest span batched with the decode rows; longer ones are prefill chunks
+MAX_BATCHED_QUERY = 8
+
+
 @dataclass(slots=True)
 class _Decode:
-    rows: torch.Tensor | None                       # [B] rows of the decode tokens; None = all rows, in order
+    rows: torch.Tensor | None                       # [B * Q] rows of q, each span padded to Q by repeating its
+                                                    # last row; None = all rows, in order, Q = 1
+    num_queries: int                                # Q, the longest batched span (1 without drafts)
+    kept: torch.Tensor | None                       # [N] which of the B * Q results are real; None = all
+    out_rows: torch.Tensor | None                   # [N] their rows in the output; None = rows
     key_slots: torch.Tensor                         # [B * K] cache slot of each context position (0 past the end)
     width: int                                      # K, the longest context
-    masks: dict[int | None, torch.Tensor]           # window -> [B, 1, 1, K]
+    masks: dict[int | None, torch.Tensor]           # window -> [B, 1, Q, K]
 
 
 class PortableBackend(AttentionBackend):
@@ -39,15 +48,18 @@ class PortableBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata, windows: set[int | None]) -> None:
         device = meta.slot_mapping.device
-        decode_seqs = [b for b, length in enumerate(meta.query_lens_host) if length == 1]
+        lengths, seq_lens = meta.query_lens_host, meta.seq_lens_host
+        batched = [b for b, length in enumerate(lengths)
+                   if length == 1 or (length <= MAX_BATCHED_QUERY and seq_lens[b] > length)]
         prefills = []
         starts = [0]
-        for length in meta.query_lens_host:
+        for length in lengths:
             starts.append(starts[-1] + length)
-        for b, length in enumerate(meta.query_lens_host):
-            if length == 1:
+        in_batch = set(batched)
+        for b, length in enumerate(lengths):
+            if b in in_batch:
                 continue
-            seq_len = meta.seq_lens_host[b]
+            seq_len = seq_lens[b]
             start_pos = seq_len - length
             rows = slice(starts[b], starts[b + 1])
             if start_pos == 0:
@@ -57,21 +69,7 @@ class PortableBackend(AttentionBackend):
                 slots = _context_slots(meta, [b], seq_len)[0]
                 masks = {w: causal_mask(length, start_pos, seq_len, w, device) for w in windows}
                 prefills.append(_Prefill(rows, slots, masks))
-        decode = None
-        if decode_seqs:
-            longest = max(meta.seq_lens_host[b] for b in decode_seqs)
-            all_rows = len(decode_seqs) == meta.num_seqs
-            rows = None if all_rows else torch.tensor([starts[b] for b in decode_seqs], device=device)
-            key_slots = _context_slots(meta, decode_seqs, longest).flatten()
-            lengths = torch.tensor([meta.seq_lens_host[b] for b in decode_seqs], device=device)[:, None]
-            key_pos = torch.arange(longest, device=device)[None, :]
-            masks = {}
-            for window in windows:
-                visible = key_pos < lengths
-                if window is not None:
-                    visible &= key_pos > lengths - 1 - window
-                masks[window] = visible[:, None, None, :]
-            decode = _Decode(rows, key_slots, longest, masks)
+        decode = _batched(meta, batched, starts, windows) if batched else None
         meta.extra["portable"] = (decode, prefills)
 
     def forward(self, layer, q, k, v, meta):
@@ -85,16 +83,21 @@ class PortableBackend(AttentionBackend):
         values = layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
         window = layer.sliding_window
         if decode is not None:
-            queries = q if decode.rows is None else q[decode.rows]
+            num_seqs, width = decode.key_slots.shape[0] // decode.width, decode.width
+            queries = q if decode.rows is None else q.index_select(0, decode.rows)
+            queries = queries.view(num_seqs, decode.num_queries, *q.shape[1:]).transpose(1, 2)  # [B, H, Q, d]
             # index_select copies whole rows: 4x faster on CPU than advanced indexing (keys[slots])
-            shape = (queries.shape[0], decode.width, layer.num_kv_heads, layer.head_dim)
+            shape = (num_seqs, width, layer.num_kv_heads, layer.head_dim)
             context_k = keys.index_select(0, decode.key_slots).view(shape).transpose(1, 2)  # [B, kv, K, d]
             context_v = values.index_select(0, decode.key_slots).view(shape).transpose(1, 2)
-            result = attend(layer, queries[:, :, None], context_k, context_v, decode.masks[window])[:, :, 0]
+            result = attend(layer, queries, context_k, context_v, decode.masks[window])
+            result = result.transpose(1, 2).reshape(-1, *q.shape[1:])                       # [B * Q, H, d]
             if pure_decode:
                 out = result
-            else:
+            elif decode.kept is None:
                 out[decode.rows] = result
+            else:
+                out[decode.out_rows] = result[decode.kept]
         for chunk in prefills:
             if chunk.key_slots is None:
                 chunk_k, chunk_v = k[chunk.rows], v[chunk.rows]
@@ -104,6 +107,33 @@ class PortableBackend(AttentionBackend):
                             chunk_v.transpose(0, 1)[None], chunk.masks[window])
             out[chunk.rows] = result[0].transpose(0, 1)
         return out.reshape(q.shape[0], -1)
+
+
+def _batched(meta: AttentionMetadata, seqs: list[int], starts: list[int], windows: set[int | None]) -> _Decode:
+    """The decode rows and short spans `seqs` as one [B, Q] query batch over their gathered contexts."""
+    device = meta.slot_mapping.device
+    lengths = [meta.query_lens_host[b] for b in seqs]
+    num_queries = max(lengths)
+    longest = max(meta.seq_lens_host[b] for b in seqs)
+    key_slots = _context_slots(meta, seqs, longest).flatten()
+    key_pos = torch.arange(longest, device=device)[None, None, :]
+    offsets = [min(i, length - 1) for length in lengths for i in range(num_queries)]  # pads repeat the last row
+    query_pos = torch.tensor([meta.seq_lens_host[b] - lengths[j] + offsets[j * num_queries + i]
+                              for j, b in enumerate(seqs) for i in range(num_queries)], device=device)
+    query_pos = query_pos.view(len(seqs), num_queries, 1)
+    masks = {}
+    for window in windows:
+        visible = key_pos <= query_pos
+        if window is not None:
+            visible &= key_pos > query_pos - window
+        masks[window] = visible[:, None]
+    if num_queries == 1:
+        rows = None if len(seqs) == meta.num_seqs else torch.tensor([starts[b] for b in seqs], device=device)
+        return _Decode(rows, 1, None, None, key_slots, longest, masks)
+    rows = [starts[b] + offsets[j * num_queries + i] for j, b in enumerate(seqs) for i in range(num_queries)]
+    kept = [j * num_queries + i for j, length in enumerate(lengths) for i in range(length)]
+    return _Decode(torch.tensor(rows, device=device), num_queries, torch.tensor(kept, device=device),
+                   torch.tensor([rows[k] for k in kept], device=device), key_slots, longest, masks)
 
 
 def _context_slots(meta: AttentionMetadata, seqs: list[int], width: int) -> torch.Tensor:

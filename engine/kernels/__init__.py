@@ -13,6 +13,8 @@ Modules:
   preallocated split buffers, for CUDA graphs), `decode_num_splits`, `write_kv_cache`.
 - attention_reference: the same math in float64 plain torch (`paged_attention_reference`,
   `write_kv_cache_reference`).
+- lora: `lora_apply`, the batched multi-LoRA update (per-token shrink and expand by adapter index);
+  lora_reference: `lora_reference`, the same in float64 plain torch.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """How the LoRA update runs: the Triton kernels on CUDA, grouped torch matmuls elsewhere; chosen once at start.
 
 Both add, for every token, `B_i (A_i x)` of its adapter i to the layer's output. The grouped path runs two
-matmuls per adapter present in the step (tokens gathered by adapter), so a whole batch costs a few small
-GEMMs per layer whatever its mix. The Triton path is one launch pair per layer; on prefill-sized steps,
+matmuls per adapter present in the step; the worker orders a step's spans by adapter
+(engine/lora/batch.py `order_by_adapter`), so each adapter's tokens are one slice and a whole batch costs a
+few small GEMMs per layer whatever its mix. The Triton path is one launch pair per layer; on prefill-sized steps,
 where per-token programs lose to tensor-core GEMMs, it hands over to the grouped path.
 """
 from __future__ import annotations
@@ -25,11 +26,11 @@ def grouped_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Te
                   batch: LoraBatch) -> torch.Tensor:
     """y[rows_i] += (x[rows_i] A_i^T) B_i^T for each adapter i in the step; y is updated in place."""
     for index, rows in batch.groups:
-        update = (x[rows] @ a[index].T) @ b[index].T
-        if isinstance(rows, slice):
-            y[rows] += update
+        h = x[rows] @ a[index].T
+        if isinstance(rows, slice):  # the usual case: the worker orders spans by adapter
+            y[rows].addmm_(h, b[index].T)
         else:
-            y.index_add_(0, rows, update)
+            y.index_add_(0, rows, h @ b[index].T)
     return y
 
 

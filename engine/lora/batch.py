@@ -38,6 +38,19 @@ class LoraBatch:
         self.num_tokens, self.token_indices, self.groups = 0, None, []
 
 
+def order_by_adapter(spans: list[SeqSpan]) -> tuple[list[SeqSpan], list[int] | None]:
+    """The spans with each adapter's together (so its tokens are one slice), and the logits rows to take from the
+    reordered run to get the original span order back (None when the order did not change)."""
+    order = sorted(range(len(spans)), key=lambda i: spans[i].adapter)
+    if order == list(range(len(spans))):
+        return spans, None
+    counts = [len(s.token_ids) if s.logits == "all" else int(s.logits == "last") for s in spans]
+    first, row = [0] * len(spans), 0
+    for i in order:
+        first[i], row = row, row + counts[i]
+    return [spans[i] for i in order], [r for i in range(len(spans)) for r in range(first[i], first[i] + counts[i])]
+
+
 def _rows(ranges: list[tuple[int, int]], device: torch.device) -> slice | torch.Tensor:
     merged = [list(ranges[0])]
     for start, end in ranges[1:]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.distributed import tp_rank, tp_size
+from engine.distributed import layout, tp_rank, tp_size
 from engine.layers.activation import activation, gated_activation
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -127,12 +127,22 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+class OtherStageLayer(nn.Module):
+    """Stands in for a layer another pipeline stage holds: keeps checkpoint indices, holds nothing."""
+
+
 class DecoderModel(nn.Module):
+    """With pipeline parallelism (engine/pipeline.py) a stage builds only its layers: the embeddings on
+    the first stage, the final norm (and the LM head) on the last; `layer_range` says which it holds."""
+
     def __init__(self, config: ModelConfig, make_mlp) -> None:
         super().__init__()
+        stage = layout()
+        self.layer_range = stage.layer_range(config.num_hidden_layers)
         self.embedding_multiplier = config.embedding_multiplier
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        if config.position_embedding == "learned":  # GPT-2; replicated on every rank
+        if stage.is_first_stage or (stage.is_last_stage and config.tie_word_embeddings):  # tied: the LM head's weight
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        if config.position_embedding == "learned" and stage.is_first_stage:  # GPT-2; replicated on every rank
             self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
             self.embed_positions.weight.requires_grad_(False)
         rotary = local_rotary = None
@@ -144,21 +154,30 @@ class DecoderModel(nn.Module):
                 config.head_dim, config.max_position_embeddings, config.local_rope_theta, None, rotary_dim)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, local_rotary if config.layer_sliding_window(i) else rotary, make_mlp(config, i))
-            for i in range(config.num_hidden_layers))
-        self.norm = make_norm(config, config.hidden_size)
+            if i in self.layer_range else OtherStageLayer() for i in range(config.num_hidden_layers))
+        if stage.is_last_stage:
+            self.norm = make_norm(config, config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata | None) -> torch.Tensor:
+        hidden_states, residual = self.run_layers(positions, self.embed(input_ids, positions), None, meta)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         if self.embedding_multiplier is not None:
             hidden_states = hidden_states * torch.tensor(self.embedding_multiplier, dtype=hidden_states.dtype)
         if hasattr(self, "embed_positions"):
             hidden_states = hidden_states + self.embed_positions(positions)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, meta)
-        hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def run_layers(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                   meta: AttentionMetadata | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This stage's layers; (hidden_states, residual) go on to the next stage or the final norm."""
+        for i in self.layer_range:
+            hidden_states, residual = self.layers[i](positions, hidden_states, residual, meta)
+        return hidden_states, residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -176,9 +195,10 @@ class DecoderForCausalLM(nn.Module):
         check_tensor_parallel(config, tp_size())
         self.config = config
         self.model = DecoderModel(config, self.make_mlp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if layout().is_last_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if config.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
         self.layout = self.checkpoint_layout(config)
 
     @staticmethod
@@ -203,7 +223,16 @@ class DecoderForCausalLM(nn.Module):
         return (*skip, "lm_head.weight") if self.config.tie_word_embeddings else skip
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """This stage's attention layers (all of them without pipeline parallelism), in order."""
+        return [self.model.layers[i].self_attn.attn for i in self.model.layer_range]
+
+    def other_stage_parameters(self) -> tuple[str, ...]:
+        """Parameter-name prefixes other pipeline stages hold: their checkpoint tensors are skipped here."""
+        held = dict(self.named_modules())
+        names = [f"model.layers.{i}." for i in range(self.config.num_hidden_layers) if i not in self.model.layer_range]
+        names += [f"{name}." for name in ("model.embed_tokens", "model.embed_positions", "model.norm", "lm_head")
+                  if name not in held]
+        return tuple(names)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata | None = None) -> torch.Tensor:

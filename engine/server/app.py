@@ -88,7 +88,8 @@ def _build_info(llm: Any, config: EngineConfig) -> Info:
         linear_backend=str(getattr(runner, "linear_backend", "unknown")),
         cuda_graphs=list(getattr(runner, "cuda_graph_sizes", [])), block_size=stats.block_size,
         lora_adapters=[name for name, _ in config.lora_adapters],
-        lora_backend=str(getattr(runner, "lora_backend", "none")),
+        lora_backend=str(getattr(runner, "lora_backend", "none")), lora_checks=dict(getattr(runner, "lora_checks", {})),
+        speculate=config.speculate,
         grammar_backend=f"llguidance {importlib.metadata.version('llguidance')}", version=version,
         max_new_tokens_default=config.max_new_tokens_default, prefix_caching=config.prefix_caching)
 

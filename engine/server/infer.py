@@ -138,9 +138,14 @@ class Infer:
         finally:
             self.num_in_flight -= 1
 
+    def _observe(self, valid: ValidRequest) -> None:
+        self.metrics.input_length.observe(valid.input_length)
+        if valid.params.adapter_id is not None:
+            self.metrics.adapter_request(valid.params.adapter_id)
+
     async def generate(self, valid: ValidRequest, arrival: float) -> tuple[Generation, list[Generation]]:
         """Run the request (best_of sampled copies when asked); return the best and the others."""
-        self.metrics.input_length.observe(valid.input_length)
+        self._observe(valid)
         if valid.best_of == 1:
             gen = await self._collect(valid, arrival)
             others: list[Generation] = []
@@ -160,7 +165,7 @@ class Infer:
         the same prompt again; the prompts themselves run side by side.
         """
         for group in groups:
-            self.metrics.input_length.observe(group[0].input_length)
+            self._observe(group[0])
         results = await _gather_or_cancel([self._group(g, arrival, share_prefix) for g in groups])
         self._record_success(results[0][0])
         return results
@@ -179,7 +184,7 @@ class Infer:
 
     async def stream(self, valid: ValidRequest, arrival: float) -> AsyncIterator[StreamEvent]:
         """Yield one StreamEvent per generated token; the last carries the finished Generation."""
-        self.metrics.input_length.observe(valid.input_length)
+        self._observe(valid)
         collector = _Collector(valid.input_length, Timings(arrival))
         index, last_token = 0, None
         async with contextlib.aclosing(self._outputs(valid, collector.timings)) as outputs:
@@ -189,10 +194,13 @@ class Infer:
                 if end is not None and not tokens and last_token is not None:
                     # the end came without a new token: close on the last token with the remaining text
                     tokens = [replace(last_token, text="")]
+                # several tokens in one step (speculation): one event each, with its own text
+                texts = out.token_texts if out.token_texts is not None and len(out.token_texts) == len(tokens) \
+                    else [""] * (len(tokens) - 1) + [out.text]
                 for i, token in enumerate(tokens):
                     index += 1
                     last = i == len(tokens) - 1
-                    yield StreamEvent(index, token, out.text if last else "", end if last else None)
+                    yield StreamEvent(index, token, texts[i], end if last else None)
                     last_token = token
                 if end is not None:
                     self._record_success(end)

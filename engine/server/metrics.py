@@ -22,7 +22,8 @@ class _Counters:
         self.values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = defaultdict(float)
         self.help = {"tgi_request_count": "Requests received",
                      "tgi_request_success": "Requests that finished",
-                     "tgi_request_failure": "Requests that failed, by error type"}
+                     "tgi_request_failure": "Requests that failed, by error type",
+                     "tgi_lora_request_count": "Requests received for a LoRA adapter, by adapter"}
 
     def inc(self, name: str, **labels: str) -> None:
         self.values[(name, tuple(sorted(labels.items())))] += 1
@@ -63,6 +64,8 @@ class _EngineGauges:
             "tgi_prefix_cache_queried_tokens": ("Prompt tokens looked up in the prefix cache",
                                                 "num_prefix_cache_queried_tokens"),
             "tgi_prefix_cache_hit_tokens": ("Prompt tokens found in the prefix cache", "num_prefix_cache_hit_tokens"),
+            "tgi_speculative_proposed_tokens": ("Draft tokens scored (--speculate)", "num_speculative_proposed_total"),
+            "tgi_speculative_accepted_tokens": ("Draft tokens accepted", "num_speculative_accepted_total"),
         }
         for name, (doc, attr) in counters.items():  # exposed as NAME_total
             yield CounterMetricFamily(name, doc, value=float(getattr(s, attr, 0)))
@@ -88,6 +91,9 @@ class ServerMetrics:
 
     def request(self) -> None:
         self.counters.inc("tgi_request_count")
+
+    def adapter_request(self, adapter: str) -> None:
+        self.counters.inc("tgi_lora_request_count", adapter=adapter)
 
     def failure(self, error_type: str) -> None:
         self.counters.inc("tgi_request_failure", err=error_type)

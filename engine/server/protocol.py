@@ -63,8 +63,9 @@ class CompatGenerateRequest(GenerateRequest):
     stream: bool = False
 
 
-class TokenizeRequest(GenerateRequest):
-    pass
+class TokenizeRequest(_Wire):
+    inputs: str = Field(json_schema_extra={"minLength": 1})
+    parameters: dict[str, Any] | None = None    # what a GenerateRequest carries: accepted and not used
 
 
 # --- TGI responses ------------------------------------------------------------------------------
@@ -158,9 +159,11 @@ class Info(_Wire):
     linear_backend: str = "unknown"
     cuda_graphs: list[int] = []
     block_size: int
+    speculate: int = 0      # n-gram draft tokens per step (--speculate); 0 = off
     # LoRA: the --lora-adapters names a request may pick (adapter_id / OpenAI model), and how they run
     lora_adapters: list[str] = []
     lora_backend: str = "none"
+    lora_checks: dict[str, str] = Field(default_factory=dict)  # each LoRA backend tried: "ok" or why not
     # structured output: `parameters.grammar` types, OpenAI response_format / tools
     grammar_support: bool = True
     grammar_types: list[str] = ["json", "regex"]

@@ -53,6 +53,9 @@ MIXES = {
     "prefill only": [(128, 0), (17, 0), (2, 0)],
     "chunked + decode": [(1, 40), (33, 31), (128, 64), (1, 0), (5, 200), (1, 63)],
     "one long chunk": [(70, 129)],
+    # speculative verification: short spans over a cache batch with the decodes (longer ones do not)
+    "drafts + decode": [(4, 30), (1, 17), (2, 16), (8, 100), (1, 0), (3, 5), (9, 40), (2, 0)],
+    "drafts only": [(4, 30), (2, 15), (8, 100)],
 }
 
 

@@ -82,6 +82,18 @@ def test_one_batch_mixing_adapters_and_the_base_gives_each_row_its_own_tokens(ti
         assert [t.id for t in out.tokens] == alone[(i, a)], (i, a)
 
 
+def test_speculative_decoding_verifies_drafts_with_each_rows_adapter(tiny):
+    # repetitive prompts: the n-gram proposer drafts, the adapted model must accept or correct every draft
+    prompts_text = ["a b c a b c a b c a b", "one two one two one two one"]
+    with engine_with(tiny["base"], [("a1", tiny["a1"]), ("a2", tiny["a2"])], speculate=3) as engine:
+        prompts = [engine.tokenizer.encode(t) for t in prompts_text]
+        pairs = [(i, a) for a in ("a1", None, "a2") for i in range(len(prompts))]
+        outs = engine.generate([prompts[i] for i, _ in pairs], [greedy(a) for _, a in pairs])
+        assert engine.stats().num_speculative_proposed_total > 0
+    for (i, a), out in zip(pairs, outs):
+        assert [t.id for t in out.tokens] == hf_greedy(tiny["merged"][a], prompts[i], 12), (i, a)
+
+
 def test_the_prefix_cache_never_shares_blocks_between_adapters():
     bm = BlockManager(num_blocks=16, block_size=4)
     tokens = list(range(13))
@@ -239,6 +251,7 @@ def test_clients_pick_adapters_by_adapter_id_and_openai_model(tiny, tmp_path):
         assert [m.id for m in client.models.list().data] == ["tiny", "a1", "a2"]
         info = httpx.get(f"{url}/info").json()
         assert (info["lora_adapters"], info["lora_backend"]) == (["a1", "a2"], "grouped")
+        assert info["lora_checks"] == {"triton": "needs CUDA", "grouped": "ok"}
         prompt = TEXTS[1]
 
         def generate(adapter_id):
@@ -257,10 +270,17 @@ def test_clients_pick_adapters_by_adapter_id_and_openai_model(tiny, tmp_path):
         for model, adapter in (("a1", "a1"), ("a2", "a2"), ("tiny", None), ("tgi", None)):
             completion = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
             assert completion.choices[0].text == texts[adapter], model
+            assert completion.model == (model if adapter else "tiny")
         r = httpx.post(f"{url}/generate", json={"inputs": prompt, "parameters": {"adapter_id": "nope"}})
         assert r.status_code == 422 and r.json()["error_type"] == "validation"
         error = r.json()["error"]
         assert "unknown adapter 'nope': loaded adapters are 'a1', 'a2' (or 'tiny' for the base model)" in error
+        chat = client.chat.completions.create(model="a2", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                              temperature=0, stream=True)
+        assert {chunk.model for chunk in chat} == {"a2"}
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'tgi_lora_request_count{adapter="a1"} 2.0' in metrics  # /generate and a completion
+        assert 'tgi_lora_request_count{adapter="a2"} 3.0' in metrics  # and the chat stream
         with pytest.raises(openai.UnprocessableEntityError) as refused:
             client.completions.create(model="a3", prompt=prompt, max_tokens=2)
         assert "unknown adapter 'a3': loaded adapters are 'a1', 'a2'" in refused.value.response.json()["error"]
@@ -277,3 +297,17 @@ def test_adapters_on_a_quantized_base_match_the_merged_dequantized_model(tiny, t
         ids = engine.tokenizer.encode(TEXTS[1])
         (out,) = engine.generate([ids], greedy("q"))
     assert [t.id for t in out.tokens] == hf_greedy(merged, ids, 12)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_lora_backend_matches_merged_and_the_cpu_tokens(tiny):
+    """On CUDA the Triton kernels are chosen (self-check passed) and give the merged model's tokens."""
+    config = dict(device="cuda", cuda_graphs=[4])  # graphs asked for: LoRA turns them off
+    with engine_with(tiny["base"], [("a1", tiny["a1"]), ("a2", tiny["a2"])], **config) as engine:
+        assert engine.runner.lora_backend == "triton", engine.runner.lora_checks
+        assert engine.runner.cuda_graph_sizes == []
+        prompts = [engine.tokenizer.encode(t) for t in TEXTS]
+        pairs = [(i, a) for a in ("a1", None, "a2") for i in range(len(prompts))]
+        outs = engine.generate([prompts[i] for i, _ in pairs], [greedy(a) for _, a in pairs])
+    for (i, a), out in zip(pairs, outs):
+        assert [t.id for t in out.tokens] == hf_greedy(tiny["merged"][a], prompts[i], 12), (i, a)

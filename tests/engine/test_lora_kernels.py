@@ -70,3 +70,31 @@ def test_the_choice_is_checked_and_reported():
 def test_a_backend_another_rank_refuses_is_not_used(monkeypatch):
     with pytest.raises(RuntimeError, match="another rank failed its check"):
         backend.choose(torch.device("cpu"), torch.float32, agree=lambda ok: False)
+
+
+def test_prefill_sized_steps_hand_over_to_grouped_gemms(monkeypatch):
+    calls = []
+    monkeypatch.setattr(backend, "grouped_apply", lambda *args: calls.append(args) or args[1])
+    batch = LoraBatch()
+    batch.set([SeqSpan(0, [0] * backend.GROUPED_FROM_TOKENS, 0, [], adapter=1)], DEVICE)
+    x = torch.zeros(backend.GROUPED_FROM_TOKENS, 8, device=DEVICE)
+    backend.triton_apply(x, x.clone(), torch.zeros(1, 2, 8), torch.zeros(1, 8, 2), batch)
+    assert len(calls) == 1  # no kernel launch: the Triton module is not even needed here
+
+
+def test_spans_are_grouped_by_adapter_and_logits_rows_restored():
+    from engine.lora.batch import order_by_adapter
+
+    spans = [SeqSpan(0, [1, 2, 3], 0, [], "all", adapter=2), SeqSpan(1, [4], 0, [], "last", adapter=0),
+             SeqSpan(2, [5, 6], 0, [], "none", adapter=1), SeqSpan(3, [7, 8], 0, [], "last", adapter=2),
+             SeqSpan(4, [9], 0, [], "all", adapter=0)]
+    ordered, restore = order_by_adapter(spans)
+    assert [s.seq_id for s in ordered] == [1, 4, 2, 0, 3]
+    # rows of the reordered run, tagged by (seq, row); restore must give them back in the original order
+    run_rows = [(s.seq_id, j) for s in ordered
+                for j in range(len(s.token_ids) if s.logits == "all" else int(s.logits == "last"))]
+    assert [run_rows[r] for r in restore] == [(0, 0), (0, 1), (0, 2), (1, 0), (3, 0), (4, 0)]
+    assert order_by_adapter(ordered[:2]) == (ordered[:2], None)
+    batch = LoraBatch()
+    batch.set(ordered, DEVICE)
+    assert [(i, r) for i, r in batch.groups] == [(0, slice(2, 4)), (1, slice(4, 9))]  # one slice per adapter

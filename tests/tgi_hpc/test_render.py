@@ -110,7 +110,10 @@ def test_executing_a_script_with_hostile_values_runs_nothing(hostile, tmp_path, 
         record = tmp_path / f"record{i}.json"
         # Run it for real, with the stand-in engine that records its argv and exits at once.
         env = {**os.environ, "TGI_HPC_JOB_ID": "4242", "STANDIN_RECORD": str(record), "SLURM_TMPDIR": str(tmp_path)}
-        proc = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd = tmp_path / f"cwd{i}"   # the model folder holds the marker's path with "/" replaced: run, it lands here
+        cwd.mkdir()
+        proc = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=cwd)
         try:
             deadline = time.monotonic() + 15
             while not (record.exists() and record.stat().st_size) and time.monotonic() < deadline:
@@ -118,7 +121,7 @@ def test_executing_a_script_with_hostile_values_runs_nothing(hostile, tmp_path, 
         finally:
             proc.terminate()
             proc.wait(timeout=10)
-        assert not marker.exists(), f"{value!r} ran as shell"
+        assert not marker.exists() and not list(cwd.glob("*pwned*")), f"{value!r} ran as shell"
         argv = json.loads(record.read_text())["argv"]
         assert argv[argv.index("--served-model-name") + 1] == value
         assert argv[argv.index("--model-id") + 1] == str(model)

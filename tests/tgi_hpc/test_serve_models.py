@@ -200,8 +200,6 @@ def _alive(pid: int) -> bool:
 
 
 def test_two_models_ready_on_two_ports_with_their_gpus_and_one_death_fails_the_job(tmp_path, model_path):
-    import httpx
-
     release = standin_release(tmp_path / "rel")
     lora = _adapter(tmp_path / "lora", str(model_path("tiny-llama")))
     result = json.loads(_cli(tmp_path, "serve", "--model", str(model_path("tiny-llama")), "--model",
@@ -257,5 +255,32 @@ def test_one_model_with_adapters_lists_them_in_the_endpoint_and_status(tmp_path,
         assert endpoint["model"] == model and endpoint["adapters"] == ["one", "two"] and endpoint["port"] == st["port"]
         argv = json.loads((tmp_path / f"{st['port']}.json").read_text())["argv"]
         assert argv[argv.index("--lora-adapters") + 1] == f"one={first},two={second}"
+        assert f"{Path(model).name} (+2)" in _cli(tmp_path, "status", result["job_id"]).stdout.replace("\n", " ")
     finally:
         _cli(tmp_path, "stop", result["job_id"], check=False)
+
+
+def test_a_dry_run_from_a_laptop_reads_no_adapter_and_still_renders(monkeypatch, caplog):
+    from tgi_hpc.cli import main
+
+    monkeypatch.setenv("TGI_HPC_REMOTE", "1")
+    code = main(["serve", "--cluster", "mila", "--model", BIG, "--model", SMALL, "--lora", "x=acme/lora", "--dry-run"])
+    assert code == 0 and "dry run: adapter x is not read from the cluster" in caplog.text
+
+
+def test_the_summary_names_each_model_and_its_adapters():
+    from tgi_hpc.workflows.serve import ServeResult
+
+    models = [{"model": "a/x", "url": "http://n:10001", "port": 10001, "adapters": ["sql"]},
+              {"model": "b/y", "url": "http://n:10002", "port": 10002, "adapters": []}]
+    status = {"state": "READY", "url": "http://n:10001", "node": "n", "api_key_file": "", "models": models}
+    text = ServeResult("", "7", status=status).summary()
+    assert "  a/x at http://n:10001 (adapters: sql)\n  b/y at http://n:10002\n" in text
+
+
+def test_an_adapter_given_as_the_model_points_to_lora(tmp_path):
+    lora = _adapter(tmp_path / "lora", BIG)
+    cluster = open_cluster("local", [f"paths.jobs={tmp_path / 'jobs'}"])
+    spec = build_serve_spec(cluster, ServeOptions(model=str(lora)))
+    with pytest.raises(ModelNotFoundError, match="PEFT adapter, not a model: serve its base model with --lora"):
+        check_before_submit(cluster, spec, ShellPath("", str(standin_release(tmp_path / "rel"))), True)

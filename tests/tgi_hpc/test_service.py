@@ -185,7 +185,7 @@ def test_successor_waits_with_begin_or_dependency():
 
     me = Replica("41", started_at=1000.0)
     assert submission_flags("begin", 600, me, now=1100) == ["--begin=now+600"]
-    assert submission_flags("dependency", 600, me, now=1100) == ["--dependency=after:41+12"]   # (1700-1000)/60, up
+    assert submission_flags("dependency", 600, me, now=1100) == ["--dependency=after:41+11"]   # 11.7 min: rounded down
     assert submission_flags("at_lead", 600, me, now=1100) == []
     assert submission_flags("begin", 0, me, now=1100) == []      # late: at once
 

@@ -144,6 +144,7 @@ def test_service_dry_run_renders_the_handover_job(run):
     (("--replicas", "0"), "0 is not in the range"),
     (("--handover", "2-00:00:00", "--time", "1-00:00:00"), "not shorter than the job's time limit"),
     (("--handover", "soon"), "--handover 'soon'"),
+    (("--keep-alive", "--time", "4:00"), "is not shorter than the time limit (240 s)"),
     (("--service", "../etc"), "service name '../etc'"),
     (("--keep-alive", "--requeue"), "--requeue is for a single job"),
 ])

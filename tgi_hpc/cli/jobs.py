@@ -19,6 +19,8 @@ def _table(rows) -> None:
         table.add_column(column, no_wrap=column != "REASON")
     for st in rows:
         model = st.model.rstrip("/").rsplit("/", 1)[-1] if st.model.startswith(("/", "~")) else st.model
+        others = len(st.models) - 1 + sum(len(m["adapters"]) for m in st.models)   # several models, adapters
+        model += f" (+{others})" if others > 0 else ""
         table.add_row(st.job_id, st.kind, model, st.state, st.elapsed, st.reason or st.detail, st.node, st.url)
     # piped into grep or a file: one line per job, never folded to 80 columns
     Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240).print(table)

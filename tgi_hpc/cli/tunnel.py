@@ -96,7 +96,9 @@ def list_command(app: App) -> None:
 
     infos = list_tunnels()
     app.emit([i.to_dict() for i in infos],
-             "\n".join(f"{i.job_id}  {i.url}  -> {i.remote}  ({i.cluster}, pid {i.pid})" for i in infos) or "no tunnels")
+             "\n".join(f"{i.job_id}  {i.url}  -> {i.remote}  ({i.cluster}, pid {i.pid})"
+                       + "".join(f"\n      {m['model']}  {m['url']}  -> {m['remote']}" for m in i.models[1:])
+                       for i in infos) or "no tunnels")
 
 
 @tunnel.command("stop")

@@ -21,9 +21,34 @@ def param_split(config: dict) -> tuple[float, float]:
     kv_heads = int(text.get("num_key_value_heads", heads))
     head_dim = int(text.get("head_dim") or hidden // heads)
     attn = hidden * head_dim * (heads * 2 + kv_heads * 2)
-    mlp = 3 * hidden * inter
+    mlp = moe_mlp_params(text)[0] if num_experts(text) else 3 * hidden * inter
     embed = vocab * hidden * (1 if text.get("tie_word_embeddings") else 2)
     return layers * (attn + mlp) / 1e9, embed / 1e9
+
+
+def num_experts(text: dict) -> int:
+    """Experts per MoE layer: Mixtral's num_local_experts, Qwen-MoE's num_experts; 0 for a dense model."""
+    return int(text.get("num_local_experts") or text.get("num_experts") or 0)
+
+
+def moe_mlp_params(text: dict) -> tuple[int, int]:
+    """(all, active per token) parameters of one MoE layer's MLP: experts, router and shared expert."""
+    hidden = int(text["hidden_size"])
+    expert = int(text.get("moe_intermediate_size") or text["intermediate_size"])  # Mixtral: intermediate_size
+    shared = int(text.get("shared_expert_intermediate_size") or 0)
+    experts, top_k = num_experts(text), int(text.get("num_experts_per_tok", 2))
+    common = hidden * experts + 3 * hidden * shared + (hidden if shared else 0)  # router, shared expert + gate
+    return experts * 3 * hidden * expert + common, top_k * 3 * hidden * expert + common
+
+
+def active_params_b(config: dict) -> float:
+    """Parameters one token runs through, in billions (all of them for a dense model)."""
+    text = config.get("text_config", config)
+    linear, other = param_split(config)
+    if not num_experts(text):
+        return linear + other
+    every, active = moe_mlp_params(text)
+    return linear + other - int(text["num_hidden_layers"]) * (every - active) / 1e9
 
 
 def params_from_config(config: dict) -> float:

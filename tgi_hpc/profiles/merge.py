@@ -57,7 +57,8 @@ def apply_cluster(raw: dict, cluster: str, origins: Origins) -> dict:
              "gpu_types": ("slurm", "gpu_types"), "allowed_gpu_counts": ("slurm", "allowed_gpu_counts"),
              "defaults": ("slurm", "defaults"),
              "catalog": ("catalog",), "network": ("network",), "modules": ("environment", "modules"),
-             "env": ("environment", "env"), "paths": ("paths",), "rules": ("rules",)}
+             "env": ("environment", "env"), "paths": ("paths",), "rules": ("rules",),
+             "multinode": ("multinode",)}
     for key, target in where.items():
         if over.get(key) is None or (target[0] == "slurm" and not isinstance(raw.get("slurm"), Mapping)):
             continue

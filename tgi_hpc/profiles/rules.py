@@ -76,10 +76,11 @@ def _check_whole_nodes(profile: Profile, res: Resources) -> None:
     if res.gpu_type not in rule.gpus_per_node:
         raise UsageError(f"{_where(profile)} gives GPU jobs whole nodes ({sizes}): name the GPU type "
                          f"(e.g. --set slurm.defaults.serve.gpu_type=...) (source: {rule.source})")
-    per_node = rule.gpus_per_node[res.gpu_type]
-    if res.gpus != per_node:
+    per_node, nodes = rule.gpus_per_node[res.gpu_type], res.nodes or 1
+    if res.gpus != per_node * nodes:
         raise UsageError(f"{_where(profile)} gives GPU jobs whole nodes: a {res.gpu_type} job asks for exactly "
-                         f"{per_node} GPUs, not {res.gpus} (--gpus {per_node}) (source: {rule.source})")
+                         f"{per_node} GPUs per node, not {res.gpus} on {nodes} node(s) (--gpus {per_node * nodes}) "
+                         f"(source: {rule.source})")
 
 
 def _check_account(profile: Profile) -> None:
@@ -109,10 +110,11 @@ def check_job(profile: Profile, res: Resources) -> None:
     """Raise UsageError, citing the rule's page, when `res` breaks a rule of this cluster."""
     if profile.slurm is None:
         return
-    allowed = profile.slurm.allowed_gpu_counts
-    if allowed and res.gpus and res.gpus not in allowed:
-        raise UsageError(f"{_where(profile)} jobs may ask for {' or '.join(map(str, allowed))} GPUs, "
-                         f"not {res.gpus} (profile: slurm.allowed_gpu_counts)")
+    allowed, per_node = profile.slurm.allowed_gpu_counts, (res.gpus or 0) // (res.nodes or 1)
+    if allowed and res.gpus and per_node not in allowed:
+        raise UsageError(f"{_where(profile)} jobs may ask for {' or '.join(map(str, allowed))} GPUs"
+                         f"{' per node' if (res.nodes or 1) > 1 else ''}, not {per_node} "
+                         "(profile: slurm.allowed_gpu_counts)")
     rules = profile.rules
     cpu_job = not res.gpus
     time_rule = rules.cpu_time if cpu_job and rules.cpu_time else rules.time

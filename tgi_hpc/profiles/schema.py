@@ -21,7 +21,8 @@ class Resources(_Strict):
     time: str | None = None               # Slurm time string, e.g. "3:00:00" or "1-00:00:00"
     cpus_per_task: int | None = None
     mem: str | None = None                # e.g. "48G"
-    gpus: int | None = None               # GPUs for the job (0 = CPU job)
+    gpus: int | None = None               # GPUs for the job (0 = CPU job); all nodes together
+    nodes: int | None = None              # nodes the job spans (None = 1); see MultiNode
     gpu_type: str | None = None           # e.g. "a100l"; None = any
     constraint: str | None = None         # Slurm --constraint expression
     extra: dict[str, str | bool] = Field(default_factory=dict)  # other #SBATCH flags (name without --)
@@ -34,6 +35,38 @@ class CatalogEntry(_Strict):
     max_params_b: float
     label: str                            # e.g. "7-8B"
     resources: Resources
+
+
+class MultiNode(_Strict):
+    """Serve jobs larger than one node: srun starts one engine rank per GPU, tensor parallelism within a
+    node, pipeline stages across nodes. A profile without this section refuses --nodes above 1."""
+
+    max_nodes: int                        # most nodes one serve job may span (the docs' limit, or ours)
+    gpus_per_node: int                    # GPUs such a job takes on each node
+    gpu_memory_gb: float                  # memory of one of those GPUs (sizes the job from the model)
+    resources: Resources = Field(default_factory=Resources)  # partition, GPU type, per-rank CPUs, per-node mem
+    env: dict[str, str] = Field(default_factory=dict)        # interconnect settings (NCCL_*) for every rank
+    source: str
+
+
+class ServingPlan(_Strict):
+    """What the KV cache of a served model is sized for when the profile picks its GPUs and nodes (ours: the
+    engine's default context of 4096 tokens, a modest batch, and the share of GPU memory the engine takes)."""
+
+    context_tokens: int = 4096
+    concurrent_requests: int = 16
+    gpu_memory_fraction: float = 0.85     # engine: 0.9 of the GPU, less the CUDA context and activations
+
+
+class MultiNodeOverride(_Strict):
+    """A cluster's differences from its profile's multinode section."""
+
+    max_nodes: int | None = None
+    gpus_per_node: int | None = None
+    gpu_memory_gb: float | None = None
+    resources: Resources | None = None
+    env: dict[str, str] | None = None
+    source: str | None = None
 
 
 class SlurmSection(_Strict):
@@ -143,6 +176,7 @@ class ClusterOverride(_Strict):
     env: dict[str, str] = Field(default_factory=dict)    # merged into environment.env
     paths: dict[str, str | int | list[str] | None] = Field(default_factory=dict)  # merged into paths
     rules: JobRules | None = None         # merged into rules
+    multinode: MultiNodeOverride | None = None  # merged into the profile's multinode section
     retired: bool = False
     replaced_by: str | None = None        # what to use instead of a retired cluster
 
@@ -167,6 +201,8 @@ class Profile(_Strict):
     environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
     network: NetworkSection
     catalog: list[CatalogEntry] = Field(default_factory=list)
+    multinode: MultiNode | None = None    # None: serve jobs stay on one node
+    serving_plan: ServingPlan = Field(default_factory=ServingPlan)
     rules: JobRules = Field(default_factory=JobRules)
     clusters: dict[str, ClusterOverride] = Field(default_factory=dict)
     cluster: str | None = None                # which entry of `clusters` was applied

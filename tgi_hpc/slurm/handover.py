@@ -73,8 +73,8 @@ def submission_flags(submit_by: str, delay_s: float, predecessor: Replica, now: 
         return []
     if submit_by == "begin":
         return [f"--begin=now+{int(delay_s)}"]
-    if submit_by == "dependency":   # after:JOB+MINUTES counts from the predecessor's start
-        minutes = math.ceil((now + delay_s - predecessor.started_at) / 60)
+    if submit_by == "dependency":   # after:JOB+MINUTES counts from the predecessor's start; early, not late
+        minutes = math.floor((now + delay_s - predecessor.started_at) / 60)
         return [f"--dependency=after:{predecessor.job_id}+{max(1, minutes)}"]
     return []
 

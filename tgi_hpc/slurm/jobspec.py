@@ -67,6 +67,8 @@ class ServeSpec(JobSpec):
     service: str = ""                  # a service's job (tgi_hpc/service/): its name, state file and shared key
     service_state: str = ""
     service_key_file: str = ""
+    nodes: int = 1                     # > 1: one engine rank per GPU on every node (srun), pipeline stages
+    sizing: tuple[str, ...] = ()       # how the GPUs and nodes were picked, as comments in the script
 
 
 @dataclass(frozen=True)

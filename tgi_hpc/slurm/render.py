@@ -16,6 +16,7 @@ from tgi_hpc.errors import TemplateError
 from tgi_hpc.profiles.schema import Profile, Resources
 from tgi_hpc.quoting import Shell, finalize, sbatch_value, sh, sh_comment, sh_env, sh_join, sh_name, trusted
 from tgi_hpc.service.state import services_dir
+from tgi_hpc.slurm import multinode
 from tgi_hpc.slurm.jobspec import CompileSpec, DownloadSpec, EngineSpec, JobSpec, LoraAdapter, ServeSpec, ShellPath
 
 TITLES = {
@@ -51,6 +52,8 @@ def path_word(path: ShellPath) -> Shell:
 def _gpu_flags(profile: Profile, res: Resources) -> dict[str, str]:
     if not res.gpus:
         return {}
+    if (res.nodes or 1) > 1:
+        return multinode.gpu_flags(profile, res)
     count = f"{res.gpu_type}:{res.gpus}" if res.gpu_type else str(res.gpus)
     spelling = profile.slurm.gpu_request if profile.slurm else "gpus_per_task"
     if spelling == "gres":
@@ -170,6 +173,8 @@ def render_job(profile: Profile, spec: JobSpec, *, job_dir: str, release_dir: Sh
             service_state=path_word(ShellPath(services_dir(job_dir), f"{spec.service}.json")),
             service_key_file=path_word(ShellPath(services_dir(job_dir), f"{spec.service}.api-key"))
             if spec.service and spec.service_key_file else "",
+            sizing=[sh_comment(line) for line in spec.sizing],
+            **multinode.script_context(profile, spec.resources),
         )
     elif isinstance(spec, DownloadSpec):
         context.update(model=sh(spec.model), revision=sh(spec.revision),

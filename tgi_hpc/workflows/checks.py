@@ -23,6 +23,8 @@ def snapshot_problems(cluster: Cluster, path: str) -> list[str]:
     names = _listing(cluster, path)
     if names is None:
         return [f"{path} does not exist"]
+    if "config.json" not in names and "adapter_config.json" in names:
+        return ["it holds a PEFT adapter, not a model: serve its base model with --lora NAME=ADAPTER"]
     problems = [] if "config.json" in names else ["config.json is missing"]
     if not any(group <= names for group in TOKENIZER_FILES):
         problems.append("no tokenizer (tokenizer.json, tokenizer.model, or vocab.json + merges.txt)")

@@ -11,10 +11,12 @@ VALUE_FLAGS = {
     "--waiting-served-ratio", "--cuda-memory-fraction", "--cors-allow-origin", "--load-format",
     "--served-model-name", "--kv-cache-bytes", "--cuda-graphs", "--cpu-gemm", "--attention-backend", "--block-size",
     "--cpu-threads", "--drain-timeout", "--max-new-tokens-default", "--prefix-caching", "--lora-adapters",
+    "--rank-timeout", "--speculate",
 }
 SWITCH_FLAGS = {"--json-output"}
 # Set by the job itself; --api-key in particular must never be on a command line.
-RESERVED = {"--model-id", "--port", "--hostname", "--master-port", "--master-addr", "--num-shard", "--api-key"}
+RESERVED = {"--model-id", "--port", "--hostname", "--master-port", "--master-addr", "--num-shard", "--api-key",
+            "--pipeline-parallel-size"}
 # Serve options: checked against the snapshot and used to size the job, so never passed around them.
 SERVE_OPTIONS = {"--quantize"}
 

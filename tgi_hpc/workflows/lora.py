@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 class Adapter:
     spec: LoraAdapter
     base: str | None        # its base_model_name_or_path, when it could be read
+    unread: bool = False    # a dry run from a laptop reads nothing on the cluster
 
 
 def parse_lora(item: str) -> tuple[str, str]:
@@ -75,7 +76,8 @@ def resolve_adapters(cluster: Cluster, items: list[str], taken: set[str], cluste
         if name in taken or any(a.spec.name == name for a in found):
             raise UsageError(f"--lora {item!r}: the name {name!r} is already served; give each adapter its own name")
         where = _location(cluster, source, cluster_path)
-        found.append(Adapter(LoraAdapter(name, source, where), _read_base(cluster, where, offline)))
+        unread = offline and not cluster.is_local
+        found.append(Adapter(LoraAdapter(name, source, where), _read_base(cluster, where, offline), unread))
     return found
 
 
@@ -83,7 +85,10 @@ def attach(adapters: list[Adapter], models: list[str]) -> list[tuple[LoraAdapter
     """The adapters of each model, in the models' order (see the module docstring for the rule)."""
     per_model: list[list[LoraAdapter]] = [[] for _ in models]
     for adapter in adapters:
-        if len(models) == 1:
+        if len(models) == 1 or adapter.unread:
+            if adapter.unread and len(models) > 1:
+                logger.warning("dry run: adapter %s is not read from the cluster, shown with %s", adapter.spec.name,
+                               models[0])
             if adapter.base and not same_base(adapter.base, models[0]):
                 logger.warning("adapter %s was trained on %s, not on %s: the engine refuses it at start if its "
                                "shapes do not fit", adapter.spec.name, adapter.base, models[0])

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tgi_hpc.errors import SlurmError, UsageError
+from tgi_hpc.models.footprint import footprint
 from tgi_hpc.models.quantization import LEGACY_FILE, check_quantize, with_legacy_config
 from tgi_hpc.models.size import catalog_size_b
 from tgi_hpc.models.store import model_dir, validate_model_id
-from tgi_hpc.profiles.loader import require_account, resources_for
+from tgi_hpc.profiles.loader import require_account
 from tgi_hpc.profiles.rules import fit_partition
 from tgi_hpc.quoting import sh
 from tgi_hpc.remote.runner import LocalRunner
@@ -20,6 +21,7 @@ from tgi_hpc.workflows.checks import check_release, check_snapshot, find_shared_
 from tgi_hpc.workflows.engine_flags import engine_args
 from tgi_hpc.workflows.engines import ModelPlan, check_models, fraction_args, plan_engines, total_size
 from tgi_hpc.workflows.lora import attach, check_adapters, resolve_adapters
+from tgi_hpc.workflows.placement import place
 
 # serve option -> engine (TGI launcher) flag
 LIMIT_FLAGS = {
@@ -34,7 +36,8 @@ LIMIT_FLAGS = {
 class ServeOptions:
     model: str
     revision: str = "main"
-    gpus: int | None = None
+    gpus: int | None = None        # the job's total GPUs (all nodes together)
+    nodes: int | None = None       # None: one node, or as many as the model needs (tgi_hpc/workflows/placement.py)
     time: str | None = None
     partition: str | None = None
     limits: dict[str, object] = field(default_factory=dict)   # keys of LIMIT_FLAGS
@@ -135,14 +138,28 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions, *, offline: bool = Fa
     first = ModelPlan(opts.model, where, catalog_size_b(opts.model, config, quantize))
     check_models([opts.model, *opts.other_models])
     others = [_plan_model(cluster, replace(opts, model=m), offline) for m in opts.other_models]
+    if others and (opts.nodes or 1) > 1:
+        raise UsageError("--nodes with several --model is not supported: one model spans the nodes")
+    # one model: sized by its weights + KV cache (the catalog, or several nodes: tgi_hpc/workflows/placement.py)
+    fp = None if others else footprint(opts.model, config, quantize,
+                                       dtype_bytes=4 if opts.limits.get("dtype") == "float32" else 2)
     size = total_size([first.size_b, *(p.size_b for p in others)])
-    resources = resources_for(profile, "serve", size, opts.gpus)
+    if fp is not None and config is None:
+        size = fp.weight_gb / 2          # a known model's card, where only its name was available
+    text = (config or {}).get("text_config", config or {})
+    placement = place(profile, fp, size, opts.gpus, opts.nodes, num_heads=text.get("num_attention_heads"),
+                      context_tokens=opts.limits.get("max_total_tokens"))
+    resources = placement.resources
+    if placement.nodes > 1 and opts.loras:
+        raise UsageError(f"--lora on {placement.nodes} nodes is not supported: adapters are served on one node")
     default = profile.slurm.defaults.get("serve") if profile.slurm else None
     resources = fit_partition(profile, resources, default.partition if default else None)
     choices = {k: v for k, v in (("partition", opts.partition), ("time", opts.time)) if v}
     if choices:
         resources = resources.model_copy(update=choices)
     num_shard = max(1, opts.gpus if opts.gpus is not None else (resources.gpus or 1))
+    if placement.nodes > 1:
+        num_shard = placement.gpus_per_node   # tensor parallelism within a node, a pipeline stage per node
     argv = []
     for key, value in {**opts.limits, "quantize": quantize}.items():
         if value is not None:
@@ -151,7 +168,7 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions, *, offline: bool = Fa
     spec = ServeSpec(
         kind="serve", resources=resources, keep_alive=opts.keep_alive, env=parse_env(opts.env),
         model=opts.model, model_dir=where, num_shard=num_shard, engine_args=tuple(argv),
-        api_key=opts.api_key, stage_model=cluster.uses_slurm,
+        api_key=opts.api_key, stage_model=cluster.uses_slurm, nodes=placement.nodes, sizing=placement.notes,
     )
     return _with_models_and_adapters(cluster, spec, opts, [first, *others], offline)
 
@@ -173,7 +190,8 @@ def _with_models_and_adapters(cluster: Cluster, spec: ServeSpec, opts: ServeOpti
                          "and stages them)")
     adapters = attach(resolve_adapters(cluster, opts.loras, set(names), cluster_path, offline), names)
     if len(plans) == 1:
-        return replace(spec, loras=adapters[0], engine_args=spec.engine_args + tuple(fraction_args(opts.memory_fractions)))
+        fraction = tuple(fraction_args(opts.memory_fractions))
+        return replace(spec, loras=adapters[0], engine_args=spec.engine_args + fraction)
     engines = plan_engines(plans, adapters, spec.resources, spec.engine_args, opts.memory_fractions)
     return replace(spec, loras=adapters[0], engines=engines, num_shard=engines[0].num_shard)
 
@@ -204,8 +222,9 @@ class ServeResult:
         if self.status and self.status.get("state") == "READY":
             url, key = self.status["url"], self.status.get("api_key_file")
             lines += [f"  READY at {url} on {self.status['node']}"]
+            models = self.status.get("models", [])
             lines += [f"  {m['model']} at {m['url']}" + (f" (adapters: {', '.join(m['adapters'])})" if m["adapters"] else "")
-                      for m in self.status.get("models", []) if len(self.status["models"]) > 1 or m["adapters"]]
+                      for m in models if len(models) > 1 or m["adapters"]]
             auth = f' -H "Authorization: Bearer $(cat {sh(key)})"' if key else ""
             lines += [f"  api key file: {key or '(none)'}",
                       f"  try: curl {url}/generate{auth} -H 'Content-Type: application/json' "

@@ -68,7 +68,11 @@ def _service_spec(cluster: Cluster, opts: ServeOptions, svc: ServiceOptions, nam
     slurm = cluster.profile.slurm
     if svc.handover and spec.resources.time:
         limit = parse_time(spec.resources.time)
-        check_lead(lead_seconds(svc.lead) if svc.lead else min(slurm.handover_floor_s, limit - 1), limit)
+        if svc.lead:
+            check_lead(lead_seconds(svc.lead), limit)
+        elif slurm.handover_floor_s >= limit:   # every job would hand over as soon as it is READY
+            raise UsageError(f"--keep-alive: the shortest lead (slurm.handover_floor_s = {slurm.handover_floor_s} s) "
+                             f"is not shorter than the time limit ({limit} s): give --handover LEAD or a longer --time")
     args = list(spec.engine_args)
     if "--drain-timeout" not in args:   # drained before Slurm's SIGKILL
         args += ["--drain-timeout", str(max(1, slurm.kill_wait_s - 2))]

@@ -151,3 +151,47 @@ def test_an_adapter_downloaded_from_the_hub_is_served_and_listed(local_cluster, 
         assert "tgi-hpc-lora/mine" in Path(result["script_path"]).read_text()
     finally:
         tgi("stop", job_id)
+
+
+def test_two_models_on_their_own_gpus_requeue_to_the_same_ports(local_cluster, model_path, tmp_path):
+    """--gpus 2 for two models: one GPU each (CUDA_VISIBLE_DEVICES split); USR1 before the time limit with
+    --requeue: the job comes back READY on the same two ports (stand-in engines: this is about the job)."""
+    from support.releases import standin_release
+
+    jobs_dir, records = tmp_path / "jobs", tmp_path / "records"
+    records.mkdir()
+    env = {**local_cluster.env, "STANDIN_RECORD": str(records / "{port}.json")}
+
+    def tgi(*args):
+        argv = [sys.executable, "-m", "tgi_hpc", args[0], "--cluster", str(local_cluster.profile),
+                "--set", f"paths.jobs={jobs_dir}", *args[1:]]
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=200)
+        assert out.returncode == 0, f"{args} exited {out.returncode}\n{out.stdout}\n{out.stderr}"
+        return out
+
+    result = json.loads(tgi("serve", "--model", str(model_path("tiny-llama")), "--model", str(model_path("smollm2")),
+                            "--gpus", "2", "--requeue", "--partition", "long", "--release",
+                            str(standin_release(tmp_path / "rel")), "--wait", "--timeout", "120", "--json").stdout)
+    job_id, st = result["job_id"], result["status"]
+    try:
+        ports = [m["port"] for m in st["models"]]
+        seen = [json.loads((records / f"{p}.json").read_text()) for p in ports]
+        gpus = [r["cuda_visible_devices"] for r in seen]
+        assert len(set(gpus)) == 2 and all(g and "," not in g for g in gpus), gpus
+        first_pids = {r["pid"] for r in seen}
+        local_cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+        local_cluster.wait_for_state(job_id, {"PENDING"}, timeout=30)
+        deadline = time.monotonic() + 120
+        while (again := json.loads(tgi("status", job_id, "--json").stdout)[0])["state"] != "READY":
+            assert time.monotonic() < deadline, again
+            time.sleep(0.5)
+        assert [m["port"] for m in again["models"]] == ports
+        assert not any(_alive(pid) for pid in first_pids), "an engine of the first run outlived it"
+    finally:
+        tgi("stop", job_id)
+
+
+def _alive(pid: int) -> bool:
+    from tgi_hpc.slurm.local_job import pid_alive
+
+    return pid_alive(pid)
