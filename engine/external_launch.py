@@ -103,8 +103,12 @@ class DistributedRunner:
                                          is_master=True, timeout_s=LAUNCHED_GROUP_TIMEOUT_S)
         self._store = store
         self._watch = PeerWatch(config, layout, self._on_dead)
-        self._worker = RankWorker(config, model_config, 0, store, layout)
-        self._control = _control_group()
+        try:
+            self._worker = RankWorker(config, model_config, 0, store, layout)
+            self._control = _control_group()
+        except BaseException:
+            self._watch.stop()   # the others see the store go and exit
+            raise
         worker = self._worker
         self.device, self.dtype, self.block_size = worker.device, worker.dtype, worker.block_size
         self.num_kv_blocks, self.attention_backend = worker.num_kv_blocks, worker.attention_backend

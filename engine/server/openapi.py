@@ -27,28 +27,32 @@ def _list_of(model: type[BaseModel]) -> dict[str, Any]:
     return {"type": "array", "items": _ref(model)}
 
 
-def _events_of(model: type[BaseModel]) -> dict[str, Any]:
+def _events_of(model: type[BaseModel], done: bool = False) -> dict[str, Any]:
     """One server-sent event (OpenAPI 3.2's itemSchema layout): `data` is `model` as JSON text, or, as the last
-    event, an ErrorResponse when the stream fails, or OpenAI's `[DONE]`."""
-    data = {"anyOf": [_ref(model), _ref(p.ErrorResponse)]}
+    event, an ErrorResponse when the stream fails; OpenAI streams (`done`) end with `[DONE]`."""
+    data: dict[str, Any] = {"type": "string", "contentMediaType": JSON,
+                            "contentSchema": {"anyOf": [_ref(model), _ref(p.ErrorResponse)]}}
+    if done:
+        data = {"anyOf": [data, {"const": "[DONE]"}]}
     return {"type": "object", "required": ["data"], "properties": {
-        "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"},
-        "data": {"type": "string", "contentMediaType": JSON, "contentSchema": data}}}
+        "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}, "data": data}}
 
 
 # (method, path, summary, request model, {media type: response schema (a model, or a JSON schema)}, error codes)
 _ROUTES: list[tuple[str, str, str, type[BaseModel] | None, dict[str, Any], dict[str, str]]] = [
     ("post", "/", "Generate; `stream: true` answers server-sent events, otherwise a one-element list",
-     p.CompatGenerateRequest, {JSON: _list_of(p.GenerateResponse), SSE: _events_of(p.StreamResponse)}, _GENERATION_ERRORS),
+     p.CompatGenerateRequest, {JSON: _list_of(p.GenerateResponse), SSE: _events_of(p.StreamResponse)},
+     _GENERATION_ERRORS),
     ("post", "/generate", "Generate tokens", p.GenerateRequest, {JSON: p.GenerateResponse}, _GENERATION_ERRORS),
     ("post", "/generate_stream", "Generate a stream of tokens (server-sent events)", p.GenerateRequest,
      {SSE: _events_of(p.StreamResponse)}, _GENERATION_ERRORS),
     ("post", "/tokenize", "Tokenize inputs", p.TokenizeRequest, {JSON: _list_of(p.SimpleToken)},
      {"422": "Input validation error", "401": _GENERATION_ERRORS["401"]}),
     ("post", "/v1/chat/completions", "OpenAI chat completions (`stream: true`: chunks as server-sent events)",
-     p.ChatCompletionRequest, {JSON: p.ChatCompletion, SSE: _events_of(p.ChatCompletionChunk)}, _GENERATION_ERRORS),
+     p.ChatCompletionRequest, {JSON: p.ChatCompletion, SSE: _events_of(p.ChatCompletionChunk, done=True)},
+     _GENERATION_ERRORS),
     ("post", "/v1/completions", "OpenAI completions (`stream: true`: chunks as server-sent events)",
-     p.CompletionRequest, {JSON: p.Completion, SSE: _events_of(p.Completion)}, _GENERATION_ERRORS),
+     p.CompletionRequest, {JSON: p.Completion, SSE: _events_of(p.Completion, done=True)}, _GENERATION_ERRORS),
     ("get", "/v1/models", "Served model", None, {JSON: p.ModelList}, {"401": _GENERATION_ERRORS["401"]}),
     ("get", "/info", "Model and server limits", None, {JSON: p.Info}, {}),
     ("get", "/health", "200 when a one-token generation succeeds, 503 otherwise", None, {},

@@ -63,8 +63,9 @@ class CompatGenerateRequest(GenerateRequest):
     stream: bool = False
 
 
-class TokenizeRequest(GenerateRequest):
-    pass
+class TokenizeRequest(_Wire):
+    inputs: str = Field(json_schema_extra={"minLength": 1})
+    parameters: dict[str, Any] | None = None    # what a GenerateRequest carries: accepted and not used
 
 
 # --- TGI responses ------------------------------------------------------------------------------

@@ -156,6 +156,9 @@ class Validator:
         vocab = self.limits.vocab_size
         if not ids:
             raise ValidationError("`prompt` cannot be empty")
+        if len(ids) > self.limits.max_input_tokens:
+            raise ValidationError(f"`inputs` must have less than {self.limits.max_input_tokens} tokens. "
+                                  f"Given: {len(ids)}")
         if min(ids) < 0 or (vocab is not None and max(ids) >= vocab):
             bad = next(i for i in ids if i < 0 or (vocab is not None and i >= vocab))
             raise ValidationError(f"`prompt` token ids must be >= 0 and < {vocab} (the vocabulary). Given: {bad}")

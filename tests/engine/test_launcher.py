@@ -74,6 +74,22 @@ def test_env_twins_and_flags_override_env():
     assert parse_args(["--max-input-length", "60"], environ=env).max_input_tokens == 60
 
 
+def test_prefix_caching_and_max_new_tokens_default(capsys):
+    env = {"MODEL_ID": "/m"}
+    config = to_config(parse_args([], environ=env), "/m")
+    assert config.prefix_caching is True and config.max_new_tokens_default == 1024
+    config = to_config(parse_args([], environ={**env, "PREFIX_CACHING": "false", "MAX_NEW_TOKENS_DEFAULT": "0"}), "/m")
+    assert config.prefix_caching is False and config.max_new_tokens_default == 0     # 0: TGI's "all the room"
+    config = to_config(parse_args(["--prefix-caching", "true", "--max-new-tokens-default", "64"],
+                                  environ={**env, "PREFIX_CACHING": "false"}), "/m")
+    assert config.prefix_caching is True and config.max_new_tokens_default == 64
+    for argv, message in [(["--prefix-caching", "maybe"], "invalid boolean 'maybe'"),
+                          (["--max-new-tokens-default", "-1"], "--max-new-tokens-default must be >= 0")]:
+        with pytest.raises(SystemExit):
+            parse_args(argv, environ=env)
+        assert message in capsys.readouterr().err
+
+
 def test_bad_env_values_name_the_variable(capsys):
     with pytest.raises(SystemExit):
         parse_args([], environ={"MODEL_ID": "m", "DTYPE": "float8"})

@@ -198,6 +198,10 @@ def test_prefill_logprobs_across_chunks(tokenizer):
         expected = torch.log_softmax(fake_logits(ids[:i], VOCAB), -1)[ids[i]]
         assert prefill[i].logprob == pytest.approx(float(expected), abs=1e-5)
     assert all(o.prefill_tokens is None for o in outputs[1:])
+    for i in range(1, len(ids)):  # the prompt's alternatives too (OpenAI echo + logprobs: k)
+        top = torch.log_softmax(fake_logits(ids[:i], VOCAB), -1).topk(3)
+        assert [t.id for t in prefill[i].top_tokens] == top.indices.tolist()
+        assert [t.logprob for t in prefill[i].top_tokens] == pytest.approx(top.values.tolist(), abs=1e-5)
     first = outputs[0].tokens[0]
     assert first.logprob == pytest.approx(float(torch.log_softmax(fake_logits(ids, VOCAB), -1).max()), abs=1e-5)
     assert [t.id for t in first.top_tokens][0] == first.id and len(first.top_tokens) == 3
@@ -245,6 +249,26 @@ def test_prefix_cache_reuses_blocks_and_gives_the_same_tokens(tokenizer):
     b = tokens_of(run_streams(engine)["b"])
     assert a == b == reference_greedy(ids, 5, VOCAB)
     assert runner.calls[0][0].start_pos == 20      # 5 cached blocks of 4
+
+
+def test_cached_tokens_and_counters(tokenizer):
+    engine, _ = make_engine(tokenizer)
+    ids = prompt(10, 22)
+    engine.add_request("a", ids, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    engine.add_request("b", prompt(11, 9), SamplingParams(max_new_tokens=2, ignore_eos=True, prefill_logprobs=True))
+    first = run_streams(engine)
+    engine.add_request("c", ids, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    again = run_streams(engine)["c"]
+    assert first["a"][0].num_cached_tokens == 0 and again[0].num_cached_tokens == 20
+    stats = engine.stats()
+    # prompt logprobs read no cache, so "b" is not a query
+    assert (stats.num_prefix_cache_queried_tokens, stats.num_prefix_cache_hit_tokens) == (44, 20)
+    assert stats.num_prompt_tokens_total == 22 + 9 + 2 and stats.num_generated_tokens_total == 3 + 2 + 3
+    off, _ = make_engine(tokenizer, prefix_caching=False)
+    for rid in ("x", "y"):
+        off.add_request(rid, ids, SamplingParams(max_new_tokens=1))
+        assert run_streams(off)[rid][0].num_cached_tokens == 0
+    assert (off.stats().num_prefix_cache_queried_tokens, off.stats().num_prefix_cache_hit_tokens) == (0, 0)
 
 
 def test_runner_failure_fails_the_batch_and_frees_blocks(tokenizer):

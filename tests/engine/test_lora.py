@@ -82,6 +82,18 @@ def test_one_batch_mixing_adapters_and_the_base_gives_each_row_its_own_tokens(ti
         assert [t.id for t in out.tokens] == alone[(i, a)], (i, a)
 
 
+def test_speculative_decoding_verifies_drafts_with_each_rows_adapter(tiny):
+    # repetitive prompts: the n-gram proposer drafts, the adapted model must accept or correct every draft
+    prompts_text = ["a b c a b c a b c a b", "one two one two one two one"]
+    with engine_with(tiny["base"], [("a1", tiny["a1"]), ("a2", tiny["a2"])], speculate=3) as engine:
+        prompts = [engine.tokenizer.encode(t) for t in prompts_text]
+        pairs = [(i, a) for a in ("a1", None, "a2") for i in range(len(prompts))]
+        outs = engine.generate([prompts[i] for i, _ in pairs], [greedy(a) for _, a in pairs])
+        assert engine.stats().num_speculative_proposed_total > 0
+    for (i, a), out in zip(pairs, outs):
+        assert [t.id for t in out.tokens] == hf_greedy(tiny["merged"][a], prompts[i], 12), (i, a)
+
+
 def test_the_prefix_cache_never_shares_blocks_between_adapters():
     bm = BlockManager(num_blocks=16, block_size=4)
     tokens = list(range(13))

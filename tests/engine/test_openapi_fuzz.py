@@ -5,6 +5,8 @@ Bounded: a fixed number of derandomized examples per operation, a 64-token conte
 answer, so the run takes about a minute on 2 cores."""
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 
@@ -18,7 +20,7 @@ from schemathesis.checks import (content_type_conformance, negative_data_rejecti
                                  not_a_server_error, response_schema_conformance, status_code_conformance)
 from test_clients import start_server, stop_server  # noqa: E402
 
-MAX_EXAMPLES = 20
+MAX_EXAMPLES = int(os.environ.get("TGI_HPC_FUZZ_EXAMPLES", "20"))  # per operation and mode; raise it to hunt
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection]
@@ -27,7 +29,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 @pytest.fixture(scope="module")
 def fuzz_server(model_path, tmp_path_factory):
     proc, url, log = start_server(model_path("tiny-llama"), tmp_path_factory.mktemp("fuzz"), "--max-total-tokens",
-                                  "64", "--max-new-tokens-default", "4", "--max-concurrent-requests", "8")
+                                  "64", "--max-new-tokens-default", "4", "--max-concurrent-requests", "8",
+                                  "--cpu-threads", "1")
     yield url
     stop_server(proc)
     assert "Traceback" not in log.read_text()

@@ -497,11 +497,155 @@ def test_completions(client):
     assert events[-1] == "data: [DONE]" and len(events) == 3
 
 
+def _new_requests(fake, before):
+    return [(rid, fake.seen[rid]) for rid in fake.seen if rid not in before]
+
+
+def test_completions_n_with_seed_fans_out_in_order(served):
+    client, fake = served
+    before = set(fake.seen)
+    body = client.post("/v1/completions", json={"prompt": "ab", "n": 3, "max_tokens": 4, "seed": 5,
+                                               "temperature": 0.7}).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in body["choices"]] == ["the "] * 3
+    assert [p.seed for _, p in _new_requests(fake, before)] == [5, 6, 7]    # choice j samples with seed + j
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    # no seed: the engine picks one per sequence
+    before = set(fake.seen)
+    client.post("/v1/completions", json={"prompt": "ab", "n": 2, "max_tokens": 1})
+    assert [p.seed for _, p in _new_requests(fake, before)] == [None, None]
+
+
+def test_completions_batched_prompts_and_token_ids(served):
+    client, fake = served
+    before = set(fake.seen)
+    ids = [ord(c) + OFFSET for c in "xyz"]
+    body = client.post("/v1/completions", json={"prompt": [ids, [ord("q") + OFFSET]], "n": 2, "max_tokens": 2,
+                                               "echo": True}).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in body["choices"]] == ["xyzth", "xyzth", "qth", "qth"]
+    prompts = [p for _, p in _new_requests(fake, before)]
+    assert len(prompts) == 4 and body["usage"]["prompt_tokens"] == 4      # token ids: no BOS added
+    body = client.post("/v1/completions", json={"prompt": ["ab", "c"], "max_tokens": 1}).json()
+    assert [c["text"] for c in body["choices"]] == ["t", "t"] and body["usage"]["prompt_tokens"] == 5
+
+
+def test_completions_echo_logprobs_scoring(served):
+    client, fake = served
+    before = set(fake.seen)
+    ids = [BOS, ord("h") + OFFSET, ord("i") + OFFSET]
+    body = client.post("/v1/completions", json={"prompt": [ids, ids], "n": 2, "echo": True, "logprobs": 1,
+                                               "max_tokens": 0}).json()
+    new = _new_requests(fake, before)
+    # each prompt's first sequence starts first and alone computes the prompt logprobs
+    assert [p.prefill_logprobs for _, p in new] == [True, True, False, False]
+    assert all(p.max_new_tokens == 1 and p.top_n_tokens == 1 for _, p in new)
+    for choice in body["choices"]:
+        lp = choice["logprobs"]
+        assert choice["text"] == "hi" and choice["finish_reason"] == "length"
+        assert lp["token_logprobs"] == [None, -1.0, -1.0] and lp["top_logprobs"][0] is None
+        assert lp["tokens"][1:] == ["h", "i"] and lp["text_offset"] == [0, 0, 1]
+    assert body["usage"]["completion_tokens"] == 0
+
+
+def test_completions_logprobs_without_echo_and_streamed(client):
+    body = client.post("/v1/completions", json={"prompt": "ab", "logprobs": 2, "max_tokens": 3}).json()
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["t", "h", "e"] and lp["token_logprobs"] == [-0.25] * 3
+    assert lp["text_offset"] == [0, 1, 2] and len(lp["top_logprobs"][0]) == 2
+    r = client.post("/v1/completions", json={"prompt": "ab", "logprobs": 1, "max_tokens": 3, "stream": True})
+    chunks = [json.loads(e[len("data: "):]) for e in sse_events(r.text)[:-1]]
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in chunks] == [[0], [1], [2]]
+    assert [c["choices"][0]["logprobs"]["tokens"] for c in chunks] == [["t"], ["h"], ["e"]]
+
+
+def test_streamed_choices_interleave_with_their_index(served):
+    client, fake = served
+    before = set(fake.seen)
+    r = client.post("/v1/completions", json={"prompt": ["ab", "cd"], "n": 2, "max_tokens": 3, "seed": 1,
+                                             "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}})
+    events = sse_events(r.text)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    by_index: dict[int, list] = {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        by_index.setdefault(choice["index"], []).append(choice)
+    assert sorted(by_index) == [0, 1, 2, 3]
+    for choices in by_index.values():
+        assert "".join(c["text"] for c in choices) == "the"
+        assert [c["logprobs"]["text_offset"] for c in choices] == [[0], [1], [2]]
+        assert [c["finish_reason"] for c in choices] == [None, None, "length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    assert sorted(p.seed for _, p in _new_requests(fake, before)) == [1, 1, 2, 2]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 3,
+                                                  "max_tokens": 2, "stream": True})
+    chunks = [json.loads(e[len("data: "):]) for e in sse_events(r.text)[:-1]]
+    assert sorted({c["choices"][0]["index"] for c in chunks}) == [0, 1, 2] and len(chunks) == 6
+
+
+def test_stream_of_choices_ends_with_an_error_event(client):
+    r = client.post("/v1/completions", json={"prompt": ["ab", "FAIL"], "max_tokens": 3, "stream": True})
+    events = sse_events(r.text)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: "):])["error_type"] == "generation"
+
+
+def test_best_of_returns_the_highest_cumulative_logprob(served):
+    client, fake = served
+    before = set(fake.seen)
+    body = client.post("/v1/completions", json={"prompt": "VARY", "best_of": 3, "max_tokens": 3,
+                                               "logprobs": 0}).json()
+    assert len(_new_requests(fake, before)) == 3 and len(body["choices"]) == 1
+    assert body["choices"][0]["logprobs"]["token_logprobs"] == [max(lp for lp in (-0.25 * (1 + v % 7)
+                                                                 for v in _variants(fake, before)))] * 3
+    assert body["usage"]["completion_tokens"] == 3       # the returned choices'
+
+
+def _variants(fake, before):
+    return [len([r for r in fake.seen if r in before]) + i for i in range(3)]
+
+
+def test_chat_n_choices(client):
+    body = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 2,
+                                                     "max_tokens": 2, "logprobs": True, "top_logprobs": 1}).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert all(c["message"]["content"] == "th" for c in body["choices"])
+    assert all(len(c["logprobs"]["content"][0]["top_logprobs"]) == 1 for c in body["choices"])
+    assert body["usage"]["completion_tokens"] == 4
+
+
+def test_max_new_tokens_default():
+    app, engine, fake = make_app(max_new_tokens_default=10)
+    with TestClient(app) as client:
+        for route, body in [("/generate", {"inputs": "abc", "parameters": {"max_new_tokens": None}}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                            ("/v1/completions", {"prompt": "abc"})]:
+            before = set(fake.seen)
+            assert client.post(route, json=body).status_code == 200
+            ((_, params),) = _new_requests(fake, before)
+            assert params.max_new_tokens == 10, route
+        # a request's own limit is refused, not cut, when it does not fit (as TGI, OpenAI and vLLM do)
+        r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 253})
+        assert r.status_code == 422 and "must be <= 256. Given: 4 `inputs` tokens and 253" in r.json()["error"]
+        assert client.get("/info").json()["max_new_tokens_default"] == 10
+    engine.close()
+    app, engine, fake = make_app()          # default 1024: cut to the room left; completions keep OpenAI's 16
+    with TestClient(app) as client:
+        before = set(fake.seen)
+        client.post("/v1/completions", json={"prompt": "abc", "max_tokens": None})
+        client.post("/generate", json={"inputs": "z" * 199, "parameters": {"details": True}})
+        assert [p.max_new_tokens for _, p in _new_requests(fake, before)] == [16, 256 - 200]
+    engine.close()
+
+
 @pytest.mark.parametrize("route, body, fragment", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "`n`: Input should be greater"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 129}, "must be <= 128 sequences"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2, "stream": True},
-     "`n` > 1 is not supported when streaming"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2, "stream": True,
+                              "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "`n` > 1 with `tools` is not supported when streaming"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 6},
      "`top_logprobs` must be <= 5"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
@@ -513,6 +657,9 @@ def test_completions(client):
     ("/v1/completions", {"prompt": "x", "logprobs": 6}, "`logprobs` must be <= 5"),
     ("/v1/completions", {"prompt": [5, 100000]}, "token ids must be >= 0 and < 1000 (the vocabulary). Given: 100000"),
     ("/v1/completions", {"prompt": [[5], [-1]]}, "Given: -1"),
+    ("/v1/completions", {"prompt": [5] * 201}, "`inputs` must have less than 200 tokens. Given: 201"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "`max_new_tokens` must be strictly positive"),
     ("/v1/completions", {"prompt": []}, "`prompt` must be a string, a list of strings"),
     ("/v1/completions", {"prompt": [[]]}, "`prompt` must be a string, a list of strings"),
     ("/v1/completions", {"prompt": [[1, 2], "x"]}, "`prompt` must be a string, a list of strings"),
@@ -522,8 +669,8 @@ def test_completions(client):
     ("/v1/completions", {"prompt": [[[1]]]}, "`prompt` must be a string, a list of strings"),
     ("/v1/completions", {"prompt": ""}, "`inputs` cannot be empty"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "`max_tokens` 0 generates nothing: it needs `echo`"),
-    ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, "not supported when streaming"),
-    ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}, "not supported when streaming"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}, "`best_of` must equal `n` when streaming"),
+    ("/v1/completions", {"prompt": ["x", "y"], "n": 2, "stream": True, "max_tokens": 999}, "must be <= 256"),
     ("/v1/completions", {"prompt": "x", "seed": -1}, "`seed`: Input should be greater than or equal to 0"),
     ("/v1/chat/completions", {"messages": [{"role": "bad", "content": "x"}]}, "chat template error"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "`tools[0].function` is required"),

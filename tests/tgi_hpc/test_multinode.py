@@ -47,8 +47,9 @@ def test_multi_node_scripts_start_one_rank_per_gpu_with_srun(name, per_node, nod
     gpu_line = next(line for line in script.splitlines() if re.match(r"#SBATCH --(gres|gpus)", line))
     assert gpu_line.endswith(f":{nodes * per_node}" if "--gpus=" in gpu_line else f"{per_node}")
     engine = next(line for line in script.splitlines() if "python -m engine" in line)
+    cpus = f"--cpus-per-task={spec.resources.cpus_per_task} " if spec.resources.cpus_per_task else ""
     assert engine.startswith(f"srun --kill-on-bad-exit=1 --distribution=block --nodes={nodes} "
-                             f"--ntasks-per-node={per_node} python -m engine ")
+                             f"--ntasks-per-node={per_node} {cpus}python -m engine ")
     rest = script[script.index(engine):]
     assert f"--num-shard {per_node}" in rest and f"--pipeline-parallel-size {nodes}" in rest
     assert '--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"' in rest
@@ -167,3 +168,17 @@ def test_serve_dry_run_nodes_through_the_cli(cluster, nodes, capsys):
     assert code == 0
     _bash_n(out)
     assert f"--pipeline-parallel-size {nodes}" in out and "--num-shard 4" in out
+
+
+def test_interconnect_settings_from_the_profile_reach_every_rank_quoted(hostile):
+    value, marker = hostile[0]
+    cluster = open_cluster("mila", ["multinode.env.NCCL_SOCKET_IFNAME=ib0", f"multinode.env.NCCL_IB_HCA={value!r}"],
+                           strict_paths=False)
+    spec = build_serve_spec(cluster, ServeOptions(model="meta-llama/Llama-3.1-70B-Instruct", nodes=2, gpus=8))
+    script = render_job(cluster.profile, spec, job_dir=cluster.job_dir)
+    _bash_n(script)
+    exports = script[:script.index("srun --kill-on-bad-exit=1 --distribution=block")]
+    assert "export NCCL_SOCKET_IFNAME=ib0" in exports
+    line = next(x for x in exports.splitlines() if x.startswith("export NCCL_IB_HCA="))
+    subprocess.run(["bash", "-c", line], check=True)   # quoted: defining it runs nothing
+    assert not marker.exists()

@@ -44,11 +44,13 @@ def script_context(profile: Profile, res: Resources) -> dict[str, object]:
     if nodes <= 1:
         return {"nodes": 1, "srun_engine": "", "srun_stage": "", "rank_env": []}
     sharing = f" {TASK_SHARING}" if profile.slurm and profile.slurm.gpu_request == "gpus_per_task" else ""
+    # srun of Slurm 22.05+ does not read the job's --cpus-per-task (its NEWS): each rank asks again
+    cpus = f" --cpus-per-task={int(res.cpus_per_task)}" if res.cpus_per_task else ""
     env = profile.multinode.env if profile.multinode else {}
     return {
         "nodes": nodes,
         "gpus_per_node": per_node,
-        "srun_engine": Shell(f"{ENGINE_SRUN} --nodes={nodes} --ntasks-per-node={per_node}{sharing}"),
+        "srun_engine": Shell(f"{ENGINE_SRUN} --nodes={nodes} --ntasks-per-node={per_node}{cpus}{sharing}"),
         "srun_stage": Shell(f"srun --kill-on-bad-exit=1 --nodes={nodes} --ntasks-per-node=1"),
         "rank_env": [(sh_name(k), sh(v)) for k, v in env.items()],
     }
