@@ -26,11 +26,11 @@ def grouped_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Te
                   batch: LoraBatch) -> torch.Tensor:
     """y[rows_i] += (x[rows_i] A_i^T) B_i^T for each adapter i in the step; y is updated in place."""
     for index, rows in batch.groups:
-        update = (x[rows] @ a[index].T) @ b[index].T
-        if isinstance(rows, slice):
-            y[rows] += update
+        h = x[rows] @ a[index].T
+        if isinstance(rows, slice):  # the usual case: the worker orders spans by adapter
+            y[rows].addmm_(h, b[index].T)
         else:
-            y.index_add_(0, rows, update)
+            y.index_add_(0, rows, h @ b[index].T)
     return y
 
 

@@ -20,11 +20,16 @@ class NgramIndex:
         self.maps = [{} for _ in range(self.max_n)]
 
     def update(self, token_ids: list[int]) -> None:
-        # an n-gram ending at p - 1 is recorded once token p (its follower) exists; the last token has none yet
-        for p in range(max(self.num_indexed, 1), len(token_ids)):
-            for n in range(1, min(self.max_n, p) + 1):
-                self.maps[n - 1][tuple(token_ids[p - n:p])] = p
-        self.num_indexed = max(self.num_indexed, len(token_ids))
+        # an n-gram ending at p - 1 is recorded once token p (its follower) exists; the last token has none yet.
+        # dict.update keeps the last of equal keys, i.e. the most recent occurrence (C loops: a 4k prompt
+        # indexes in milliseconds)
+        length = len(token_ids)
+        for n in range(1, self.max_n + 1):
+            first = max(self.num_indexed, n)
+            if first < length:
+                grams = zip(*(token_ids[first - n + j:length - n + j] for j in range(n)))
+                self.maps[n - 1].update(zip(grams, range(first, length)))
+        self.num_indexed = max(self.num_indexed, length)
 
     def follower(self, token_ids: list[int]) -> int | None:
         """Where the tokens after the most recent earlier match of the longest matching suffix start."""

@@ -39,6 +39,14 @@ DRIVER = textwrap.dedent("""
     torch.set_num_threads(1)
     config = EngineConfig(**json.loads(sys.argv[1]))
     layout = from_env(os.environ, config.num_shard, config.pipeline_parallel_size)
+    if sys.argv[2] == "logits":   # the runner alone, over test_tp's schedule ("all", "none", chunked spans)
+        sys.path.insert(0, {tests!r})
+        from test_tp import schedule_logits
+        from engine.external_launch import DistributedRunner
+        from engine.model_config import ModelConfig
+        with DistributedRunner(config, ModelConfig.from_pretrained(config.model_id), layout) as runner:
+            torch.save(schedule_logits(runner), sys.argv[3])
+        sys.exit(0)
     with _driven_engine(config, layout) as engine:
         outputs = engine.generate(json.loads(sys.argv[2]), SamplingParams(max_new_tokens=8, ignore_eos=True))
     print(json.dumps([[t.id for t in out.tokens] for out in outputs]), flush=True)
@@ -73,27 +81,39 @@ def single_process_tokens(path):
     return [[t.id for t in out.tokens] for out in outputs]
 
 
-def launched_tokens(path, tp, pp):
+def launched_tokens(path, tp, pp, *driver_args):
+    """Rank 0 runs DRIVER (greedy tokens, or with "logits" the runner's logits); the others `python -m engine`."""
     world, port = tp * pp, find_free_port()
     config = dict(model_id=str(path), num_shard=tp, pipeline_parallel_size=pp, master_port=port, **SETTINGS)
     others = [follower(path, rank, world, port, tp, pp) for rank in range(1, world)]
+    script = DRIVER.format(root=str(ROOT), tests=str(ROOT / "tests" / "engine"))
     try:
-        driver = subprocess.run([sys.executable, "-c", DRIVER.format(root=str(ROOT)), json.dumps(config),
-                                 json.dumps(PROMPTS)], env=rank_env(0, world, port), capture_output=True, text=True,
-                                timeout=600)
+        driver = subprocess.run([sys.executable, "-c", script, json.dumps(config), *(driver_args or [json.dumps(PROMPTS)])],
+                                env=rank_env(0, world, port), capture_output=True, text=True, timeout=600)
         assert driver.returncode == 0, driver.stderr[-3000:]
         for process in others:
             assert process.wait(timeout=60) == 0, log_of(process)  # told to stop: a clean exit
     finally:
         for process in others:
             process.kill()
-    return json.loads(driver.stdout.strip().splitlines()[-1])
+    return None if driver_args else json.loads(driver.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])  # gpt2: tied LM head on the last stage, learned positions
 def test_two_stages_give_the_single_process_tokens(model_path, name):
     path = model_path(name)
     assert launched_tokens(path, tp=1, pp=2) == single_process_tokens(path)
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), pytest.param(2, 2, marks=pytest.mark.slow)])
+def test_pipeline_logits_equal_one_process_on_all_none_and_chunked_spans(model_path, tmp_path, tp, pp):
+    from test_tp import make_runner, schedule_logits
+
+    path = model_path("tiny-llama")
+    with make_runner(path, 1, cpu_kv_cache_bytes=2**24) as runner:
+        expected = schedule_logits(runner)
+    launched_tokens(path, tp, pp, "logits", str(tmp_path / "logits.pt"))
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow

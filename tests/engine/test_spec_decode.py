@@ -325,8 +325,11 @@ def repetitive_prompt(i, length):
 
 def test_greedy_with_drafts_equals_without_under_preemption_and_block_boundaries(tokenizer, copying):
     # 24 requests in 48 blocks of 4 tokens: preemption, block edges at every offset, drafts clipped by room
+    # penalties on some rows: each drafted position must count the drafts before it as context
     requests = {f"r{i}": (repetitive_prompt(i, 3 + (i * 7) % 29),
-                          SamplingParams(max_new_tokens=1 + (i * 5) % 23, top_n_tokens=i % 3)) for i in range(24)}
+                          SamplingParams(max_new_tokens=1 + (i * 5) % 23, top_n_tokens=i % 3,
+                                         repetition_penalty=1.05 if i % 4 == 1 else None,
+                                         frequency_penalty=0.3 if i % 4 == 2 else None)) for i in range(24)}
     results = {}
     for speculate in (0, 1, 3, 5):
         engine, runner = fake_engine(tokenizer, speculate, num_kv_blocks=48, max_batch_prefill_tokens=32,
@@ -341,7 +344,8 @@ def test_greedy_with_drafts_equals_without_under_preemption_and_block_boundaries
                 for out in outs:
                     assert out.token_texts is None or "".join(out.token_texts) == out.text
     for rid, (ids, params) in requests.items():
-        assert results[0][rid][0] == reference_greedy(ids, params.max_new_tokens)
+        if params.repetition_penalty is None and params.frequency_penalty is None:
+            assert results[0][rid][0] == reference_greedy(ids, params.max_new_tokens)
         for speculate in (1, 3, 5):
             assert results[speculate][rid] == results[0][rid], (speculate, rid)
 

@@ -168,3 +168,17 @@ def test_serve_dry_run_nodes_through_the_cli(cluster, nodes, capsys):
     assert code == 0
     _bash_n(out)
     assert f"--pipeline-parallel-size {nodes}" in out and "--num-shard 4" in out
+
+
+def test_interconnect_settings_from_the_profile_reach_every_rank_quoted(hostile):
+    value, marker = hostile[0]
+    cluster = open_cluster("mila", ["multinode.env.NCCL_SOCKET_IFNAME=ib0", f"multinode.env.NCCL_IB_HCA={value!r}"],
+                           strict_paths=False)
+    spec = build_serve_spec(cluster, ServeOptions(model="meta-llama/Llama-3.1-70B-Instruct", nodes=2, gpus=8))
+    script = render_job(cluster.profile, spec, job_dir=cluster.job_dir)
+    _bash_n(script)
+    exports = script[:script.index("srun --kill-on-bad-exit=1 --distribution=block")]
+    assert "export NCCL_SOCKET_IFNAME=ib0" in exports
+    line = next(x for x in exports.splitlines() if x.startswith("export NCCL_IB_HCA="))
+    subprocess.run(["bash", "-c", line], check=True)   # quoted: defining it runs nothing
+    assert not marker.exists()
