@@ -119,17 +119,18 @@ def serve(model: str, *, cluster: str | Cluster | None = None, overrides: Sequen
           env: Mapping[str, str] | None = None, engine_args: Sequence[str] = (), requeue: bool = False,
           replicas: int = 1, service: str | None = None, handover: str | None = None, keep_alive: bool = False,
           api_key: bool = True, shared_weights: bool = True, release: str | None = None, wait: bool = False,
-          timeout: float = 1800, **limits: object) -> Server:
+          timeout: float = 1800, lora: Mapping[str, str] | None = None, **limits: object) -> Server:
     """Submit a serve job, as `tgi-hpc serve` does (same options, same checks). `limits`: dtype, quantize and TGI's
     engine limits (max_total_tokens=..., ...); `engine_args`: other engine flags as "FLAG=VALUE". `replicas`,
     `service`, `handover` (a lead: seconds or a Slurm time) or `keep_alive` make it a service; `requeue`, one job
-    that requeues itself."""
+    that requeues itself. `lora`: {NAME: "ORG/ADAPTER" or a folder}, as `--lora NAME=...`."""
     unknown = sorted(set(limits) - set(LIMIT_FLAGS))
     if unknown:
         raise UsageError(f"serve(): unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(LIMIT_FLAGS))}")
     opts = ServeOptions(model=model, revision=revision, gpus=gpus, time=time, partition=partition, limits=dict(limits),
                         env=[f"{k}={v}" for k, v in (env or {}).items()], engine_args=list(engine_args),
-                        keep_alive=requeue, api_key=api_key, shared_weights=shared_weights)
+                        keep_alive=requeue, api_key=api_key, shared_weights=shared_weights,
+                        loras=[f"{name}={source}" for name, source in (lora or {}).items()])
     where = _open(cluster, overrides, remote)
     if replicas > 1 or service or handover or keep_alive:
         if requeue:

@@ -284,3 +284,18 @@ def test_an_adapter_given_as_the_model_points_to_lora(tmp_path):
     spec = build_serve_spec(cluster, ServeOptions(model=str(lora)))
     with pytest.raises(ModelNotFoundError, match="PEFT adapter, not a model: serve its base model with --lora"):
         check_before_submit(cluster, spec, ShellPath("", str(standin_release(tmp_path / "rel"))), True)
+
+
+def test_the_python_api_passes_adapters_like_the_command(monkeypatch, tmp_path):
+    import tgi_hpc.api as api
+
+    seen = {}
+
+    def fake_run_serve(cluster, opts, **kwargs):
+        seen["loras"] = opts.loras
+        raise UsageError("stop here")
+
+    monkeypatch.setattr(api, "run_serve", fake_run_serve)
+    with pytest.raises(UsageError, match="stop here"):
+        api.serve("a/b", cluster="local", overrides=[f"paths.jobs={tmp_path}"], lora={"sql": "acme/sql-lora"})
+    assert seen["loras"] == ["sql=acme/sql-lora"]
