@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 huggingface_hub = pytest.importorskip("huggingface_hub")
+text_generation = pytest.importorskip("text_generation")
 transformers = pytest.importorskip("transformers")
 
 from test_clients import start_server, stop_server  # noqa: E402
@@ -218,6 +219,10 @@ def test_prefix_caching_off_reports_no_cached_tokens(model_path, tmp_path):
         # no limit in the request: the server's default (3), not all the room the context leaves
         gen = huggingface_hub.InferenceClient(model=url, timeout=60).text_generation("Hello", details=True)
         assert gen.details.generated_tokens <= 3
+        tgi = text_generation.Client(url, timeout=60)           # sends its own max_new_tokens (20)
+        assert tgi.generate("Hello", decoder_input_details=True).details.generated_tokens <= 20
+        with pytest.raises(text_generation.errors.ValidationError, match="`max_new_tokens` must be <="):
+            tgi.generate("Hello", max_new_tokens=100_000)       # a limit that does not fit: refused, not cut
         chat = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
         assert chat.usage.completion_tokens <= 3
     finally:
