@@ -80,14 +80,16 @@ class Server:
         return jobs.wait(self.cluster, self.job_id, until={"READY"}, timeout=timeout,
                          on_change=lambda st: logger.info("%s", st.describe()), on_beat=jobs.heartbeat(logger.info))
 
-    def endpoint(self, timeout: float = 600) -> Access:
+    def endpoint(self, timeout: float = 600, model: str | None = None) -> Access:
         """URL + API key that work from here (waits for READY). Close it (or use `with`) to close a tunnel.
-        A service's `urls()` lists its READY replicas on the cluster; from a laptop, its tunnel balances them."""
-        return access.connect(self.cluster, self.target, timeout=timeout, progress=logger.info)
+        A service's `urls()` lists its READY replicas on the cluster; from a laptop, its tunnel balances them.
+        `model`: in a job serving several models (or adapters), the one to reach (default: the first)."""
+        return access.connect(self.cluster, self.target, model=model, timeout=timeout, progress=logger.info)
 
-    def metrics(self, interval: float = 1.0) -> dict:
-        """One sample of the server's numbers (a service: its replicas added up), as `tgi-hpc metrics --json`."""
-        with self.endpoint() as found:
+    def metrics(self, interval: float = 1.0, model: str | None = None) -> dict:
+        """One sample of the server's numbers (a service: its replicas added up; a job serving several models:
+        all its engines, or `model`'s), as `tgi-hpc metrics --json`."""
+        with self.endpoint(model=model) as found:
             fleet = scrape.Fleet(found.replicas, found.headers)
             try:
                 summary = scrape.sample(fleet, interval)
@@ -161,12 +163,12 @@ def wait_until_ready(target: str | Server, timeout: float = 1800, **where) -> Jo
     return attach(target, **where).wait_until_ready(timeout)
 
 
-def endpoint(target: str | Server, timeout: float = 600, **where) -> Access:
-    return attach(target, **where).endpoint(timeout)
+def endpoint(target: str | Server, timeout: float = 600, model: str | None = None, **where) -> Access:
+    return attach(target, **where).endpoint(timeout, model)
 
 
-def metrics(target: str | Server, interval: float = 1.0, **where) -> dict:
-    return attach(target, **where).metrics(interval)
+def metrics(target: str | Server, interval: float = 1.0, model: str | None = None, **where) -> dict:
+    return attach(target, **where).metrics(interval, model)
 
 
 def stop(target: str | Server, **where) -> None:

@@ -4,6 +4,7 @@ a load, the live view, and a chat driven through a pseudo-terminal (streaming, /
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -78,6 +79,21 @@ def test_metrics_json_reports_the_counters_after_a_load(served):
     assert sample["latency_p50_s"] > 0 and sample["latency_p90_s"] >= sample["latency_p50_s"]
     assert 0 <= sample["kv_cache_usage"] <= 1 and sample["waiting"] >= 0 and sample["running"] >= 0
     assert sample["window_s"] >= 3
+
+
+@pytest.mark.parametrize("term", ["xterm-256color", "dumb"])
+def test_the_live_view_refreshes_until_ctrl_c(served, term):
+    """Redrawn in place on a real terminal; printed table after table on a dumb one."""
+    tgi, job_id, url, key = served
+    terminal = Terminal(tgi.argv("metrics", job_id, "--interval", "0.5", "--window", "2"), tgi.env, term=term)
+    try:
+        terminal.expect(rf"job {job_id}.*server.*{re.escape(url)}.*generated.*tok/s.*latency p90.*Ctrl-C to leave",
+                        timeout=120)
+        terminal.expect(r"Ctrl-C to leave", start=len(terminal.seen), timeout=60)     # drawn again
+        terminal.send("\x03")
+        assert terminal.proc.wait(30) == 0
+    finally:
+        terminal.close()
 
 
 def test_metrics_and_chat_refuse_a_hostile_or_unknown_target(served):

@@ -1,23 +1,25 @@
 """A command on a pseudo-terminal, for tests of interactive commands (`tgi-hpc chat`): stdlib `pty` only."""
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import select
 import signal
 import subprocess
+import termios
 import time
 
 
 class Terminal:
     """A command on a pseudo-terminal: what it writes is collected (with the time of each read)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]):
+    def __init__(self, argv: list[str], env: dict[str, str], term: str = "dumb"):
         import pty
 
         master, slave = pty.openpty()
-        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env={**env, "TERM": "dumb"},
-                                     start_new_session=True, close_fds=True)
+        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env={**env, "TERM": term},
+                                     preexec_fn=_controlling_terminal, close_fds=True)
         os.close(slave)
         self.master, self.reads, self.seen = master, [], ""
 
@@ -56,3 +58,9 @@ class Terminal:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
         os.close(self.master)
+
+
+def _controlling_terminal() -> None:
+    """In the child: a session of its own whose controlling terminal is the pty, so Ctrl-C there is SIGINT."""
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)

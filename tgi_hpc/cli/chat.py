@@ -23,6 +23,7 @@ def _pending() -> bool:
 
 @click.command()
 @click.argument("target", metavar="[JOB|SERVICE]", required=False)
+@click.option("--model", "-m", help="A job serving several models (or adapters): the one to talk to (default: the first).")
 @click.option("--system", "system", help="System prompt (change it later with /system TEXT).")
 @click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False),
               help="Answers are JSON matching this JSON-schema file (OpenAI response_format json_schema).")
@@ -30,7 +31,7 @@ def _pending() -> bool:
 @click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature (default: the server's).")
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the job to be READY.")
 @with_app
-def chat(app: App, target, system, json_schema, max_tokens, temperature, timeout) -> None:
+def chat(app: App, target, model, system, json_schema, max_tokens, temperature, timeout) -> None:
     """Chat with JOB's or SERVICE's model (default: my newest running serve job), answers streamed.
 
     Through /v1/chat/completions: the server applies the model's chat template. /system TEXT, /reset,
@@ -40,7 +41,7 @@ def chat(app: App, target, system, json_schema, max_tokens, temperature, timeout
 
     conversation = Conversation(system, max_tokens=max_tokens, temperature=temperature,
                                 response_format=response_format(json_schema))
-    with access.connect(app.cluster(), target, timeout=timeout, progress=app.info) as found:
+    with access.connect(app.cluster(), target, model=model, timeout=timeout, progress=app.info) as found:
         client = ChatClient(found.urls, found.headers, found.model)
         what = "service" if found.service else "job"
         app.info(f"chat with {what} {found.job_id} ({found.model or 'model'}) at {found.url}; /help for commands")

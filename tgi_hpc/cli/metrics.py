@@ -10,17 +10,16 @@ def _fmt(value: float | None, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
-def _table(summary):
+def _table(summary, title: str):
     from rich.table import Table
 
-    what = f"service {summary.target} ({len(summary.replicas)} replicas)" if len(summary.replicas) > 1 or \
-        summary.replicas != [summary.target] else f"job {summary.target}"
-    table = Table(title=f"{what}  {summary.url}", box=None, pad_edge=False, show_header=False)
+    table = Table(title=title, box=None, pad_edge=False, show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_column(style="dim")
     counters = summary.counters
     rows = [
+        ("server", "", summary.url),
         ("prompt", _fmt(summary.prompt_tokens_per_s, "{:.1f} tok/s"), f"{counters.get('prompt_tokens', 0):.0f} since start"),
         ("generated", _fmt(summary.generated_tokens_per_s, "{:.1f} tok/s"),
          f"{counters.get('generated_tokens', 0):.0f} since start"),
@@ -36,19 +35,21 @@ def _table(summary):
     ]
     for row in rows:
         table.add_row(*row)
-    table.caption = f"rates over the last {summary.window_s:.0f} s; tokens from {summary.token_source}; Ctrl-C to leave"
+    window = f"rates over the last {summary.window_s:.0f} s" if summary.window_s else "rates after the next scrape"
+    table.caption = f"{window}; tokens from {summary.token_source}; Ctrl-C to leave"
     return table
 
 
 @click.command()
 @click.argument("target", metavar="[JOB|SERVICE]", required=False)
+@click.option("--model", "-m", help="A job serving several models (or adapters): the one to read (default: all of them).")
 @click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Seconds between scrapes (with --json: between the two scrapes of the sample).")
 @click.option("--window", default=10.0, show_default=True, type=click.FloatRange(min=1),
               help="Rates over this many seconds of scrapes (the live view).")
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the job to be READY.")
 @with_app
-def metrics(app: App, target, interval, window, timeout) -> None:
+def metrics(app: App, target, model, interval, window, timeout) -> None:
     """Live numbers of JOB's server or SERVICE's replicas (default: my newest running serve job), from /metrics.
 
     Prompt and generated tokens/s, requests/s, running and waiting requests, KV-cache usage, prefix-cache hit
@@ -57,7 +58,7 @@ def metrics(app: App, target, interval, window, timeout) -> None:
     With --json, one sample: two scrapes --interval apart, the rates between them and the counters."""
     from tgi_hpc.workflows import access, scrape
 
-    with access.connect(app.cluster(), target, timeout=timeout, progress=app.info) as found:
+    with access.connect(app.cluster(), target, model=model, timeout=timeout, progress=app.info) as found:
         fleet = scrape.Fleet(found.replicas, found.headers)
         try:
             if app.json_output:
@@ -71,12 +72,32 @@ def metrics(app: App, target, interval, window, timeout) -> None:
 
 
 def _live(summaries, found) -> None:
+    """Redrawn in place on a terminal; elsewhere (a pipe, TERM=dumb) one table after the other."""
+    from rich.console import Console
     from rich.live import Live
 
+    console = Console()
     try:
-        with Live(auto_refresh=False) as live:
-            for summary in summaries:
-                summary.target, summary.url = found.job_id, found.url
-                live.update(_table(summary), refresh=True)
+        tables = (_table(s, _title(found, s)) for s in _named(summaries, found))
+        if not console.is_terminal or console.is_dumb_terminal:
+            for table in tables:
+                console.print(table)
+            return
+        with Live(console=console, auto_refresh=False) as live:
+            for table in tables:
+                live.update(table, refresh=True)
     except KeyboardInterrupt:
         pass
+
+
+def _named(summaries, found):
+    for summary in summaries:
+        summary.target, summary.url = found.job_id, found.url
+        yield summary
+
+
+def _title(found, summary) -> str:
+    count = len(summary.replicas)
+    if found.service:
+        return f"service {found.job_id} ({count} replica{'s' if count != 1 else ''} READY)"
+    return f"job {found.job_id}" + (f" ({count} models)" if count > 1 else "")

@@ -32,8 +32,10 @@ class Access:
     model: str = ""
     via: str = "direct"            # "direct" (node:port), "tunnel" (opened here), "background tunnel"
     service: bool = False
+    engines: dict[str, str] = field(default_factory=dict)      # a job serving several models: model -> URL here
     _cluster: Cluster | None = field(default=None, repr=False)
     _tunnels: dict = field(default_factory=dict, repr=False)    # what this access opened: key -> tunnel
+    _models: list[dict] = field(default_factory=list, repr=False)   # a tunnel's per-engine records (TunnelInfo.models)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -41,7 +43,7 @@ class Access:
 
     def to_dict(self) -> dict:
         return {"job_id": self.job_id, "url": self.url, "api_key": self.api_key, "model": self.model, "via": self.via,
-                "service": self.service}
+                "service": self.service, "engines": self.engines}
 
     def urls(self) -> list[str]:
         """Where a request may go now: a service's READY replicas on the cluster; else the one URL (a job, or
@@ -54,6 +56,8 @@ class Access:
         """Job id -> a URL here for each server behind the target (a service: each READY replica, through a tunnel
         of its own from a laptop), for reads that must reach every one (metrics)."""
         if not self.service:
+            if len(self.engines) > 1:     # several models in the job: each engine has its own /metrics
+                return {f"{self.job_id}/{model}": url for model, url in self.engines.items()}
             return {self.job_id: self.url}
         serving = {j.job_id: j.url for j in read_service(self._cluster, self.job_id).serving()}
         if self.via == "direct":
@@ -96,10 +100,11 @@ def resolve_job(cluster: Cluster, target: str | None) -> str:
     return target
 
 
-def connect(cluster: Cluster, target: str | None = None, *, timeout: float = 600,
+def connect(cluster: Cluster, target: str | None = None, *, model: str | None = None, timeout: float = 600,
             progress=lambda message: None) -> Access:
     """Wait until the target answers, then the shortest way to it from here (see the module docstring).
-    `target`: a job id, a service name, or None (my newest running serve job)."""
+    `target`: a job id, a service name, or None (my newest running serve job). `model`: in a job serving several
+    models (or adapters), the one to talk to (default: the first); the access then covers that engine only."""
     if target is not None and not is_job_id(target):
         return _connect_service(cluster, check_name(target), timeout, progress)
     job_id = resolve_job(cluster, target)
@@ -109,14 +114,36 @@ def connect(cluster: Cluster, target: str | None = None, *, timeout: float = 600
               on_beat=jobs.heartbeat(progress))
     endpoint = jobs.read_endpoint(cluster, job_id)
     if cluster.is_local and endpoint is not None:
-        return Access(job_id, endpoint.url, jobs.read_api_key(cluster, endpoint), endpoint.model, "direct",
-                      _cluster=cluster)
+        engines = {e.model: endpoint.url_of(e) for e in endpoint.engines}
+        adapters = {name: endpoint.url_of(e) for e in endpoint.engines for name in e.adapters}
+        found = Access(job_id, endpoint.url, jobs.read_api_key(cluster, endpoint), endpoint.model, "direct",
+                       engines=engines, _cluster=cluster)
+        return _choose(found, model, adapters)
     found = _background(cluster, job_id)
-    if found is not None:
+    if found is None:
+        tunnel, info = tunnel_session.open_tunnel(cluster, job_id, local_port=0, timeout=timeout, progress=progress)
+        found = _from_tunnel(cluster, job_id, info, "tunnel", tunnel)
+    adapters = {name: m["url"] for m in found._models for name in m.get("adapters", ())}
+    return _choose(found, model, adapters)
+
+
+def _choose(found: Access, model: str | None, adapters: dict[str, str]) -> Access:
+    """Narrow a job's access to one of its models (or an adapter: its engine, requests name the adapter)."""
+    if model is None or (model == found.model and len(found.engines) <= 1):
         return found
-    tunnel, info = tunnel_session.open_tunnel(cluster, job_id, local_port=0, timeout=timeout, progress=progress)
-    return Access(job_id, info.url, _read_key(info.api_key_file), info.model, "tunnel", _cluster=cluster,
-                  _tunnels={"": tunnel})
+    if model in found.engines or model in adapters:
+        found.url = found.engines.get(model) or adapters[model]
+        found.model, found.engines = model, {model: found.url}
+        return found
+    names = sorted({*found.engines, *adapters} or {found.model})
+    found.close()
+    raise UsageError(f"job {found.job_id} does not serve {model!r}; it serves: {', '.join(names)}")
+
+
+def _from_tunnel(cluster: Cluster, name: str, info, via: str, tunnel=None) -> Access:
+    engines = {m["model"]: m["url"] for m in info.models}
+    return Access(name, info.url, _read_key(info.api_key_file), info.model, via, not is_job_id(name), engines,
+                  _cluster=cluster, _tunnels={"": tunnel} if tunnel is not None else {}, _models=list(info.models))
 
 
 def _connect_service(cluster: Cluster, name: str, timeout: float, progress) -> Access:
@@ -131,8 +158,7 @@ def _connect_service(cluster: Cluster, name: str, timeout: float, progress) -> A
     if background is not None:
         return background
     tunnel, info = open_service_tunnel(cluster, name, local_port=0, timeout=timeout, progress=progress)
-    return Access(name, info.url, _read_key(info.api_key_file), info.model, "tunnel", True, _cluster=cluster,
-                  _tunnels={"": tunnel})
+    return _from_tunnel(cluster, name, info, "tunnel", tunnel)
 
 
 def _background(cluster: Cluster, name: str) -> Access | None:
@@ -140,8 +166,7 @@ def _background(cluster: Cluster, name: str) -> Access | None:
     for info in tunnel_session.list_tunnels():
         if info.job_id == name and info.cluster == (cluster.profile.cluster or cluster.profile.name):
             logger.info("%s: using the background tunnel at %s", name, info.url)
-            return Access(name, info.url, _read_key(info.api_key_file), info.model, "background tunnel",
-                          not is_job_id(name), _cluster=cluster)
+            return _from_tunnel(cluster, name, info, "background tunnel")
     return None
 
 
