@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
@@ -124,8 +123,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, limits.max_batch_prefill_tokens, config.max_batch_size,
                                    num_speculative_tokens=config.speculate,
                                    propose=NgramProposer().propose if config.speculate > 0 else None)
-        self.num_draft_tokens_total = 0
-        self.num_accepted_tokens_total = 0
+        self._num_draft_tokens_total = 0
+        self._num_accepted_tokens_total = 0
         self.token_texts = TokenTexts(self.tokenizer)
         self.vocab_size = model_config.vocab_size
         self.adapter_names: list[str] = [name for name, _ in getattr(config, "lora_adapters", [])]
@@ -237,7 +236,7 @@ class LLMEngine:
             logits = last_logits if len(rows) == len(last_logits) else last_logits[rows]
             bitmask = masks.for_rows(sampled) if masks is not None else None
             out = sample(logits, sampled, bitmask)
-            outputs += [self._append_run(seq, out, [j]) for j, seq in enumerate(sampled)]
+            outputs += [self._append_run(seq, out, range(j, j + 1)) for j, seq in enumerate(sampled)]
         if drafted:
             outputs += self._append_verified(drafted, verify(drafted, [all_logits[s.seq_id] for s in drafted]))
         return outputs
@@ -247,8 +246,8 @@ class LLMEngine:
         for seq, out in zip(seqs, outs):
             num_accepted = len(out.token_ids) - 1
             self._num_generated_tokens_total += len(out.token_ids)
-            self.num_draft_tokens_total += len(seq.draft_token_ids)
-            self.num_accepted_tokens_total += num_accepted
+            self._num_draft_tokens_total += len(seq.draft_token_ids)
+            self._num_accepted_tokens_total += num_accepted
             outputs.append(self._append_run(seq, out, range(len(out.token_ids))))
             if not seq.is_finished:
                 self.scheduler.commit_draft(seq, num_accepted)
@@ -296,7 +295,7 @@ class LLMEngine:
         seq.prefill_tokens += [TokenInfo(t, texts.text(t), lp, texts.is_special(t), top)
                                for t, lp, top in zip(targets, values, tops)]
 
-    def _append_run(self, seq: Sequence, out: SamplerOutput, rows: Sequence_[int]) -> RequestOutput:
+    def _append_run(self, seq: Sequence, out: SamplerOutput, rows: range) -> RequestOutput:
         """Append `out`'s tokens at `rows` to `seq` in order, stopping at the first that ends it (a stop
         sequence, EOS, the grammar's end or the length limit): one output with every token kept."""
         texts, infos, pieces, reason = self.token_texts, [], [], None
@@ -398,7 +397,7 @@ class LLMEngine:
                            bm.block_size, self._batch_size, getattr(self.runner, "attention_backend", "unknown"),
                            self._num_prompt_tokens_total, self._num_generated_tokens_total,
                            bm.num_queried_tokens, bm.num_hit_tokens,
-                           self.num_draft_tokens_total, self.num_accepted_tokens_total)
+                           self._num_draft_tokens_total, self._num_accepted_tokens_total)
 
     def close(self) -> None:
         if not self._closed:

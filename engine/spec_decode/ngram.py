@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
 
 DEFAULT_MAX_NGRAM = 3
 
@@ -53,7 +57,7 @@ class NgramProposer:
             raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
         self.max_ngram = max_ngram
 
-    def propose(self, seq, max_tokens: int) -> list[int]:
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
         if max_tokens <= 0 or not seq.token_ids:
             return []
         index = seq.ngram_index

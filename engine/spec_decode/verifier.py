@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -9,13 +10,16 @@ from engine.sampler import SamplerOutput, draw_uniform, process, report
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.acceptance import accept_greedy, accept_sampled
 
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
+
 
 @dataclass(slots=True)
 class DraftPosition:
     """Position j of a drafted sequence as the sampler sees it: the context is the sequence's tokens
     plus its first j draft tokens, so penalties count exactly what a token-by-token decode would."""
 
-    seq: object
+    seq: Sequence
     num_draft: int
 
     @property
@@ -43,7 +47,7 @@ class DraftPosition:
         self.seq.generator = value
 
 
-def verify(seqs: list, logits: list[torch.Tensor]) -> list[SamplerOutput]:
+def verify(seqs: list[Sequence], logits: list[torch.Tensor]) -> list[SamplerOutput]:
     """For each drafted sequence and its logits [1 + k, vocab], the tokens it keeps (accepted drafts,
     then the corrected or bonus token) with their logprobs and alternatives, as `sample` reports them."""
     rows = [DraftPosition(seq, j) for seq in seqs for j in range(len(seq.draft_token_ids) + 1)]

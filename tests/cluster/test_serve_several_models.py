@@ -18,7 +18,8 @@ import pytest
 from support.releases import venv_release
 from test_laptop import _read_until, laptop  # noqa: F401 (the laptop fixture: its own HOME, ssh config, --remote)
 
-pytestmark = pytest.mark.slow
+# two engines on a shared 2-core box: the CLI's own --timeout (300 s) must fire before pytest's, to say why
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 # Jobs submitted over SSH get the login node's environment: this checkout's code goes with them.
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +51,7 @@ def test_two_models_through_tunnels_then_stop_ends_both(laptop, local_cluster, m
                  "--partition", "long", "--tunnel", "--local-port", "0", "--timeout", "300", "--env", f"PYTHONPATH={ROOT}")
     job_id = None
     try:
-        out = _read_until(proc, r"api key: \S+", timeout=300)
+        out = _read_until(proc, r"api key: \S+", timeout=420)
         job_id = re.search(r"job (\d+) on", out).group(1)
         key = Path(re.search(r"api key: (\S+)", out).group(1)).read_text().strip()
         urls = dict(re.findall(r"^(\S+) at (http://127\.0\.0\.1:\d+)  \(-> ", out, re.M))

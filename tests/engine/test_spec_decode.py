@@ -453,7 +453,6 @@ def test_greedy_with_the_triton_backend_is_identical_with_speculate_3():
                    max_new=8)
 
 
-@pytest.mark.slow
 def test_greedy_on_smollm2_is_identical_with_speculate_3():
     compare_greedy("smollm2", {}, max_new=8)
 
@@ -462,7 +461,6 @@ def test_greedy_with_two_shards_is_identical_with_speculate_3():
     compare_greedy("tiny-llama", {"num_shard": 2}, {"num_shard": 1})
 
 
-@pytest.mark.slow
 def test_sampled_token_distribution_is_the_same_with_speculate_3():
     # same seed stream with and without drafts; each generated position's marginal compared by chi-square
     num_draws = 500
