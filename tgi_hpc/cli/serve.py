@@ -1,6 +1,8 @@
 """`tgi-hpc serve`: render the serve job, submit it, optionally wait until it really answers."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import click
 
 from tgi_hpc.cli._app import App, with_app
@@ -95,6 +97,19 @@ def serve(app: App, models, loras, memory_fractions, revision, gpus, nodes, time
     # with --tunnel, the wait for READY happens inside the try below (so --stop-on-exit covers it)
     result = run_serve(cluster, opts, release=release, dry_run=dry_run, wait=wait_ready and not open_tunnel,
                        timeout=timeout, progress=app.info, again=app.again())
+    from tgi_hpc.slurm import jobs
+    from tgi_hpc.workflows.tunnel_session import open_tunnel as start_tunnel
+
+    deliver(app, cluster, result, dry_run=dry_run, open_tunnel=open_tunnel, stop_on_exit=stop_on_exit,
+            tunnel=lambda: start_tunnel(cluster, result.job_id, local_port=local_port, timeout=timeout,
+                                        progress=app.info),
+            stop=lambda: jobs.stop(cluster, [result.job_id]))
+
+
+def deliver(app: App, cluster, result, *, dry_run: bool, open_tunnel: bool, stop_on_exit: bool,
+            tunnel: Callable[[], tuple], stop: Callable[[], object]) -> None:
+    """Print what serve did (the script of a dry run, or the submitted job or service); with --tunnel, open
+    the tunnel and hold it until Ctrl-C."""
     if dry_run:
         app.emit({"script": result.script}, lambda: click.echo(result.script, nl=False))
         return
@@ -102,15 +117,13 @@ def serve(app: App, models, loras, memory_fractions, revision, gpus, nodes, time
         app.emit(result.to_dict(), result.summary())
         return
     from tgi_hpc.cli.tunnel import hold
-    from tgi_hpc.slurm import jobs
-    from tgi_hpc.workflows.tunnel_session import instructions, open_tunnel as start_tunnel
+    from tgi_hpc.workflows.tunnel_session import instructions
 
     try:
-        tunnel_obj, info = start_tunnel(cluster, result.job_id, local_port=local_port, timeout=timeout,
-                                        progress=app.info)
+        tunnel_obj, info = tunnel()
     except BaseException:
         if stop_on_exit:  # Ctrl-C or a failure before the tunnel opened: still honour --stop-on-exit
-            jobs.stop(cluster, [result.job_id])
+            stop()
         raise
     app.emit({**result.to_dict(), "tunnel": info.to_dict()}, instructions(info))
     hold(app, tunnel_obj, info, cluster, stop_job=stop_on_exit)

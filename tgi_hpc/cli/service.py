@@ -8,29 +8,17 @@ from tgi_hpc.cli._app import App, with_app
 
 def serve_service(app: App, cluster, opts, svc, *, release, dry_run, wait, timeout, open_tunnel, local_port,
                   stop_on_exit) -> None:
+    from tgi_hpc.cli.serve import deliver
     from tgi_hpc.workflows.service import run_service, stop_service
+    from tgi_hpc.workflows.service_tunnel import open_service_tunnel
 
     result = run_service(cluster, opts, svc, release=release, dry_run=dry_run, wait=wait and not open_tunnel,
                          timeout=timeout, progress=app.info, again=app.again())
-    if dry_run:
-        app.emit({"script": result.script}, lambda: click.echo(result.script, nl=False))
-        return
-    if not open_tunnel:
-        app.emit(result.to_dict(), result.summary())
-        return
-    from tgi_hpc.cli.tunnel import hold
-    from tgi_hpc.workflows.tunnel_session import instructions
-    from tgi_hpc.workflows.service_tunnel import open_service_tunnel
 
-    try:
-        tunnel_obj, info = open_service_tunnel(cluster, result.name, local_port=local_port, timeout=timeout,
-                                               progress=app.info)
-    except BaseException:
-        if stop_on_exit:
-            stop_service(cluster, result.name)
-        raise
-    app.emit({**result.to_dict(), "tunnel": info.to_dict()}, instructions(info))
-    hold(app, tunnel_obj, info, cluster, stop_job=stop_on_exit)
+    deliver(app, cluster, result, dry_run=dry_run, open_tunnel=open_tunnel, stop_on_exit=stop_on_exit,
+            tunnel=lambda: open_service_tunnel(cluster, result.name, local_port=local_port, timeout=timeout,
+                                               progress=app.info),
+            stop=lambda: stop_service(cluster, result.name))
 
 
 @click.command()

@@ -4,13 +4,13 @@ another replica is up. The replica list comes from outside (the service's state,
 from __future__ import annotations
 
 import logging
-import socket
 import time
+from collections.abc import Callable
 
 import paramiko
 
 from tgi_hpc.errors import TunnelError
-from tgi_hpc.remote.tunnel import Connect, Tunnel, _pump
+from tgi_hpc.remote.tunnel import Connect, Tunnel
 from tgi_hpc.service.balance import Balancer, Target
 
 logger = logging.getLogger(__name__)
@@ -27,19 +27,9 @@ class BalancedTunnel(Tunnel):
     def _no_single_target() -> tuple[str, int]:
         raise TunnelError("a balanced tunnel picks a replica per connection")
 
-    def _forward(self, sock: socket.socket, peer: tuple) -> None:
-        try:
-            chan, target = self._open_to_replica(peer[:2])
-        except Exception as e:
-            logger.error("%s", e)
-            sock.close()
-            return
-        self._pipes.add((sock, chan))
-        try:
-            _pump(sock, chan, self._closed)
-        finally:
-            self._pipes.discard((sock, chan))
-            self.balancer.release(target)
+    def _open(self, peer: tuple[str, int]) -> tuple[paramiko.Channel, Callable[[], None]]:
+        chan, target = self._open_to_replica(peer)
+        return chan, lambda: self.balancer.release(target)
 
     def _open_to_replica(self, peer: tuple[str, int]) -> tuple[paramiko.Channel, Target]:
         """A channel to a live replica: on a refusal, the next replica at once; when every one refused

@@ -106,7 +106,7 @@ class Tunnel:
 
     def _forward(self, sock: socket.socket, peer: tuple) -> None:
         try:
-            chan = self._open_channel(peer[:2])
+            chan, done = self._open(peer[:2])
         except Exception as e:
             logger.error("%s", e)
             sock.close()
@@ -116,6 +116,11 @@ class Tunnel:
             _pump(sock, chan, self._closed)
         finally:
             self._pipes.discard((sock, chan))
+            done()
+
+    def _open(self, peer: tuple[str, int]) -> tuple[paramiko.Channel, Callable[[], None]]:
+        """The channel for one local connection, and what to run once it has ended."""
+        return self._open_channel(peer), lambda: None
 
     def _open_channel(self, peer: tuple[str, int]) -> paramiko.Channel:
         deadline, delay = time.monotonic() + self.reconnect_timeout, 0.25

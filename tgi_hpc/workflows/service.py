@@ -206,14 +206,18 @@ def service_endpoint(cluster: Cluster, name: str, *, check_slurm: bool = True) -
     if check_slurm and serving:
         known = cluster.backend.states([j.job_id for j in serving])
         serving = [j for j in serving if j.job_id in known and not known[j.job_id].is_final]
-    key = None
-    if state.api_key_file:
-        try:
-            key = cluster.runner.read_file(state.api_key_file).strip() or None
-        except OSError:
-            key = None
     return ServiceEndpoint(state.name, state_path(cluster.job_dir, name), [j.url for j in serving],
-                           state.api_key_file, key, [asdict(j) for j in state.live()])
+                           state.api_key_file, service_api_key(cluster, state), [asdict(j) for j in state.live()])
+
+
+def service_api_key(cluster: Cluster, state: ServiceState) -> str | None:
+    """The key every replica of the service accepts (None: no key file, or one that cannot be read)."""
+    if not state.api_key_file:
+        return None
+    try:
+        return cluster.runner.read_file(state.api_key_file).strip() or None
+    except OSError:
+        return None
 
 
 def stop_service(cluster: Cluster, name: str) -> list[str]:

@@ -16,7 +16,7 @@ from tgi_hpc.remote.runner import LocalRunner
 from tgi_hpc.service.balance import Balancer
 from tgi_hpc.slurm.cluster import Cluster
 from tgi_hpc.slurm.ports import is_port_free
-from tgi_hpc.workflows.service import read_service, serving_targets
+from tgi_hpc.workflows.service import read_service, service_api_key, serving_targets
 from tgi_hpc.workflows.tunnel_session import TunnelInfo, _connector, _local_key
 
 logger = logging.getLogger(__name__)
@@ -76,12 +76,7 @@ def open_service_tunnel(cluster: Cluster, name: str, *, local_port: int | None =
         tunnel.close()
         raise
     state = read_service(cluster, name)
-    key = None
-    if state.api_key_file:
-        try:
-            key = cluster.runner.read_file(state.api_key_file).strip() or None
-        except OSError:
-            key = None
+    key = service_api_key(cluster, state)
     info = TunnelInfo(name, cluster.profile.cluster or cluster.profile.name, tunnel.url, tunnel.local_port,
                       " ".join(f"{t.host}:{t.port}" for t in targets), _local_key(cluster, f"service-{name}", key),
                       os.getpid(), state.model)
