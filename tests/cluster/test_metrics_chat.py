@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -15,29 +13,18 @@ import pytest
 
 from support.releases import venv_release
 from support.terminal import Terminal
-
-ROOT = Path(__file__).resolve().parents[2]
+from support.tgi_cli import TgiCli
 
 
 @pytest.fixture(scope="module")
 def served(local_cluster, model_path, tmp_path_factory):
     jobs_dir = tmp_path_factory.mktemp("jobs")
-    base = ["--cluster", str(local_cluster.profile), "--set", f"paths.jobs={jobs_dir}"]
-    env = {**local_cluster.env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-
-    def tgi(*args, check=True, timeout=300):
-        out = subprocess.run([sys.executable, "-m", "tgi_hpc", args[0], *base, *args[1:]], env=env,
-                             capture_output=True, text=True, timeout=timeout)
-        if check and out.returncode != 0:
-            raise AssertionError(f"{args} exited {out.returncode}\n{out.stdout}\n{out.stderr}")
-        return out
+    tgi = TgiCli.for_cluster(local_cluster, jobs_dir)
 
     result = json.loads(tgi("serve", "--model", str(model_path("smollm2")), "--release", str(venv_release()),
                             "--max-total-tokens", "2048", "--wait", "--timeout", "240", "--json").stdout)
     st = result["status"]
     key = Path(st["api_key_file"]).read_text().strip()
-    tgi.argv = lambda *args: [sys.executable, "-m", "tgi_hpc", args[0], *base, *args[1:]]
-    tgi.env = env
     yield tgi, result["job_id"], st["url"], key
     tgi("stop", result["job_id"], check=False)
 

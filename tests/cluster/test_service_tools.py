@@ -5,35 +5,24 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from support.releases import venv_release
 from support.terminal import Terminal
+from support.tgi_cli import TgiCli
 
-ROOT = Path(__file__).resolve().parents[2]
 NAME = "tools-svc"
 
 
 @pytest.fixture(scope="module")
 def service(local_cluster, model_path, tmp_path_factory):
     jobs_dir = tmp_path_factory.mktemp("jobs")
-    base = ["--cluster", str(local_cluster.profile), "--set", f"paths.jobs={jobs_dir}"]
-    env = {**local_cluster.env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-
-    def tgi(*args, check=True, timeout=300):
-        out = subprocess.run([sys.executable, "-m", "tgi_hpc", args[0], *base, *args[1:]], env=env,
-                             capture_output=True, text=True, timeout=timeout)
-        if check and out.returncode != 0:
-            raise AssertionError(f"{args} exited {out.returncode}\n{out.stdout}\n{out.stderr}")
-        return out
+    tgi = TgiCli.for_cluster(local_cluster, jobs_dir)
 
     result = json.loads(tgi("serve", "--model", str(model_path("smollm2")), "--release", str(venv_release()),
                             "--service", NAME, "--max-total-tokens", "2048", "--wait", "--timeout", "240",
                             "--json").stdout)
-    tgi.argv = lambda *args: [sys.executable, "-m", "tgi_hpc", args[0], *base, *args[1:]]
-    tgi.env, tgi.jobs_dir, tgi.profile = env, jobs_dir, str(local_cluster.profile)
     yield tgi, result["job_ids"]
     tgi("stop", NAME, check=False)
     local_cluster.cancel(*result["job_ids"])
