@@ -1,8 +1,6 @@
 """`tgi-hpc serve`: render the serve job, submit it, optionally wait until it really answers."""
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import click
 
 from tgi_hpc.cli._app import App, with_app
@@ -97,6 +95,7 @@ def serve(app: App, models, loras, memory_fractions, revision, gpus, nodes, time
     # with --tunnel, the wait for READY happens inside the try below (so --stop-on-exit covers it)
     result = run_serve(cluster, opts, release=release, dry_run=dry_run, wait=wait_ready and not open_tunnel,
                        timeout=timeout, progress=app.info, again=app.again())
+    from tgi_hpc.cli.tunnel import deliver
     from tgi_hpc.slurm import jobs
     from tgi_hpc.workflows.tunnel_session import open_tunnel as start_tunnel
 
@@ -105,25 +104,3 @@ def serve(app: App, models, loras, memory_fractions, revision, gpus, nodes, time
                                         progress=app.info),
             stop=lambda: jobs.stop(cluster, [result.job_id]))
 
-
-def deliver(app: App, cluster, result, *, dry_run: bool, open_tunnel: bool, stop_on_exit: bool,
-            tunnel: Callable[[], tuple], stop: Callable[[], object]) -> None:
-    """Print what serve did (the script of a dry run, or the submitted job or service); with --tunnel, open
-    the tunnel and hold it until Ctrl-C."""
-    if dry_run:
-        app.emit({"script": result.script}, lambda: click.echo(result.script, nl=False))
-        return
-    if not open_tunnel:
-        app.emit(result.to_dict(), result.summary())
-        return
-    from tgi_hpc.cli.tunnel import hold
-    from tgi_hpc.workflows.tunnel_session import instructions
-
-    try:
-        tunnel_obj, info = tunnel()
-    except BaseException:
-        if stop_on_exit:  # Ctrl-C or a failure before the tunnel opened: still honour --stop-on-exit
-            stop()
-        raise
-    app.emit({**result.to_dict(), "tunnel": info.to_dict()}, instructions(info))
-    hold(app, tunnel_obj, info, cluster, stop_job=stop_on_exit)

@@ -8,7 +8,7 @@ from tgi_hpc.cli._app import App, with_app
 
 def serve_service(app: App, cluster, opts, svc, *, release, dry_run, wait, timeout, open_tunnel, local_port,
                   stop_on_exit) -> None:
-    from tgi_hpc.cli.serve import deliver
+    from tgi_hpc.cli.tunnel import deliver
     from tgi_hpc.workflows.service import run_service, stop_service
     from tgi_hpc.workflows.service_tunnel import open_service_tunnel
 

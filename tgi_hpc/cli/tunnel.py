@@ -1,6 +1,8 @@
 """`tgi-hpc tunnel [JOB]`, `tunnel list`, `tunnel stop`, and `tgi-hpc ssh-config CLUSTER`."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import click
 
 from tgi_hpc.cli._app import App, OpenByDefault, with_app
@@ -149,3 +151,25 @@ def ssh_config(cluster_name, user, append) -> None:
         with path.open("a") as fh:
             fh.write("\n" + text)
         click.echo(f"appended to {path}", err=True)
+
+
+def deliver(app: App, cluster, result, *, dry_run: bool, open_tunnel: bool, stop_on_exit: bool,
+            tunnel: Callable[[], tuple], stop: Callable[[], object]) -> None:
+    """Print what serve did (the script of a dry run, or the submitted job or service); with --tunnel, open
+    the tunnel and hold it until Ctrl-C."""
+    if dry_run:
+        app.emit({"script": result.script}, lambda: click.echo(result.script, nl=False))
+        return
+    if not open_tunnel:
+        app.emit(result.to_dict(), result.summary())
+        return
+    from tgi_hpc.workflows.tunnel_session import instructions
+
+    try:
+        tunnel_obj, info = tunnel()
+    except BaseException:
+        if stop_on_exit:  # Ctrl-C or a failure before the tunnel opened: still honour --stop-on-exit
+            stop()
+        raise
+    app.emit({**result.to_dict(), "tunnel": info.to_dict()}, instructions(info))
+    hold(app, tunnel_obj, info, cluster, stop_job=stop_on_exit)
