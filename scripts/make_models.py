@@ -12,6 +12,7 @@ concurrent test processes never see a half-written model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -87,12 +88,31 @@ def ensure_model(name: str, cache_root: str | Path | None = None) -> Path:
     """Return the snapshot folder of test model `name`, building it on first use."""
     if name not in MODEL_NAMES:
         raise ValueError(f"unknown test model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     root = cache_dir(cache_root)
     target = root / f"{name}-{recipe_hash(name)}"
     if (target / "config.json").exists():
         return target
+    # offline while building, and only then: tests call this in-process, and a variable left behind would
+    # reach every later subprocess (a download test's `tgi-hpc download` would refuse to run)
+    with _offline():
+        return _build(name, root, target)
+
+
+@contextlib.contextmanager
+def _offline():
+    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    os.environ.update(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _build(name: str, root: Path, target: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
