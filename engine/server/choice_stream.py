@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Callable
 
 from engine.server import sse
-from engine.server.errors import GenerationError, ServerError
 from engine.server.infer import Generation, StreamEvent
 from engine.server.state import ServerState
-from engine.server.streaming import EventStream
+from engine.server.streaming import EventStream, stream_error
 from engine.server.validation import ValidRequest
 
-logger = logging.getLogger(__name__)
 # (choice index, event) -> SSE chunks; the closer gets every sequence's end, by prompt, in order
 ChoiceRenderer = Callable[[int, StreamEvent], list[bytes]]
 Closer = Callable[[list[list[Generation]]], list[bytes]]
@@ -52,13 +49,8 @@ async def _events(state: ServerState, groups: list[list[ValidRequest]], arrival:
             index += len(group)
         for chunk in close(by_prompt):
             yield chunk
-    except ServerError as err:
-        state.metrics.failure(err.error_type)
-        yield sse.encode_error(err, space=True)
-    except Exception as exc:  # noqa: BLE001 - logged here, the client gets an error event, not a traceback
-        logger.exception("stream failed")
-        state.metrics.failure("generation")
-        yield sse.encode_error(GenerationError(type(exc).__name__), space=True)
+    except Exception as exc:  # noqa: BLE001 - the client gets an error event, not a traceback
+        yield stream_error(state, exc, space=True)
     finally:
         for task in tasks:
             task.cancel()

@@ -91,12 +91,18 @@ async def _events(state: ServerState, valid: ValidRequest, arrival: float, rende
             async for ev in events:
                 for chunk in render(ev, valid):
                     yield chunk
-    except ServerError as err:
-        state.metrics.failure(err.error_type)
-        yield sse.encode_error(err, space=openai)
-    except Exception as exc:  # noqa: BLE001 - logged here, the client gets an error event, not a traceback
-        logger.exception("stream failed")
-        state.metrics.failure("generation")
-        yield sse.encode_error(GenerationError(type(exc).__name__), space=openai)
+    except Exception as exc:  # noqa: BLE001 - the client gets an error event, not a traceback
+        yield stream_error(state, exc, space=openai)
     if openai:
         yield sse.DONE
+
+
+def stream_error(state: ServerState, exc: Exception, *, space: bool) -> bytes:
+    """The error event that ends a stream, counted in /metrics; unexpected errors are logged with their
+    traceback (call it from the `except` block)."""
+    if isinstance(exc, ServerError):
+        state.metrics.failure(exc.error_type)
+        return sse.encode_error(exc, space=space)
+    logger.exception("stream failed")
+    state.metrics.failure("generation")
+    return sse.encode_error(GenerationError(type(exc).__name__), space=space)
