@@ -287,13 +287,25 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
         return theta, None
     scaling = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
     scaling["rope_type"] = "longrope" if rope_type == "su" else rope_type
-    if scaling["rope_type"] == "longrope":  # Phi-3 keeps these two at the top level
-        scaling.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    # Phi-3 keeps original_max_position_embeddings at the top level, and so does transformers >= 5.24 for
+    # Llama 3 (it moved the field out of rope_parameters): read it from either place.
+    if not scaling.get("original_max_position_embeddings") and raw.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+    if scaling["rope_type"] == "longrope":
         scaling.setdefault("max_position_embeddings", raw.get("max_position_embeddings"))
-        missing = [k for k in ("original_max_position_embeddings", "short_factor", "long_factor") if not scaling.get(k)]
-        if missing:
-            raise ValueError(f"{source}: longrope scaling needs {', '.join(missing)}")
+    missing = [k for k in _ROPE_REQUIRED.get(scaling["rope_type"], ()) if not scaling.get(k)]
+    if missing:
+        raise ValueError(f"{source}: {scaling['rope_type']} RoPE scaling needs {', '.join(missing)} "
+                         "(in rope_parameters, rope_scaling or at the top level of config.json)")
     return theta, scaling
+
+
+# The fields each scaled RoPE needs, wherever the config keeps them.
+_ROPE_REQUIRED = {
+    "llama3": ("factor", "original_max_position_embeddings"),
+    "longrope": ("original_max_position_embeddings", "short_factor", "long_factor"),
+    "linear": ("factor",),
+}
 
 
 def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:

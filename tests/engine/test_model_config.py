@@ -5,6 +5,7 @@ import math
 import pytest
 
 pytest.importorskip("torch")
+import torch  # noqa: E402
 
 from engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: E402
 
@@ -41,6 +42,59 @@ def test_transformers5_form_gives_the_same_config(tmp_path):
     raw["rope_parameters"] = {"rope_theta": 500000.0, **LLAMA_31_8B["rope_scaling"]}
     raw["dtype"] = "bfloat16"
     assert ModelConfig.from_pretrained(write(tmp_path, raw)) == ModelConfig.from_dict(LLAMA_31_8B)
+
+
+def _llama3_layouts():
+    """The same Llama 3.1 RoPE as each transformers release writes it."""
+    scaling = dict(LLAMA_31_8B["rope_scaling"])
+    base = {k: v for k, v in LLAMA_31_8B.items() if k not in ("rope_theta", "rope_scaling")}
+    original = scaling.pop("original_max_position_embeddings")
+    return {
+        "4.x: rope_scaling with the field inside": {**base, "rope_theta": 500000.0,
+                                                     "rope_scaling": LLAMA_31_8B["rope_scaling"]},
+        "4.x: rope_scaling, the field at the top": {**base, "rope_theta": 500000.0, "rope_scaling": scaling,
+                                                     "original_max_position_embeddings": original},
+        "5.0-5.23: rope_parameters with the field inside": {
+            **base, "rope_parameters": {"rope_theta": 500000.0, **LLAMA_31_8B["rope_scaling"]}},
+        "5.24: rope_parameters, the field at the top": {
+            **base, "rope_parameters": {"rope_theta": 500000.0, **scaling},
+            "original_max_position_embeddings": original},
+    }
+
+
+@pytest.mark.parametrize("layout", list(_llama3_layouts()))
+def test_llama3_rope_fields_are_read_from_every_layout(tmp_path, layout):
+    """transformers 5.24 moved original_max_position_embeddings out of rope_parameters; both must load."""
+    from engine.layers.rotary_embedding import RotaryEmbedding
+
+    config = ModelConfig.from_pretrained(write(tmp_path, _llama3_layouts()[layout]))
+    assert config.rope_theta == 500000.0
+    assert config.rope_scaling == {**LLAMA_31_8B["rope_scaling"]}
+    rope = RotaryEmbedding(config.head_dim, 64, config.rope_theta, config.rope_scaling)
+    reference = RotaryEmbedding(128, 64, 500000.0, LLAMA_31_8B["rope_scaling"])
+    assert torch.equal(rope.cos, reference.cos)
+
+
+def test_llama3_rope_without_its_original_context_is_a_clear_error():
+    raw = {**LLAMA_31_8B, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    with pytest.raises(ValueError, match="llama3 RoPE scaling needs original_max_position_embeddings"):
+        ModelConfig.from_dict(raw)
+
+
+@pytest.mark.skipif(not hasattr(__import__("transformers"), "LlamaConfig"), reason="transformers")
+def test_a_config_the_installed_transformers_writes_loads(tmp_path):
+    """Whatever layout this transformers writes (it changes between releases), the engine reads it."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_hidden_layers=2,
+                num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
+                rope_scaling={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+                ).save_pretrained(tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path)
+    assert config.rope_scaling["original_max_position_embeddings"] == 64
+    assert config.rope_scaling["factor"] == 8.0 and config.rope_theta == 500000.0
 
 
 def test_v5_default_rope_has_no_scaling():
