@@ -38,7 +38,7 @@ class EngineConfig:
     # memory
     cuda_memory_fraction: float = 1.0
     gpu_memory_utilization: float = 0.9     # of what cuda_memory_fraction leaves
-    cpu_kv_cache_bytes: int = 512 * 1024**2  # KV budget on CPU
+    cpu_kv_cache_bytes: int | None = None  # KV budget on CPU; None = sized from the machine (engine/host_memory.py)
     block_size: int | None = None           # tokens per KV block; None = the attention backend's default
     enforce_eager: bool = False             # no CUDA graphs
     cuda_graphs: list[int] | None = None    # decode batch sizes to capture; None = 1,2,4..256; [] = none

@@ -150,7 +150,7 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
                                          "(true|false); the hits show as usage.prompt_tokens_details.cached_tokens")),
     (("--cuda-memory-fraction",), "CUDA_MEMORY_FRACTION",
      dict(default=1.0, type=float, help="share of the GPU this process may use")),
-    (("--kv-cache-bytes",), "KV_CACHE_BYTES", dict(type=_size, help="KV-cache budget on CPU, e.g. 512MiB")),
+    (("--kv-cache-bytes",), "KV_CACHE_BYTES", dict(type=_size, help="KV-cache budget on CPU, e.g. 512MiB (default: half the memory available to the job, from its cgroup, Slurm or the machine)")),
     (("--cuda-graphs",), "CUDA_GRAPHS", dict(type=_batch_sizes, help="decode batch sizes captured as CUDA graphs, "
                                              "e.g. 1,2,4,8; 0 = none (default: 1,2,4,...,256 on one GPU "
                                              "with the triton or flash-attn attention backend)")),

@@ -18,6 +18,7 @@ from engine.attention.flash import flash_version
 from engine.attention.selection import choose_backend
 from engine.batch import SeqSpan
 from engine.config import EngineConfig
+from engine.host_memory import cpu_kv_budget
 from engine.kv_budget import kv_budget
 from engine.layers import cpu_gemm, quantization
 from engine.lora import backend as lora_backend
@@ -192,7 +193,14 @@ class RankWorker:
         num_layers = len(self.attention_layers)  # this pipeline stage's layers
         bytes_per_block = (2 * num_layers * self.block_size * layer0.num_kv_heads * cfg.head_dim
                            * self.dtype.itemsize)
-        budget = self._gpu_kv_budget() if self.device.type == "cuda" else self.config.cpu_kv_cache_bytes
+        if self.device.type == "cuda":
+            budget = self._gpu_kv_budget()
+        elif self.config.cpu_kv_cache_bytes is not None:
+            budget = self.config.cpu_kv_cache_bytes
+        else:  # this rank's share of the node's memory, no more than max_total_tokens per concurrent request
+            per_token = bytes_per_block // self.block_size
+            most = self.config.max_concurrent_requests * (self.config.max_total_tokens or cfg.max_position_embeddings)
+            budget = cpu_kv_budget(per_token, most, self.layout.tp_size)
         scratch = 1 if self.graph_sizes else 0  # one block past the scheduler's: padding rows of decode graphs
         num_blocks = distributed.all_reduce_min(int(budget // bytes_per_block), self.device) - scratch
         if num_blocks < 1:
