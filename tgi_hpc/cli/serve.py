@@ -18,6 +18,18 @@ def _limit_options(func):
     return func
 
 
+def _set_gpu_type(overrides: list[str]) -> str | None:
+    """`--set slurm.defaults.serve.gpu_type=X` asks for that type as --gpu-type X does (else the catalog's wins)."""
+    from tgi_hpc.profiles.merge import parse_set
+
+    found = None
+    for item in overrides:
+        parts, value = parse_set(item)
+        if parts == ("slurm", "defaults", "serve", "gpu_type") and value not in (None, ""):
+            found = str(value)
+    return found
+
+
 @click.command()
 @click.option("--model", "-m", "models", required=True, multiple=True,
               help="Hub id in the model store (ORG/NAME) or a local snapshot directory. Repeat it to serve several "
@@ -31,6 +43,8 @@ def _limit_options(func):
 @click.option("--revision", default="main", show_default=True, help="Revision of a stored Hub model.")
 @click.option("--gpus", "--num-shard", "gpus", type=click.IntRange(min=0),
               help="GPUs of the job, all nodes together (= tensor-parallel shards on one node). Default: from the model size.")
+@click.option("--gpu-type", help="GPU type, one of the cluster's (`tgi-hpc profiles show`: slurm.gpu_types), e.g. l40s, "
+                                 "h100 or a MIG slice. Default: the profile's. Sizes the job from that type's memory.")
 @click.option("--nodes", type=click.IntRange(min=1),
               help="Nodes for one server (--gpus split evenly over them; tensor parallelism within a node, pipeline "
                    "stages across nodes). Default: 1, or as many as a model too large for one node needs.")
@@ -65,7 +79,7 @@ def _limit_options(func):
 @click.option("--stop-on-exit", is_flag=True, help="With --tunnel: stop the job when the tunnel closes.")
 @click.option("--dry-run", is_flag=True, help="Print the job script; submit nothing.")
 @with_app
-def serve(app: App, models, loras, memory_fractions, revision, gpus, nodes, time_, partition, dtype, quantize, env,
+def serve(app: App, models, loras, memory_fractions, revision, gpus, gpu_type, nodes, time_, partition, dtype, quantize, env,
           engine_args, release, keep_alive, no_api_key, wait_ready, timeout, open_tunnel, local_port, stop_on_exit, dry_run,
           no_shared_weights, replicas, service_name, handover_lead, requeue, **limits) -> None:
     """Submit a server job for MODEL (or several: one engine each) and print its job id and endpoint."""
@@ -74,6 +88,7 @@ def serve(app: App, models, loras, memory_fractions, revision, gpus, nodes, time
     limits.update(dtype=dtype, quantize=quantize)
     opts = ServeOptions(model=models[0], other_models=list(models[1:]), loras=list(loras),
                         memory_fractions=list(memory_fractions), revision=revision, gpus=gpus, nodes=nodes, time=time_,
+                        gpu_type=gpu_type or _set_gpu_type(app.overrides),
                         partition=partition, limits=limits,
                         env=list(env), engine_args=list(engine_args), keep_alive=requeue, api_key=not no_api_key,
                         shared_weights=not no_shared_weights)

@@ -37,6 +37,7 @@ class ServeOptions:
     model: str
     revision: str = "main"
     gpus: int | None = None        # the job's total GPUs (all nodes together)
+    gpu_type: str | None = None    # one of the profile's slurm.gpu_types; sizes the job from its memory
     nodes: int | None = None       # None: one node, or as many as the model needs (tgi_hpc/workflows/placement.py)
     time: str | None = None
     partition: str | None = None
@@ -148,7 +149,7 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions, *, offline: bool = Fa
         size = fp.weight_gb / 2          # a known model's card, where only its name was available
     text = (config or {}).get("text_config", config or {})
     placement = place(profile, fp, size, opts.gpus, opts.nodes, num_heads=text.get("num_attention_heads"),
-                      context_tokens=opts.limits.get("max_total_tokens"))
+                      context_tokens=opts.limits.get("max_total_tokens"), gpu_type=opts.gpu_type)
     resources = placement.resources
     if placement.nodes > 1 and opts.loras:
         raise UsageError(f"--lora on {placement.nodes} nodes is not supported: adapters are served on one node")
