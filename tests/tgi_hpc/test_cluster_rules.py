@@ -1,6 +1,7 @@
 """Cluster facts and rules from the docs, checked where a user meets them: `serve`/`compile`/`download --dry-run`."""
 from __future__ import annotations
 
+import fnmatch
 import json
 import subprocess
 
@@ -244,3 +245,159 @@ def test_mila_one_gpu_sizes_are_unkillable_and_more_gpus_fall_back_to_main(capsy
     assert code == 0 and "#SBATCH --partition=main" in out and "--num-shard 2" in out, err
     code, out, err = _cli(capsys, "serve", "--cluster", "mila", "--model", "Qwen/Qwen2.5-32B-Instruct", "--dry-run")
     assert code == 0 and '#SBATCH --constraint="ampere&80gb"' in out and "a100l" not in out, err
+
+
+# --- GPU types, counts and MIG: each refusal cites its page -----------------------------------------
+
+UGS_TYPES = "https://docs.alliancecan.ca/wiki/Using_GPUs_with_Slurm#Available_GPUs"
+QUICKSTART = "https://docs.alliancecan.ca/wiki/Trillium_Quickstart"
+
+
+def test_paice_gpu_types_follow_the_available_gpus_table():
+    types = {c: load_profile(c).slurm.gpu_types for c in ("killarney", "vulcan", "tamia")}
+    assert types == {"killarney": ["l40s", "h100"], "vulcan": ["l40s"], "tamia": ["h100", "h200"]}
+    for cluster in types:
+        assert load_profile(cluster).rules.gpu_type.source == UGS_TYPES
+
+
+@pytest.mark.parametrize("cluster", ["killarney", "vulcan", "tamia"])
+def test_a_gpu_request_without_a_type_is_refused_on_the_paice_clusters(capsys, cluster):
+    code, out, err = _cli(capsys, "serve", "--cluster", cluster, "--model", MODEL, "--dry-run", *_account(cluster),
+                          "--set", "slurm.defaults.serve.gpu_type=null", "--set", f"clusters.{cluster}.catalog=[]",
+                          "--set", "clusters.tamia.rules.whole_nodes=null")
+    assert code == 2 and out == "" and UGS_TYPES in err and "--gpu-type" in err
+
+
+@pytest.mark.parametrize("cluster, line", [("killarney", "#SBATCH --gpus-per-node=l40s:1"),
+                                           ("vulcan", "#SBATCH --gpus-per-node=l40s:1"),
+                                           ("tamia", "#SBATCH --gpus=h100:4")])
+def test_paice_serve_jobs_name_their_gpu_type(capsys, cluster, line):
+    code, out, err = _cli(capsys, "serve", "--cluster", cluster, "--model", MODEL, "--dry-run", *_account(cluster))
+    assert code == 0 and line in out, err
+
+
+@pytest.mark.parametrize("nodes, gpus", [(2, 2), (2, 4), (1, 2), (1, 3), (3, 6)])
+def test_trillium_takes_one_gpu_or_whole_nodes_of_four(capsys, nodes, gpus):
+    code, out, err = _cli(capsys, "serve", "--cluster", "trillium", "--model", MODEL, "--nodes", str(nodes),
+                          "--gpus", str(gpus), "--dry-run", "--set", "slurm.account=def-x")
+    assert code == 2 and out == "" and QUICKSTART in err and "4 GPUs per node" in err
+
+
+@pytest.mark.parametrize("nodes, gpus, line", [(1, 1, "--gpus-per-node=1"), (1, 4, "--gpus-per-node=4"),
+                                               (2, 8, "--gpus-per-node=4")])
+def test_trillium_counts_inside_the_rule_pass(capsys, nodes, gpus, line):
+    code, out, err = _cli(capsys, "serve", "--cluster", "trillium", "--model", MODEL, "--nodes", str(nodes),
+                          "--gpus", str(gpus), "--dry-run", "--set", "slurm.account=def-x")
+    assert code == 0 and f"#SBATCH {line}" in out, err
+
+
+def test_trillium_node_types_keep_their_own_node_size(capsys):
+    trillium = load_profile("trillium")
+    assert trillium.rules.whole_nodes.gpus_per_node == {"h100": 4, "h200": 4, "b200": 8}
+    assert trillium.slurm.gpu_types == ["h100"]          # the B200s have no documented Slurm type yet
+    assert (trillium.multinode.max_nodes, trillium.multinode.source) == (5, QUICKSTART)
+    assert trillium.slurm.allowed_gpu_counts == []       # one rule, with its page: rules.whole_nodes
+    b200 = ["serve", "--cluster", "trillium", "--model", MODEL, "--dry-run", "--set", "slurm.account=def-x",
+            "--set", "clusters.trillium.gpu_types=[h100, b200]", "--gpu-type", "b200", "--nodes", "2"]
+    code, out, err = _cli(capsys, *b200, "--gpus", "16")
+    assert code == 0 and "#SBATCH --gpus-per-node=b200:8" in out, err
+    code, out, err = _cli(capsys, *b200, "--gpus", "8")
+    assert code == 2 and "exactly 8 GPUs per node" in err and QUICKSTART in err
+
+
+def test_trillium_cpu_jobs_have_a_15_minute_minimum(capsys):
+    code, out, err = _cli(capsys, "compile", "--cluster", "trillium", "--job", "--dry-run",
+                          "--set", "slurm.defaults.compile.time=10:00", "--set", "slurm.account=def-x")
+    assert code == 2 and "CPU jobs must run at least 15 min" in err and QUICKSTART in err
+
+
+def test_two_mig_instances_are_refused_on_narval(capsys):
+    argv = ["serve", "--cluster", "narval", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--dry-run",
+            "--set", "slurm.account=def-x", "--gpu-type", "a100_3g.20gb"]
+    code, out, err = _cli(capsys, *argv, "--gpus", "2")
+    assert code == 2 and out == "" and "https://docs.alliancecan.ca/wiki/Multi-Instance_GPU" in err
+    code, out, err = _cli(capsys, *argv)
+    assert code == 0 and "#SBATCH --gpus-per-node=a100_3g.20gb:1" in out, err
+
+
+@pytest.mark.parametrize("cluster", ["fir", "nibi", "rorqual", "narval"])
+def test_every_mig_type_matches_the_mig_rule_and_no_whole_gpu_does(cluster):
+    profile = load_profile(cluster)
+    mig = [t for t in profile.slurm.gpu_types if "g." in t]
+    assert mig and all(fnmatch.fnmatchcase(t, profile.rules.mig.pattern) for t in mig)
+    assert not any(fnmatch.fnmatchcase(t, profile.rules.mig.pattern) for t in profile.slurm.gpu_types if t not in mig)
+
+
+# --- serve --gpu-type --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", [["--gpu-type", "a100_3g.20gb"],
+                                 ["--set", "slurm.defaults.serve.gpu_type=a100_3g.20gb"]])
+def test_a_chosen_gpu_type_changes_the_gpu_line(capsys, how):
+    code, out, err = _cli(capsys, "serve", "--cluster", "narval", "--model", "Qwen/Qwen2.5-0.5B-Instruct",
+                          "--dry-run", "--set", "slurm.account=def-x", *how)
+    assert code == 0, err
+    assert "#SBATCH --gpus-per-node=a100_3g.20gb:1" in out and "a100:" not in out
+
+
+@pytest.mark.parametrize("gpu_type", ["v100", "A100", "a100;rm -rf ~", "", "h100"])
+def test_a_gpu_type_the_cluster_lacks_is_refused_before_submitting(capsys, gpu_type):
+    code, out, err = _cli(capsys, "serve", "--cluster", "narval", "--model", MODEL, "--dry-run",
+                          "--set", "slurm.account=def-x", "--gpu-type", gpu_type)
+    assert code == 2 and out == "" and "a100, a100_1g.5gb" in err and "slurm.gpu_types" in err
+
+
+@pytest.mark.parametrize("gpu_type, gpus", [("h100", 1), ("l40s", 1)])
+def test_a_chosen_gpu_type_sizes_the_job_from_its_memory_8b(capsys, gpu_type, gpus):
+    code, out, err = _cli(capsys, "serve", "--cluster", "killarney", "--model", MODEL, "--dry-run",
+                          "--set", "slurm.account=aip-x", "--gpu-type", gpu_type)
+    assert code == 0 and f"#SBATCH --gpus-per-node={gpu_type}:{gpus}" in out, err
+
+
+@pytest.mark.parametrize("gpu_type, line", [("h100", "h100:4"), ("l40s", "l40s:4")])
+def test_a_chosen_gpu_type_sizes_a_70b_model_from_its_memory(capsys, gpu_type, line):
+    # Llama 3.1 70B: 140 GB of weights + 10 GB of KV cache = 150 GB. 80 GB x 0.85 per H100 -> 3 GPUs, rounded to
+    # 4 (a tensor-parallel count: a power of two when the head count is unknown); 48 GB x 0.85 per L40S -> 4.
+    code, out, err = _cli(capsys, "serve", "--cluster", "killarney", "--model", "meta-llama/Llama-3.1-70B-Instruct",
+                          "--dry-run", "--set", "slurm.account=aip-x", "--gpu-type", gpu_type)
+    assert code == 0 and f"#SBATCH --gpus-per-node={line}" in out and "--num-shard 4" in out, err
+
+
+def test_a_chosen_gpu_type_too_small_for_one_node_is_refused_with_the_arithmetic(capsys):
+    code, out, err = _cli(capsys, "serve", "--cluster", "killarney", "--model", "meta-llama/Llama-3.1-405B-Instruct",
+                          "--dry-run", "--set", "slurm.account=aip-x", "--gpu-type", "l40s")
+    assert code == 2 and out == "" and "more than one node's 4" in err and "--nodes" in err
+
+
+def test_a_tamia_h200_job_is_sized_up_to_a_whole_node(capsys):
+    code, out, err = _cli(capsys, "serve", "--cluster", "tamia", "--model", MODEL, "--dry-run",
+                          "--set", "slurm.account=aip-x", "--gpu-type", "h200")
+    assert code == 0 and "#SBATCH --gpus=h200:8" in out, err
+
+
+# --- access rules shown when SSH fails ---------------------------------------------------------------
+
+@pytest.mark.parametrize("cluster, words", [("tamia", "only from Canada"), ("trillium", "SSH keys and multifactor")])
+def test_a_failed_ssh_connection_shows_the_clusters_access_rules(monkeypatch, cluster, words):
+    from tgi_hpc.errors import SSHError
+    from tgi_hpc.remote import ssh_runner
+    from tgi_hpc.slurm import cluster as cluster_mod
+
+    def refuse(alias, **kwargs):
+        raise SSHError(f"Timed out connecting to {alias}.")
+
+    monkeypatch.setattr(ssh_runner.ssh, "connect", refuse)
+    opened = cluster_mod.open_cluster(cluster, ["slurm.account=def-x"], remote=True, strict_paths=False)
+    with pytest.raises(SSHError) as caught:
+        opened.runner.run(["true"])
+    message = str(caught.value)
+    assert message.startswith("Timed out connecting") and words in message
+    assert load_profile(cluster).access[0].source in message
+
+
+def test_a_cluster_without_access_rules_keeps_the_plain_ssh_message(monkeypatch):
+    from tgi_hpc.errors import SSHError
+    from tgi_hpc.remote import ssh_runner
+
+    monkeypatch.setattr(ssh_runner.ssh, "connect", lambda alias, **kw: (_ for _ in ()).throw(SSHError("nope")))
+    with pytest.raises(SSHError, match=r"^nope$"):
+        ssh_runner.SSHRunner("fir").run(["true"])

@@ -88,7 +88,7 @@ def serve(app: App, models, loras, memory_fractions, revision, gpus, gpu_type, n
     limits.update(dtype=dtype, quantize=quantize)
     opts = ServeOptions(model=models[0], other_models=list(models[1:]), loras=list(loras),
                         memory_fractions=list(memory_fractions), revision=revision, gpus=gpus, nodes=nodes, time=time_,
-                        gpu_type=gpu_type or _set_gpu_type(app.overrides),
+                        gpu_type=gpu_type if gpu_type is not None else _set_gpu_type(app.overrides),
                         partition=partition, limits=limits,
                         env=list(env), engine_args=list(engine_args), keep_alive=requeue, api_key=not no_api_key,
                         shared_weights=not no_shared_weights)

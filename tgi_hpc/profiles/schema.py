@@ -75,6 +75,7 @@ class SlurmSection(_Strict):
     gpu_request: GpuRequest = "gpus_per_task"
     gpu_types: list[str] = Field(default_factory=list)   # what --gres/--gpus may name on this cluster
     gpu_memory_gb: dict[str, float] = Field(default_factory=dict)  # GPU type -> its memory (sizes --gpu-type jobs)
+    gpus_per_node: dict[str, int] = Field(default_factory=dict)    # GPU type -> GPUs in one node of that type
     allowed_gpu_counts: list[int] = Field(default_factory=list)  # GPUs a job may ask for (empty = any)
     requeue_signal: str = "USR1"          # --signal=B:<sig>@<delay> for keep-alive
     requeue_signal_delay_s: int = 120
@@ -197,6 +198,7 @@ class ClusterOverride(_Strict):
     gpu_request: GpuRequest | None = None
     gpu_types: list[str] | None = None
     gpu_memory_gb: dict[str, float] | None = None
+    gpus_per_node: dict[str, int] | None = None
     allowed_gpu_counts: list[int] | None = None
     defaults: dict[JobKind, Resources] = Field(default_factory=dict)
     catalog: list[CatalogEntry] | None = None

@@ -78,16 +78,30 @@ def _auto_nodes(profile: Profile, need: float) -> int:
 
 
 def _per_node(profile: Profile, gpu_type: str) -> int | None:
-    """GPUs of `gpu_type` in one node, where the profile says (whole-node rule, or its multinode section)."""
+    """GPUs of `gpu_type` in one node, where the profile says (whole-node rule, slurm.gpus_per_node, or its
+    multinode section)."""
     rule = profile.rules.whole_nodes
     if rule and gpu_type in rule.gpus_per_node:
         return rule.gpus_per_node[gpu_type]
+    if profile.slurm and gpu_type in profile.slurm.gpus_per_node:
+        return profile.slurm.gpus_per_node[gpu_type]
     mn = profile.multinode
     return mn.gpus_per_node if mn and mn.resources.gpu_type == gpu_type else None
 
 
+def _shardable(profile: Profile, gpu_type: str, count: int, num_heads: int | None) -> int:
+    """The smallest count at least `count` that the cluster allows and tensor parallelism can use: one that
+    divides the attention heads, or a power of two when their number is unknown."""
+    while True:
+        count = allowed_count(profile, gpu_type, count)
+        fits = num_heads % count == 0 if num_heads else count & (count - 1) == 0
+        if fits or count > 1024:
+            return count
+        count += 1
+
+
 def _typed(profile: Profile, gpu_type: str, need: float | None, size_b: float | None, gpus: int | None,
-           notes: list[str]) -> Placement:
+           notes: list[str], num_heads: int | None = None) -> Placement:
     """One node of `gpu_type` GPUs: --gpus, else as many as `need` takes of that type's memory."""
     if gpus is None and need:
         memory = profile.slurm.gpu_memory_gb.get(gpu_type) if profile.slurm else None
@@ -95,7 +109,7 @@ def _typed(profile: Profile, gpu_type: str, need: float | None, size_b: float | 
             raise UsageError(f"{_where(profile)}: the profile gives no memory for GPU type {gpu_type!r} (profile: "
                              "slurm.gpu_memory_gb), so the job cannot be sized from it: pass --gpus")
         fraction = profile.serving_plan.gpu_memory_fraction
-        gpus = allowed_count(profile, gpu_type, math.ceil(need / (memory * fraction)))
+        gpus = _shardable(profile, gpu_type, math.ceil(need / (memory * fraction)), num_heads)
         notes.append(f"--gpu-type {gpu_type}: {gpus} x {memory:g} GB x {fraction:g} usable = "
                      f"{gpus * memory * fraction:.0f} GB")
         per_node = _per_node(profile, gpu_type)
@@ -121,7 +135,7 @@ def place(profile: Profile, fp: Footprint | None, size_b: float | None, gpus: in
         check_gpu_type(profile, gpu_type)
     need, notes = _need(profile, fp, context_tokens, size_b)
     if gpu_type is not None and (nodes or 1) == 1:
-        return _typed(profile, gpu_type, need, size_b, gpus, notes)
+        return _typed(profile, gpu_type, need, size_b, gpus, notes, num_heads)
     auto = nodes is None and gpus is None and bool(need) and _beyond_catalog(profile, size_b) \
         and profile.multinode is not None
     if auto:
@@ -132,14 +146,17 @@ def place(profile: Profile, fp: Footprint | None, size_b: float | None, gpus: in
         res = resources_for(profile, "serve", size_b, gpus)
         return Placement(res, 1, res.gpus or 0, tuple(notes + [f"one node, {res.gpus or 0} GPU(s)"]))
     mn = _multinode(profile, nodes) if nodes > 1 else profile.multinode
-    total = gpus if gpus is not None else nodes * mn.gpus_per_node
+    # a named GPU type has its own node size where the profile gives one (Trillium: 4 x H100, 8 x B200)
+    node_gpus = (_per_node(profile, gpu_type) if gpu_type else None) or mn.gpus_per_node
+    memory = (profile.slurm.gpu_memory_gb.get(gpu_type) if gpu_type and profile.slurm else None) or mn.gpu_memory_gb
+    total = gpus if gpus is not None else nodes * node_gpus
     if total < nodes or total % nodes:
         raise UsageError(f"--gpus {total} is the job's total and must split evenly over --nodes {nodes} "
-                         f"(e.g. --gpus {nodes * mn.gpus_per_node})")
+                         f"(e.g. --gpus {nodes * node_gpus})")
     per_node = total // nodes
-    if per_node > mn.gpus_per_node:
+    if per_node > node_gpus:
         raise UsageError(f"{_where(profile)}: {per_node} GPUs per node is more than a node has here "
-                         f"({mn.gpus_per_node}; profile: multinode.gpus_per_node, source: {mn.source})")
+                         f"({node_gpus}; profile: multinode.gpus_per_node, source: {mn.source})")
     if num_heads and num_heads % per_node:
         raise UsageError(f"the model's {num_heads} attention heads do not split over {per_node} GPUs per node "
                          "(tensor parallelism runs within a node): pick a GPU count per node that divides them")
@@ -148,8 +165,8 @@ def place(profile: Profile, fp: Footprint | None, size_b: float | None, gpus: in
                                   "nodes": nodes if nodes > 1 else None,
                                   "extra": {**base.extra, **mn.resources.extra},
                                   **({"gpu_type": gpu_type} if gpu_type else {})})
-    usable = total * mn.gpu_memory_gb * profile.serving_plan.gpu_memory_fraction
-    notes.append(f"{nodes} node(s) x {per_node} GPUs x {mn.gpu_memory_gb:g} GB x "
+    usable = total * memory * profile.serving_plan.gpu_memory_fraction
+    notes.append(f"{nodes} node(s) x {per_node} GPUs x {memory:g} GB x "
                  f"{profile.serving_plan.gpu_memory_fraction:g} usable = {usable:.0f} GB")
     if need and need > usable:
         notes.append(f"WARNING: {need:.0f} GB does not fit {usable:.0f} GB: lower --max-total-tokens, "
