@@ -401,3 +401,24 @@ def test_a_cluster_without_access_rules_keeps_the_plain_ssh_message(monkeypatch)
     monkeypatch.setattr(ssh_runner.ssh, "connect", lambda alias, **kw: (_ for _ in ()).throw(SSHError("nope")))
     with pytest.raises(SSHError, match=r"^nope$"):
         ssh_runner.SSHRunner("fir").run(["true"])
+
+
+@pytest.mark.parametrize("kwargs, overrides, expected", [
+    ({"gpu_type": "l40s"}, [], "l40s"),
+    ({}, ["slurm.defaults.serve.gpu_type=h100"], "h100"),
+    ({"gpu_type": "l40s"}, ["slurm.defaults.serve.gpu_type=h100"], "l40s"),   # the explicit choice wins
+    ({}, ["slurm.defaults.serve.gpu_type=null"], None),
+])
+def test_the_python_api_takes_a_gpu_type_like_the_command(monkeypatch, tmp_path, kwargs, overrides, expected):
+    import tgi_hpc.api as api
+
+    seen = {}
+
+    def fake_run_serve(cluster, opts, **kw):
+        seen["gpu_type"] = opts.gpu_type
+        raise UsageError("stop here")
+
+    monkeypatch.setattr(api, "run_serve", fake_run_serve)
+    with pytest.raises(UsageError, match="stop here"):
+        api.serve("a/b", cluster="local", overrides=[f"paths.jobs={tmp_path}", *overrides], **kwargs)
+    assert seen["gpu_type"] == expected

@@ -18,18 +18,6 @@ def _limit_options(func):
     return func
 
 
-def _set_gpu_type(overrides: list[str]) -> str | None:
-    """`--set slurm.defaults.serve.gpu_type=X` asks for that type as --gpu-type X does (else the catalog's wins)."""
-    from tgi_hpc.profiles.merge import parse_set
-
-    found = None
-    for item in overrides:
-        parts, value = parse_set(item)
-        if parts == ("slurm", "defaults", "serve", "gpu_type") and value not in (None, ""):
-            found = str(value)
-    return found
-
-
 @click.command()
 @click.option("--model", "-m", "models", required=True, multiple=True,
               help="Hub id in the model store (ORG/NAME) or a local snapshot directory. Repeat it to serve several "
@@ -83,12 +71,12 @@ def serve(app: App, models, loras, memory_fractions, revision, gpus, gpu_type, n
           engine_args, release, keep_alive, no_api_key, wait_ready, timeout, open_tunnel, local_port, stop_on_exit, dry_run,
           no_shared_weights, replicas, service_name, handover_lead, requeue, **limits) -> None:
     """Submit a server job for MODEL (or several: one engine each) and print its job id and endpoint."""
-    from tgi_hpc.workflows.serve import ServeOptions, run_serve
+    from tgi_hpc.workflows.serve import ServeOptions, gpu_type_from_overrides, run_serve
 
     limits.update(dtype=dtype, quantize=quantize)
     opts = ServeOptions(model=models[0], other_models=list(models[1:]), loras=list(loras),
                         memory_fractions=list(memory_fractions), revision=revision, gpus=gpus, nodes=nodes, time=time_,
-                        gpu_type=gpu_type if gpu_type is not None else _set_gpu_type(app.overrides),
+                        gpu_type=gpu_type if gpu_type is not None else gpu_type_from_overrides(app.overrides),
                         partition=partition, limits=limits,
                         env=list(env), engine_args=list(engine_args), keep_alive=requeue, api_key=not no_api_key,
                         shared_weights=not no_shared_weights)

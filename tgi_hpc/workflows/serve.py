@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from tgi_hpc.models.quantization import LEGACY_FILE, check_quantize, with_legacy
 from tgi_hpc.models.size import catalog_size_b
 from tgi_hpc.models.store import model_dir, validate_model_id
 from tgi_hpc.profiles.loader import require_account
+from tgi_hpc.profiles.merge import parse_set
 from tgi_hpc.profiles.rules import fit_partition
 from tgi_hpc.quoting import sh
 from tgi_hpc.remote.runner import LocalRunner
@@ -50,6 +52,17 @@ class ServeOptions:
     other_models: list[str] = field(default_factory=list)     # --model A --model B: B..., one engine each
     loras: list[str] = field(default_factory=list)            # NAME=ORG/ADAPTER or NAME=FOLDER
     memory_fractions: list[float] = field(default_factory=list)   # --cuda-memory-fraction, one per model
+
+
+def gpu_type_from_overrides(overrides: Sequence[str]) -> str | None:
+    """`--set slurm.defaults.serve.gpu_type=X` asks for that type as --gpu-type X does (otherwise a catalog
+    entry's type would win over it, and the --set would be accepted and ignored)."""
+    found = None
+    for item in overrides:
+        parts, value = parse_set(item)
+        if parts == ("slurm", "defaults", "serve", "gpu_type") and value not in (None, ""):
+            found = str(value)
+    return found
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
