@@ -422,3 +422,14 @@ def test_the_python_api_takes_a_gpu_type_like_the_command(monkeypatch, tmp_path,
     with pytest.raises(UsageError, match="stop here"):
         api.serve("a/b", cluster="local", overrides=[f"paths.jobs={tmp_path}", *overrides], **kwargs)
     assert seen["gpu_type"] == expected
+
+
+def test_a_chosen_gpu_type_drops_the_node_features_of_another_type_on_mila(capsys):
+    # Mila's 30-34B entry and multinode section ask for 80 GB A100s by features (ampere&80gb); an L40S job must not.
+    base = ["serve", "--cluster", "mila", "--model", "Qwen/Qwen2.5-32B-Instruct", "--dry-run", "-p", "long"]
+    code, out, err = _cli(capsys, *base, "--gpu-type", "l40s")
+    assert code == 0 and "#SBATCH --gres=gpu:l40s:" in out and "--constraint" not in out, err
+    code, out, err = _cli(capsys, *base, "--gpu-type", "l40s", "--nodes", "2", "--gpus", "4")
+    assert code == 0 and "#SBATCH --gres=gpu:l40s:2" in out and "--constraint" not in out, err
+    code, out, err = _cli(capsys, *base)
+    assert code == 0 and '#SBATCH --constraint="ampere&80gb"' in out, err

@@ -164,7 +164,9 @@ def place(profile: Profile, fp: Footprint | None, size_b: float | None, gpus: in
     res = base.model_copy(update={**mn.resources.model_dump(exclude_unset=True), "gpus": total,
                                   "nodes": nodes if nodes > 1 else None,
                                   "extra": {**base.extra, **mn.resources.extra},
-                                  **({"gpu_type": gpu_type} if gpu_type else {})})
+                                  **({"gpu_type": gpu_type} if gpu_type else {}),
+                                  # the section's node features are for its own GPU type
+                                  **({"constraint": None} if gpu_type and gpu_type != mn.resources.gpu_type else {})})
     usable = total * memory * profile.serving_plan.gpu_memory_fraction
     notes.append(f"{nodes} node(s) x {per_node} GPUs x {memory:g} GB x "
                  f"{profile.serving_plan.gpu_memory_fraction:g} usable = {usable:.0f} GB")
