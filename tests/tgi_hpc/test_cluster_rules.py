@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 import subprocess
 
 import pytest
@@ -433,3 +434,22 @@ def test_a_chosen_gpu_type_drops_the_node_features_of_another_type_on_mila(capsy
     assert code == 0 and "#SBATCH --gres=gpu:l40s:2" in out and "--constraint" not in out, err
     code, out, err = _cli(capsys, *base)
     assert code == 0 and '#SBATCH --constraint="ampere&80gb"' in out, err
+
+
+def _every_gpu_type() -> list[tuple[str, str]]:
+    return [(c or p, t) for p, c in _every_cluster() for t in load_profile(c or p).slurm.gpu_types]
+
+
+@pytest.mark.parametrize("cluster, gpu_type", _every_gpu_type())
+def test_every_listed_gpu_type_can_be_chosen_and_renders_its_line(capsys, cluster, gpu_type):
+    profile = load_profile(cluster)
+    assert gpu_type in profile.slurm.gpu_memory_gb          # sizing needs the type's memory
+    code, out, err = _cli(capsys, "serve", "--cluster", cluster, "--model", "Qwen/Qwen2.5-0.5B-Instruct",
+                          "--gpu-type", gpu_type, "--dry-run", *(["-p", "long"] if cluster == "mila" else []),
+                          *_account(cluster))
+    if cluster == "mila" and gpu_type == "h100":             # H100s: short-unkillable only, and it says so
+        assert code == 2 and "has no h100 GPUs" in err and "mila/partitions" in err
+        return
+    assert code == 0, err
+    assert re.search(rf"#SBATCH --(gres=gpu:|gpus=|gpus-per-node=|gpus-per-task=){re.escape(gpu_type)}:\d+\n", out)
+    assert subprocess.run(["bash", "-n"], input=out, capture_output=True, text=True).returncode == 0
