@@ -453,3 +453,12 @@ def test_every_listed_gpu_type_can_be_chosen_and_renders_its_line(capsys, cluste
     assert code == 0, err
     assert re.search(rf"#SBATCH --(gres=gpu:|gpus=|gpus-per-node=|gpus-per-task=){re.escape(gpu_type)}:\d+\n", out)
     assert subprocess.run(["bash", "-n"], input=out, capture_output=True, text=True).returncode == 0
+
+
+def test_trillium_node_limit_is_the_quickstarts(capsys):
+    code, out, err = _cli(capsys, "serve", "--cluster", "trillium", "--model", MODEL, "--nodes", "6", "--gpus", "24",
+                          "--dry-run", "--set", "slurm.account=def-x")
+    assert code == 2 and "at most 5 nodes" in err and QUICKSTART in err
+    code, out, err = _cli(capsys, "serve", "--cluster", "trillium", "--model", MODEL, "--nodes", "5", "--gpus", "20",
+                          "--dry-run", "--set", "slurm.account=def-x")
+    assert code == 0 and "#SBATCH --nodes=5" in out, err
