@@ -28,7 +28,7 @@ from tgi_hpc.slurm.cluster import Cluster, open_cluster
 from tgi_hpc.slurm.jobs import JobStatus
 from tgi_hpc.workflows import access, scrape
 from tgi_hpc.workflows.access import Access
-from tgi_hpc.workflows.serve import LIMIT_FLAGS, ServeOptions, run_serve
+from tgi_hpc.workflows.serve import LIMIT_FLAGS, ServeOptions, gpu_type_from_overrides, run_serve
 from tgi_hpc.workflows.service import ServiceOptions, run_service, stop_service
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,8 @@ class Server:
 
 
 def serve(model: str, *, cluster: str | Cluster | None = None, overrides: Sequence[str] = (), remote: bool | None = None,
-          revision: str = "main", gpus: int | None = None, time: str | None = None, partition: str | None = None,
+          revision: str = "main", gpus: int | None = None, gpu_type: str | None = None, time: str | None = None,
+          partition: str | None = None,
           env: Mapping[str, str] | None = None, engine_args: Sequence[str] = (), requeue: bool = False,
           replicas: int = 1, service: str | None = None, handover: str | None = None, keep_alive: bool = False,
           api_key: bool = True, shared_weights: bool = True, release: str | None = None, wait: bool = False,
@@ -129,7 +130,9 @@ def serve(model: str, *, cluster: str | Cluster | None = None, overrides: Sequen
     unknown = sorted(set(limits) - set(LIMIT_FLAGS))
     if unknown:
         raise UsageError(f"serve(): unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(LIMIT_FLAGS))}")
-    opts = ServeOptions(model=model, revision=revision, gpus=gpus, time=time, partition=partition, limits=dict(limits),
+    gpu_type = gpu_type if gpu_type is not None else gpu_type_from_overrides(overrides)
+    opts = ServeOptions(model=model, revision=revision, gpus=gpus, gpu_type=gpu_type, time=time, partition=partition,
+                        limits=dict(limits),
                         env=[f"{k}={v}" for k, v in (env or {}).items()], engine_args=list(engine_args),
                         keep_alive=requeue, api_key=api_key, shared_weights=shared_weights,
                         loras=[f"{name}={source}" for name, source in (lora or {}).items()])
