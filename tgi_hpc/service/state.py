@@ -74,6 +74,7 @@ class Replica:
     url: str = ""                 # http://host:port once ready
     predecessor: str = ""
     successor: str = ""
+    submitting: str = ""          # "TOKEN HOST PID TIME": a successor's sbatch under way (see handover.py)
 
     @property
     def is_live(self) -> bool:
