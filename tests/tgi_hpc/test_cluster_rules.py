@@ -47,9 +47,10 @@ def test_the_walk_finds_both_clouds_of_clusters():
 
 @pytest.mark.parametrize("profile, cluster", _every_cluster())
 @pytest.mark.parametrize("model", [MODEL, "Qwen/Qwen2.5-72B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"])
-def test_serve_dry_run_renders_valid_bash_on_every_cluster(capsys, profile, cluster, model):
-    if cluster in ("vulcan", "narval") and "72B" in model:
-        pytest.skip("no catalog size for 70B there (one node's GPU memory is over the 65% rule)")
+def test_serve_dry_run_renders_valid_bash_on_every_cluster(request, capsys, profile, cluster, model):
+    if cluster in ("vulcan", "narval") and "72B" in model:   # not a skip: the refusal shows, and its fix too
+        request.applymarker(pytest.mark.xfail(strict=True, reason="issue 27: 'no catalog entry for a 72B model' "
+                                              "there, where the README promises multi-node sizing"))
     account = ACCOUNTS.get(profile)
     argv = ["serve", "--cluster", cluster or profile, "--model", model, "--dry-run", "--keep-alive"]
     code, out, err = _cli(capsys, *argv, *(["--set", f"slurm.account={account}"] if account else []))
