@@ -79,15 +79,15 @@ def test_attempts_stop_at_the_last_port():
 
 
 def test_the_toolkit_learns_the_port_the_engine_really_bound(model_path, tmp_path):
-    """The job's steps, as serve.sh.j2 runs them: engine --port P --port-attempts N --ready-file, then
+    """The job's steps, as serve.sh.j2 runs them: PORT_ATTEMPTS=N engine --port P --ready-file, then
     `tgi_hpc.slurm.job write-endpoint`, while another process holds P."""
     first = _free_run(4)
     other = _taken(first)
     ready, endpoint_file, log = tmp_path / "ready.json", tmp_path / "job.endpoint.json", tmp_path / "engine.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TGI_HPC_JOB_ID": "1234"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TGI_HPC_JOB_ID": "1234", "PORT_ATTEMPTS": "4"}   # as the job sets
     with open(log, "wb") as out:
         engine = subprocess.Popen([sys.executable, "-m", "engine", "--model-id", str(model_path("tiny-llama")),
-                                   "--hostname", "127.0.0.1", "--port", str(first), "--port-attempts", "4",
+                                   "--hostname", "127.0.0.1", "--port", str(first),
                                    "--ready-file", str(ready), "--cpu-threads", "1", "--max-total-tokens", "64"],
                                   cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -108,3 +108,20 @@ def test_the_toolkit_learns_the_port_the_engine_really_bound(model_path, tmp_pat
             engine.wait(15)
         except subprocess.TimeoutExpired:
             engine.kill()
+
+
+@pytest.mark.parametrize("models", [["meta-llama/Llama-3.1-8B-Instruct"],
+                                    ["meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"]])
+def test_serve_scripts_let_the_engine_step_past_a_taken_port(capsys, monkeypatch, tmp_path, models):
+    from tgi_hpc.cli import main
+
+    monkeypatch.setenv("TGI_HPC_CONFIG_DIR", str(tmp_path))
+    argv = ["serve", "--cluster", "narval", "--dry-run", "--set", "slurm.account=def-x"]
+    for model in models:
+        argv += ["--model", model]
+    assert main(argv) == 0
+    script = capsys.readouterr().out
+    engine_line = script.index("python -m engine ")
+    assert 0 < script.index("export PORT_ATTEMPTS=100") < engine_line
+    code = [line for line in script.splitlines() if not line.lstrip().startswith("#")]
+    assert not any("--port-attempts" in line for line in code)   # a release compiled before the flag refuses it

@@ -41,7 +41,8 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
-attempts = int(args[args.index("--port-attempts") + 1]) if "--port-attempts" in args else 1
+attempts = int(args[args.index("--port-attempts") + 1] if "--port-attempts" in args else
+               os.environ.get("PORT_ATTEMPTS", "1"))
 for candidate in range(port, port + attempts):   # as the engine does: the port, or the next free one
     try:
         server = ThreadingHTTPServer((host, candidate), Handler)
