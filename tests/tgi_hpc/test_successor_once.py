@@ -176,3 +176,10 @@ def test_a_garbled_intent_is_no_intent(tmp_path, monkeypatch, garbage):
     monkeypatch.setattr(handover, "_run", slurm)
     assert handover.submit_successor(path, read_state(path).job("41"), 0) == "77"
     assert [c[0] for c in slurm.calls] == ["sbatch"]
+
+
+@pytest.mark.parametrize("value", [None, 42, ["tok", "host", "1", "2"], "tok host 1 nan-ish", "tok host 1 2 extra"])
+def test_intents_read_from_a_hand_edited_file_are_checked(value):
+    assert Intent.parse(value) is None
+    intent = Intent.mine()
+    assert Intent.parse(str(intent)) == Intent(intent.token, intent.host, intent.pid, round(intent.at, 3))

@@ -34,8 +34,8 @@ class Intent:
         return cls(secrets.token_hex(8), socket.gethostname(), os.getpid(), time.time())
 
     @classmethod
-    def parse(cls, text: str) -> Intent | None:
-        parts = text.split()
+    def parse(cls, text: object) -> Intent | None:
+        parts = text.split() if isinstance(text, str) else []
         if len(parts) != 4:
             return None
         try:
