@@ -119,6 +119,9 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--device",), "DEVICE", dict(help="cpu or cuda (default: cuda when available)")),
     (("--hostname",), "HOSTNAME", dict(default="0.0.0.0", help="address to listen on")),
     (("--port",), "PORT", dict(default=3000, type=int, help="port to listen on; 0 picks a free one")),
+    (("--port-attempts",), "PORT_ATTEMPTS",
+     dict(default=1, type=int, help="when --port is taken, bind the next free one, trying this many ports in all "
+                                    "(the log and --ready-file say which one)")),
     (("--ready-file",), "READY_FILE", dict(help='write {"host", "port", "pid"} here (atomically) once serving')),
     (("--api-key",), "API_KEY", dict(help="require 'Authorization: Bearer KEY' on generation routes; prefer the env "
                                           "variable, argv is visible to every user in ps")),
@@ -290,18 +293,28 @@ def setup_logging(json_output: bool) -> None:
     root.setLevel(logging.INFO)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, attempts: int = 1) -> socket.socket:
+    """`port`, or the next free one of `attempts`: the bind itself is the check, so no other process can take
+    the port between a check and the bind (the caller reads the bound port back from the socket)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror}; pick another --port "
-                         "(0 = any free port)") from None
-    sock.set_inheritable(True)
-    return sock
+    last = min(port + max(1, attempts) - 1, 65535) if port else 0
+    for candidate in range(port, last + 1):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, candidate))
+            sock.listen(2048)   # bound but not listening, another SO_REUSEADDR socket could still bind it
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        if candidate != port:
+            logger.warning("port %d on %s is taken: listening on %d instead", port, host, candidate)
+        sock.set_inheritable(True)
+        return sock
+    ports = f"{port}" if last == port else f"{port}..{last}"
+    raise SystemExit(f"error: cannot listen on {host}:{ports}: {error.strerror}; pick another --port "
+                     "(0 = any free port)") from None
 
 
 def write_ready_file(path: str, payload: dict[str, Any]) -> None:
@@ -389,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     if layout is not None and layout.rank != 0:
         return _follow(config, layout, args.cpu_threads)
     logger.info("config: %r; API key %s", config, "required" if config.api_key else "not set")
-    sock = bind_socket(config.hostname, config.port)  # fail fast, before minutes of weight loading
+    sock = bind_socket(config.hostname, config.port, args.port_attempts)  # fail fast, before minutes of loading
+    config.port = sock.getsockname()[1]
 
     import uvicorn
 
