@@ -363,7 +363,7 @@ def test_32_concurrent_requests_under_a_small_kv_budget_match_transformers(hf_mo
         base = engine.tokenizer.encode(" ".join(TEXTS) * 3)
         # three shared starts: long prompts share full blocks through the prefix cache
         prompts = [base[(i % 3) * 5:(i % 3) * 5 + 1 + (i * 7) % 60] for i in range(32)]
-        new_tokens = [4 + (i * 5) % 21 for i in range(32)]
+        new_tokens = [4 + (i * 13) % 60 for i in range(32)]
         spans, run = [], engine.runner.run
         engine.runner.run = lambda batch: spans.extend(batch) or run(batch)
         outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in new_tokens])
