@@ -1,0 +1,232 @@
+"""The batch ledger: which shards (ranges of input records) are done, and who holds the others.
+
+A batch folder, on a filesystem every node of the cluster sees:
+
+    manifest.json               what the batch is (input hash, model, options) and its shard size; written once
+    leases/<shard>.<gen>        a holder's lease on a shard: created exclusively, renewed in place until it
+                                expires; a reclaimer takes generation <gen>+1, so two reclaimers cannot both win
+    parts/<shard>.<gen>.jsonl   the output lines of one shard, by the holder of lease <gen>, written before ...
+    done/<shard>.json           ... the commit, which names that part; created exclusively: one commit per shard
+
+A part without a commit (the holder died between the two) is never read; the shard is done again under a
+new lease. Two holders of one shard (a lease that expired while its holder still worked) both may write a
+part, and only the first commit counts. So every shard is in the output exactly once.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tgi_hpc.batch.durable import create_exclusive, write_durable
+
+DEFAULT_LEASE_S = 120.0
+MANIFEST = "manifest.json"
+
+
+class LedgerError(Exception):
+    """The batch folder is not a ledger, or a commit does not fit its shard."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    start: int        # first record, 0-based
+    stop: int         # one past the last
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Lease:
+    shard: Shard
+    gen: int
+    holder: str
+
+
+@dataclass
+class Progress:
+    total: int                  # records (requests) in the batch
+    done: int                   # records whose shard is committed
+    failed: int                 # of those, error lines
+    shards: int
+    shards_done: int
+    holders: list[str] = field(default_factory=list)   # who holds a live lease now
+
+    @property
+    def complete(self) -> bool:
+        return self.shards_done == self.shards
+
+    def to_dict(self) -> dict:
+        return {"total": self.total, "done": self.done, "failed": self.failed, "shards": self.shards,
+                "shards_done": self.shards_done, "holders": self.holders, "complete": self.complete}
+
+
+def _json(data: dict) -> bytes:
+    return (json.dumps(data, sort_keys=True) + "\n").encode()
+
+
+class Ledger:
+    """One batch folder. `clock` is wall time (leases are compared across nodes); tests pass their own."""
+
+    def __init__(self, root: Path | str, *, lease_s: float = DEFAULT_LEASE_S,
+                 clock: Callable[[], float] = time.time):
+        self.root = Path(root)
+        self.lease_s = lease_s
+        self.clock = clock
+        try:
+            self.manifest = json.loads((self.root / MANIFEST).read_text())
+            self.num_records = int(self.manifest["num_records"])
+            self.shard_size = int(self.manifest["shard_size"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise LedgerError(f"{self.root} is not a batch folder (its {MANIFEST} is missing or broken: {exc})") \
+                from None
+        if self.shard_size < 1 or self.num_records < 0:
+            raise LedgerError(f"{self.root / MANIFEST}: shard_size must be >= 1 and num_records >= 0")
+        self.shards = [Shard(i, start, min(start + self.shard_size, self.num_records))
+                       for i, start in enumerate(range(0, self.num_records, self.shard_size))]
+
+    @staticmethod
+    def create(root: Path | str, manifest: dict) -> None:
+        """Write the manifest (with num_records and shard_size) of a new batch folder; the folders under it."""
+        root = Path(root)
+        for sub in ("leases", "parts", "done"):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+        if not create_exclusive(root / MANIFEST, _json(manifest)):
+            raise LedgerError(f"{root / MANIFEST} exists already")
+
+    # paths
+    def _lease_path(self, index: int, gen: int) -> Path:
+        return self.root / "leases" / f"{index}.{gen}"
+
+    def _part_path(self, index: int, gen: int) -> Path:
+        return self.root / "parts" / f"{index}.{gen}.jsonl"
+
+    def _done_path(self, index: int) -> Path:
+        return self.root / "done" / f"{index}.json"
+
+    # reading the state
+    def _latest_gens(self) -> dict[int, int]:
+        latest: dict[int, int] = {}
+        for name in (p.name for p in (self.root / "leases").iterdir()):
+            index, dot, gen = name.partition(".")
+            if dot and index.isdigit() and gen.isdigit():
+                latest[int(index)] = max(latest.get(int(index), -1), int(gen))
+        return latest
+
+    def _read_lease(self, index: int, gen: int) -> dict | None:
+        try:
+            data = json.loads(self._lease_path(index, gen).read_text())
+            return data if isinstance(data, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def _done_indices(self) -> set[int]:
+        names = (p.name for p in (self.root / "done").iterdir())
+        return {int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()}
+
+    def commit_record(self, index: int) -> dict | None:
+        try:
+            return json.loads(self._done_path(index).read_text())
+        except FileNotFoundError:
+            return None
+
+    def progress(self) -> Progress:
+        done, failed = 0, 0
+        indices = self._done_indices()
+        for index in indices:
+            record = self.commit_record(index) or {}
+            done += int(record.get("lines", 0))
+            failed += int(record.get("failed", 0))
+        now, holders = self.clock(), set()
+        for index, gen in self._latest_gens().items():
+            lease = self._read_lease(index, gen)
+            if index not in indices and lease and float(lease.get("expires", 0)) > now:
+                holders.add(str(lease.get("holder", "")))
+        return Progress(self.num_records, done, failed, len(self.shards), len(indices), sorted(holders))
+
+    def next_expiry(self) -> float | None:
+        """When the earliest live lease of an unfinished shard expires (None: no shard is held)."""
+        done, expiries = self._done_indices(), []
+        for index, gen in self._latest_gens().items():
+            lease = self._read_lease(index, gen)
+            if index not in done and lease is not None:
+                expiries.append(float(lease.get("expires", 0)))
+        return min(expiries) if expiries else None
+
+    # holding shards
+    def _lease_bytes(self, holder: str, index: int, gen: int, expires: float) -> bytes:
+        return _json({"holder": holder, "shard": index, "gen": gen, "expires": expires})
+
+    def claim(self, holder: str) -> Lease | None:
+        """The first shard neither done nor held by a live lease, now held by `holder`; None if there is none."""
+        done, latest, now = self._done_indices(), self._latest_gens(), self.clock()
+        for shard in self.shards:
+            if shard.index in done:
+                continue
+            gen = latest.get(shard.index)
+            if gen is not None:
+                lease = self._read_lease(shard.index, gen)
+                if lease is not None and float(lease.get("expires", 0)) > now:
+                    continue
+            new = 0 if gen is None else gen + 1
+            if not create_exclusive(self._lease_path(shard.index, new),
+                                    self._lease_bytes(holder, shard.index, new, now + self.lease_s)):
+                continue          # another holder took it first
+            if self._done_path(shard.index).exists():   # committed since we listed: nothing to do
+                continue
+            return Lease(shard, new, holder)
+        return None
+
+    def holds(self, lease: Lease) -> bool:
+        """False once another holder reclaimed the shard (this lease had expired) or it is committed."""
+        return not self._lease_path(lease.shard.index, lease.gen + 1).exists() and \
+            not self._done_path(lease.shard.index).exists()
+
+    def renew(self, lease: Lease) -> bool:
+        if not self.holds(lease):
+            return False
+        write_durable(self._lease_path(lease.shard.index, lease.gen),
+                      self._lease_bytes(lease.holder, lease.shard.index, lease.gen, self.clock() + self.lease_s))
+        return self.holds(lease)
+
+    def release(self, lease: Lease) -> None:
+        """Give an unfinished shard back now (the holder is stopping), instead of when its lease expires."""
+        if self.holds(lease):
+            write_durable(self._lease_path(lease.shard.index, lease.gen),
+                          self._lease_bytes(lease.holder, lease.shard.index, lease.gen, 0.0))
+
+    # committing
+    def write_part(self, lease: Lease, lines: Sequence[str]) -> None:
+        """Step 1 of a commit: the shard's output lines, one per record, durable under this lease's name."""
+        if len(lines) != len(lease.shard):
+            raise LedgerError(f"shard {lease.shard.index} has {len(lease.shard)} records, got {len(lines)} lines")
+        if any("\n" in line for line in lines):
+            raise LedgerError("an output line contains a newline")
+        write_durable(self._part_path(lease.shard.index, lease.gen), "".join(f"{line}\n" for line in lines).encode())
+
+    def record(self, lease: Lease, failed: int = 0) -> bool:
+        """Step 2: the commit. False when the shard was committed already (by a holder whose lease ours replaced)."""
+        if not self._part_path(lease.shard.index, lease.gen).exists():
+            raise LedgerError(f"no part written for shard {lease.shard.index} under lease {lease.gen}")
+        return create_exclusive(self._done_path(lease.shard.index), _json(
+            {"shard": lease.shard.index, "gen": lease.gen, "holder": lease.holder, "lines": len(lease.shard),
+             "failed": failed, "committed_at": self.clock()}))
+
+    def commit(self, lease: Lease, lines: Sequence[str], failed: int = 0) -> bool:
+        self.write_part(lease, lines)
+        return self.record(lease, failed)
+
+    def committed_lines(self, index: int) -> list[str]:
+        """The committed output lines of shard `index` (the part its commit names)."""
+        record = self.commit_record(index)
+        if record is None:
+            raise LedgerError(f"shard {index} is not committed")
+        text = self._part_path(index, int(record["gen"])).read_text()
+        lines = text.splitlines()
+        if len(lines) != len(self.shards[index]):
+            raise LedgerError(f"shard {index}'s part has {len(lines)} lines, expected {len(self.shards[index])}")
+        return lines
