@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tgi_hpc.batch.durable import create_exclusive, write_durable
+from tgi_hpc.errors import TgiHpcError
 
 DEFAULT_LEASE_S = 120.0
 MANIFEST = "manifest.json"
 
 
-class LedgerError(Exception):
+class LedgerError(TgiHpcError):
     """The batch folder is not a ledger, or a commit does not fit its shard."""
 
 
