@@ -178,7 +178,7 @@ class BatchRunner:
             with self._lock:
                 leases = [s.lease for s in self._open.values()]
             for lease in leases:
-                if not self.ledger.renew(lease):
+                if not self.ledger.renew(lease) and self.ledger.commit_record(lease.shard.index) is None:
                     logger.warning("lost the lease on shard %d (another holder took it over)", lease.shard.index)
 
     def _give_back(self) -> None:

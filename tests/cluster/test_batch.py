@@ -1,0 +1,88 @@
+"""`tgi-hpc batch` on the local Slurm cluster: two jobs, one scancel'ed and one engine SIGKILLed mid-run,
+then the same command again: the output is complete, one line per custom_id, each the greedy answer."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from support.releases import venv_release
+from support.tgi_cli import TgiCli
+from tgi_hpc.batch.ledger import Ledger
+
+NUM = 40
+
+
+def engine_pid(holder_prefix: str, batch_dir: Path) -> int | None:
+    """The engine.offline process of one job (its --holder starts with the job id)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        words = [a.decode(errors="replace") for a in argv]
+        if "engine.offline" in words and str(batch_dir) in words and any(w.startswith(holder_prefix) for w in words):
+            return int(entry.name)
+    return None
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_batch_survives_scancel_and_sigkill_then_completes_on_rerun(local_cluster, model_path, tmp_path):
+    tgi = TgiCli.for_cluster(local_cluster, tmp_path / "jobs")
+    model = str(model_path("tiny-llama"))
+    messages = [[{"role": "user", "content": f"Count to {i}"}] for i in range(NUM)]
+    src, out = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                                       "body": {"messages": m, "max_tokens": 16, "temperature": 0}}) + "\n"
+                           for i, m in enumerate(messages)))
+    args = ["--model", model, "--input", str(src), "--output", str(out), "--jobs", "2", "--release",
+            str(venv_release()), "--lease", "8", "--shard-size", "2", "--max-concurrent-requests", "4",
+            "--max-total-tokens", "256", "--engine-arg", "--kv-cache-bytes=32MiB"]
+    first = json.loads(tgi("batch", *args, "--json").stdout)
+    job_a, job_b = first["submitted"]
+    batch_dir = Path(first["batch_dir"])
+    ledger = Ledger(batch_dir)
+    wait_until(lambda: ledger.progress().done >= 4 and len(ledger.progress().holders) == 2, 120, "both jobs working")
+    tgi("stop", job_a)                                   # scancel: its open shards are given back
+    pid = wait_until(lambda: engine_pid(f"{job_b}@", batch_dir), 30, "job b's engine")
+    os.kill(pid, signal.SIGKILL)                         # no word: its shards wait for their leases to expire
+    progress = ledger.progress()
+    assert not progress.complete, "the batch ended before the interruptions; make it longer"
+    wait_until(lambda: all(s["state"] in ("FAILED", "CANCELLED") for s in json.loads(
+        tgi("status", job_a, job_b, "--json").stdout)), 60, "both jobs to end")
+    assert not ledger.progress().complete
+
+    again = json.loads(tgi("batch", *args, "--wait", "--timeout", "150", "--json", timeout=200).stdout)
+    assert again["complete"] and len(again["submitted"]) == 2       # the old jobs had ended: new ones went on
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [x["custom_id"] for x in lines] == [f"q{i}" for i in range(NUM)]
+    assert all(x["error"] is None for x in lines)
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    with LLMEngine(EngineConfig(model_id=model, device="cpu", dtype="float32", cpu_kv_cache_bytes=32 * 1024**2,
+                                max_total_tokens=256)) as llm:
+        tok = llm.tokenizer
+        ids = [tok.encode(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False) for m in messages]
+        expected = [g.text for g in llm.generate(ids, SamplingParams(max_new_tokens=16))]
+    assert [x["response"]["body"]["choices"][0]["message"]["content"] for x in lines] == expected
+
+    states = json.loads(tgi("status", job_a, job_b, *again["submitted"], "--json").stdout)
+    assert all(s["state"] not in ("PENDING", "RUNNING", "STARTING") for s in states), states
+    done = json.loads(tgi("batch", *args, "--json").stdout)    # a third time: nothing to do, nothing submitted
+    assert done["complete"] and done["submitted"] == []
