@@ -137,14 +137,11 @@ def _active(cluster: Cluster, ids: list[str]) -> list[str]:
 def run_batch(cluster: Cluster, opts: BatchOptions, *, release: str | None = None, dry_run: bool = False,
               wait: bool = False, timeout: float = 24 * 3600, progress: Callable[[str], None] = lambda m: None,
               poll_s: float = 2.0) -> BatchResult:
-    if not cluster.is_local:
-        raise UsageError("tgi-hpc batch reads and writes the batch's files directly: run it on the cluster's "
-                         "login node (or with --cluster local), not through SSH from a laptop")
     if opts.serve.other_models or opts.serve.loras or (opts.serve.nodes or 1) > 1:
         raise UsageError("a batch runs one model on one node (no second --model, --lora or --nodes yet)")
     if opts.jobs < 1:
         raise UsageError("--jobs must be >= 1")
-    serve = build_serve_spec(cluster, opts.serve)
+    serve = build_serve_spec(cluster, opts.serve, offline=dry_run and not cluster.is_local)
     rel = release_dir(cluster, release)
     src, output = Path(cluster_path(cluster, opts.input)), Path(cluster_path(cluster, opts.output))
     batch_dir = batch_dir_of(output)
@@ -153,6 +150,9 @@ def run_batch(cluster: Cluster, opts: BatchOptions, *, release: str | None = Non
                      engine_args=serve.engine_args, batch_dir=str(batch_dir))
     if dry_run:
         return BatchResult(str(batch_dir), str(output), {}, script=jobs.render(cluster, spec, release_dir=rel))
+    if not cluster.is_local:
+        raise UsageError("tgi-hpc batch reads and writes the batch's files directly: run it on the cluster's "
+                         "login node (or with --cluster local), not through SSH from a laptop")
     ledger = prepare(batch_dir, src, output, _identity(opts, serve.engine_args), shard_size=opts.shard_size,
                      jobs_count=opts.jobs, lease_s=opts.lease_s, restart=opts.restart,
                      on_restart=lambda old: _stop_jobs(cluster, old, progress))
