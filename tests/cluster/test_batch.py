@@ -90,3 +90,7 @@ def test_batch_survives_scancel_and_sigkill_then_completes_on_rerun(local_cluste
     assert all(s["detail"] == f"batch {NUM}/{NUM} done, 0 failed (complete)" for s in states), states
     done = json.loads(tgi("batch", *args, "--json").stdout)    # a third time: nothing to do, nothing submitted
     assert done["complete"] and done["submitted"] == []
+    with src.open("a") as fh:
+        fh.write(json.dumps({"prompt": "one more"}) + "\n")
+    changed = tgi("batch", *args, check=False)
+    assert changed.returncode == 2 and "changed" in changed.stderr and "--restart" in changed.stderr
