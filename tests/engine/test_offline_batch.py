@@ -126,3 +126,20 @@ def test_stop_gives_open_shards_back_and_a_second_holder_finishes(llm, tmp_path)
     assert [o["custom_id"] for o in out] == [f"r{i}" for i in range(12)]
     expected = llm.generate([PROMPTS[i % 6] for i in range(12)], SamplingParams(max_new_tokens=12))
     assert [o["response"]["body"]["choices"][0]["text"] for o in out] == [e.text for e in expected]
+
+
+def test_api_batch_on_this_machine_with_cluster_local(model_path, tmp_path):
+    from tgi_hpc import api
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p, "max_tokens": 4}) + "\n" for p in PROMPTS))
+    handle = api.batch(str(model_path("tiny-llama")), str(src), str(out), cluster="local",
+                       overrides=[f"paths.jobs={tmp_path / 'jobs'}"], max_total_tokens=128)
+    assert len(handle.job_ids) == 1 and not handle.progress()["complete"]
+    assert handle.wait(timeout=240, poll_s=0.5)["done"] == len(PROMPTS)
+    results = list(handle.results())
+    assert [r["custom_id"] for r in results] == [str(i + 1) for i in range(len(PROMPTS))]
+    assert all(r["response"]["body"]["usage"]["completion_tokens"] <= 4 for r in results)
+    again = api.batch(str(model_path("tiny-llama")), str(src), str(out), cluster="local",
+                      overrides=[f"paths.jobs={tmp_path / 'jobs'}"], max_total_tokens=128)
+    assert again.job_ids == [] and again.progress()["complete"]       # done: nothing submitted again
