@@ -1,5 +1,6 @@
 """`tgi-hpc batch` on the local Slurm cluster: two jobs, one scancel'ed and one engine SIGKILLed mid-run,
-then the same command again: the output is complete, one line per custom_id, each the greedy answer."""
+then the same command again (two new jobs, one of them told its time limit is near: it requeues itself):
+the output is complete, one line per custom_id, each the greedy answer, and no job is left running."""
 from __future__ import annotations
 
 import json
@@ -50,7 +51,7 @@ def test_batch_survives_scancel_and_sigkill_then_completes_on_rerun(local_cluste
                            for i, m in enumerate(messages)))
     args = ["--model", model, "--input", str(src), "--output", str(out), "--jobs", "2", "--release",
             str(venv_release()), "--lease", "8", "--shard-size", "2", "--max-concurrent-requests", "4",
-            "--max-total-tokens", "256", "--engine-arg", "--kv-cache-bytes=32MiB"]
+            "--max-total-tokens", "256", "--partition", "long", "--engine-arg", "--kv-cache-bytes=32MiB"]
     first = json.loads(tgi("batch", *args, "--json").stdout)
     job_a, job_b = first["submitted"]
     batch_dir = Path(first["batch_dir"])
@@ -68,8 +69,16 @@ def test_batch_survives_scancel_and_sigkill_then_completes_on_rerun(local_cluste
         tgi("status", job_a, job_b, "--json").stdout)), 60, "both jobs to end")
     assert not ledger.progress().complete
 
-    again = json.loads(tgi("batch", *args, "--wait", "--timeout", "150", "--json", timeout=200).stdout)
-    assert again["complete"] and len(again["submitted"]) == 2       # the old jobs had ended: new ones went on
+    again = json.loads(tgi("batch", *args, "--json").stdout)
+    assert len(again["submitted"]) == 2                  # the old jobs had ended: new ones go on
+    job_c = again["submitted"][0]
+    wait_until(lambda: any(h.startswith(f"{job_c}@") for h in ledger.progress().holders), 120, "job c working")
+    local_cluster.run("scancel", "--signal=USR1", "--batch", job_c)   # what Slurm sends before the time limit
+    final = json.loads(tgi("batch", *args, "--wait", "--timeout", "150", "--json", timeout=200).stdout)
+    assert final["complete"] and final["submitted"] == []            # a third time: it follows the running jobs
+    wait_until(lambda: all(s["state"] == "COMPLETED" for s in json.loads(
+        tgi("status", *again["submitted"], "--json").stdout)), 120, "the new jobs to end")
+    assert local_cluster.show_job(job_c)["Restarts"] == "1"          # it requeued itself and came back
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [x["custom_id"] for x in lines] == [f"q{i}" for i in range(NUM)]
     assert all(x["error"] is None for x in lines)
@@ -88,7 +97,7 @@ def test_batch_survives_scancel_and_sigkill_then_completes_on_rerun(local_cluste
     states = json.loads(tgi("status", job_a, job_b, *again["submitted"], "--json").stdout)
     assert all(s["state"] not in ("PENDING", "RUNNING", "STARTING") for s in states), states
     assert all(s["detail"] == f"batch {NUM}/{NUM} done, 0 failed (complete)" for s in states), states
-    done = json.loads(tgi("batch", *args, "--json").stdout)    # a third time: nothing to do, nothing submitted
+    done = json.loads(tgi("batch", *args, "--json").stdout)    # once more: nothing to do, nothing submitted
     assert done["complete"] and done["submitted"] == []
     with src.open("a") as fh:
         fh.write(json.dumps({"prompt": "one more"}) + "\n")
