@@ -95,7 +95,7 @@ class BatchRunner:
             rid = f"{index}.{self._open[index].lease.gen}.{pos}"
             try:
                 self.llm.add_request(rid, prep.valid.prompt_token_ids, prep.valid.params)
-            except ValueError as exc:
+            except Exception as exc:  # noqa: BLE001 - the engine's own checks (ValueError) and anything odd
                 self._finish(index, pos, error_line(prep.custom_id, "invalid_request", str(exc)), failed=True)
                 continue
             self._in_flight[rid] = (index, pos, prep, _Collector(prep.valid.input_length, Timings(time.monotonic())))
@@ -115,6 +115,10 @@ class BatchRunner:
             except RequestError as exc:
                 self._finish(shard.index, pos, error_line(record.custom_id, exc.code, exc.message, record.line_no),
                              failed=True)
+            except Exception as exc:  # noqa: BLE001 - one odd line must not fail every job that takes its shard
+                logger.exception("line %d could not be prepared", record.line_no)
+                self._finish(shard.index, pos, error_line(record.custom_id, "internal_error",
+                                                          f"{type(exc).__name__}: {exc}", record.line_no), failed=True)
         return True
 
     # results

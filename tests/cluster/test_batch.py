@@ -9,11 +9,14 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from support.releases import venv_release
 from support.tgi_cli import TgiCli
 from tgi_hpc.batch.ledger import Ledger
 
 NUM = 40
+pytestmark = pytest.mark.slow
 
 
 def engine_pid(holder_prefix: str, batch_dir: Path) -> int | None:

@@ -143,3 +143,20 @@ def test_api_batch_on_this_machine_with_cluster_local(model_path, tmp_path):
     again = api.batch(str(model_path("tiny-llama")), str(src), str(out), cluster="local",
                       overrides=[f"paths.jobs={tmp_path / 'jobs'}"], max_total_tokens=128)
     assert again.job_ids == [] and again.progress()["complete"]       # done: nothing submitted again
+
+
+def test_a_line_that_breaks_preparation_unexpectedly_is_an_error_line_not_a_crash(llm, tmp_path, monkeypatch):
+    import engine.offline.runner as runner_module
+
+    real = runner_module.prepare
+
+    def fragile(state, custom_id, text):
+        if custom_id == "boom":
+            raise RuntimeError("template exploded")
+        return real(state, custom_id, text)
+    monkeypatch.setattr(runner_module, "prepare", fragile)
+    lines = [json.dumps({"custom_id": c, "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 2}})
+             for c in ("a", "boom", "c")]
+    summary, out = run(llm, batch(tmp_path, "boom", lines, shard_size=3))
+    assert [o["error"] and o["error"]["code"] for o in out] == [None, "internal_error", None]
+    assert out[1]["error"]["message"] == "RuntimeError: template exploded" and summary.failed == 1
