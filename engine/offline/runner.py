@@ -52,7 +52,7 @@ class Summary:
 
 class BatchRunner:
     def __init__(self, llm: Any, state: OfflineState, ledger: Ledger, holder: str, *, window: int = 128,
-                 poll_s: float = 2.0):
+                 poll_s: float = 5.0):
         self.llm, self.state, self.ledger, self.holder = llm, state, ledger, holder
         self.records = Records(ledger.root)
         self.window, self.poll_s = max(1, window), poll_s
@@ -61,13 +61,14 @@ class BatchRunner:
         self._in_flight: dict[str, tuple[int, int, Prepared, _Collector]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._started = time.monotonic()
         self.summary = Summary()
 
     def stop(self) -> None:
         self._stop.set()
 
     def run(self) -> Summary:
-        started = time.monotonic()
+        started = self._started = time.monotonic()
         renewer = threading.Thread(target=self._renew_leases, name="lease-renewer", daemon=True)
         renewer.start()
         try:
@@ -156,9 +157,9 @@ class BatchRunner:
             del self._open[lease.shard.index]
         if committed:
             self.summary.shards_committed += 1
-            p = self.ledger.progress()
-            logger.info("shard %d committed: %d/%d requests done, %d failed", lease.shard.index, p.done, p.total,
-                        p.failed)
+            logger.info("shard %d committed (%d/%d shards done); this worker: %d requests, %d failed, %.1f tok/s",
+                        lease.shard.index, self.ledger.shards_done(), len(self.ledger.shards), self.summary.requests,
+                        self.summary.failed, self.summary.generated_tokens / max(time.monotonic() - self._started, 1e-9))
         else:
             self.summary.lost_shards.append(lease.shard.index)
             logger.warning("shard %d was committed by another holder first; this copy is dropped", lease.shard.index)

@@ -100,3 +100,14 @@ def test_the_batch_script_is_valid_bash_and_runs_no_hostile_path(tmp_path, hosti
         argv = seen.read_text().split("\0")
         assert argv[:4] == ["-m", "engine.offline", "--batch-dir", value]
         assert argv[argv.index("--served-model-name") + 1] == value
+
+
+def test_the_identity_keeps_what_changes_answers_and_drops_what_only_sizes_the_batch():
+    from tgi_hpc.batch.submission import identity_of
+
+    args = ("--max-total-tokens", "512", "--max-concurrent-requests", "8", "--kv-cache-bytes=1GiB",
+            "--quantize", "fp8", "--cpu-threads", "4", "--speculate", "2")
+    assert identity_of("org/m", "main", args) == {
+        "model": "org/m", "revision": "main",
+        "engine_args": ["--max-total-tokens", "512", "--quantize", "fp8", "--speculate", "2"]}
+    assert identity_of("org/m", "main", ("--max-concurrent-requests", "2")) == identity_of("org/m", "main", ())

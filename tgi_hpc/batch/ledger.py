@@ -129,6 +129,10 @@ class Ledger:
         names = (p.name for p in (self.root / "done").iterdir())
         return {int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()}
 
+    def shards_done(self) -> int:
+        """How many shards are committed (one directory listing: cheap enough to call after every commit)."""
+        return len(self._done_indices())
+
     def commit_record(self, index: int) -> dict | None:
         try:
             return json.loads(self._done_path(index).read_text())

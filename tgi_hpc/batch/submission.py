@@ -73,9 +73,23 @@ def batch_dir_of(output: Path) -> Path:
     return output.with_name(output.name + SUFFIX)
 
 
-def _identity(opts: BatchOptions, engine_args: tuple[str, ...]) -> dict:
+# engine flags that size the batch or the cache, not the answers: a rerun may change them
+CAPACITY_FLAGS = {"--max-concurrent-requests", "--max-batch-prefill-tokens", "--max-batch-total-tokens",
+                  "--max-batch-size", "--kv-cache-bytes", "--cuda-memory-fraction", "--cpu-threads"}
+
+
+def identity_of(model: str, revision: str, engine_args: tuple[str, ...]) -> dict:
     """What the answers depend on besides the input: a rerun with another value is a different batch."""
-    return {"model": opts.serve.model, "revision": opts.serve.revision, "engine_args": list(engine_args)}
+    kept, words = [], list(engine_args)
+    while words:
+        word = words.pop(0)
+        flag, eq, _ = word.partition("=")
+        if flag in CAPACITY_FLAGS:
+            if not eq and words and not words[0].startswith("--"):
+                words.pop(0)
+            continue
+        kept.append(word)
+    return {"model": model, "revision": revision, "engine_args": kept}
 
 
 def prepare(batch_dir: Path, src: Path, output: Path, identity: dict, *, shard_size: int | None, jobs_count: int,
@@ -153,7 +167,8 @@ def run_batch(cluster: Cluster, opts: BatchOptions, *, release: str | None = Non
     if not cluster.is_local:
         raise UsageError("tgi-hpc batch reads and writes the batch's files directly: run it on the cluster's "
                          "login node (or with --cluster local), not through SSH from a laptop")
-    ledger = prepare(batch_dir, src, output, _identity(opts, serve.engine_args), shard_size=opts.shard_size,
+    identity = identity_of(opts.serve.model, opts.serve.revision, serve.engine_args)
+    ledger = prepare(batch_dir, src, output, identity, shard_size=opts.shard_size,
                      jobs_count=opts.jobs, lease_s=opts.lease_s, restart=opts.restart,
                      on_restart=lambda old: _stop_jobs(cluster, old, progress))
     result = BatchResult(str(batch_dir), str(output), ledger.progress().to_dict())
