@@ -29,6 +29,7 @@ class _OpenShard:
     lease: Lease
     lines: list[str | None]
     failed: int = 0
+    tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -139,6 +140,7 @@ class BatchRunner:
             if gen is not None:
                 del self._in_flight[out.request_id]
                 self.summary.generated_tokens += gen.generated_tokens
+                self._open[index].tokens += gen.generated_tokens
                 self._finish(index, pos, response_line(self.state, prep, gen))
 
     def _finish(self, index: int, pos: int, line: str, failed: bool = False) -> None:
@@ -152,7 +154,8 @@ class BatchRunner:
 
     def _commit(self, shard: _OpenShard) -> None:
         lease = shard.lease
-        committed = self.ledger.commit(lease, [line for line in shard.lines if line is not None], shard.failed)
+        committed = self.ledger.commit(lease, [line for line in shard.lines if line is not None], shard.failed,
+                                       shard.tokens)
         with self._lock:
             del self._open[lease.shard.index]
         if committed:

@@ -120,8 +120,25 @@ def test_the_old_holder_committing_first_wins_and_the_new_one_is_refused(tmp_pat
     new = ledger.claim("new")
     assert ledger.commit(old, answer(Records(root).read(0, 4), old))
     assert not ledger.commit(new, answer(Records(root).read(0, 4), new))
-    assert ledger.progress().to_dict() | {"holders": []} == {
-        "total": 4, "done": 4, "failed": 0, "shards": 1, "shards_done": 1, "holders": [], "complete": True}
+    p = ledger.progress().to_dict()
+    assert {k: p[k] for k in ("total", "done", "failed", "shards", "shards_done", "complete", "eta_s")} == {
+        "total": 4, "done": 4, "failed": 0, "shards": 1, "shards_done": 1, "complete": True, "eta_s": 0.0}
+
+
+def test_progress_counts_tokens_and_estimates_the_time_left(tmp_path):
+    root = make_batch(tmp_path, 8, 2)
+    now = [0.0]
+    ledger = Ledger(root, lease_s=5, clock=lambda: now[0])
+    ledger.manifest["created"] = 100.0
+    now[0] = 100.0
+    assert ledger.progress().eta_s is None and ledger.progress().describe() == "0/8 done, 0 failed"
+    lease = ledger.claim("h")
+    now[0] = 110.0
+    ledger.commit(lease, answer(Records(root).read(0, 2), lease), failed=1, tokens=50)
+    p = ledger.progress()
+    assert (p.done, p.failed, p.tokens, p.elapsed_s) == (2, 1, 50, 10.0)
+    assert p.tokens_per_s == 5.0 and p.eta_s == 30.0
+    assert p.describe() == "2/8 done, 1 failed, 5 tok/s, ETA 30s"
 
 
 def test_release_gives_the_shard_back_at_once(tmp_path):

@@ -1,4 +1,4 @@
-"""A batch job's progress for `tgi-hpc status`: done/total and failed, from the ledger its script names."""
+"""A batch job's progress for `tgi-hpc status`: done/total, failed, tok/s and ETA, from the ledger its script names."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,4 +24,4 @@ def add_progress(cluster: Cluster, rows: list[JobStatus]) -> None:
             p = Ledger(where).progress()
         except (OSError, StopIteration, LedgerError):
             continue
-        st.detail = f"batch {p.done}/{p.total} done, {p.failed} failed" + (" (complete)" if p.complete else "")
+        st.detail = f"batch {p.describe()}"

@@ -59,7 +59,8 @@ class BatchResult:
 
     def summary(self) -> str:
         p = self.progress
-        lines = [f"batch {self.batch_dir}: {p['done']}/{p['total']} requests done, {p['failed']} failed"]
+        lines = [f"batch {self.batch_dir}: {p['done']}/{p['total']} requests done, {p['failed']} failed"
+                 + (f", {p['tokens_per_s']:.0f} tok/s" if p.get("tokens") else "")]
         if self.complete:
             lines.append(f"  output: {self.output}")
         if self.submitted:
@@ -196,10 +197,9 @@ def follow(cluster: Cluster, ledger: Ledger, job_ids: list[str], *, timeout: flo
     deadline, last = time.monotonic() + timeout, None
     while True:
         p = ledger.progress()
-        line = f"batch: {p.done}/{p.total} requests done, {p.failed} failed"
-        if line != last:
-            progress(line)
-            last = line
+        if (p.done, p.failed) != last:
+            progress(f"batch: {p.describe()}")
+            last = (p.done, p.failed)
         if p.complete:
             output = Path(ledger.manifest["output"])
             assemble(ledger, output)
