@@ -160,3 +160,26 @@ def test_a_line_that_breaks_preparation_unexpectedly_is_an_error_line_not_a_cras
     summary, out = run(llm, batch(tmp_path, "boom", lines, shard_size=3))
     assert [o["error"] and o["error"]["code"] for o in out] == [None, "internal_error", None]
     assert out[1]["error"]["message"] == "RuntimeError: template exploded" and summary.failed == 1
+
+
+def test_the_batch_stays_full_across_shards_and_never_exceeds_the_window(llm, tmp_path):
+    lines = [json.dumps({"custom_id": f"w{i}", "url": "/v1/completions",
+                         "body": {"prompt": PROMPTS[i % 6], "max_tokens": 3 + 2 * (i % 3), "temperature": 0}})
+             for i in range(10)]
+    ledger = batch(tmp_path, "full", lines, shard_size=2)
+    seen: list[int] = []
+    step = llm.step
+
+    def watching_step():
+        outputs = step()
+        seen.append(llm.stats().batch_size)      # sequences the step ran
+        return outputs
+    llm.step = watching_step
+    try:
+        summary = BatchRunner(llm, OfflineState.of(llm, llm.config), ledger, "w", window=3).run()
+    finally:
+        del llm.step
+    assert summary.requests == 10 and ledger.progress().complete
+    assert max(seen) <= 3                     # never more than the window in the engine
+    full = [n for n in seen[:-6] if n == 3]   # requests from the next shard fill the slots of finished ones
+    assert len(full) >= len(seen[:-6]) * 0.6, seen
