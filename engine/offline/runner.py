@@ -63,6 +63,7 @@ class BatchRunner:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._started = time.monotonic()
+        self._next_claim = 0.0
         self.summary = Summary()
 
     def stop(self) -> None:
@@ -103,8 +104,11 @@ class BatchRunner:
             self._in_flight[rid] = (index, pos, prep, _Collector(prep.valid.input_length, Timings(time.monotonic())))
 
     def _open_next_shard(self) -> bool:
+        if time.monotonic() < self._next_claim:
+            return False          # none was free a moment ago: no directory listing on every engine step
         lease = self.ledger.claim(self.holder)
         if lease is None:
+            self._next_claim = time.monotonic() + self.poll_s
             return False
         shard = lease.shard
         open_shard = _OpenShard(lease, [None] * len(shard))
@@ -173,11 +177,15 @@ class BatchRunner:
         when no shard is open anywhere: then a claim would have succeeded)."""
         progress = self.ledger.progress()
         expiry = self.ledger.next_expiry()
-        if progress.complete or expiry is None:
+        if progress.complete:
             return False
+        if expiry is None:        # nobody holds a shard, yet some are not done: claim again now, or stop
+            retry, self._next_claim = self._next_claim > 0, 0.0
+            return retry
         logger.info("no free shard; %s hold the rest (%d/%d done): waiting", ", ".join(progress.holders) or "nobody",
                     progress.done, progress.total)
-        self._stop.wait(min(max(expiry - self.ledger.clock(), 0.05), self.poll_s))
+        until_claim = self._next_claim - time.monotonic()
+        self._stop.wait(max(min(expiry - self.ledger.clock(), self.poll_s), until_claim, 0.05))
         return True
 
     def _renew_leases(self) -> None:
