@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-JobKind = Literal["serve", "compile", "download"]
+JobKind = Literal["serve", "compile", "download", "batch"]
 GpuRequest = Literal["gpus_per_task", "gres", "gpus", "gpus_per_node"]
 
 
