@@ -204,6 +204,14 @@ class AsyncEngine:
         except RuntimeError:  # the loop is closed (server shutting down)
             pass
 
+    def fail(self, error: BaseException) -> None:
+        """The engine is dead (noticed outside the step loop, whose thread may be stuck in a collective):
+        health turns 503 and every request in flight ends with `error` now. Any thread."""
+        if self.error is None:
+            self.error = error
+        self._stop.set()
+        self._fail_all(error)
+
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             ids = list(self._streams)

@@ -18,6 +18,7 @@ class EngineConfig:
     num_shard: int = 1                  # tensor-parallel ranks (per pipeline stage)
     pipeline_parallel_size: int = 1     # stages, one per node (ranks started by srun: engine/external_launch.py)
     rank_timeout_s: float = 60.0        # a rank silent this long (or a collective this slow) ends every rank
+    step_timeout_s: float = 300.0       # a tensor-parallel step this long is hung: the engine stops
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     device: str | None = None           # None = cuda if available else cpu
