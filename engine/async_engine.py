@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.offload import prepare_matcher
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ class AsyncEngine:
             self._streams[request_id] = stream
         finished = False
         try:
+            if params.grammar is not None:   # compiled off the event loop (the server prepared most already)
+                await prepare_matcher(getattr(self.engine, "grammars", None), params.grammar)
             self.engine.add_request(request_id, prompt_token_ids, params)
             self._wakeup.set()
             while not finished:

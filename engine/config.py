@@ -35,6 +35,8 @@ class EngineConfig:
     waiting_served_ratio: float = 0.3
     max_new_tokens_default: int = 1024      # when a request sets no limit; 0 = all the room left (TGI)
     prefix_caching: bool = True             # share the KV blocks of equal prompt prefixes
+    max_grammar_bytes: int = 512 * 1024     # a request's JSON schema or regex above this is a 422
+    grammar_timeout_s: float = 10.0         # compiling one grammar longer than this is a 422
     speculate: int = 0                      # n-gram draft tokens per decode step (TGI's --speculate); 0 = off
     # memory
     cuda_memory_fraction: float = 1.0

@@ -139,6 +139,12 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--max-batch-total-tokens",), "MAX_BATCH_TOTAL_TOKENS",
      dict(type=int, help="tokens of all running requests (default: what the KV cache holds)")),
     (("--max-batch-size",), "MAX_BATCH_SIZE", dict(type=int, help="requests per step")),
+    (("--max-grammar-bytes",), "MAX_GRAMMAR_BYTES",
+     dict(default=512 * 1024, type=_size, help="largest JSON schema or regex a request may constrain its output "
+                                               "with (422 beyond), e.g. 512KiB")),
+    (("--grammar-timeout",), "GRAMMAR_TIMEOUT",
+     dict(default=10.0, type=float, help="seconds one request grammar may take to compile, off the event loop "
+                                         "(422 beyond; the result is cached either way)")),
     (("--speculate",), "SPECULATE",
      dict(default=0, type=_speculate, help="n-gram speculative decoding: draft tokens per step, taken from the "
                                            "prompt and output and verified in one forward (0 = off)")),
@@ -243,7 +249,7 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         cors_allow_origin=list(args.cors_allow_origin or []), json_output=args.json_output,
         served_model_name=args.served_model_name or args.model_id, cpu_gemm=args.cpu_gemm,
         cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend, block_size=args.block_size,
-        speculate=args.speculate)
+        speculate=args.speculate, max_grammar_bytes=args.max_grammar_bytes, grammar_timeout_s=args.grammar_timeout)
     if args.kv_cache_bytes is not None:
         config.cpu_kv_cache_bytes = args.kv_cache_bytes
     return config
