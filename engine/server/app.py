@@ -106,24 +106,27 @@ def server_state(request: Request) -> ServerState:
 async def generate(request: Request) -> Response:
     state = server_state(request)
     with state.request() as arrival, state.infer.permit():
-        req = parse_body(GenerateRequest, await request.body())
-        await prepare_grammars(req, state.engine)
+        body = await request.body()
+        await prepare_grammars(body, state.engine)   # before parsing: a huge schema is refused unparsed
+        req = parse_body(GenerateRequest, body)
         return await unless_disconnected(request, _generate(state, req, arrival, wrap_in_list=False))
 
 
 async def generate_stream(request: Request) -> Response:
     state = server_state(request)
     with state.request() as arrival:
-        req = parse_body(GenerateRequest, await request.body())
-        await prepare_grammars(req, state.engine)
+        body = await request.body()
+        await prepare_grammars(body, state.engine)   # before parsing: a huge schema is refused unparsed
+        req = parse_body(GenerateRequest, body)
         return _generate_stream(state, req, arrival)
 
 
 async def compat_generate(request: Request) -> Response:
     state = server_state(request)
     with state.request() as arrival:
-        req = parse_body(CompatGenerateRequest, await request.body())
-        await prepare_grammars(req, state.engine)
+        body = await request.body()
+        await prepare_grammars(body, state.engine)   # before parsing: a huge schema is refused unparsed
+        req = parse_body(CompatGenerateRequest, body)
         if req.stream:
             return _generate_stream(state, req, arrival)
         with state.infer.permit():

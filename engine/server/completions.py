@@ -28,8 +28,9 @@ COMPLETIONS_MAX_TOKENS = 16     # OpenAI's documented default for /v1/completion
 async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
     with state.request() as arrival:
-        req = parse_body(CompletionRequest, await request.body())
-        await prepare_grammars(req, state.engine)
+        body = await request.body()
+        await prepare_grammars(body, state.engine)   # before parsing: a huge schema is refused unparsed
+        req = parse_body(CompletionRequest, body)
         _check_completion(state, req)
         prompts = req.prompts()
         n = req.n or 1

@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from engine.server.errors import ValidationError
-from engine.structured.offload import prepare_matcher, prepare_spec
-from engine.structured.spec import (GrammarError, GrammarSpec, cached_entry, check_size, json_schema_spec, regex_spec,
-                                    spec_text)
+from engine.structured.offload import prepare_matcher, prepare_request
+from engine.structured.spec import LIMITS, GrammarError, GrammarSpec, json_schema_spec, regex_spec
 
 # OpenAI's json_object: any JSON object
 _ANY_OBJECT = {"type": "object"}
@@ -58,47 +57,27 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> GrammarSp
     raise ValidationError(f'`response_format.type` must be "text", "json_object" or "json_schema". Given: {kind!r}')
 
 
-def _grammar_values(req: Any) -> list[tuple[str, Any, str]]:
-    """(kind, value, field) of every grammar a parsed request carries."""
-    found: list[tuple[str, Any, str]] = []
-
-    def tgi(grammar: Any, field: str) -> None:
-        if isinstance(grammar, dict) and grammar.get("value") is not None:
-            kind = {"json": "json", "json_object": "json", "regex": "regex"}.get(grammar.get("type"))
-            if kind == "regex" and not isinstance(grammar["value"], str):
-                return
-            if kind is not None:
-                found.append((kind, grammar["value"], field))
-
-    parameters = getattr(req, "parameters", None)
-    tgi(getattr(parameters, "grammar", None), "grammar.value")
-    response_format = getattr(req, "response_format", None)
-    if isinstance(response_format, dict):
-        spec = response_format.get("json_schema")
-        if response_format.get("type") == "json_schema" and isinstance(spec, dict) and "schema" in spec:
-            found.append(("json", spec["schema"], "response_format.json_schema.schema"))
-        tgi(response_format, "grammar.value")
-    for i, tool in enumerate(getattr(req, "tools", None) or []):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if isinstance(function, dict) and function.get("parameters"):
-            found.append(("json", function["parameters"], f"tools[{i}].function.parameters"))
-    return found
+_GRAMMAR_KEYS = (b'"grammar"', b'"response_format"', b'"tools"')
 
 
-async def prepare_grammars(req: Any, engine: Any) -> None:
-    """Build every grammar of `req` off the event loop, bounded by --max-grammar-bytes and --grammar-timeout:
-    specs in the worker process, then their matchers in a thread (with the GrammarCompiler of `engine`, an
-    AsyncEngine, when it has one). Both land in caches, so the synchronous validation after this finds them there; a problem found
-    here is raised there, with the field's own message, or here when only the matcher fails."""
+async def prepare_grammars(body: bytes, engine: Any) -> None:
+    """Build every grammar of a request off the event loop, bounded by --max-grammar-bytes and --grammar-timeout,
+    before the body is parsed here: the worker process reads the raw body, measures and checks each grammar (a
+    2 MB schema is never parsed, serialized or checked on the event loop, it is refused first), then their
+    matchers are compiled in a thread with the GrammarCompiler of `engine` (an AsyncEngine) when it has one. Both
+    land in caches, so the synchronous validation after this finds them there and raises a bad grammar's error
+    with its field's own message."""
+    if not any(key in body for key in _GRAMMAR_KEYS):
+        return
+    try:
+        built = await prepare_request(body)
+    except GrammarError as exc:
+        raise ValidationError(f"Grammar is not valid: {exc}") from None
     compiler = getattr(getattr(engine, "engine", None), "grammars", None)
-    for kind, value, field in _grammar_values(req):
-        text = spec_text(value)
-        try:
-            check_size(text, field)
-        except GrammarError as exc:
-            raise ValidationError(f"Grammar is not valid: {exc}") from None
-        await prepare_spec(kind, text)
-        entry = cached_entry(kind, text)
+    for kind, text, entry in built:
+        if kind == "size":
+            raise ValidationError(f"Grammar is not valid: `{text}` is {entry} bytes, more than this server's limit of "
+                                  f"{LIMITS.max_bytes} (--max-grammar-bytes / MAX_GRAMMAR_BYTES)")
         if isinstance(entry, GrammarSpec):
             try:
                 await prepare_matcher(compiler, entry)

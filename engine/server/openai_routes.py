@@ -37,8 +37,9 @@ from engine.structured.tool_calls import ToolCallStream, parse_tool_call
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
     with state.request() as arrival:
-        req = parse_body(ChatCompletionRequest, await request.body())
-        await prepare_grammars(req, state.engine)
+        body = await request.body()
+        await prepare_grammars(body, state.engine)   # before parsing: a huge schema is refused unparsed
+        req = parse_body(ChatCompletionRequest, body)
         check_common(req)
         n = req.n or 1
         fan.check_counts(1, n, n, state.config.max_concurrent_requests)
