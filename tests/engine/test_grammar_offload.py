@@ -107,3 +107,25 @@ def test_a_small_schema_still_constrains_the_output(model_path, tmp_path):
         assert json.loads(response.json()["generated_text"]) in ({"ok": True}, {"ok": False})
     finally:
         stop_server(proc)
+
+
+def test_the_worker_builds_each_grammar_of_a_raw_body_and_stops_at_one_too_large(monkeypatch):
+    from engine.structured import spec
+    from engine.structured.offload import build_request
+
+    body = {"inputs": "x", "parameters": {"grammar": {"type": "regex", "value": "a+"}}}
+    ((kind, text, entry),) = build_request(json.dumps(body).encode())
+    assert (kind, text, entry.kind) == ("regex", "a+", "regex")
+    body = {"inputs": "x", "parameters": {"grammar": {"type": "json", "value": {"type": "objekt"}}}}
+    ((_, _, error),) = build_request(json.dumps(body).encode())
+    assert error.startswith(f"`{spec.FIELD}` is not a valid JSON schema")   # the field is filled in per request
+    monkeypatch.setattr(spec.LIMITS, "max_bytes", 1000)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "description": "x" * 2000}}}]
+    body = {"messages": [], "tools": tools, "response_format": {"type": "json_schema",
+                                                                 "json_schema": {"name": "n", "schema": {}}}}
+    ((kind, field, size),) = build_request(json.dumps(body).encode())   # the schemas before it are not returned
+    assert (kind, field) == ("size", "tools[1].function.parameters") and size > 2000
+    del body["tools"][1]
+    assert [(kind, entry.kind) for kind, _, entry in build_request(json.dumps(body).encode())] == [("json", "json")] * 2
+    assert build_request(b"not json") == []
