@@ -18,7 +18,8 @@ from collections import OrderedDict
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.structured.spec import FIELD, LIMITS, GrammarError, GrammarSpec, build_entry, spec_text, store_entry
+from engine.structured.spec import (FIELD, LIMITS, GrammarError, GrammarSpec, build_entry, cached_entry, spec_text,
+                                   store_entry)
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +66,14 @@ def build_request(body: bytes) -> list[tuple[str, str, GrammarSpec | str]]:
         size = len(text.encode())
         if size > LIMITS.max_bytes:
             return [("size", field, size)]
-        try:
-            entry: GrammarSpec | str = build_entry(kind, text)
-        except Exception as exc:  # noqa: BLE001 - any failure is the request's 422, never a dead worker
-            first = (str(exc).splitlines() or [""])[0]
-            entry = f"`{FIELD}` cannot be compiled: {type(exc).__name__}: {first}"
+        entry = cached_entry(kind, text)    # this process's own cache: a schema sent again is not checked again
+        if entry is None:
+            try:
+                entry = build_entry(kind, text)
+            except Exception as exc:  # noqa: BLE001 - any failure is the request's 422, never a dead worker
+                first = (str(exc).splitlines() or [""])[0]
+                entry = f"`{FIELD}` cannot be compiled: {type(exc).__name__}: {first}"
+            store_entry(kind, text, entry)
         built.append((kind, text, entry))
     return built
 
