@@ -10,6 +10,7 @@ import os
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ from engine.model_config import ModelConfig
 from engine.model_inputs import prepare_inputs
 from engine.models import model_class
 from engine.parallel_layout import ParallelLayout
+from engine.rank_watch import start_heartbeat
 from engine.weights import load_dummy, load_safetensors
 
 logger = logging.getLogger(__name__)
@@ -280,10 +282,12 @@ class RankWorker:
 
 
 def worker_main(config: EngineConfig, model_config: ModelConfig, rank: int, master: tuple[str, int],
-                conn: Connection) -> None:
+                conn: Connection, beats: Any = None) -> None:
     """Entry point of a spawned rank: build the shard, then run spans until told to stop."""
     parent = os.getppid()
     worker = None
+    if beats is not None:
+        start_heartbeat(beats, rank)
     try:
         if resolve_device(config.device, rank).type == "cpu":  # ranks share the node's cores
             torch.set_num_threads(max(1, available_cpus() // config.num_shard))

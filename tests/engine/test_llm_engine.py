@@ -284,6 +284,30 @@ def test_runner_failure_fails_the_batch_and_frees_blocks(tokenizer):
     assert run_streams(engine)["b"][-1].finish_reason in ("length", "eos_token")
 
 
+def test_a_runner_that_cannot_run_again_stops_the_engine_and_its_requests(tokenizer):
+    """Issue 27: a failed tensor-parallel step (ModelRunner.failure set) must not leave an engine that fails every
+    later request: step() raises, AsyncEngine records the error (the launcher then exits) and ends the streams."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine, RequestFailedError
+
+    engine, runner = make_engine(tokenizer)
+    runner.fail_next = True
+    runner.failure = "tensor-parallel step failed (rank 1 alive): injected"
+    async_engine = AsyncEngine(engine).start()
+
+    async def one_request():
+        async for _ in async_engine.generate("a", prompt(1, 5), SamplingParams(max_new_tokens=5)):
+            pass
+
+    try:
+        with pytest.raises(RequestFailedError, match="the model runner failed: tensor-parallel step failed"):
+            asyncio.run(asyncio.wait_for(one_request(), 10))
+        assert async_engine.error is not None and not async_engine.is_alive
+    finally:
+        async_engine.close()
+
+
 def test_generate_returns_whole_outputs_in_order(tokenizer):
     engine, runner = make_engine(tokenizer)
     with engine:
