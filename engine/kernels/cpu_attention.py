@@ -3,10 +3,10 @@
 A small C++ kernel with no torch headers (so it compiles in seconds, not the minute torch/extension.h
 costs under load_inline), built at first use by g++ -O3 -march=native -fopenmp, cached on disk under a
 key of its source, flags, compiler and CPU (a shared home is safe across node types), called through
-ctypes. One work item is (span, kv head[, context split]): the span's query rows
-of the kv head's query group are scored against each of its blocks in turn (online softmax, fp32
-accumulation), so nothing is gathered or padded. Batches with fewer work items than threads split
-each context in ranges merged by log-sum-exp. Reference: engine/kernels/attention_reference.py.
+ctypes. One task is a span (or a range of its context): all its query rows, every head, are scored
+against each of its blocks in turn, read whole where they lie (online softmax, fp32 accumulation), so
+nothing is gathered or padded. Batches with fewer spans than threads split each context in ranges
+merged by log-sum-exp. Reference: engine/kernels/attention_reference.py.
 """
 from __future__ import annotations
 
@@ -73,7 +73,18 @@ inline void store(float x, bf16* dst) {  // round to nearest even, as torch does
   dst->bits = std::isnan(x) ? 0x7fc0 : static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
+// 16 floats, loaded unaligned; gcc lowers it to one zmm, two ymm or four xmm registers as -march allows
+typedef float f16x __attribute__((vector_size(64), aligned(4)));
+
 inline float dot(const float* a, const float* b, int64_t n) {
+  if (n % 16 == 0) {  // a tree sum: gcc's own reduction ends in 16 dependent scalar adds
+    f16x acc = {};
+    for (int64_t i = 0; i < n; i += 16) acc += *reinterpret_cast<const f16x*>(a + i) * *reinterpret_cast<const f16x*>(b + i);
+    acc += __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    acc += __builtin_shufflevector(acc, acc, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+    acc += __builtin_shufflevector(acc, acc, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+    return acc[0] + acc[1];
+  }
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
@@ -100,18 +111,19 @@ inline void block_range(const Args<T>& a, int64_t item, int64_t* lo, int64_t* hi
   *hi = (w[3] + a.bs - 1) / a.bs;
 }
 
-// rows r = query * group + g (query head h * group + g) over blocks [begin, end): acc [R, D], m, l [R]
+// rows r = query * heads + head of one span over blocks [begin, end): acc [R, D], m, l [R]. A block's
+// tokens are read whole ([BS, kvh, D] contiguous): one pass over each token's K row, then its V row
 template <typename T>
-void attend_blocks(const Args<T>& a, int64_t item, int64_t h, int64_t begin, int64_t end,
-                   float* acc, float* m, float* l) {
+void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, float* acc, float* m, float* l,
+                   float* work) {
   const int32_t* w = a.work + item * 4;
   const int64_t seq = w[0], first = w[1], q_len = w[2], seq_len = w[3];
-  const int64_t D = a.dim, BS = a.bs, R = q_len * a.group;
-  thread_local std::vector<float> qf, kbuf, vbuf, s;
-  qf.resize(R * D); kbuf.resize(D); vbuf.resize(D); s.resize(R * BS);
+  const int64_t D = a.dim, BS = a.bs, H = a.kvh * a.group, R = q_len * H, row = a.kvh * D;
+  float* qf = work;               // [R, D] queries, scaled
+  float* s = qf + R * D;          // [R, BS] scores, then probabilities
+  float* buf = s + R * BS;        // [kvh * D] one token's K or V row in float
   for (int64_t r = 0; r < R; ++r) {
-    const T* src = a.q + (first + r / a.group) * a.q_row + (h * a.group + r % a.group) * a.q_head;
-    const float* f = as_float(src, kbuf.data(), D);
+    const float* f = as_float(a.q + (first + r / H) * a.q_row + (r % H) * a.q_head, buf, D);
     for (int64_t d = 0; d < D; ++d) qf[r * D + d] = f[d] * a.scale;
   }
   for (int64_t r = 0; r < R; ++r) { m[r] = NEG_INF; l[r] = 0.0f; }
@@ -121,12 +133,12 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t h, int64_t begin, int
     const int64_t base = blk * BS, n = std::min(BS, seq_len - base);
     const int64_t slot0 = static_cast<int64_t>(table[blk]) * BS;
     for (int64_t t = 0; t < n; ++t) {
-      const float* kf = as_float(a.k + ((slot0 + t) * a.kvh + h) * D, kbuf.data(), D);
-      for (int64_t r = 0; r < R; ++r) s[r * BS + t] = dot(qf.data() + r * D, kf, D);
+      const float* kf = as_float(a.k + (slot0 + t) * row, buf, row);
+      for (int64_t r = 0; r < R; ++r) s[r * BS + t] = dot(qf + r * D, kf + ((r % H) / a.group) * D, D);
     }
     for (int64_t r = 0; r < R; ++r) {
-      float* sr = s.data() + r * BS;
-      const int64_t pos = seq_len - q_len + r / a.group;
+      float* sr = s + r * BS;
+      const int64_t pos = seq_len - q_len + r / H;
       const int64_t t0 = std::max<int64_t>(a.window > 0 ? pos - a.window + 1 - base : 0, 0);
       const int64_t t1 = std::min<int64_t>(pos - base + 1, n);
       if (t0 >= t1) { std::fill(sr, sr + n, 0.0f); continue; }
@@ -152,26 +164,28 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t h, int64_t begin, int
       }
     }
     for (int64_t t = 0; t < n; ++t) {
-      const float* vf = as_float(a.v + ((slot0 + t) * a.kvh + h) * D, vbuf.data(), D);
+      const float* vf = as_float(a.v + (slot0 + t) * row, buf, row);
       for (int64_t r = 0; r < R; ++r) {
         const float p = s[r * BS + t];
         if (p == 0.0f) continue;
         float* ar = acc + r * D;
+        const float* vr = vf + ((r % H) / a.group) * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ar[d] += p * vf[d];
+        for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
       }
     }
   }
 }
 
+// rows of a span are rows first .. first + q_len of out [T, H, D]: R * D contiguous values
 template <typename T>
-inline void write_rows(const Args<T>& a, T* out, int64_t item, int64_t h, const float* acc, const float* l) {
+inline void write_rows(const Args<T>& a, T* out, int64_t item, const float* acc, const float* l) {
   const int32_t* w = a.work + item * 4;
-  const int64_t D = a.dim, heads = a.kvh * a.group;
-  for (int64_t r = 0; r < w[2] * a.group; ++r) {
-    T* dst = out + ((w[1] + r / a.group) * heads + h * a.group + r % a.group) * D;
+  const int64_t D = a.dim, R = w[2] * a.kvh * a.group;
+  T* dst = out + w[1] * a.kvh * a.group * D;
+  for (int64_t r = 0; r < R; ++r) {
     const float inv = 1.0f / l[r];
-    for (int64_t d = 0; d < D; ++d) store(acc[r * D + d] * inv, dst + d);
+    for (int64_t d = 0; d < D; ++d) store(acc[r * D + d] * inv, dst + r * D + d);
   }
 }
 
@@ -181,56 +195,49 @@ void run(const Args<T>& a, T* out, int64_t items, int64_t splits, int threads) {
   for (int64_t i = 0; i < items; ++i) {
     int64_t lo, hi;
     block_range(a, i, &lo, &hi);
-    max_rows = std::max<int64_t>(max_rows, a.work[i * 4 + 2] * a.group);
+    max_rows = std::max<int64_t>(max_rows, a.work[i * 4 + 2] * a.kvh * a.group);
     max_blocks = std::max(max_blocks, hi - lo);
   }
-  const int64_t tasks = items * a.kvh, width = max_rows * (a.dim + 2);
-  if (splits <= 0)  // enough (span, kv head, range) tasks for every thread, at least 4 blocks a range
-    splits = tasks >= 2 * threads ? 1 : std::max<int64_t>(1, std::min((4 * threads + tasks - 1) / tasks, max_blocks / 4));
-  if (splits == 1) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  const int64_t D = a.dim, width = max_rows * (D + 2);  // one range's acc [R, D], m [R], l [R]
+  const int64_t scratch = max_rows * (D + a.bs) + a.kvh * D;
+  if (splits <= 0)  // enough (span, range) tasks for every thread, at least 4 blocks a range
+    splits = items >= 2 * threads ? 1 : std::max<int64_t>(1, std::min((4 * threads + items - 1) / items, max_blocks / 4));
+  const int64_t tasks = items * splits;
+  std::vector<float> parts(splits == 1 ? 0 : tasks * width);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> mine(width + scratch);
+#pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
-      thread_local std::vector<float> buf;
-      buf.resize(width);
-      const int64_t item = task / a.kvh, h = task % a.kvh;
+      const int64_t item = task / splits, part = task % splits;
       int64_t lo, hi;
       block_range(a, item, &lo, &hi);
-      float* acc = buf.data();
-      attend_blocks(a, item, h, lo, hi, acc, acc + max_rows * a.dim, acc + max_rows * (a.dim + 1));
-      write_rows(a, out, item, h, acc, acc + max_rows * (a.dim + 1));
+      const int64_t chunk = (hi - lo + splits - 1) / splits;
+      const int64_t begin = std::min(hi, lo + part * chunk), end = std::min(hi, begin + chunk);
+      float* acc = splits == 1 ? mine.data() : parts.data() + task * width;
+      attend_blocks(a, item, begin, end, acc, acc + max_rows * D, acc + max_rows * (D + 1), mine.data() + width);
+      if (splits == 1) write_rows(a, out, item, acc, acc + max_rows * (D + 1));
     }
-    return;
   }
-  std::vector<float> parts(tasks * splits * width);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t job = 0; job < tasks * splits; ++job) {
-    const int64_t task = job / splits, part = job % splits, item = task / a.kvh, h = task % a.kvh;
-    int64_t lo, hi;
-    block_range(a, item, &lo, &hi);
-    const int64_t chunk = (hi - lo + splits - 1) / splits;
-    const int64_t begin = std::min(hi, lo + part * chunk), end = std::min(hi, begin + chunk);
-    float* acc = parts.data() + job * width;
-    attend_blocks(a, item, h, begin, end, acc, acc + max_rows * a.dim, acc + max_rows * (a.dim + 1));
-  }
-  // merge the ranges of each task by log-sum-exp
+  if (splits == 1) return;
+  // merge the ranges of each span by log-sum-exp
 #pragma omp parallel for num_threads(threads)
-  for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t item = task / a.kvh, h = task % a.kvh, rows = a.work[item * 4 + 2] * a.group;
-    std::vector<float> acc(max_rows * a.dim, 0.0f), l(max_rows, 0.0f);
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t rows = a.work[item * 4 + 2] * a.kvh * a.group;
+    std::vector<float> acc(max_rows * D, 0.0f), l(max_rows, 0.0f);
     for (int64_t r = 0; r < rows; ++r) {
       float mx = NEG_INF;
-      for (int64_t p = 0; p < splits; ++p)
-        mx = std::max(mx, parts[(task * splits + p) * width + max_rows * a.dim + r]);
+      for (int64_t p = 0; p < splits; ++p) mx = std::max(mx, parts[(item * splits + p) * width + max_rows * D + r]);
       for (int64_t p = 0; p < splits; ++p) {
-        const float* part = parts.data() + (task * splits + p) * width;
-        const float mp = part[max_rows * a.dim + r];
+        const float* part = parts.data() + (item * splits + p) * width;
+        const float mp = part[max_rows * D + r];
         if (mp == NEG_INF) continue;
         const float c = std::exp(mp - mx);
-        l[r] += c * part[max_rows * (a.dim + 1) + r];
-        for (int64_t d = 0; d < a.dim; ++d) acc[r * a.dim + d] += c * part[r * a.dim + d];
+        l[r] += c * part[max_rows * (D + 1) + r];
+        for (int64_t d = 0; d < D; ++d) acc[r * D + d] += c * part[r * D + d];
       }
     }
-    write_rows(a, out, item, h, acc.data(), l.data());
+    write_rows(a, out, item, acc.data(), l.data());
   }
 }
 
@@ -336,7 +343,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
                     softcap: float | None, splits: int = 0) -> None:
     """Fill out's rows of each work item [sequence, first row, rows, seq_len]: the rows are the last
     positions of that sequence, attending causally over its blocks (see paged_attention_reference);
-    splits > 0 forces that many context ranges per (span, kv head), 0 chooses."""
+    splits > 0 forces that many context ranges per span, 0 chooses."""
     assert out.is_contiguous() and q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype and q.shape[1] % k_cache.shape[2] == 0
     assert work.dtype == block_tables.dtype == torch.int32 and work.is_contiguous() and block_tables.stride(1) == 1
