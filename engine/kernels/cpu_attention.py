@@ -91,6 +91,22 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// acc[0 : 16 * SLICES] += sum over t < n of p[t] * v[t * stride + ...], the accumulator held in registers
+template <int SLICES>
+inline void accumulate(float* acc, const float* p, const float* v, int64_t n, int64_t stride) {
+  f16x sum[SLICES];
+  for (int i = 0; i < SLICES; ++i) sum[i] = *reinterpret_cast<const f16x*>(acc + 16 * i);
+  for (int64_t t = 0; t < n; ++t)
+    for (int i = 0; i < SLICES; ++i) sum[i] += p[t] * *reinterpret_cast<const f16x*>(v + t * stride + 16 * i);
+  for (int i = 0; i < SLICES; ++i) *reinterpret_cast<f16x*>(acc + 16 * i) = sum[i];
+}
+
+// blocks sit anywhere in the cache, beyond the hardware prefetcher's guess: ask for the next one early
+inline void prefetch(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+}
+
 template <typename T>
 struct Args {
   const T* q; int64_t q_row, q_head;   // q [T, H, D] strides; D contiguous
@@ -111,8 +127,8 @@ inline void block_range(const Args<T>& a, int64_t item, int64_t* lo, int64_t* hi
   *hi = (w[3] + a.bs - 1) / a.bs;
 }
 
-// rows r = query * heads + head of one span over blocks [begin, end): acc [R, D], m, l [R]. A block's
-// tokens are read whole ([BS, kvh, D] contiguous): one pass over each token's K row, then its V row
+// rows r = query * heads + head of one span over blocks [begin, end): acc [R, D], m, l [R]. A block is
+// read whole ([BS, kvh, D] contiguous): its K scored against every row, then its V summed into them
 template <typename T>
 void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, float* acc, float* m, float* l,
                    float* work) {
@@ -121,9 +137,9 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
   const int64_t D = a.dim, BS = a.bs, H = a.kvh * a.group, R = q_len * H, row = a.kvh * D;
   float* qf = work;               // [R, D] queries, scaled
   float* s = qf + R * D;          // [R, BS] scores, then probabilities
-  float* buf = s + R * BS;        // [kvh * D] one token's K or V row in float
+  float* kbuf = s + R * BS;       // [BS, kvh, D] one block of K, then of V, in float (bf16, fp16)
   for (int64_t r = 0; r < R; ++r) {
-    const float* f = as_float(a.q + (first + r / H) * a.q_row + (r % H) * a.q_head, buf, D);
+    const float* f = as_float(a.q + (first + r / H) * a.q_row + (r % H) * a.q_head, kbuf, D);
     for (int64_t d = 0; d < D; ++d) qf[r * D + d] = f[d] * a.scale;
   }
   for (int64_t r = 0; r < R; ++r) { m[r] = NEG_INF; l[r] = 0.0f; }
@@ -132,10 +148,14 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
   for (int64_t blk = begin; blk < end; ++blk) {
     const int64_t base = blk * BS, n = std::min(BS, seq_len - base);
     const int64_t slot0 = static_cast<int64_t>(table[blk]) * BS;
-    for (int64_t t = 0; t < n; ++t) {
-      const float* kf = as_float(a.k + (slot0 + t) * row, buf, row);
-      for (int64_t r = 0; r < R; ++r) s[r * BS + t] = dot(qf + r * D, kf + ((r % H) / a.group) * D, D);
+    if (blk + 1 < end) {
+      const int64_t next = static_cast<int64_t>(table[blk + 1]) * BS * row, count = std::min(BS, seq_len - base - BS);
+      prefetch(a.k + next, count * row * sizeof(T));
+      prefetch(a.v + next, count * row * sizeof(T));
     }
+    const float* kf = as_float(a.k + slot0 * row, kbuf, n * row);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t r = 0; r < R; ++r) s[r * BS + t] = dot(qf + r * D, kf + t * row + ((r % H) / a.group) * D, D);
     for (int64_t r = 0; r < R; ++r) {
       float* sr = s + r * BS;
       const int64_t pos = seq_len - q_len + r / H;
@@ -163,15 +183,22 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
         for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
       }
     }
-    for (int64_t t = 0; t < n; ++t) {
-      const float* vf = as_float(a.v + (slot0 + t) * row, buf, row);
-      for (int64_t r = 0; r < R; ++r) {
-        const float p = s[r * BS + t];
-        if (p == 0.0f) continue;
-        float* ar = acc + r * D;
-        const float* vr = vf + ((r % H) / a.group) * D;
+    const float* vf = as_float(a.v + slot0 * row, kbuf, n * row);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* p = s + r * BS;
+      const float* vr = vf + ((r % H) / a.group) * D;
+      float* ar = acc + r * D;
+      if (D == 64) {
+        accumulate<4>(ar, p, vr, n, row);
+      } else if (D == 128) {
+        accumulate<8>(ar, p, vr, n, row);
+      } else if (D % 16 == 0) {
+        for (int64_t d = 0; d < D; d += 16) accumulate<1>(ar + d, p, vr + d, n, row);
+      } else {
+        for (int64_t t = 0; t < n; ++t) {
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
+          for (int64_t d = 0; d < D; ++d) ar[d] += p[t] * vr[t * row + d];
+        }
       }
     }
   }
@@ -199,7 +226,7 @@ void run(const Args<T>& a, T* out, int64_t items, int64_t splits, int threads) {
     max_blocks = std::max(max_blocks, hi - lo);
   }
   const int64_t D = a.dim, width = max_rows * (D + 2);  // one range's acc [R, D], m [R], l [R]
-  const int64_t scratch = max_rows * (D + a.bs) + a.kvh * D;
+  const int64_t scratch = max_rows * (D + a.bs) + a.bs * a.kvh * D;
   if (splits <= 0)  // enough (span, range) tasks for every thread, at least 4 blocks a range
     splits = items >= 2 * threads ? 1 : std::max<int64_t>(1, std::min((4 * threads + items - 1) / items, max_blocks / 4));
   const int64_t tasks = items * splits;
