@@ -79,7 +79,8 @@ typedef float f16x __attribute__((vector_size(64), aligned(4)));
 inline float dot(const float* a, const float* b, int64_t n) {
   if (n % 16 == 0) {  // a tree sum: gcc's own reduction ends in 16 dependent scalar adds
     f16x acc = {};
-    for (int64_t i = 0; i < n; i += 16) acc += *reinterpret_cast<const f16x*>(a + i) * *reinterpret_cast<const f16x*>(b + i);
+    for (int64_t i = 0; i < n; i += 16)
+      acc += *reinterpret_cast<const f16x*>(a + i) * *reinterpret_cast<const f16x*>(b + i);
     acc += __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     acc += __builtin_shufflevector(acc, acc, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
     acc += __builtin_shufflevector(acc, acc, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
@@ -228,7 +229,8 @@ void run(const Args<T>& a, T* out, int64_t items, int64_t splits, int threads) {
   const int64_t D = a.dim, width = max_rows * (D + 2);  // one range's acc [R, D], m [R], l [R]
   const int64_t scratch = max_rows * (D + a.bs) + a.bs * a.kvh * D;
   if (splits <= 0)  // enough (span, range) tasks for every thread, at least 4 blocks a range
-    splits = items >= 2 * threads ? 1 : std::max<int64_t>(1, std::min((4 * threads + items - 1) / items, max_blocks / 4));
+    splits = items >= 2 * threads ? 1
+                                  : std::max<int64_t>(1, std::min((4 * threads + items - 1) / items, max_blocks / 4));
   const int64_t tasks = items * splits;
   std::vector<float> parts(splits == 1 ? 0 : tasks * width);
 #pragma omp parallel num_threads(threads)

@@ -145,7 +145,8 @@ def test_a_kernel_that_does_not_build_falls_back_to_portable(monkeypatch):
     monkeypatch.setattr(cpu_attention, "load", broken_build)
     backend, _, report = selection.choose_backend("auto", torch.device("cpu"), torch.float32, smollm2_layers(), None)
     assert backend.name == "portable" and report["portable"] == "ok"
-    assert report["cpu_paged"] == "failed its self-check with RuntimeError: g++ failed (1): main.cpp:1: error: expected ';'"
+    assert report["cpu_paged"] == ("failed its self-check with RuntimeError: "
+                                   "g++ failed (1): main.cpp:1: error: expected ';'")
     with pytest.raises(ValueError, match="'cpu_paged' cannot run here: failed its self-check"):
         selection.choose_backend("cpu_paged", torch.device("cpu"), torch.float32, smollm2_layers(), None)
 
