@@ -38,9 +38,10 @@ namespace {
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 struct bf16 { uint16_t bits; };
 
-// exp for x <= 0 (Cephes' polynomial); plain float code so that gcc vectorizes the loops it sits in
+// exp for x <= 0 (Cephes' polynomial), clamped so that any x stays finite; plain float code so that gcc
+// vectorizes the loops it sits in
 inline float exp_neg(float x) {
-  x = std::max(x, -87.0f);
+  x = std::min(std::max(x, -87.0f), 88.0f);
   float n = std::floor(x * 1.44269504088896341f + 0.5f);
   float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -166,16 +167,17 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
       if (a.softcap > 0.0f)
         for (int64_t t = t0; t < t1; ++t) sr[t] = a.softcap * std::tanh(sr[t] / a.softcap);
       float mx = NEG_INF;
+#pragma omp simd reduction(max : mx)
       for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, sr[t]);
       const float m_new = std::max(m[r], mx);
       const float alpha = m[r] == NEG_INF ? 0.0f : std::exp(m[r] - m_new);
+#pragma omp simd
+      for (int64_t t = 0; t < n; ++t) sr[t] = exp_neg(sr[t] - m_new);  // all n: one vector, no branches
+      std::fill(sr, sr + t0, 0.0f);
+      std::fill(sr + t1, sr + n, 0.0f);
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < n; ++t) {
-        float p = (t >= t0 && t < t1) ? exp_neg(sr[t] - m_new) : 0.0f;
-        sr[t] = p;
-        sum += p;
-      }
+      for (int64_t t = t0; t < t1; ++t) sum += sr[t];
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
       if (alpha != 1.0f) {
