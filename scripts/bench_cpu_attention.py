@@ -9,7 +9,9 @@ every method runs on the same data in the same process, interleaved round by rou
 the rounds is printed: wall time (median, min) and the process's CPU time (steadier on a shared box; with
 several threads it adds theirs up). --flex adds FlexAttention (torch.nn.attention.flex_attention, compiled by
 Inductor's C++ backend) over the paged cache in place, with a block mask built from the block tables
-per step (its build time is the `prepare` column).
+per step (its build time is the `prepare` column). On torch 2.13 its first compile took minutes and its
+recompile for the second shape failed (docs/cpu-attention.md): run it with one case, e.g.
+`--flex --batches 16 --contexts 128`.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `engine` importable from a checkout
 
+from engine.attention.backend import AttentionBackend  # noqa: E402
 from engine.attention.cpu_paged import CpuPagedBackend  # noqa: E402
 from engine.attention.metadata import build_metadata  # noqa: E402
 from engine.attention.portable import PortableBackend  # noqa: E402
@@ -46,49 +49,44 @@ def make_case(batch, context, heads, kv_heads, dim, block_size, dtype, seed=0):
 
 
 class Flex:
-    """FlexAttention over the paged cache as it lies: K/V viewed [1, kv, slots, d], a mask from the block tables."""
+    """FlexAttention over the paged cache in place (the layout torch's experimental _paged_attention builds):
+    K/V viewed [1, kv, slots, d], a BlockMask whose kv blocks are each sequence's block table, and a mask mod
+    mapping a physical slot to its logical position. Decode rows only; recompiles for each new shape."""
     name = "flex"
 
     def __init__(self):
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-        self.create_block_mask = create_block_mask
+        self.block_mask = BlockMask
         self.attend = torch.compile(flex_attention, dynamic=False)
 
     def prepare(self, meta, windows):
-        slots_per_seq = meta.block_tables.long() * meta.block_size  # [B, W] first slot of each logical block
-        num_slots = int(meta.slot_mapping.max()) + meta.block_size  # bound on physical slots in use
-        owner = torch.full((num_slots // meta.block_size + 1,), -1, dtype=torch.long)
-        logical = torch.zeros_like(owner)
-        for b, length in enumerate(meta.seq_lens_host):
-            used = -(-length // meta.block_size)
-            owner[meta.block_tables[b, :used].long()] = b
-            logical[meta.block_tables[b, :used].long()] = torch.arange(used)
-        seq_lens = meta.seq_lens.long()
-        block_size = meta.block_size
+        tables, block_size = meta.block_tables, meta.block_size
+        batch, width = tables.shape
+        num_pages = int(tables.max()) + 1
+        logical = torch.full((batch, num_pages), -1, dtype=torch.int32)  # [B, page] -> logical block (-1 = not its)
+        logical.scatter_(1, tables.long(), torch.arange(width, dtype=torch.int32).expand(batch, width).contiguous())
+        seq_lens = meta.seq_lens
 
         def visible(b, h, q_idx, kv_idx):
-            page = kv_idx // block_size
-            return (owner[page] == b) & (logical[page] * block_size + kv_idx % block_size < seq_lens[b])
+            block = logical[b, kv_idx // block_size]
+            return (block >= 0) & (block * block_size + kv_idx % block_size < seq_lens[b])
 
-        meta.extra["flex"] = self.create_block_mask(visible, meta.num_seqs, None, 1, owner.shape[0] * block_size,
-                                                    device="cpu", BLOCK_SIZE=(1, 128))
-        del slots_per_seq
+        indices = torch.zeros(batch, 1, 1, num_pages, dtype=torch.int32)  # columns must cover every page
+        indices[:, 0, 0, :width] = tables
+        counts = ((seq_lens + block_size - 1) // block_size).view(batch, 1, 1).int()
+        meta.extra["flex"] = self.block_mask.from_kv_blocks(counts, indices, BLOCK_SIZE=(1, block_size),
+                                                            mask_mod=visible, seq_lengths=(1, num_pages * block_size))
 
     def forward(self, layer, q, k, v, meta):
-        AttentionBackendStore.store(layer, k, v, meta.slot_mapping)
+        AttentionBackend.store(layer, k, v, meta.slot_mapping)
         mask = meta.extra["flex"]
-        slots = mask.kv_num_blocks.new_tensor(0)  # noqa: F841 (keeps the mask's tensors alive)
-        num_slots = mask.seq_lengths[1]
-        keys = layer.k_cache.view(-1, layer.num_kv_heads, layer.head_dim)[:num_slots].transpose(0, 1)[None]
-        values = layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim)[:num_slots].transpose(0, 1)[None]
-        keys, values = (t.expand(q.shape[0], -1, -1, -1) for t in (keys, values))
+        slots = mask.seq_lengths[1]
+        keys, values = (cache.view(-1, layer.num_kv_heads, layer.head_dim)[:slots].transpose(0, 1)[None]
+                        .expand(q.shape[0], -1, -1, -1) for cache in (layer.k_cache, layer.v_cache))
         out = self.attend(q[:, :, None], keys, values, block_mask=mask, scale=layer.scale,
                           enable_gqa=layer.num_heads != layer.num_kv_heads)
         return out.reshape(q.shape[0], -1)
-
-
-from engine.attention.backend import AttentionBackend as AttentionBackendStore  # noqa: E402
 
 
 def time_method(backend, spans, layer, q, k, v, block_size):
