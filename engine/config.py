@@ -45,7 +45,7 @@ class EngineConfig:
     block_size: int | None = None           # tokens per KV block; None = the attention backend's default
     enforce_eager: bool = False             # no CUDA graphs
     cuda_graphs: list[int] | None = None    # decode batch sizes to capture; None = 1,2,4..256; [] = none
-    attention_backend: str = "auto"         # "auto" | "portable" | "triton" | "flash-attn" (engine/attention/)
+    attention_backend: str = "auto"         # "auto" | "cpu_paged" | "portable" | "triton" | "flash-attn"
     cpu_gemm: str = "auto"                  # "auto" | "onednn" | "aten": linear layers on CPU
     # server
     hostname: str = "0.0.0.0"

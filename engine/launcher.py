@@ -69,7 +69,7 @@ def _speculate(text: str) -> int:
 
 
 # engine/attention/selection.py's CHOICES, spelled out so that --help imports no torch (a test keeps them equal)
-ATTENTION_CHOICES = ["auto", "flash-attn", "triton", "portable", "flash", "sdpa", "torch"]
+ATTENTION_CHOICES = ["auto", "flash-attn", "triton", "cpu_paged", "portable", "flash", "sdpa", "torch"]
 
 
 def _lora_adapters(text: str) -> list[tuple[str, str]]:
@@ -167,8 +167,9 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
                                              "with the triton or flash-attn attention backend)")),
     (("--attention-backend",), "ATTENTION_BACKEND",
      dict(default="auto", choices=ATTENTION_CHOICES,
-          help="paged attention: auto = the first of flash-attn, triton (CUDA) and portable (any device) that passes "
-               "its start-up check against the reference; naming one fails if it cannot run")),
+          help="paged attention: auto = the first of flash-attn, triton (CUDA), cpu_paged (CPU) and portable "
+               "(any device) that passes its start-up check against the reference; naming one fails if it "
+               "cannot run")),
     (("--block-size",), "BLOCK_SIZE", dict(type=_block_size, help="tokens per paged-KV block, a power of two "
                                            "(default: the attention backend's: 256 for flash-attn, else 16)")),
     (("--cpu-threads",), "CPU_THREADS",

@@ -47,28 +47,10 @@ class PortableBackend(AttentionBackend):
     default_block_size = 16
 
     def prepare(self, meta: AttentionMetadata, windows: set[int | None]) -> None:
-        device = meta.slot_mapping.device
-        lengths, seq_lens = meta.query_lens_host, meta.seq_lens_host
-        batched = [b for b, length in enumerate(lengths)
-                   if length == 1 or (length <= MAX_BATCHED_QUERY and seq_lens[b] > length)]
-        prefills = []
-        starts = [0]
-        for length in lengths:
-            starts.append(starts[-1] + length)
-        in_batch = set(batched)
-        for b, length in enumerate(lengths):
-            if b in in_batch:
-                continue
-            seq_len = seq_lens[b]
-            start_pos = seq_len - length
-            rows = slice(starts[b], starts[b + 1])
-            if start_pos == 0:
-                masks = {w: None if w is None else causal_mask(length, 0, length, w, device) for w in windows}
-                prefills.append(_Prefill(rows, None, masks))
-            else:
-                slots = _context_slots(meta, [b], seq_len)[0]
-                masks = {w: causal_mask(length, start_pos, seq_len, w, device) for w in windows}
-                prefills.append(_Prefill(rows, slots, masks))
+        lengths = meta.query_lens_host
+        batched = batched_seqs(meta)
+        starts = row_starts(lengths)
+        prefills = prefill_chunks(meta, set(batched), starts, windows)
         decode = _batched(meta, batched, starts, windows) if batched else None
         meta.extra["portable"] = (decode, prefills)
 
@@ -79,10 +61,9 @@ class PortableBackend(AttentionBackend):
         decode, prefills = meta.extra["portable"]
         pure_decode = decode is not None and decode.rows is None  # the decode result is the whole output
         out = None if pure_decode else q.new_empty(q.shape)
-        keys = layer.k_cache.view(-1, layer.num_kv_heads, layer.head_dim)
-        values = layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
-        window = layer.sliding_window
         if decode is not None:
+            keys = layer.k_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+            values = layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
             num_seqs, width = decode.key_slots.shape[0] // decode.width, decode.width
             queries = q if decode.rows is None else q.index_select(0, decode.rows)
             queries = queries.view(num_seqs, decode.num_queries, *q.shape[1:]).transpose(1, 2)  # [B, H, Q, d]
@@ -90,7 +71,7 @@ class PortableBackend(AttentionBackend):
             shape = (num_seqs, width, layer.num_kv_heads, layer.head_dim)
             context_k = keys.index_select(0, decode.key_slots).view(shape).transpose(1, 2)  # [B, kv, K, d]
             context_v = values.index_select(0, decode.key_slots).view(shape).transpose(1, 2)
-            result = attend(layer, queries, context_k, context_v, decode.masks[window])
+            result = attend(layer, queries, context_k, context_v, decode.masks[layer.sliding_window])
             result = result.transpose(1, 2).reshape(-1, *q.shape[1:])                       # [B * Q, H, d]
             if pure_decode:
                 out = result
@@ -98,15 +79,59 @@ class PortableBackend(AttentionBackend):
                 out[decode.rows] = result
             else:
                 out[decode.out_rows] = result[decode.kept]
-        for chunk in prefills:
-            if chunk.key_slots is None:
-                chunk_k, chunk_v = k[chunk.rows], v[chunk.rows]
-            else:
-                chunk_k, chunk_v = keys.index_select(0, chunk.key_slots), values.index_select(0, chunk.key_slots)
-            result = attend(layer, q[chunk.rows].transpose(0, 1)[None], chunk_k.transpose(0, 1)[None],
-                            chunk_v.transpose(0, 1)[None], chunk.masks[window])
-            out[chunk.rows] = result[0].transpose(0, 1)
+        run_prefills(layer, q, k, v, prefills, out)
         return out.reshape(q.shape[0], -1)
+
+
+def batched_seqs(meta: AttentionMetadata) -> list[int]:
+    """The sequences attending as decode rows or short spans over a cached context (the rest are prefill chunks)."""
+    lengths, seq_lens = meta.query_lens_host, meta.seq_lens_host
+    return [b for b, length in enumerate(lengths)
+            if length == 1 or (length <= MAX_BATCHED_QUERY and seq_lens[b] > length)]
+
+
+def row_starts(lengths: list[int]) -> list[int]:
+    starts = [0]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+    return starts
+
+
+def prefill_chunks(meta: AttentionMetadata, batched: set[int], starts: list[int],
+                   windows: set[int | None]) -> list[_Prefill]:
+    """Every sequence not in `batched` as a prefill chunk with its masks (and its context's slots if cached)."""
+    device = meta.slot_mapping.device
+    prefills = []
+    for b, length in enumerate(meta.query_lens_host):
+        if b in batched:
+            continue
+        seq_len = meta.seq_lens_host[b]
+        start_pos = seq_len - length
+        rows = slice(starts[b], starts[b + 1])
+        if start_pos == 0:
+            masks = {w: None if w is None else causal_mask(length, 0, length, w, device) for w in windows}
+            prefills.append(_Prefill(rows, None, masks))
+        else:
+            slots = _context_slots(meta, [b], seq_len)[0]
+            masks = {w: causal_mask(length, start_pos, seq_len, w, device) for w in windows}
+            prefills.append(_Prefill(rows, slots, masks))
+    return prefills
+
+
+def run_prefills(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefills: list[_Prefill],
+                 out: torch.Tensor) -> None:
+    """Each prefill chunk's causal SDPA into its rows of out [T, H, d]."""
+    keys = layer.k_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+    values = layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+    window = layer.sliding_window
+    for chunk in prefills:
+        if chunk.key_slots is None:
+            chunk_k, chunk_v = k[chunk.rows], v[chunk.rows]
+        else:
+            chunk_k, chunk_v = keys.index_select(0, chunk.key_slots), values.index_select(0, chunk.key_slots)
+        result = attend(layer, q[chunk.rows].transpose(0, 1)[None], chunk_k.transpose(0, 1)[None],
+                        chunk_v.transpose(0, 1)[None], chunk.masks[window])
+        out[chunk.rows] = result[0].transpose(0, 1)
 
 
 def _batched(meta: AttentionMetadata, seqs: list[int], starts: list[int], windows: set[int | None]) -> _Decode:

@@ -1,7 +1,8 @@
 """Which attention backend runs: a priority list per device, each candidate checked at start-up.
 
 On CUDA: flash-attn (when importable; the fastest where it exists), then our Triton kernels (no
-optional package: Triton ships with CUDA and ROCm torch), then portable torch. Elsewhere: portable.
+optional package: Triton ships with CUDA and ROCm torch), then portable torch. On CPU: our C++ kernel
+reading the paged cache in place (cpu_paged, built with g++ at first use), then portable. Elsewhere: portable.
 A candidate runs only if it can start here and its output on a mixed batch with the model's own
 head layout (GQA, sliding windows, soft-capping) matches the float64 reference; every
 tensor-parallel rank must agree. `--attention-backend NAME` forces one and fails loudly if it cannot run.
@@ -15,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.cpu_paged import CpuPagedBackend
 from engine.attention.flash import FlashBackend
 from engine.attention.metadata import build_metadata
 from engine.attention.portable import PortableBackend
@@ -25,9 +27,9 @@ from engine.kernels.attention_reference import paged_attention_reference
 logger = logging.getLogger(__name__)
 
 BACKENDS: dict[str, type[AttentionBackend]] = {"flash-attn": FlashBackend, "triton": TritonBackend,
-                                               "portable": PortableBackend}
+                                               "cpu_paged": CpuPagedBackend, "portable": PortableBackend}
 ALIASES = {"flash": "flash-attn", "sdpa": "portable", "torch": "portable"}
-PRIORITY = {"cuda": ("flash-attn", "triton", "portable")}
+PRIORITY = {"cuda": ("flash-attn", "triton", "portable"), "cpu": ("cpu_paged", "portable")}
 CHOICES = ("auto", *BACKENDS, *ALIASES)
 
 

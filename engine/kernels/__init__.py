@@ -1,4 +1,4 @@
-"""Device kernels written in Triton, each beside a plain-torch reference of the same math.
+"""Device kernels in Triton (and one CPU kernel in C++), each beside a plain-torch reference of the same math.
 
 This package owns the kernels and nothing that chooses between them: the layers (and the
 start-up self-checks in engine/worker.py) decide which implementation runs. Every kernel module
@@ -13,6 +13,9 @@ Modules:
   preallocated split buffers, for CUDA graphs), `decode_num_splits`, `write_kv_cache`.
 - attention_reference: the same math in float64 plain torch (`paged_attention_reference`,
   `write_kv_cache_reference`).
+- cpu_attention: `paged_attention` (decode rows and short spans over the paged cache in place, C++ built
+  by g++ at first use and cached per CPU in ~/.cache/tgi-hpc/kernels or $TGI_HPC_KERNEL_CACHE; `load`
+  builds it); its reference is attention_reference's `paged_attention_reference` too.
 - lora: `lora_apply`, the batched multi-LoRA update (per-token shrink and expand by adapter index);
   lora_reference: `lora_reference`, the same in float64 plain torch.
 """

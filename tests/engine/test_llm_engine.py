@@ -370,6 +370,7 @@ TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog and then ru
 # every attention backend this machine can run: Triton's kernels run here in its CPU interpreter
 @pytest.mark.parametrize("name,backend", [(name, "portable") for name in
                                           ("tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-llama3-rope")]
+                         + [("tiny-llama", "cpu_paged"), ("tiny-mistral", "cpu_paged"), ("tiny-qwen3", "cpu_paged")]
                          + [("tiny-mistral", "triton"), ("tiny-qwen2", "triton")])
 def test_greedy_matches_transformers(name, backend, hf_models):
     with real_engine(name, attention_backend=backend) as engine:

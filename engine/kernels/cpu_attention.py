@@ -1,0 +1,387 @@
+"""CPU paged attention for decode rows and short spans, reading K/V where they lie in the paged cache.
+
+A small C++ kernel with no torch headers (so it compiles in seconds, not the minute torch/extension.h
+costs under load_inline), built at first use by g++ -O3 -march=native -fopenmp, cached on disk under a
+key of its source, flags, compiler and CPU (a shared home is safe across node types), called through
+ctypes. One task is a span (or a range of its context): all its query rows, every head, are scored
+against each of its blocks in turn, read whole where they lie (online softmax, fp32 accumulation), so
+nothing is gathered or padded. Batches with fewer spans than threads split each context in ranges
+merged by log-sum-exp. Reference: engine/kernels/attention_reference.py.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = r"""
+// no torch headers: plain C++ and OpenMP compile in a second or two (torch/extension.h takes a minute)
+#include <omp.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+struct bf16 { uint16_t bits; };
+
+// exp for x <= 0 (Cephes' polynomial), clamped so that any x stays finite; plain float code so that gcc
+// vectorizes the loops it sits in
+inline float exp_neg(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
+inline const float* as_float(const float* src, float*, int64_t) { return src; }
+inline const float* as_float(const bf16* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = __builtin_bit_cast(float, static_cast<uint32_t>(src[i].bits) << 16);
+  return dst;
+}
+inline const float* as_float(const _Float16* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  return dst;
+}
+
+inline void store(float x, float* dst) { *dst = x; }
+inline void store(float x, _Float16* dst) { *dst = static_cast<_Float16>(x); }
+inline void store(float x, bf16* dst) {  // round to nearest even, as torch does
+  uint32_t u = __builtin_bit_cast(uint32_t, x);
+  dst->bits = std::isnan(x) ? 0x7fc0 : static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+// 16 floats, loaded unaligned; gcc lowers it to one zmm, two ymm or four xmm registers as -march allows
+typedef float f16x __attribute__((vector_size(64), aligned(4)));
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  if (n % 16 == 0) {  // a tree sum: gcc's own reduction ends in 16 dependent scalar adds
+    f16x acc = {};
+    for (int64_t i = 0; i < n; i += 16)
+      acc += *reinterpret_cast<const f16x*>(a + i) * *reinterpret_cast<const f16x*>(b + i);
+    acc += __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    acc += __builtin_shufflevector(acc, acc, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+    acc += __builtin_shufflevector(acc, acc, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+    return acc[0] + acc[1];
+  }
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// acc[0 : 16 * SLICES] += sum over t < n of p[t] * v[t * stride + ...], the accumulator held in registers
+template <int SLICES>
+inline void accumulate(float* acc, const float* p, const float* v, int64_t n, int64_t stride) {
+  f16x sum[SLICES];
+  for (int i = 0; i < SLICES; ++i) sum[i] = *reinterpret_cast<const f16x*>(acc + 16 * i);
+  for (int64_t t = 0; t < n; ++t)
+    for (int i = 0; i < SLICES; ++i) sum[i] += p[t] * *reinterpret_cast<const f16x*>(v + t * stride + 16 * i);
+  for (int i = 0; i < SLICES; ++i) *reinterpret_cast<f16x*>(acc + 16 * i) = sum[i];
+}
+
+// blocks sit anywhere in the cache, beyond the hardware prefetcher's guess: ask for the next one early
+inline void prefetch(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+}
+
+template <typename T>
+struct Args {
+  const T* q; int64_t q_row, q_head;   // q [T, H, D] strides; D contiguous
+  const T* k; const T* v;              // caches [blocks, BS, KVH, D], contiguous
+  const int32_t* work;                 // [N, 4]: sequence, first row, query rows, seq_len
+  const int32_t* tables; int64_t table_stride;
+  int64_t bs, kvh, group, dim;
+  float scale; int64_t window; float softcap;
+};
+
+// the first and one-past-last block a work item attends to
+template <typename T>
+inline void block_range(const Args<T>& a, int64_t item, int64_t* lo, int64_t* hi) {
+  const int32_t* w = a.work + item * 4;
+  int64_t first_pos = w[3] - w[2];
+  int64_t start = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
+  *lo = start / a.bs;
+  *hi = (w[3] + a.bs - 1) / a.bs;
+}
+
+// rows r = query * heads + head of one span over blocks [begin, end): acc [R, D], m, l [R]. A block is
+// read whole ([BS, kvh, D] contiguous): its K scored against every row, then its V summed into them
+template <typename T>
+void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, float* acc, float* m, float* l,
+                   float* work) {
+  const int32_t* w = a.work + item * 4;
+  const int64_t seq = w[0], first = w[1], q_len = w[2], seq_len = w[3];
+  const int64_t D = a.dim, BS = a.bs, H = a.kvh * a.group, R = q_len * H, row = a.kvh * D;
+  float* qf = work;               // [R, D] queries, scaled
+  float* s = qf + R * D;          // [R, BS] scores, then probabilities
+  float* kbuf = s + R * BS;       // [BS, kvh, D] one block of K, then of V, in float (bf16, fp16)
+  for (int64_t r = 0; r < R; ++r) {
+    const float* f = as_float(a.q + (first + r / H) * a.q_row + (r % H) * a.q_head, kbuf, D);
+    for (int64_t d = 0; d < D; ++d) qf[r * D + d] = f[d] * a.scale;
+  }
+  for (int64_t r = 0; r < R; ++r) { m[r] = NEG_INF; l[r] = 0.0f; }
+  std::fill(acc, acc + R * D, 0.0f);
+  const int32_t* table = a.tables + seq * a.table_stride;
+  for (int64_t blk = begin; blk < end; ++blk) {
+    const int64_t base = blk * BS, n = std::min(BS, seq_len - base);
+    const int64_t slot0 = static_cast<int64_t>(table[blk]) * BS;
+    if (blk + 1 < end) {
+      const int64_t next = static_cast<int64_t>(table[blk + 1]) * BS * row, count = std::min(BS, seq_len - base - BS);
+      prefetch(a.k + next, count * row * sizeof(T));
+      prefetch(a.v + next, count * row * sizeof(T));
+    }
+    const float* kf = as_float(a.k + slot0 * row, kbuf, n * row);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t r = 0; r < R; ++r) s[r * BS + t] = dot(qf + r * D, kf + t * row + ((r % H) / a.group) * D, D);
+    for (int64_t r = 0; r < R; ++r) {
+      float* sr = s + r * BS;
+      const int64_t pos = seq_len - q_len + r / H;
+      const int64_t t0 = std::max<int64_t>(a.window > 0 ? pos - a.window + 1 - base : 0, 0);
+      const int64_t t1 = std::min<int64_t>(pos - base + 1, n);
+      if (t0 >= t1) { std::fill(sr, sr + n, 0.0f); continue; }
+      if (a.softcap > 0.0f)
+        for (int64_t t = t0; t < t1; ++t) sr[t] = a.softcap * std::tanh(sr[t] / a.softcap);
+      float mx = NEG_INF;
+#pragma omp simd reduction(max : mx)
+      for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, sr[t]);
+      const float m_new = std::max(m[r], mx);
+      const float alpha = m[r] == NEG_INF ? 0.0f : std::exp(m[r] - m_new);
+#pragma omp simd
+      for (int64_t t = 0; t < n; ++t) sr[t] = exp_neg(sr[t] - m_new);  // all n: one vector, no branches
+      std::fill(sr, sr + t0, 0.0f);
+      std::fill(sr + t1, sr + n, 0.0f);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = t0; t < t1; ++t) sum += sr[t];
+      l[r] = l[r] * alpha + sum;
+      m[r] = m_new;
+      if (alpha != 1.0f) {
+        float* ar = acc + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+      }
+    }
+    const float* vf = as_float(a.v + slot0 * row, kbuf, n * row);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* p = s + r * BS;
+      const float* vr = vf + ((r % H) / a.group) * D;
+      float* ar = acc + r * D;
+      if (D == 64) {
+        accumulate<4>(ar, p, vr, n, row);
+      } else if (D == 128) {
+        accumulate<8>(ar, p, vr, n, row);
+      } else if (D % 16 == 0) {
+        for (int64_t d = 0; d < D; d += 16) accumulate<1>(ar + d, p, vr + d, n, row);
+      } else {
+        for (int64_t t = 0; t < n; ++t) {
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ar[d] += p[t] * vr[t * row + d];
+        }
+      }
+    }
+  }
+}
+
+// rows of a span are rows first .. first + q_len of out [T, H, D]: R * D contiguous values
+template <typename T>
+inline void write_rows(const Args<T>& a, T* out, int64_t item, const float* acc, const float* l) {
+  const int32_t* w = a.work + item * 4;
+  const int64_t D = a.dim, R = w[2] * a.kvh * a.group;
+  T* dst = out + w[1] * a.kvh * a.group * D;
+  for (int64_t r = 0; r < R; ++r) {
+    const float inv = 1.0f / l[r];
+    for (int64_t d = 0; d < D; ++d) store(acc[r * D + d] * inv, dst + r * D + d);
+  }
+}
+
+template <typename T>
+void run(const Args<T>& a, T* out, int64_t items, int64_t splits, int threads) {
+  int64_t max_rows = 0, max_blocks = 0;
+  for (int64_t i = 0; i < items; ++i) {
+    int64_t lo, hi;
+    block_range(a, i, &lo, &hi);
+    max_rows = std::max<int64_t>(max_rows, a.work[i * 4 + 2] * a.kvh * a.group);
+    max_blocks = std::max(max_blocks, hi - lo);
+  }
+  const int64_t D = a.dim, width = max_rows * (D + 2);  // one range's acc [R, D], m [R], l [R]
+  const int64_t scratch = max_rows * (D + a.bs) + a.bs * a.kvh * D;
+  if (splits <= 0)  // enough (span, range) tasks for every thread, at least 4 blocks a range
+    splits = items >= 2 * threads ? 1
+                                  : std::max<int64_t>(1, std::min((4 * threads + items - 1) / items, max_blocks / 4));
+  const int64_t tasks = items * splits;
+  std::vector<float> parts(splits == 1 ? 0 : tasks * width);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> mine(width + scratch);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t item = task / splits, part = task % splits;
+      int64_t lo, hi;
+      block_range(a, item, &lo, &hi);
+      const int64_t chunk = (hi - lo + splits - 1) / splits;
+      const int64_t begin = std::min(hi, lo + part * chunk), end = std::min(hi, begin + chunk);
+      float* acc = splits == 1 ? mine.data() : parts.data() + task * width;
+      attend_blocks(a, item, begin, end, acc, acc + max_rows * D, acc + max_rows * (D + 1), mine.data() + width);
+      if (splits == 1) write_rows(a, out, item, acc, acc + max_rows * (D + 1));
+    }
+  }
+  if (splits == 1) return;
+  // merge the ranges of each span by log-sum-exp
+#pragma omp parallel for num_threads(threads)
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t rows = a.work[item * 4 + 2] * a.kvh * a.group;
+    std::vector<float> acc(max_rows * D, 0.0f), l(max_rows, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      float mx = NEG_INF;
+      for (int64_t p = 0; p < splits; ++p) mx = std::max(mx, parts[(item * splits + p) * width + max_rows * D + r]);
+      for (int64_t p = 0; p < splits; ++p) {
+        const float* part = parts.data() + (item * splits + p) * width;
+        const float mp = part[max_rows * D + r];
+        if (mp == NEG_INF) continue;
+        const float c = std::exp(mp - mx);
+        l[r] += c * part[max_rows * (D + 1) + r];
+        for (int64_t d = 0; d < D; ++d) acc[r * D + d] += c * part[r * D + d];
+      }
+    }
+    write_rows(a, out, item, acc.data(), l.data());
+  }
+}
+
+template <typename T>
+void launch(void* out, const void* q, int64_t q_row, int64_t q_head, const void* k, const void* v,
+            const int32_t* work, int64_t items, const int32_t* tables, int64_t table_stride, int64_t bs,
+            int64_t kvh, int64_t group, int64_t dim, double scale, int64_t window, double softcap, int64_t splits,
+            int threads) {
+  Args<T> a{static_cast<const T*>(q), q_row, q_head, static_cast<const T*>(k), static_cast<const T*>(v), work,
+            tables, table_stride, bs, kvh, group, dim, static_cast<float>(scale), window,
+            static_cast<float>(softcap)};
+  if (items > 0 && dim > 0) run(a, static_cast<T*>(out), items, splits, std::max(threads, 1));
+}
+
+}  // namespace
+
+// out [T, H, D] contiguous; q [T, H, D] (strides q_row, q_head; D contiguous); k/v caches [blocks, bs, kvh, D]
+// contiguous; work [items, 4] (sequence, first row, rows, seq_len); tables [B, table_stride]; dtype 0 float32,
+// 1 bfloat16, 2 float16; window <= 0 and softcap <= 0 mean none; splits = ranges per context (0 = choose)
+extern "C" int tgi_paged_attention(int dtype, void* out, const void* q, int64_t q_row, int64_t q_head,
+                                   const void* k, const void* v, const int32_t* work, int64_t items,
+                                   const int32_t* tables, int64_t table_stride, int64_t bs, int64_t kvh,
+                                   int64_t group, int64_t dim, double scale, int64_t window, double softcap,
+                                   int64_t splits, int threads) {
+  switch (dtype) {
+    case 0: launch<float>(out, q, q_row, q_head, k, v, work, items, tables, table_stride, bs, kvh, group, dim,
+                          scale, window, softcap, splits, threads); return 0;
+    case 1: launch<bf16>(out, q, q_row, q_head, k, v, work, items, tables, table_stride, bs, kvh, group, dim,
+                         scale, window, softcap, splits, threads); return 0;
+    case 2: launch<_Float16>(out, q, q_row, q_head, k, v, work, items, tables, table_stride, bs, kvh, group, dim,
+                             scale, window, softcap, splits, threads); return 0;
+  }
+  return 1;
+}
+"""
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC"]
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_library: ctypes.CDLL | None = None
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels live: $TGI_HPC_KERNEL_CACHE, else $XDG_CACHE_HOME or ~/.cache, /tgi-hpc/kernels."""
+    if os.environ.get("TGI_HPC_KERNEL_CACHE"):
+        return Path(os.environ["TGI_HPC_KERNEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tgi-hpc" / "kernels"
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with ($CXX, else g++), None when there is none."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def _cpu_key() -> str:
+    """The CPU -march=native compiles for: model name and feature flags (a shared cache must not mix them)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def load() -> ctypes.CDLL:
+    """The compiled kernel: built once per CPU type and compiler into the cache, loaded once per process."""
+    global _library
+    if _library is not None:
+        return _library
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler: {os.environ.get('CXX', 'g++')} is not on PATH")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256("\n".join([SOURCE, *FLAGS, version, _cpu_key()]).encode()).hexdigest()[:16]
+    path = cache_dir() / f"cpu_attention_{key}.so"
+    start = time.monotonic()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        source = path.with_suffix(f".{os.getpid()}.cpp")
+        partial = path.with_suffix(f".{os.getpid()}.so")
+        source.write_text(SOURCE)
+        try:
+            built = subprocess.run([cxx, *FLAGS, str(source), "-o", str(partial)], capture_output=True, text=True,
+                                   timeout=300)
+            if built.returncode != 0:
+                raise RuntimeError(f"{cxx} failed ({built.returncode}): {built.stderr.strip()[-2000:]}")
+            os.replace(partial, path)  # atomic: ranks building at once each install a whole library
+        finally:
+            source.unlink(missing_ok=True)
+            partial.unlink(missing_ok=True)
+        logger.info("CPU attention kernel compiled in %.1f s into %s", time.monotonic() - start, path)
+    library = ctypes.CDLL(str(path))
+    library.tgi_paged_attention.restype = ctypes.c_int
+    library.tgi_paged_attention.argtypes = [
+        ctypes.c_int, *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 3, ctypes.c_int64,
+        ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int64,
+        ctypes.c_int]
+    _library = library
+    return library
+
+
+def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    work: torch.Tensor, block_tables: torch.Tensor, *, scale: float, window: int | None,
+                    softcap: float | None, splits: int = 0) -> None:
+    """Fill out's rows of each work item [sequence, first row, rows, seq_len]: the rows are the last
+    positions of that sequence, attending causally over its blocks (see paged_attention_reference);
+    splits > 0 forces that many context ranges per span, 0 chooses."""
+    assert out.is_contiguous() and q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype and q.shape[1] % k_cache.shape[2] == 0
+    assert work.dtype == block_tables.dtype == torch.int32 and work.is_contiguous() and block_tables.stride(1) == 1
+    assert q.device.type == "cpu" and q.shape[2] == k_cache.shape[3]
+    _, block_size, kv_heads, dim = k_cache.shape
+    load().tgi_paged_attention(
+        DTYPES[q.dtype], out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(),
+        v_cache.data_ptr(), work.data_ptr(), work.shape[0], block_tables.data_ptr(), block_tables.stride(0),
+        block_size, kv_heads, q.shape[1] // kv_heads, dim, scale, window or 0, softcap or 0.0, splits,
+        1 if torch.get_num_threads() < 1 else torch.get_num_threads())
