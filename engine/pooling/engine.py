@@ -24,7 +24,7 @@ from engine.pooling.spec import PoolingSpec, detect
 logger = logging.getLogger(__name__)
 
 DEFAULT_STEP_TOKENS = 16384     # tokens one step takes (--max-batch-prefill-tokens overrides)
-DEFAULT_FORWARD_TOKENS = 4096   # padded tokens of one forward on CPU (one length-sorted batch)
+DEFAULT_FORWARD_TOKENS = 1024   # padded tokens of one forward (one length-sorted batch; see runner.py)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -84,7 +84,7 @@ class PoolingEngine:
             pad_token_id=int(pad) if pad is not None else 0,
             max_batch_tokens=max(DEFAULT_FORWARD_TOKENS, self.max_input_tokens),
             max_batch_size=config.max_batch_size or 256, trust_remote_code=config.trust_remote_code,
-            load_format=config.load_format)
+            load_format=config.load_format, cpu_gemm=config.cpu_gemm)
         self.hidden_size = self.runner.hidden_size
         self._waiting: deque[_Request] = deque()
         self._aborted: set[str] = set()

@@ -1,10 +1,11 @@
 """PoolingRunner: transformers' own model class for the checkpoint, run prefill-only on length-sorted batches.
 
 The forward is the library's (AutoModel for embedders, AutoModelForSequenceClassification for cross-encoders),
-with SDPA attention under torch.inference_mode; what we add is the batching. Sequences are sorted by length
+with SDPA attention under torch.inference_mode, and on CPU its linears go through oneDNN with prepacked weights
+(engine/pooling/linear.py); what we add is that and the batching. Sequences are sorted by length
 and cut into batches of at most `max_batch_tokens` padded tokens, so each batch pads only to its own longest
-member (with mixed lengths, a few percent of the tokens), and small batches of long inputs do not wait for
-short ones. Nothing outlives the forward: there is no KV cache.
+member (with mixed lengths, a few percent of the tokens). Small batches measured faster on CPU than large
+ones (activations stay in cache): 512-1024 tokens a forward was ~1.5x faster than 2048-4096 for MiniLM. Nothing outlives the forward: there is no KV cache.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Any
 
 import torch
 
+from engine.layers import cpu_gemm as _cpu_gemm
+from engine.pooling.linear import pack_linears
 from engine.pooling.pooler import pool
 from engine.pooling.spec import PoolingSpec
 
@@ -22,7 +25,8 @@ logger = logging.getLogger(__name__)
 class PoolingRunner:
     def __init__(self, model_dir: str, spec: PoolingSpec, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, pad_token_id: int = 0, max_batch_tokens: int = 4096,
-                 max_batch_size: int = 256, trust_remote_code: bool = False, load_format: str = "safetensors") -> None:
+                 max_batch_size: int = 256, trust_remote_code: bool = False, load_format: str = "safetensors",
+                 cpu_gemm: str = "auto") -> None:
         from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
         self.spec, self.device, self.dtype = spec, torch.device(device), dtype
@@ -43,7 +47,9 @@ class PoolingRunner:
         self.model = model.to(self.device).eval()
         self.uses_token_types = "token_type_ids" in getattr(self.model, "forward").__code__.co_varnames
         self.hidden_size = int(getattr(self.model.config, "hidden_size", 0))
-        self.linear_backend = "aten"
+        self.linear_backend = _cpu_gemm.choose(cpu_gemm, self.device, dtype)
+        if self.linear_backend == "onednn":
+            logger.info("oneDNN linears: %d layers packed", pack_linears(self.model))
 
     def run(self, seqs: list[list[int]], token_types: list[list[int] | None] | None = None) -> list[torch.Tensor]:
         """One float32 CPU tensor per sequence: the pooled vector (embed) or the logits (classify), in order."""

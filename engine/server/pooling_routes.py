@@ -358,5 +358,6 @@ async def _wrong_task(request: Request) -> Response:
     state = _state(request)
     with state.request():
         llm = state.engine.engine
-        raise ValidationError(f"{request.url.path} needs a text-generation model, and {state.model_name!r} is a "
-                              f"{llm.task} model: use {', '.join(llm.spec.routes())}")
+        kind = "an embedding" if llm.task == "embed" else "a cross-encoder / classifier"
+        raise ValidationError(f"{request.url.path} needs a text-generation model, and {state.model_name!r} is "
+                              f"{kind} model: use {', '.join(llm.spec.routes())}")
