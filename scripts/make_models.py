@@ -91,6 +91,7 @@ POOLING_MODELS: dict[str, tuple[str, str, dict, dict | None]] = {
                          dict(pooling="lasttoken", normalize=True, prompts={"query": "Instruct: find it\nQuery: "})),
     "tiny-bert-cross": ("BertConfig", "AutoModelForSequenceClassification", dict(_ENCODER, num_labels=1), None),
 }
+POOLING_RECIPE = 2  # 2: no chat template (sentence-transformers 6 would feed pairs to a cross-encoder as chat)
 MODEL_NAMES = ["smollm2", *TINY_MODELS, *POOLING_MODELS]
 
 
@@ -157,7 +158,7 @@ def recipe_hash(name: str) -> str:
         gguf = smollm2_gguf_path()
         recipe["gguf"] = [gguf.name, gguf.stat().st_size]
     else:
-        recipe["tiny"] = [TINY_MODELS.get(name) or POOLING_MODELS[name], _COMMON, TINY_VOCAB]
+        recipe["tiny"] = [TINY_MODELS.get(name) or [POOLING_MODELS[name], POOLING_RECIPE], _COMMON, TINY_VOCAB]
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -252,6 +253,7 @@ def build_pooling(name: str, out: Path) -> None:
     import transformers
 
     tok = train_tokenizer(out)
+    _drop_chat_template(out)
     config_cls, model_cls, overrides, st = POOLING_MODELS[name]
     ids = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     if config_cls == "ModernBertConfig":
@@ -277,6 +279,15 @@ def build_pooling(name: str, out: Path) -> None:
                                                                "do_lower_case": False}))
     (out / "config_sentence_transformers.json").write_text(json.dumps({"prompts": st.get("prompts", {}),
                                                                        "default_prompt_name": None}))
+
+
+def _drop_chat_template(folder: Path) -> None:
+    """Encoders ship without one; with one, sentence-transformers 6 formats inputs as chat messages."""
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    path = folder / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg.pop("chat_template", None)
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def train_tokenizer(out: Path):
