@@ -45,6 +45,8 @@ class PoolingRunner:
             logger.info("SDPA not available (%s); using the model's default attention", exc)
             model = cls.from_pretrained(model_dir, **kwargs)
         self.model = model.to(self.device).eval()
+        if getattr(self.model, "pooler", None) is not None and spec.task == "embed":
+            self.model.pooler = None  # BERT's tanh pooler on [CLS]: sentence-transformers reads the hidden states
         self.uses_token_types = "token_type_ids" in getattr(self.model, "forward").__code__.co_varnames
         self.hidden_size = int(getattr(self.model.config, "hidden_size", 0))
         self.linear_backend = _cpu_gemm.choose(cpu_gemm, self.device, dtype)
