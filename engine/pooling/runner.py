@@ -5,7 +5,8 @@ with SDPA attention under torch.inference_mode, and on CPU its linears go throug
 (engine/pooling/linear.py); what we add is that and the batching. Sequences are sorted by length
 and cut into batches of at most `max_batch_tokens` padded tokens, so each batch pads only to its own longest
 member (with mixed lengths, a few percent of the tokens). Small batches measured faster on CPU than large
-ones (activations stay in cache): 512-1024 tokens a forward was ~1.5x faster than 2048-4096 for MiniLM. Nothing outlives the forward: there is no KV cache.
+ones (activations stay in cache): 512-1024 tokens a forward was ~1.5x faster than 2048-4096 for MiniLM.
+Nothing outlives the forward: there is no KV cache.
 """
 from __future__ import annotations
 

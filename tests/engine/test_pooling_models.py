@@ -81,7 +81,11 @@ def test_runner_batches_never_exceed_their_budget_and_keep_order(model_path):
     engine = engine_for(model_path("tiny-bert-embed"))
     seen = []
     forward = engine.runner._forward
-    engine.runner._forward = lambda seqs, types: (seen.append((len(seqs), max(map(len, seqs)))), forward(seqs, types))[1]
+
+    def spy(seqs, types):
+        seen.append((len(seqs), max(map(len, seqs))))
+        return forward(seqs, types)
+    engine.runner._forward = spy
     engine.runner.max_batch_tokens = 64
     seqs = [[1] + [7] * n for n in (50, 3, 20, 3, 60, 9, 1)]
     alone = [engine.runner._forward([s], None)[0] for s in seqs]

@@ -131,7 +131,8 @@ class ServiceClient:
         response.raise_for_status()
         return response.json()
 
-    def embed(self, inputs: str | list[str], *, dimensions: int | None = None, batch_size: int = 256) -> list[list[float]]:
+    def embed(self, inputs: str | list[str], *, dimensions: int | None = None,
+              batch_size: int = 256) -> list[list[float]]:
         """OpenAI's /v1/embeddings on a pooling model (engine/pooling/): one vector per input, in order, sent
         `batch_size` inputs per request (each request may go to another replica)."""
         texts = [inputs] if isinstance(inputs, str) else list(inputs)
