@@ -22,6 +22,7 @@ class EmbeddingRequest(_Wire):
     dimensions: int | None = Field(default=None, ge=1)     # Matryoshka: the first N, renormalized
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM: keep the last N tokens; -1 = the most
+    truncate: bool = False      # TEI's: cut at the model's limit from the right, as sentence-transformers does
 
 
 class EmbeddingData(_Wire):

@@ -215,7 +215,8 @@ async def embeddings(request: Request) -> Response:
         if isinstance(req.input, str) or (req.input and isinstance(req.input[0], str)):
             texts = _with_prompt(state, _texts(req.input, "input", limit), None)  # type: ignore[arg-type]
             max_length = _prompt_tokens(req.truncate_prompt_tokens, llm.max_input_tokens)
-            seqs, _ = _tokenize(state, "input", texts, direction="left", max_length=max_length)
+            seqs, _ = _tokenize(state, "input", texts, truncate=req.truncate and max_length is None,
+                                direction="left" if max_length else "right", max_length=max_length)
         else:
             seqs = _token_arrays(state, req.input, limit)  # type: ignore[arg-type]
         vectors = _vectors(await _run(state, seqs), llm.spec.normalize or req.dimensions is not None,

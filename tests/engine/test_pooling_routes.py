@@ -111,6 +111,10 @@ def test_too_long_is_422_unless_truncated(embedder):
     assert_422(embedder.post("/v1/embeddings", json={"input": long}), "128", "truncate")
     assert_422(embedder.post("/embed", json={"inputs": long}), "128")
     assert embedder.post("/embed", json={"inputs": long, "truncate": True}).status_code == 200
+    right = embedder.post("/v1/embeddings", json={"input": long, "truncate": True}).json()
+    assert right["usage"]["prompt_tokens"] == 128
+    tei = embedder.post("/embed", json={"inputs": long, "truncate": True}).json()[0]
+    assert torch.allclose(torch.tensor(right["data"][0]["embedding"]), torch.tensor(tei), atol=1e-5)
     left = embedder.post("/v1/embeddings", json={"input": long, "truncate_prompt_tokens": 16}).json()
     assert left["usage"]["prompt_tokens"] == 16
 
