@@ -33,7 +33,7 @@ from tgi_hpc.workflows.service import ServiceOptions, run_service, stop_service
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Access", "Server", "attach", "embed", "endpoint", "metrics", "serve", "status", "stop", "wait_until_ready"]
+__all__ = ["Access", "Server", "attach", "endpoint", "metrics", "serve", "status", "stop", "wait_until_ready"]
 
 
 def _open(cluster: str | Cluster | None, overrides: Sequence[str], remote: bool | None) -> Cluster:
