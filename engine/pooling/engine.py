@@ -31,6 +31,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 @dataclass(slots=True)
 class PoolingParams:
     token_type_ids: list[int] | None = None   # segment ids of a (query, document) pair
+    grammar: None = None                      # AsyncEngine reads it on every request (structured output); none here
 
 
 @dataclass(slots=True)
