@@ -54,3 +54,4 @@ class EngineConfig:
     cors_allow_origin: list[str] = field(default_factory=list)
     json_output: bool = False
     served_model_name: str | None = None
+    max_client_batch_size: int = 2048   # inputs per pooling request (embeddings, rerank, score)

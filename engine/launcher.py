@@ -183,6 +183,9 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
      dict(default=25.0, type=float, help="seconds requests in flight get to finish after SIGTERM (new connections "
                                          "are refused, /health answers 503 draining); keep it below Slurm's "
                                          "KillWait (30 s by default), after which Slurm kills the job")),
+    (("--max-client-batch-size",), "MAX_CLIENT_BATCH_SIZE",
+     dict(default=2048, type=int, help="inputs per request to a pooling model (/v1/embeddings, /embed, rerank, "
+                                       "score), as TEI's flag")),
 ]
 
 
@@ -256,6 +259,7 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         speculate=args.speculate, max_grammar_bytes=args.max_grammar_bytes, grammar_timeout_s=args.grammar_timeout)
     if args.kv_cache_bytes is not None:
         config.cpu_kv_cache_bytes = args.kv_cache_bytes
+    config.max_client_batch_size = int(args.max_client_batch_size)
     return config
 
 
@@ -406,6 +410,19 @@ async def _serve(server: Any, sock: socket.socket, ready_file: str | None, engin
     draining.cancel()
 
 
+def _pooling_engine(config: EngineConfig, layout: Any) -> Any:
+    """An embedder or cross-encoder (engine/pooling/) instead of LLMEngine, when the snapshot is one."""
+    from engine.pooling.spec import detect
+
+    spec = detect(config.model_id)
+    if spec is None:
+        return None
+    if layout is not None or config.num_shard > 1 or config.lora_adapters or config.quantize:
+        raise ValueError("pooling models run on one device without --num-shard, pipeline ranks, LoRA or --quantize")
+    from engine.pooling.engine import PoolingEngine
+    return PoolingEngine(config, spec)
+
+
 def _driven_engine(config: EngineConfig, layout: Any) -> Any:
     """Rank 0 of srun/torchrun-started ranks: the engine over a runner that drives all of them."""
     from engine.external_launch import DistributedRunner
@@ -465,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.cpu_threads)
         logger.info("CPU: the model uses %d torch threads on %d cores", torch.get_num_threads(), available_cpus())
     try:
-        llm = LLMEngine(config) if layout is None else _driven_engine(config, layout)
+        llm = _pooling_engine(config, layout) or (LLMEngine(config) if layout is None
+                                                  else _driven_engine(config, layout))
     except (ValueError, FileNotFoundError) as exc:
         logger.error("cannot start the engine: %s", exc)
         return 1

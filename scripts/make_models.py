@@ -76,7 +76,23 @@ TINY_MODELS.update({
     "tiny-gpt2": ("GPT2Config", dict(_sizes=None, n_embd=64, n_layer=2, n_head=4, n_positions=512,
                                      initializer_range=0.1), {}),
 })
-MODEL_NAMES = ["smollm2", *TINY_MODELS]
+_ENCODER = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=512, initializer_range=0.1)
+# pooling models (engine/pooling/): name -> (config class, model class, config overrides, sentence-transformers
+# files: pooling mode, Normalize, max_seq_length, prompts; None = a bare checkpoint without them)
+POOLING_MODELS: dict[str, tuple[str, str, dict, dict | None]] = {
+    "tiny-bert-embed": ("BertConfig", "AutoModel", _ENCODER, dict(pooling="mean", normalize=True, max_seq_length=128)),
+    "tiny-xlmr-embed": ("XLMRobertaConfig", "AutoModel", dict(_ENCODER, max_position_embeddings=514),
+                        dict(pooling="cls", normalize=False)),
+    "tiny-modernbert-embed": ("ModernBertConfig", "AutoModel", dict(_ENCODER, global_attn_every_n_layers=2,
+                                                                    local_attention=16),
+                              dict(pooling="mean", normalize=True)),
+    "tiny-qwen3-embed": ("Qwen3Config", "AutoModel", dict(_COMMON, rope_theta=1e6, tie_word_embeddings=False),
+                         dict(pooling="lasttoken", normalize=True, prompts={"query": "Instruct: find it\nQuery: "})),
+    "tiny-bert-cross": ("BertConfig", "AutoModelForSequenceClassification", dict(_ENCODER, num_labels=1), None),
+}
+POOLING_RECIPE = 2  # 2: no chat template (sentence-transformers 6 would feed pairs to a cross-encoder as chat)
+MODEL_NAMES = ["smollm2", *TINY_MODELS, *POOLING_MODELS]
 
 
 def cache_dir(cache_root: str | Path | None = None) -> Path:
@@ -120,6 +136,8 @@ def _build(name: str, root: Path, target: Path) -> Path:
         hf_logging.disable_progress_bar()
         if name == "smollm2":
             build_smollm2(tmp)
+        elif name in POOLING_MODELS:
+            build_pooling(name, tmp)
         else:
             build_tiny(name, tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any other
@@ -140,7 +158,7 @@ def recipe_hash(name: str) -> str:
         gguf = smollm2_gguf_path()
         recipe["gguf"] = [gguf.name, gguf.stat().st_size]
     else:
-        recipe["tiny"] = [TINY_MODELS[name], _COMMON, TINY_VOCAB]
+        recipe["tiny"] = [TINY_MODELS.get(name) or [POOLING_MODELS[name], POOLING_RECIPE], _COMMON, TINY_VOCAB]
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -227,6 +245,49 @@ def build_tiny(name: str, out: Path) -> None:
     eos_ids = sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")})
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=eos_ids, pad_token_id=tok.pad_token_id,
                      do_sample=False, max_new_tokens=32).save_pretrained(out)
+
+
+def build_pooling(name: str, out: Path) -> None:
+    """A tiny random encoder, decoder embedder or cross-encoder, with sentence-transformers files when it has them."""
+    import torch
+    import transformers
+
+    tok = train_tokenizer(out)
+    _drop_chat_template(out)
+    config_cls, model_cls, overrides, st = POOLING_MODELS[name]
+    ids = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    if config_cls == "ModernBertConfig":
+        ids.update(cls_token_id=tok.bos_token_id, sep_token_id=tok.eos_token_id)
+    config = getattr(transformers, config_cls)(**overrides, vocab_size=len(tok), **ids)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls).from_config(config).to(torch.float32)
+    model.save_pretrained(out)
+    _legacy_config(out, dtype="float32")
+    if st is None:
+        return
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if st["normalize"]:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out / "1_Pooling").mkdir()
+    modes = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "lasttoken": "pooling_mode_lasttoken"}
+    pooling = {"word_embedding_dimension": config.hidden_size, **{key: key == modes[st["pooling"]]
+                                                                   for key in modes.values()}}
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": st.get("max_seq_length", 256),
+                                                               "do_lower_case": False}))
+    (out / "config_sentence_transformers.json").write_text(json.dumps({"prompts": st.get("prompts", {}),
+                                                                       "default_prompt_name": None}))
+
+
+def _drop_chat_template(folder: Path) -> None:
+    """Encoders ship without one; with one, sentence-transformers 6 formats inputs as chat messages."""
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    path = folder / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg.pop("chat_template", None)
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def train_tokenizer(out: Path):

@@ -98,6 +98,15 @@ class Server:
         summary.target, summary.url = found.job_id, found.url
         return summary.to_dict()
 
+    def embed(self, texts: str | list[str], *, dimensions: int | None = None, batch_size: int = 256,
+              model: str | None = None) -> list[list[float]]:
+        """Embeddings from a pooling model's server (/v1/embeddings), one vector per text in order, sent
+        `batch_size` texts per request (a service: spread over its READY replicas)."""
+        from tgi_hpc.service.client import ServiceClient
+
+        with self.endpoint(model=model) as found, ServiceClient(urls=found.urls(), api_key=found.api_key) as client:
+            return client.embed(texts, dimensions=dimensions, batch_size=batch_size)
+
     def stop(self) -> None:
         """Cancel the job, or every job of the service (none submits a successor any more); a job that had
         already ended is left as it was."""
@@ -172,6 +181,11 @@ def endpoint(target: str | Server, timeout: float = 600, model: str | None = Non
 
 def metrics(target: str | Server, interval: float = 1.0, model: str | None = None, **where) -> dict:
     return attach(target, **where).metrics(interval, model)
+
+
+def embed(target: str | Server, texts: str | list[str], *, dimensions: int | None = None, batch_size: int = 256,
+          **where) -> list[list[float]]:
+    return attach(target, **where).embed(texts, dimensions=dimensions, batch_size=batch_size)
 
 
 def stop(target: str | Server, **where) -> None:

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.server import openai_routes, openapi, sse
+from engine.server import openai_routes, openapi, pooling_routes, sse
 from engine.server.routing import ExactRoute
 from engine.server.auth import ApiKeyMiddleware
 from engine.server.errors import EXCEPTION_HANDLERS, UnhealthyError, ValidationError
@@ -46,7 +46,9 @@ def build_app(engine: AsyncEngine, config: EngineConfig) -> Starlette:
         ExactRoute("/docs", openapi.docs, methods=["GET"]),
         ExactRoute("/api-doc/openapi.json", openapi.spec, methods=["GET"]),
         *openai_routes.ROUTES,
+        *pooling_routes.ROUTES,
     ]
+    routes = pooling_routes.guard(routes, pooling_routes.task_of(state))  # one engine serves one task
     middleware = [Middleware(CORSMiddleware, allow_origins=list(config.cors_allow_origin), allow_methods=["*"],
                              allow_headers=["*"])] if config.cors_allow_origin else []
     if config.api_key:
@@ -94,7 +96,17 @@ def _build_info(llm: Any, config: EngineConfig) -> Info:
         lora_backend=str(getattr(runner, "lora_backend", "none")), lora_checks=dict(getattr(runner, "lora_checks", {})),
         speculate=config.speculate,
         grammar_backend=f"llguidance {importlib.metadata.version('llguidance')}", version=version,
-        max_new_tokens_default=config.max_new_tokens_default, prefix_caching=config.prefix_caching)
+        max_new_tokens_default=config.max_new_tokens_default, prefix_caching=config.prefix_caching,
+        **_task_info(llm, config))
+
+
+def _task_info(llm: Any, config: EngineConfig) -> dict[str, Any]:
+    """What /info says about the task: generation, or a pooling model's (engine/pooling/)."""
+    spec = getattr(llm, "spec", None)
+    if spec is None:
+        return {"task": "generate"}
+    return {"task": spec.task, "model_pipeline_tag": spec.pipeline_tag, "pooling": spec.pooling,
+            "max_client_batch_size": config.max_client_batch_size}
 
 
 def server_state(request: Request) -> ServerState:

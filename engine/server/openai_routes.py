@@ -96,7 +96,7 @@ def _chat_choice(gen: Generation, use: ToolUse | None, logprobs: bool, index: in
 
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    cards = [ModelCard(id=state.model_name, owned_by="tgi-hpc")]
+    cards = [ModelCard(id=state.model_name, owned_by="tgi-hpc", task=state.info.task)]
     cards += [ModelCard(id=name, owned_by="tgi-hpc") for name in state.validator.adapters]  # LoRA adapters
     return JSONResponse(dump(ModelList(data=cards)))
 

@@ -9,6 +9,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
+from engine.server import pooling_protocol as pp
 from engine.server import protocol as p
 
 _REF = "#/components/schemas/{model}"
@@ -17,6 +18,8 @@ _GENERATION_ERRORS = {
     "500": "Incomplete generation", "401": "Missing or wrong API key (when the server has one)",
 }
 JSON, SSE = "application/json", "text/event-stream"
+_POOLING_ERRORS = {"422": "Input validation error, or a model of another task (the message names its routes)",
+                   "424": "Inference error", "429": "Model is overloaded", "401": _GENERATION_ERRORS["401"]}
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
@@ -60,12 +63,26 @@ _ROUTES: list[tuple[str, str, str, type[BaseModel] | None, dict[str, Any], dict[
     ("get", "/metrics", "Prometheus metrics (text format)", None, {"text/plain": {"type": "string"}}, {}),
     ("get", "/docs", "Swagger UI page for this document", None, {"text/html": {"type": "string"}}, {}),
     ("get", "/api-doc/openapi.json", "This document", None, {JSON: {"type": "object"}}, {}),
+    # pooling models (engine/pooling/): a generative model answers these with a 422 naming its routes
+    ("post", "/v1/embeddings", "OpenAI embeddings (strings or token ids, `dimensions`, base64)", pp.EmbeddingRequest,
+     {JSON: pp.EmbeddingResponse}, _POOLING_ERRORS),
+    ("post", "/embed", "TEI: one embedding per input", pp.EmbedRequest, {JSON: pp.EMBED_RESPONSE}, _POOLING_ERRORS),
+    ("post", "/rerank", "TEI: texts ranked by a cross-encoder's score for the query", pp.RerankRequest,
+     {JSON: _list_of(pp.Rank)}, _POOLING_ERRORS),
+    ("post", "/predict", "TEI: a classifier's label scores for a text or a pair", pp.PredictRequest,
+     {JSON: pp.PREDICT_RESPONSE}, _POOLING_ERRORS),
+    ("post", "/v1/rerank", "Cohere/Jina rerank: documents by relevance (cross-encoder, or an embedder's cosine)",
+     pp.CohereRerankRequest, {JSON: pp.CohereRerankResponse}, _POOLING_ERRORS),
+    ("post", "/v1/score", "vLLM score: text_1 against each text_2 (cross-encoder, or an embedder's cosine)",
+     pp.ScoreRequest, {JSON: pp.ScoreResponse}, _POOLING_ERRORS),
 ]
 
 _MODELS: list[type[BaseModel]] = [
     p.GenerateRequest, p.CompatGenerateRequest, p.TokenizeRequest, p.GenerateResponse, p.StreamResponse,
     p.SimpleToken, p.ErrorResponse, p.Info, p.ChatCompletionRequest, p.ChatCompletion, p.ChatCompletionChunk,
     p.CompletionRequest, p.Completion, p.ModelList,
+    pp.EmbeddingRequest, pp.EmbeddingResponse, pp.EmbedRequest, pp.RerankRequest, pp.Rank, pp.PredictRequest,
+    pp.Prediction, pp.CohereRerankRequest, pp.CohereRerankResponse, pp.ScoreRequest, pp.ScoreResponse,
 ]
 
 

@@ -172,6 +172,8 @@ class Info(_Wire):
     version: str
     sha: str | None = None
     docker_label: str | None = None
+    task: str = "generate"          # "generate" | "embed" | "classify" (engine/pooling/)
+    pooling: str | None = None      # an embedder's pooling: mean, cls, lasttoken, ...
 
 
 def dump(model: BaseModel) -> dict[str, Any]:
@@ -389,6 +391,7 @@ class ModelCard(_Wire):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str
+    task: str = "generate"          # "generate" | "embed" | "classify"
 
 
 class ModelList(_Wire):

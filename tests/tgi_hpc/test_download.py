@@ -127,8 +127,8 @@ def test_plan_prefers_safetensors_and_skips_duplicates():
                "special_tokens_map.json", "pytorch_model.bin", "LICENSE", "README.md", ".gitattributes",
                "flax_model.msgpack", "onnx/model.onnx", "model.gguf", "chat_template.jinja",
                "additional_chat_templates/tool_use.jinja", "1_Pooling/config.json"]
-    assert plan_files(listing) == sorted([
-        "additional_chat_templates/tool_use.jinja", "chat_template.jinja", "config.json", "generation_config.json",
+    assert plan_files(listing) == sorted([  # 1_Pooling/config.json: a pooling model's mode (issue 24)
+        "1_Pooling/config.json", "additional_chat_templates/tool_use.jinja", "chat_template.jinja", "config.json", "generation_config.json",
         "model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors", "model.safetensors.index.json",
         "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"])
 

@@ -42,6 +42,9 @@ _TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 _BIN_WEIGHTS = re.compile(r"pytorch_model(-\d+-of-\d+)?\.bin")
 _EXTRA_TEMPLATES = re.compile(r"additional_chat_templates/[A-Za-z0-9_][^/]*\.jinja")
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# sentence-transformers: the module list, the pooling mode, max_seq_length and prompts (engine/pooling/spec.py)
+_SENTENCE_TRANSFORMERS = {"modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"}
+_POOLING_CONFIG = re.compile(r"\d+_Pooling/config\.json")
 _MAX_WORKERS = 4
 
 
@@ -49,11 +52,12 @@ def plan_files(repo_files: list[str]) -> list[str]:
     """The files serving needs: config, tokenizer and one copy of the weights (safetensors preferred).
 
     Only top-level files count (`original/` and other subfolders hold duplicates or other formats),
-    except `additional_chat_templates/*.jinja`. `.bin` weights are planned only when no safetensors exist.
+    except `additional_chat_templates/*.jinja` and a sentence-transformers `N_Pooling/config.json`. `.bin` weights are planned only when no safetensors exist.
     """
     top = [f for f in repo_files if "/" not in f]
     keep = {f for f in top if f in _CONFIG_FILES | _TOKENIZER_FILES or f.endswith(".tiktoken")}
     keep |= {f for f in repo_files if _EXTRA_TEMPLATES.fullmatch(f)}
+    keep |= {f for f in top if f in _SENTENCE_TRANSFORMERS} | {f for f in repo_files if _POOLING_CONFIG.fullmatch(f)}
     return sorted(keep | set(_weight_files(top)))
 
 

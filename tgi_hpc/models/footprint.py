@@ -16,18 +16,30 @@ class Footprint:
     weight_gb: float               # weight bytes / 1e9 at the served precision
     kv_bytes_per_token: int
     source: str                    # "config.json" or the model card the sizes come from
+    pooling: bool = False          # an embedder or cross-encoder: prefill only, no KV cache kept
 
     def kv_gb(self, tokens: int) -> float:
         return self.kv_bytes_per_token * tokens / 1e9
 
     def describe(self) -> str:
         moe = f" ({self.active_b:.1f}B active per token)" if self.active_b < self.total_b * 0.95 else ""
+        if self.pooling:
+            return (f"{self.total_b:.2f}B parameters: {self.weight_gb:.1f} GB of weights, a pooling model (no KV "
+                    f"cache) (source: {self.source})")
         return (f"{self.total_b:.1f}B parameters{moe}: {self.weight_gb:.0f} GB of weights, "
                 f"KV cache {self.kv_bytes_per_token / 1024:.0f} KiB per token (source: {self.source})")
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
     return num_layers * num_kv_heads * head_dim * 2 * dtype_bytes
+
+
+def is_pooling(config: dict) -> bool:
+    """An encoder, a decoder used as an embedder, or a cross-encoder, by config.json's architecture (what
+    engine/pooling/spec.py serves; a sentence-transformers snapshot of a decoder is named `*Model` too)."""
+    arch = (config.get("architectures") or [""])[0] or ""
+    return isinstance(arch, str) and (arch.endswith("ForSequenceClassification")
+                                      or (arch.endswith("Model") and not arch.endswith("LMHeadModel")))
 
 
 def footprint(model: str, config: dict | None, quantize: str | None = None,
@@ -40,8 +52,11 @@ def footprint(model: str, config: dict | None, quantize: str | None = None,
             head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
             kv = kv_bytes_per_token(int(text["num_hidden_layers"]), int(text.get("num_key_value_heads", heads)),
                                     head_dim, dtype_bytes)
+            if is_pooling(config):
+                kv = 0
             return Footprint(sum(param_split(config)), active_params_b(config),
-                             2 * (catalog_size_b(model, config, quantize) or 0), kv, "config.json")
+                             2 * (catalog_size_b(model, config, quantize) or 0), kv, "config.json",
+                             pooling=is_pooling(config))
         except (KeyError, ValueError, TypeError):
             pass
     known = known_model(model)

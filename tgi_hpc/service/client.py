@@ -131,6 +131,27 @@ class ServiceClient:
         response.raise_for_status()
         return response.json()
 
+    def embed(self, inputs: str | list[str], *, dimensions: int | None = None, batch_size: int = 256,
+              truncate: bool = False) -> list[list[float]]:
+        """OpenAI's /v1/embeddings on a pooling model (engine/pooling/): one vector per input, in order, sent
+        `batch_size` inputs per request (each request may go to another replica). `truncate`: cut inputs longer
+        than the model takes (else the server answers 422)."""
+        texts = [inputs] if isinstance(inputs, str) else list(inputs)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        vectors: list[list[float]] = []
+        for start in range(0, len(texts), batch_size):
+            body: dict[str, Any] = {"model": "tgi", "input": texts[start:start + batch_size]}
+            if dimensions is not None:
+                body["dimensions"] = dimensions
+            if truncate:
+                body["truncate"] = True
+            response = self.request("POST", "/v1/embeddings", json=body)
+            response.raise_for_status()
+            data = sorted(response.json()["data"], key=lambda d: d["index"])
+            vectors += [d["embedding"] for d in data]
+        return vectors
+
     def close(self) -> None:
         self._http.close()
 

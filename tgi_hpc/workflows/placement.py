@@ -47,6 +47,8 @@ def _need(profile: Profile, fp: Footprint | None, context_tokens: int | None,
     context = context_tokens or plan.context_tokens
     kv = fp.kv_gb(context * plan.concurrent_requests)
     need = fp.weight_gb + kv
+    if fp.pooling:  # prefill only: activations, no KV plan
+        return need, [fp.describe(), f"needs {fp.weight_gb:.1f} GB weights, no KV cache (a pooling model)"]
     return need, [fp.describe(),
                   f"needs {fp.weight_gb:.0f} GB weights + {kv:.1f} GB KV cache ({context} tokens x "
                   f"{plan.concurrent_requests} requests) = {need:.0f} GB of GPU memory"]

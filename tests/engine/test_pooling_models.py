@@ -1,0 +1,97 @@
+"""Tiny random pooling checkpoints (scripts/make_models.py) through the engine against transformers plus
+sentence-transformers' own pooling: BERT, XLM-R and ModernBERT encoders, a Qwen3 last-token embedder, a BERT
+cross-encoder; the rerank order against sentence-transformers' CrossEncoder. In-process, no HTTP server."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+st = pytest.importorskip("sentence_transformers")
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.pooling.engine import PoolingEngine  # noqa: E402
+from engine.pooling.pooler import normalize  # noqa: E402
+from engine.pooling.spec import detect  # noqa: E402
+
+EMBEDDERS = ["tiny-bert-embed", "tiny-xlmr-embed", "tiny-modernbert-embed", "tiny-qwen3-embed"]
+
+
+def mixed_texts(n: int, seed: int = 0) -> list[str]:
+    """Mixed lengths, some past a 128-token max_seq_length (truncated like sentence-transformers does)."""
+    from pydoc_data.topics import topics
+    words = " ".join(topics[k] for k in sorted(topics)).split()
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.choice([1, 2, 5, 12, 30, 70, 150])
+        start = rng.randrange(len(words) - length)
+        out.append(" ".join(words[start:start + length]))
+    return out
+
+
+def engine_for(path, **overrides) -> PoolingEngine:
+    return PoolingEngine(EngineConfig(model_id=str(path), device="cpu", **overrides))
+
+
+@pytest.mark.parametrize("name", EMBEDDERS)
+def test_embeddings_match_sentence_transformers(model_path, name):
+    path = model_path(name)
+    engine = engine_for(path)
+    ref_model = st.SentenceTransformer(str(path), device="cpu")
+    texts = mixed_texts(24)
+    ids = engine.tokenizer(texts, truncation=True, max_length=engine.max_input_tokens)["input_ids"]
+    assert max(map(len, ids)) == engine.max_input_tokens == ref_model.max_seq_length  # some were truncated
+    got = torch.stack(engine.embed(ids))
+    if engine.spec.normalize:
+        got = normalize(got)
+    want = ref_model.encode(texts, convert_to_tensor=True, batch_size=7).float()
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
+
+
+def test_each_recipe_is_detected_as_built(model_path):
+    specs = {name: detect(model_path(name)) for name in [*EMBEDDERS, "tiny-bert-cross"]}
+    assert {n: (s.task, s.pooling, s.normalize) for n, s in specs.items() if s.task == "embed"} == {
+        "tiny-bert-embed": ("embed", "mean", True), "tiny-xlmr-embed": ("embed", "cls", False),
+        "tiny-modernbert-embed": ("embed", "mean", True), "tiny-qwen3-embed": ("embed", "lasttoken", True)}
+    assert specs["tiny-bert-cross"].task == "classify" and specs["tiny-bert-cross"].num_labels == 1
+    assert specs["tiny-qwen3-embed"].prompts == {"query": "Instruct: find it\nQuery: "}
+    assert detect(model_path("tiny-llama")) is None  # a causal LM is not a pooling model
+
+
+def test_cross_encoder_logits_match_transformers(model_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    path = model_path("tiny-bert-cross")
+    engine = engine_for(path)
+    texts = mixed_texts(12, seed=1)
+    queries, docs = texts[:6], texts[6:]
+    enc = engine.tokenizer(queries, docs, truncation=True, max_length=engine.max_input_tokens)
+    got = torch.stack(engine.runner.run(enc["input_ids"], enc.get("token_type_ids")))
+    model = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    with torch.inference_mode():
+        want = model(**tok(queries, docs, padding=True, truncation=True, max_length=engine.max_input_tokens,
+                           return_tensors="pt")).logits
+    assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
+
+
+def test_runner_batches_never_exceed_their_budget_and_keep_order(model_path):
+    engine = engine_for(model_path("tiny-bert-embed"))
+    seen = []
+    forward = engine.runner._forward
+
+    def spy(seqs, types):
+        seen.append((len(seqs), max(map(len, seqs))))
+        return forward(seqs, types)
+    engine.runner._forward = spy
+    engine.runner.max_batch_tokens = 64
+    seqs = [[1] + [7] * n for n in (50, 3, 20, 3, 60, 9, 1)]
+    alone = [engine.runner._forward([s], None)[0] for s in seqs]
+    seen.clear()
+    batched = engine.runner.run(seqs)
+    assert all(count * width <= 64 or count == 1 for count, width in seen)
+    assert sum(count for count, _ in seen) == len(seqs)
+    for a, b in zip(alone, batched):  # padding changes nothing, order is the caller's
+        assert torch.allclose(a, b, atol=1e-5)
