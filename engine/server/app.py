@@ -61,9 +61,13 @@ def _build_state(engine: AsyncEngine, config: EngineConfig) -> ServerState:
                     max_total_tokens=llm.max_total_tokens, max_new_tokens_default=config.max_new_tokens_default,
                     vocab_size=getattr(llm, "vocab_size", None))
     metrics = ServerMetrics(engine.stats)
-    return ServerState(engine=engine, config=config, tokenizer=llm.tokenizer,
-                       validator=Validator(llm.tokenizer, limits, tuple(name for name, _ in config.lora_adapters),
-                                           config.served_model_name or config.model_id),
+    validator = Validator(llm.tokenizer, limits, tuple(name for name, _ in config.lora_adapters),
+                          config.served_model_name or config.model_id)
+    grammars = getattr(llm, "grammars", None)
+    if grammars is not None:    # the token table is checked (and a refusal logged) at start-up
+        grammars.prepare_in_background()
+        validator.grammar_unavailable = lambda: grammars.unavailable
+    return ServerState(engine=engine, config=config, tokenizer=llm.tokenizer, validator=validator,
                        infer=Infer(engine, metrics, config.max_concurrent_requests),
                        metrics=metrics, info=_build_info(llm, config))
 

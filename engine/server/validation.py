@@ -1,6 +1,7 @@
 """GenerateRequest -> ValidRequest: tokenize, apply defaults, check TGI's limits (router/src/validation.rs)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,8 @@ class Validator:
         self.limits = limits
         self.adapters = adapters        # --lora-adapters names
         self.base_name = base_name      # this name (or "tgi", or none) means the base model
+        # why grammars are refused on this model (its token table cannot be built), or None
+        self.grammar_unavailable: Callable[[], str | None] = lambda: None
 
     def adapter(self, adapter_id: str | None) -> str | None:
         """The LoRA adapter a request names (None = the base model); 422 naming the loaded ones if unknown."""
@@ -96,6 +99,8 @@ class Validator:
         if p.watermark:
             raise ValidationError("`watermark` is not supported by this server")
         grammar = tgi_grammar(p.grammar)
+        if grammar is not None and (refusal := self.grammar_unavailable()):
+            raise ValidationError(refusal)
         adapter = self.adapter(p.adapter_id)
         if stream and p.decoder_input_details:
             raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
