@@ -83,7 +83,6 @@ def test_every_layout_gets_a_table_that_matches_its_decoding(name, how):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama2", "mistral", "gemma", "metaspace", "byte-level", "gguf"])
 def test_nested_schema_validates_on_every_layout(name):
     tokenizer = layout_tokenizer(name)
