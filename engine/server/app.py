@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.server import openai_routes, openapi, sse
+from engine.server import messages, openai_routes, openapi, sse
 from engine.server.routing import ExactRoute
 from engine.server.auth import ApiKeyMiddleware
 from engine.server.errors import EXCEPTION_HANDLERS, UnhealthyError, ValidationError
@@ -43,6 +43,8 @@ def build_app(engine: AsyncEngine, config: EngineConfig) -> Starlette:
         ExactRoute("/docs", openapi.docs, methods=["GET"]),
         ExactRoute("/api-doc/openapi.json", openapi.spec, methods=["GET"]),
         *openai_routes.ROUTES,
+        ExactRoute("/v1/messages", messages.messages, methods=["POST"]),
+        ExactRoute("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
     ]
     middleware = [Middleware(CORSMiddleware, allow_origins=list(config.cors_allow_origin), allow_methods=["*"],
                              allow_headers=["*"])] if config.cors_allow_origin else []
