@@ -13,7 +13,8 @@ from starlette.responses import JSONResponse, Response
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.server import messages, openai_routes, openapi, sse
+from engine.server import messages, openai_routes, openapi, responses, sse
+from engine.server.response_store import ResponseStore
 from engine.server.routing import ExactRoute
 from engine.server.auth import ApiKeyMiddleware
 from engine.server.errors import EXCEPTION_HANDLERS, UnhealthyError, ValidationError
@@ -45,6 +46,7 @@ def build_app(engine: AsyncEngine, config: EngineConfig) -> Starlette:
         *openai_routes.ROUTES,
         ExactRoute("/v1/messages", messages.messages, methods=["POST"]),
         ExactRoute("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+        ExactRoute("/v1/responses", responses.create_response, methods=["POST"]),
     ]
     middleware = [Middleware(CORSMiddleware, allow_origins=list(config.cors_allow_origin), allow_methods=["*"],
                              allow_headers=["*"])] if config.cors_allow_origin else []
@@ -53,6 +55,7 @@ def build_app(engine: AsyncEngine, config: EngineConfig) -> Starlette:
     app = Starlette(routes=routes, middleware=middleware,
                     exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
     app.state.server = state
+    app.state.responses = ResponseStore()      # previous_response_id's conversations, bounded
     return app
 
 

@@ -11,6 +11,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from engine.server import anthropic_protocol as a
 from engine.server import protocol as p
+from engine.server import responses_protocol as r
 
 _REF = "#/components/schemas/{model}"
 _GENERATION_ERRORS = {
@@ -59,6 +60,9 @@ _ROUTES: list[tuple[str, str, str, type[BaseModel] | None, dict[str, Any], dict[
      _GENERATION_ERRORS),
     ("post", "/v1/messages/count_tokens", "Anthropic Messages: the prompt's token count", a.CountTokensRequest,
      {JSON: a.CountTokensResponse}, {"422": "Input validation error", "401": _GENERATION_ERRORS["401"]}),
+    ("post", "/v1/responses", "OpenAI Responses (`stream: true`: typed server-sent events); `previous_response_id` "
+     "continues a stored response", r.ResponsesRequest,
+     {JSON: r.ResponseObject, SSE: _events_of(r.ResponseStreamEvent)}, _GENERATION_ERRORS),
     ("get", "/v1/models", "Served model", None, {JSON: p.ModelList}, {"401": _GENERATION_ERRORS["401"]}),
     ("get", "/info", "Model and server limits", None, {JSON: p.Info}, {}),
     ("get", "/health", "200 when a one-token generation succeeds, 503 otherwise", None, {},
@@ -73,7 +77,7 @@ _MODELS: list[type[BaseModel]] = [
     p.SimpleToken, p.ErrorResponse, p.Info, p.ChatCompletionRequest, p.ChatCompletion, p.ChatCompletionChunk,
     p.CompletionRequest, p.Completion, p.ModelList,
     a.MessagesRequest, a.MessagesResponse, a.MessageStreamEvent, a.CountTokensRequest, a.CountTokensResponse,
-    a.AnthropicErrorResponse,
+    a.AnthropicErrorResponse, r.ResponsesRequest, r.ResponseObject, r.ResponseStreamEvent,
 ]
 
 
