@@ -31,7 +31,7 @@ from engine.server.protocol import ChatCompletionRequest, GenerateRequest, dump
 from engine.server.state import ServerState
 from engine.server.streaming import EventStream, stream_error, unless_disconnected
 from engine.server.tools import ToolUse, tool_use
-from engine.server.validation import ValidRequest, parse_body
+from engine.server.validation import ValidRequest, chat_request, parse_body
 from engine.structured.tool_calls import ToolCall, ToolCallStream, parse_tool_call
 
 _ERROR_TYPES = {422: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -96,7 +96,7 @@ def _chat_request(req: CountTokensRequest, state: ServerState) -> tuple[ChatComp
     body: dict[str, Any] = {"messages": messages, "tools": tools or None, "tool_choice": _tool_choice(req)}
     if isinstance(req, MessagesRequest):
         body.update(model=req.model, temperature=req.temperature, top_p=req.top_p, stop=req.stop_sequences)
-    chat = ChatCompletionRequest.model_validate(body, strict=False)
+    chat = chat_request(body)
     return chat, tool_use(chat, state.tokenizer)
 
 

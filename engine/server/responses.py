@@ -24,13 +24,13 @@ from engine.server.grammar import response_format_grammar
 from engine.server.infer import Generation
 from engine.server.openai_common import parameters
 from engine.server.openai_routes import _apply_chat_template
-from engine.server.protocol import ChatCompletionRequest, GenerateRequest, dump
+from engine.server.protocol import GenerateRequest, dump
 from engine.server.response_store import ResponseStore
 from engine.server.responses_protocol import InputTokensDetails, ResponseObject, ResponsesRequest, ResponseUsage
 from engine.server.state import ServerState
 from engine.server.streaming import EventStream, stream_error, unless_disconnected
 from engine.server.tools import ToolUse, new_call_id, tool_use
-from engine.server.validation import ValidRequest, parse_body
+from engine.server.validation import ValidRequest, chat_request, parse_body
 from engine.structured.tool_calls import ToolCall, ToolCallStream, parse_tool_call
 
 _REFUSED = {"background": "background mode", "conversation": "conversations", "prompt": "prompt templates",
@@ -46,11 +46,13 @@ async def create_response(request: Request) -> Response:
         _refuse_unsupported(req)
         history = _history(store, req)
         messages = history + _input_messages(req.input)
+        if not messages:
+            raise ValidationError("`input` must hold at least one item")
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        chat = ChatCompletionRequest.model_validate({
+        chat = chat_request({
             "model": req.model, "messages": system + messages, "temperature": req.temperature, "top_p": req.top_p,
             "seed": req.seed, "tools": _tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),
-            "response_format": _response_format(req.text)}, strict=False)
+            "response_format": _response_format(req.text)})
         use = tool_use(chat, state.tokenizer)
         grammar = response_format_grammar(chat.response_format)
         if use is not None and grammar is not None:
@@ -203,8 +205,8 @@ class _Answer:
             metadata=req.metadata or {}, store=req.store, usage=usage)
 
     def message_item(self, text: str, status: str = "completed") -> dict[str, Any]:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" \
-            else []
+        done = status != "in_progress"
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
 
     def call_item(self, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
@@ -293,7 +295,8 @@ class _Events:
         if self.item == "call" and call is not None:
             return [self.event("response.function_call_arguments.done", item_id=a.fc_id, output_index=0,
                                arguments=call.arguments),
-                    self.event("response.output_item.done", output_index=0, item=a.call_item(call.name, call.arguments))]
+                    self.event("response.output_item.done", output_index=0,
+                               item=a.call_item(call.name, call.arguments))]
         out = self.open_message()       # (an empty answer opens it here)
         part = {"type": "output_text", "text": self.text, "annotations": []}
         return out + [

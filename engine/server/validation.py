@@ -10,7 +10,7 @@ import pydantic
 from engine.sampling_params import SamplingParams
 from engine.server.errors import ValidationError
 from engine.server.grammar import tgi_grammar
-from engine.server.protocol import GenerateParameters, GenerateRequest
+from engine.server.protocol import ChatCompletionRequest, GenerateParameters, GenerateRequest
 
 
 @dataclass(slots=True)
@@ -43,6 +43,14 @@ def parse_body(model: type[pydantic.BaseModel], body: bytes) -> Any:
     """Parse a JSON body into a wire model; malformed JSON and wrong types are 422 validation errors."""
     try:
         return model.model_validate_json(body)
+    except pydantic.ValidationError as exc:
+        raise ValidationError(_describe(exc)) from None
+
+
+def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat request that another API's route built (Anthropic Messages, Responses); its problems are 422s."""
+    try:
+        return ChatCompletionRequest.model_validate(body, strict=False)
     except pydantic.ValidationError as exc:
         raise ValidationError(_describe(exc)) from None
 

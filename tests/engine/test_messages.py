@@ -78,8 +78,8 @@ def test_forced_tool_call_validates(client, seed):
 
 
 def test_streamed_tool_call(client):
-    with client.messages.stream(model="tiny", max_tokens=80, extra_body={"temperature": 0}, tools=[WEATHER], messages=USER,
-                                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+    with client.messages.stream(model="tiny", max_tokens=80, extra_body={"temperature": 0}, tools=[WEATHER],
+                                messages=USER, tool_choice={"type": "tool", "name": "get_weather"}) as stream:
         deltas = [e.delta.partial_json for e in stream if e.type == "content_block_delta"
                   and e.delta.type == "input_json_delta"]
         final = stream.get_final_message()

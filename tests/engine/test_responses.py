@@ -139,6 +139,8 @@ def test_the_store_is_bounded():
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "json_schema.schema"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "'nope' is not in `tools`"),
     ({"max_output_tokens": 10**6}, "max_new_tokens"),
+    ({"input": []}, "`input` must hold at least one item"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "objekt"}}]}, "`tools[0].function.parameters`"),
 ])
 def test_unsupported_features_are_422_naming_the_field(server, extra, field):
     body = {"model": "tiny", "input": "hi", "max_output_tokens": 4, **extra}
