@@ -124,3 +124,30 @@ def test_special_tokens_stay_special():
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert table.is_special_token(im_end)
     assert table.decode_bytes(tokenizer.encode("<|im_end|>x", add_special_tokens=False))[-1:] == b"x"
+
+
+def test_the_server_refuses_grammar_requests_naming_the_cause():
+    from starlette.testclient import TestClient
+    from test_server import FakeEngine, make_app
+    tokenizer = layout_tokenizer("unreadable")
+    fake = FakeEngine()
+    fake.grammars = GrammarCompiler(tokenizer, padded(tokenizer), {tokenizer.eos_token_id})
+    fake.grammars.prepare_in_background().join()
+    app, engine, _ = make_app(fake)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    try:
+        with TestClient(app) as client:
+            for route, body in [
+                ("/generate", {"inputs": "ab", "parameters": {"grammar": {"type": "json", "value": {"type": "object"}}}}),
+                ("/generate_stream", {"inputs": "ab", "parameters": {"grammar": {"type": "regex", "value": "a+"}}}),
+                ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}, "stream": True}),
+                ("/v1/chat/completions", {**chat, "tool_choice": "required", "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}),
+            ]:
+                r = client.post(route, json=body)
+                assert r.status_code == 422, (route, r.text)
+                assert "structured output is not available for this model" in r.json()["error"]
+                assert "token table cannot be built" in r.json()["error"]
+            assert client.post("/generate", json={"inputs": "ab"}).status_code == 200     # the rest still works
+    finally:
+        engine.close()
