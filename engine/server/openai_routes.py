@@ -6,6 +6,7 @@ TGI's {"error", "error_type"} body with the TGI status codes.
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
@@ -32,6 +33,8 @@ from engine.server.streaming import Renderer, open_stream, unless_disconnected
 from engine.server.tools import ToolUse, new_call_id, template_inputs, tool_use
 from engine.server.validation import ValidRequest, parse_body
 from engine.structured.tool_calls import ToolCallStream, parse_tool_call
+
+logger = logging.getLogger(__name__)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -85,6 +88,10 @@ async def chat_completions(request: Request) -> Response:
 
 def _chat_choice(gen: Generation, use: ToolUse | None, logprobs: bool, index: int) -> ChatCompletionChoice:
     call = parse_tool_call(gen.text, use.fmt, use.tools) if use is not None else None
+    if call is None and use is not None and not use.allow_text:
+        # the grammar forced a call: only a cut-off (length) or a grammar failure gets here
+        logger.warning("tool_choice required/named answered without a complete call (finish %s): %r",
+                       gen.finish_reason, gen.text[:300])
     message = ChatCompletionMessage(content=gen.text) if call is None else ChatCompletionMessage(
         content=None, tool_calls=[ChatToolCall(id=new_call_id(), function=FunctionCall(
             name=call.name, arguments=call.arguments))])
