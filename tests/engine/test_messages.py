@@ -148,3 +148,25 @@ def test_refusals_use_anthropics_error_body(server, client, body, message):
     with pytest.raises(anthropic.UnprocessableEntityError):
         client.messages.create(model="tiny", **body) if "max_tokens" in body else \
             client.messages.create(model="tiny", max_tokens=None, **body)  # type: ignore[arg-type]
+
+
+def test_a_stream_that_fails_ends_with_an_error_event():
+    # FakeEngine: a prompt containing FAIL gets a per-request engine error once the stream is open
+    from starlette.testclient import TestClient
+    from test_server import make_app
+    app, engine, _ = make_app()
+    try:
+        with TestClient(app) as client:
+            with client.stream("POST", "/v1/messages", json={"max_tokens": 4, "stream": True, "messages": [
+                    {"role": "user", "content": "FAIL please"}]}) as r:
+                lines = [line for line in r.iter_lines() if line]
+            assert r.status_code == 200
+            assert lines[0] == "event: message_start" and lines[-2] == "event: error", lines
+            error = json.loads(lines[-1].removeprefix("data: "))
+            assert error["type"] == "error" and error["error"]["type"] == "api_error"
+            assert "CUDA out of memory" in error["error"]["message"]
+            with client.stream("POST", "/v1/responses", json={"input": "FAIL", "stream": True}) as r:
+                lines = [line for line in r.iter_lines() if line]
+            assert lines[-2] == "event: error" and "CUDA out of memory" in lines[-1], lines
+    finally:
+        engine.close()
