@@ -51,3 +51,4 @@ class EngineConfig:
     cors_allow_origin: list[str] = field(default_factory=list)
     json_output: bool = False
     served_model_name: str | None = None
+    reasoning_parser: str = "auto"          # "auto" | "qwen3" | "deepseek_r1" | "none" (engine/server/reasoning.py)
