@@ -4,7 +4,8 @@ A request becomes the chat route's pieces: its `system`, content blocks, `tool_u
 chat messages for the model's template, its `tools` and `tool_choice` into the same tool grammar
 (engine.server.tools), `stop_sequences` into stop sequences. The answer comes back as content blocks (`text`,
 `tool_use` with its `input` object) with Anthropic's stop reasons, and a stream as Anthropic's typed events
-(message_start, content_block_start, content_block_delta, content_block_stop, message_delta, message_stop).
+(message_start, content_block_start, content_block_delta, content_block_stop, message_delta, message_stop). A
+reasoning model's `<think>` span (engine.server.reasoning) comes back as a `thinking` block before the text.
 
 Errors use Anthropic's body, `{"type": "error", "error": {"type", "message"}}`, which its clients read, with the
 server's usual status codes (422 for a refused request); a stream that fails once open ends with an `error` event.
@@ -28,6 +29,7 @@ from engine.server.infer import Generation
 from engine.server.openai_common import parameters
 from engine.server.openai_routes import _apply_chat_template
 from engine.server.protocol import ChatCompletionRequest, GenerateRequest, dump
+from engine.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format, split_reasoning
 from engine.server.state import ServerState
 from engine.server.streaming import EventStream, stream_error, unless_disconnected
 from engine.server.tools import ToolUse, tool_use
@@ -83,8 +85,9 @@ def _error_body(exc: ServerError) -> AnthropicErrorResponse:
 # --- request -> chat request ---------------------------------------------------------------------
 
 def _chat_request(req: CountTokensRequest, state: ServerState) -> tuple[ChatCompletionRequest, ToolUse | None]:
-    if req.thinking and req.thinking.get("type") not in (None, "disabled"):
-        raise ValidationError("`thinking` is not supported by this server (it has no reasoning parser)")
+    if req.thinking and req.thinking.get("type") not in (None, "disabled") and _thinks(state) is None:
+        raise ValidationError("`thinking` is not supported for this model (no reasoning parser: see "
+                              "--reasoning-parser)")
     messages: list[dict[str, Any]] = []
     system = _system_text(req.system)
     if system:
@@ -179,11 +182,19 @@ def _tool_choice(req: CountTokensRequest) -> Any:
     raise ValidationError('`tool_choice` must be {"type": "auto" | "any" | "none"} or {"type": "tool", "name": ...}')
 
 
+def _thinks(state: ServerState) -> ReasoningFormat | None:
+    return reasoning_format(state.config.reasoning_parser, getattr(state.tokenizer, "chat_template", None))
+
+
 # --- answer --------------------------------------------------------------------------------------
 
 def _response(state: ServerState, req: MessagesRequest, use: ToolUse | None, gen: Generation) -> MessagesResponse:
     call = parse_tool_call(gen.text, use.fmt, use.tools) if use is not None else None
-    content = [_tool_block(call)] if call is not None else [{"type": "text", "text": gen.text}]
+    thinks = _thinks(state) if use is None else None
+    reasoning, text = split_reasoning(gen.text, thinks) if thinks is not None else (None, gen.text)
+    content = [_tool_block(call)] if call is not None else [{"type": "text", "text": text}]
+    if reasoning is not None:
+        content.insert(0, {"type": "thinking", "thinking": reasoning, "signature": ""})
     reason, sequence = _stop(gen, req, call is not None)
     return MessagesResponse(id=_message_id(), model=req.model or state.model_name, content=content,
                             stop_reason=reason, stop_sequence=sequence,
@@ -251,6 +262,13 @@ class _Blocks:
         return out + [_event({"type": "content_block_delta", "index": self.index,
                               "delta": {"type": "text_delta", "text": text}})]
 
+    def thinking(self, text: str) -> list[bytes]:
+        if not text:
+            return []
+        out = [] if self.open == "thinking" else self.start({"type": "thinking", "thinking": "", "signature": ""})
+        return out + [_event({"type": "content_block_delta", "index": self.index,
+                              "delta": {"type": "thinking_delta", "thinking": text}})]
+
     def json(self, text: str) -> list[bytes]:
         return [_event({"type": "content_block_delta", "index": self.index,
                         "delta": {"type": "input_json_delta", "partial_json": text}})] if text else []
@@ -269,11 +287,19 @@ async def _events(state: ServerState, req: MessagesRequest, use: ToolUse | None,
                "usage": {"input_tokens": valid.input_length, "output_tokens": 0}}
     yield _event({"type": "message_start", "message": message})
     pieces = ToolCallStream(use.fmt, use.tools, use.allow_text) if use is not None else None
+    thinks = _thinks(state) if use is None else None
+    reasoning = ReasoningStream(thinks) if thinks is not None else None
     blocks = _Blocks()
     try:
         async with contextlib.aclosing(state.infer.stream(valid, arrival)) as events:
             async for ev in events:
-                for kind, text in pieces.feed(ev.text) if pieces is not None else [("content", ev.text)]:
+                if pieces is not None:
+                    parts = pieces.feed(ev.text)
+                elif reasoning is not None:
+                    parts = reasoning.feed(ev.text) + (reasoning.finish() if ev.end is not None else [])
+                else:
+                    parts = [("content", ev.text)]
+                for kind, text in parts:
                     for chunk in _piece(blocks, kind, text):
                         yield chunk
                 if ev.end is None:
@@ -299,6 +325,8 @@ async def _events(state: ServerState, req: MessagesRequest, use: ToolUse | None,
 def _piece(blocks: _Blocks, kind: str, text: str) -> list[bytes]:
     if kind == "content":
         return blocks.text(text)
+    if kind == "reasoning":
+        return blocks.thinking(text)
     if kind == "name":
         return blocks.start({"type": "tool_use", "id": _tool_id(), "name": text, "input": {}})
     return blocks.json(text)

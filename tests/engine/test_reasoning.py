@@ -70,3 +70,26 @@ def test_chat_route_streamed_and_not(monkeypatch, parser, split):
     else:
         assert "reasoning_content" not in message and message["content"] == "<think>\nwhy</think>\n\nbecause"
         assert streamed == ("", message["content"])
+
+
+def test_messages_thinking_block_streamed_and_not(monkeypatch):
+    pytest.importorskip("torch")
+    anthropic = pytest.importorskip("anthropic")
+    import test_server
+    from starlette.testclient import TestClient
+    monkeypatch.setattr(test_server, "SCRIPT", "<think>\nwhy</think>\n\nbecause")
+    monkeypatch.setattr(test_server.CharTokenizer, "chat_template", QWEN3_TEMPLATE)
+    app, engine, _ = test_server.make_app()
+    body = {"model": "m", "messages": [{"role": "user", "content": "why?"}], "max_tokens": 28,
+            "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    try:
+        with TestClient(app) as http:
+            client = anthropic.Anthropic(base_url=str(http.base_url), api_key="x", http_client=http, max_retries=0)
+            message = client.messages.create(**body)
+            with client.messages.stream(**body) as stream:
+                final = stream.get_final_message()
+    finally:
+        engine.close()
+    for answer in (message, final):
+        assert [b.type for b in answer.content] == ["thinking", "text"]
+        assert answer.content[0].thinking == "\nwhy" and answer.content[1].text == "because"
