@@ -4,7 +4,8 @@ response through `previous_response_id` (engine.server.response_store).
 A request becomes the chat route's pieces: `instructions` a system message, input items chat messages
 (`function_call` an assistant turn's tool call, `function_call_output` a `tool` turn), `text.format` the
 response_format grammar, function `tools` and `tool_choice` the tool grammar (engine.server.tools). The answer
-is a `message` item with `output_text`, or a `function_call` item. Whatever this server does not do is a 422
+is a `message` item with `output_text` (after a `reasoning` item for a reasoning model's `<think>` span), or a
+`function_call` item. Whatever this server does not do is a 422
 naming the field: built-in tools, image and file inputs, background mode, conversations, prompt templates.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from engine.server.infer import Generation
 from engine.server.openai_common import parameters
 from engine.server.openai_routes import _apply_chat_template
 from engine.server.protocol import GenerateRequest, dump
+from engine.server.reasoning import ReasoningStream, reasoning_format, split_reasoning
 from engine.server.response_store import ResponseStore
 from engine.server.responses_protocol import InputTokensDetails, ResponseObject, ResponsesRequest, ResponseUsage
 from engine.server.state import ServerState
@@ -187,6 +189,9 @@ class _Answer:
         self.created = int(time.time())
         self.item_id = f"msg_{uuid.uuid4().hex}"
         self.call_id, self.fc_id = new_call_id(), f"fc_{uuid.uuid4().hex}"
+        self.rs_id = f"rs_{uuid.uuid4().hex}"
+        self.thinks = reasoning_format(state.config.reasoning_parser, getattr(state.tokenizer, "chat_template", None)) \
+            if use is None else None
         self.turn: dict[str, Any] | None = None
 
     def call_of(self, gen: Generation) -> ToolCall | None:
@@ -209,6 +214,10 @@ class _Answer:
         content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
 
+    def reasoning_item(self, text: str, status: str = "completed") -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.rs_id, "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}
+
     def call_item(self, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
         return {"type": "function_call", "id": self.fc_id, "call_id": self.call_id, "name": name,
                 "arguments": arguments, "status": status}
@@ -219,8 +228,11 @@ class _Answer:
             self.turn = {"role": "assistant", "content": "", "tool_calls": [
                 {"id": self.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]}
         else:
-            output = [self.message_item(gen.text)]
-            self.turn = {"role": "assistant", "content": gen.text}
+            reasoning, text = split_reasoning(gen.text, self.thinks) if self.thinks is not None else (None, gen.text)
+            output = [self.message_item(text)]
+            if reasoning is not None:
+                output.insert(0, self.reasoning_item(reasoning))
+            self.turn = {"role": "assistant", "content": text}
         cut = gen.finish_reason == "length" and call is None
         usage = ResponseUsage(input_tokens=gen.input_length, output_tokens=gen.generated_tokens,
                               total_tokens=gen.input_length + gen.generated_tokens,
@@ -258,6 +270,8 @@ class _Events:
         self.text = ""
         self.name = ""
         self.arguments = ""
+        self.at = 0                 # the open item's output_index (1 after a reasoning item)
+        self.reasoning = ""
 
     def event(self, kind: str, **data: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.number, **data}
@@ -266,44 +280,64 @@ class _Events:
 
     def piece(self, kind: str, text: str) -> list[bytes]:
         a = self.answer
+        if kind == "reasoning":
+            if not text:
+                return []
+            out = [] if self.item == "reasoning" else [
+                self.event("response.output_item.added", output_index=0, item=a.reasoning_item("", "in_progress"))]
+            self.item = "reasoning"
+            self.reasoning += text
+            return out + [self.event("response.reasoning_text.delta", item_id=a.rs_id, output_index=0,
+                                     content_index=0, delta=text)]
+        if self.item == "reasoning":
+            return self.close_reasoning() + self.piece(kind, text)
         if kind == "content":
             if not text:
                 return []
             out = self.open_message()
             self.text += text
-            return out + [self.event("response.output_text.delta", item_id=a.item_id, output_index=0,
+            return out + [self.event("response.output_text.delta", item_id=a.item_id, output_index=self.at,
                                      content_index=0, delta=text, logprobs=[])]
         if kind == "name":
             self.item, self.name = "call", text
-            return [self.event("response.output_item.added", output_index=0,
+            return [self.event("response.output_item.added", output_index=self.at,
                                item=a.call_item(text, "", "in_progress"))]
         self.arguments += text
-        return [self.event("response.function_call_arguments.delta", item_id=a.fc_id, output_index=0,
+        return [self.event("response.function_call_arguments.delta", item_id=a.fc_id, output_index=self.at,
                            delta=text)] if text else []
 
+    def close_reasoning(self) -> list[bytes]:
+        a, self.item, self.at = self.answer, None, 1
+        return [self.event("response.reasoning_text.done", item_id=a.rs_id, output_index=0, content_index=0,
+                           text=self.reasoning),
+                self.event("response.output_item.done", output_index=0, item=a.reasoning_item(self.reasoning))]
+
     def open_message(self) -> list[bytes]:
+        if self.item == "reasoning":
+            return self.close_reasoning() + self.open_message()
         if self.item == "message":
             return []
         self.item = "message"
         a = self.answer
-        return [self.event("response.output_item.added", output_index=0, item=a.message_item("", "in_progress")),
-                self.event("response.content_part.added", item_id=a.item_id, output_index=0, content_index=0,
+        return [self.event("response.output_item.added", output_index=self.at, item=a.message_item("", "in_progress")),
+                self.event("response.content_part.added", item_id=a.item_id, output_index=self.at, content_index=0,
                            part={"type": "output_text", "text": "", "annotations": []})]
 
     def close(self, call: ToolCall | None) -> list[bytes]:
         a = self.answer
         if self.item == "call" and call is not None:
-            return [self.event("response.function_call_arguments.done", item_id=a.fc_id, output_index=0,
+            return [self.event("response.function_call_arguments.done", item_id=a.fc_id, output_index=self.at,
                                arguments=call.arguments),
-                    self.event("response.output_item.done", output_index=0,
+                    self.event("response.output_item.done", output_index=self.at,
                                item=a.call_item(call.name, call.arguments))]
         out = self.open_message()       # (an empty answer opens it here)
         part = {"type": "output_text", "text": self.text, "annotations": []}
         return out + [
-            self.event("response.output_text.done", item_id=a.item_id, output_index=0, content_index=0,
+            self.event("response.output_text.done", item_id=a.item_id, output_index=self.at, content_index=0,
                        text=self.text, logprobs=[]),
-            self.event("response.content_part.done", item_id=a.item_id, output_index=0, content_index=0, part=part),
-            self.event("response.output_item.done", output_index=0, item=a.message_item(self.text))]
+            self.event("response.content_part.done", item_id=a.item_id, output_index=self.at, content_index=0,
+                       part=part),
+            self.event("response.output_item.done", output_index=self.at, item=a.message_item(self.text))]
 
 
 async def _events(state: ServerState, store: ResponseStore, answer: _Answer, valid: ValidRequest,
@@ -314,10 +348,17 @@ async def _events(state: ServerState, store: ResponseStore, answer: _Answer, val
     yield events.event("response.in_progress", response=created)
     use = answer.use
     pieces = ToolCallStream(use.fmt, use.tools, use.allow_text) if use is not None else None
+    reasoning = ReasoningStream(answer.thinks) if answer.thinks is not None else None
     try:
         async with contextlib.aclosing(state.infer.stream(valid, arrival)) as stream:
             async for ev in stream:
-                for kind, text in pieces.feed(ev.text) if pieces is not None else [("content", ev.text)]:
+                if pieces is not None:
+                    parts = pieces.feed(ev.text)
+                elif reasoning is not None:
+                    parts = reasoning.feed(ev.text) + (reasoning.finish() if ev.end is not None else [])
+                else:
+                    parts = [("content", ev.text)]
+                for kind, text in parts:
                     for chunk in events.piece(kind, text):
                         yield chunk
                 if ev.end is None:

@@ -93,3 +93,30 @@ def test_messages_thinking_block_streamed_and_not(monkeypatch):
     for answer in (message, final):
         assert [b.type for b in answer.content] == ["thinking", "text"]
         assert answer.content[0].thinking == "\nwhy" and answer.content[1].text == "because"
+
+
+def test_responses_reasoning_item_streamed_and_not(monkeypatch):
+    pytest.importorskip("torch")
+    import test_server
+    from starlette.testclient import TestClient
+    monkeypatch.setattr(test_server, "SCRIPT", "<think>\nwhy</think>\n\nbecause")
+    monkeypatch.setattr(test_server.CharTokenizer, "chat_template", QWEN3_TEMPLATE)
+    app, engine, _ = test_server.make_app()
+    body = {"input": "why?", "max_output_tokens": 28}
+    try:
+        with TestClient(app) as http:
+            response = http.post("/v1/responses", json=body).json()
+            with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    finally:
+        engine.close()
+    final = events[-1]["response"]
+    for answer in (response, final):
+        reasoning, message = answer["output"]
+        assert reasoning["type"] == "reasoning" and reasoning["content"][0]["text"] == "\nwhy"
+        assert message["type"] == "message" and message["content"][0]["text"] == "because"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "\nwhy"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "because"
+    added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
+    assert added == [(0, "reasoning"), (1, "message")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
