@@ -47,6 +47,9 @@ class TableCheck:
 def grammar_tokenizer(hf_tokenizer: Any, n_vocab: int, eos: list[int]) -> tuple[llguidance.LLTokenizer, str]:
     """The llguidance tokenizer for `hf_tokenizer` and how it was built ("automatic" or "rebuilt: ...");
     TokenTableError when neither table matches the tokenizer's own decoding."""
+    if getattr(hf_tokenizer, "backend_tokenizer", None) is None:
+        raise TokenTableError("the grammar token table needs a fast tokenizer (a tokenizer.json); this model's "
+                              f"tokenizer is a {type(hf_tokenizer).__name__}")
     texts = decoded_in_context(hf_tokenizer)
     special = special_ids(hf_tokenizer)
     try:

@@ -118,6 +118,13 @@ def test_a_table_that_cannot_be_built_refuses_grammars_and_logs_it_at_start(capl
         compiler.matcher(json_schema_spec(NESTED, "s"))
 
 
+def test_a_slow_tokenizer_is_refused_by_name():
+    class Slow:
+        eos_token_id = 2
+    with pytest.raises(TokenTableError, match="needs a fast tokenizer .* is a Slow"):
+        grammar_tokenizer(Slow(), 64, [2])
+
+
 def test_special_tokens_stay_special():
     tokenizer = layout_tokenizer("gguf")
     table, _ = grammar_tokenizer(tokenizer, padded(tokenizer), [tokenizer.eos_token_id])
