@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.offload import prepare_matcher
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ class AsyncEngine:
             self._streams[request_id] = stream
         finished = False
         try:
+            if params.grammar is not None:   # compiled off the event loop (the server prepared most already)
+                await prepare_matcher(getattr(self.engine, "grammars", None), params.grammar)
             self.engine.add_request(request_id, prompt_token_ids, params)
             self._wakeup.set()
             while not finished:
@@ -203,6 +206,14 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # the loop is closed (server shutting down)
             pass
+
+    def fail(self, error: BaseException) -> None:
+        """The engine is dead (noticed outside the step loop, whose thread may be stuck in a collective):
+        health turns 503 and every request in flight ends with `error` now. Any thread."""
+        if self.error is None:
+            self.error = error
+        self._stop.set()
+        self._fail_all(error)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

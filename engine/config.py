@@ -18,6 +18,7 @@ class EngineConfig:
     num_shard: int = 1                  # tensor-parallel ranks (per pipeline stage)
     pipeline_parallel_size: int = 1     # stages, one per node (ranks started by srun: engine/external_launch.py)
     rank_timeout_s: float = 60.0        # a rank silent this long (or a collective this slow) ends every rank
+    step_timeout_s: float = 300.0       # a tensor-parallel step this long is hung: the engine stops
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     device: str | None = None           # None = cuda if available else cpu
@@ -34,11 +35,13 @@ class EngineConfig:
     waiting_served_ratio: float = 0.3
     max_new_tokens_default: int = 1024      # when a request sets no limit; 0 = all the room left (TGI)
     prefix_caching: bool = True             # share the KV blocks of equal prompt prefixes
+    max_grammar_bytes: int = 512 * 1024     # a request's JSON schema or regex above this is a 422
+    grammar_timeout_s: float = 10.0         # compiling one grammar longer than this is a 422
     speculate: int = 0                      # n-gram draft tokens per decode step (TGI's --speculate); 0 = off
     # memory
     cuda_memory_fraction: float = 1.0
     gpu_memory_utilization: float = 0.9     # of what cuda_memory_fraction leaves
-    cpu_kv_cache_bytes: int = 512 * 1024**2  # KV budget on CPU
+    cpu_kv_cache_bytes: int | None = None  # KV budget on CPU; None = sized from the machine (engine/host_memory.py)
     block_size: int | None = None           # tokens per KV block; None = the attention backend's default
     enforce_eager: bool = False             # no CUDA graphs
     cuda_graphs: list[int] | None = None    # decode batch sizes to capture; None = 1,2,4..256; [] = none

@@ -112,13 +112,18 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
                                     "torchrun (ranks from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID or "
                                     "RANK/WORLD_SIZE/LOCAL_RANK); --num-shard is then the GPUs per node")),
     (("--rank-timeout",), "RANK_TIMEOUT",
-     dict(default=60.0, type=float, help="seconds without a heartbeat from a rank before every rank exits "
-                                         "(ranks started by srun or torchrun)")),
+     dict(default=60.0, type=float, help="seconds without a heartbeat from a rank before every rank exits")),
+    (("--step-timeout",), "STEP_TIMEOUT",
+     dict(default=300.0, type=float, help="seconds one tensor-parallel step may run before the engine counts a "
+                                          "rank hung and exits (--num-shard > 1)")),
     (("--master-addr",), "MASTER_ADDR", dict(default="127.0.0.1", help="torch.distributed rendezvous address")),
     (("--master-port",), "MASTER_PORT", dict(default=29500, type=int, help="torch.distributed rendezvous port")),
     (("--device",), "DEVICE", dict(help="cpu or cuda (default: cuda when available)")),
     (("--hostname",), "HOSTNAME", dict(default="0.0.0.0", help="address to listen on")),
     (("--port",), "PORT", dict(default=3000, type=int, help="port to listen on; 0 picks a free one")),
+    (("--port-attempts",), "PORT_ATTEMPTS",
+     dict(default=1, type=int, help="when --port is taken, bind the next free one, trying this many ports in all "
+                                    "(the log and --ready-file say which one)")),
     (("--ready-file",), "READY_FILE", dict(help='write {"host", "port", "pid"} here (atomically) once serving')),
     (("--api-key",), "API_KEY", dict(help="require 'Authorization: Bearer KEY' on generation routes; prefer the env "
                                           "variable, argv is visible to every user in ps")),
@@ -137,6 +142,12 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--max-batch-total-tokens",), "MAX_BATCH_TOTAL_TOKENS",
      dict(type=int, help="tokens of all running requests (default: what the KV cache holds)")),
     (("--max-batch-size",), "MAX_BATCH_SIZE", dict(type=int, help="requests per step")),
+    (("--max-grammar-bytes",), "MAX_GRAMMAR_BYTES",
+     dict(default=512 * 1024, type=_size, help="largest JSON schema or regex a request may constrain its output "
+                                               "with (422 beyond), e.g. 512KiB")),
+    (("--grammar-timeout",), "GRAMMAR_TIMEOUT",
+     dict(default=10.0, type=float, help="seconds one request grammar may take to compile, off the event loop "
+                                         "(422 beyond; the result is cached either way)")),
     (("--speculate",), "SPECULATE",
      dict(default=0, type=_speculate, help="n-gram speculative decoding: draft tokens per step, taken from the "
                                            "prompt and output and verified in one forward (0 = off)")),
@@ -153,7 +164,7 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
                                          "(true|false); the hits show as usage.prompt_tokens_details.cached_tokens")),
     (("--cuda-memory-fraction",), "CUDA_MEMORY_FRACTION",
      dict(default=1.0, type=float, help="share of the GPU this process may use")),
-    (("--kv-cache-bytes",), "KV_CACHE_BYTES", dict(type=_size, help="KV-cache budget on CPU, e.g. 512MiB")),
+    (("--kv-cache-bytes",), "KV_CACHE_BYTES", dict(type=_size, help="KV-cache budget on CPU, e.g. 512MiB (default: half the memory available to the job, from its cgroup, Slurm or the machine)")),
     (("--cuda-graphs",), "CUDA_GRAPHS", dict(type=_batch_sizes, help="decode batch sizes captured as CUDA graphs, "
                                              "e.g. 1,2,4,8; 0 = none (default: 1,2,4,...,256 on one GPU "
                                              "with the triton or flash-attn attention backend)")),
@@ -232,7 +243,7 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         quantize=args.quantize if args.quantize not in (None, "", "none") else None,
         trust_remote_code=args.trust_remote_code, lora_adapters=list(args.lora_adapters or []),
         num_shard=args.num_shard, pipeline_parallel_size=args.pipeline_parallel_size,
-        rank_timeout_s=args.rank_timeout, master_addr=args.master_addr,
+        rank_timeout_s=args.rank_timeout, step_timeout_s=args.step_timeout, master_addr=args.master_addr,
         master_port=args.master_port, device=args.device, max_concurrent_requests=args.max_concurrent_requests,
         max_best_of=args.max_best_of, max_stop_sequences=args.max_stop_sequences,
         max_top_n_tokens=args.max_top_n_tokens, max_input_tokens=args.max_input_tokens,
@@ -244,7 +255,8 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         cors_allow_origin=list(args.cors_allow_origin or []), json_output=args.json_output,
         served_model_name=args.served_model_name or args.model_id, cpu_gemm=args.cpu_gemm,
         cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend, block_size=args.block_size,
-        speculate=args.speculate, reasoning_parser=args.reasoning_parser)
+        speculate=args.speculate, max_grammar_bytes=args.max_grammar_bytes, grammar_timeout_s=args.grammar_timeout,
+        reasoning_parser=args.reasoning_parser)
     if args.kv_cache_bytes is not None:
         config.cpu_kv_cache_bytes = args.kv_cache_bytes
     return config
@@ -293,18 +305,28 @@ def setup_logging(json_output: bool) -> None:
     root.setLevel(logging.INFO)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, attempts: int = 1) -> socket.socket:
+    """`port`, or the next free one of `attempts`: the bind itself is the check, so no other process can take
+    the port between a check and the bind (the caller reads the bound port back from the socket)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror}; pick another --port "
-                         "(0 = any free port)") from None
-    sock.set_inheritable(True)
-    return sock
+    last = min(port + max(1, attempts) - 1, 65535) if port else 0
+    for candidate in range(port, last + 1):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, candidate))
+            sock.listen(2048)   # bound but not listening, another SO_REUSEADDR socket could still bind it
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        if candidate != port:
+            logger.warning("port %d on %s is taken: listening on %d instead", port, host, candidate)
+        sock.set_inheritable(True)
+        return sock
+    ports = f"{port}" if last == port else f"{port}..{last}"
+    raise SystemExit(f"error: cannot listen on {host}:{ports}: {error.strerror}; pick another --port "
+                     "(0 = any free port)") from None
 
 
 def write_ready_file(path: str, payload: dict[str, Any]) -> None:
@@ -316,20 +338,55 @@ def write_ready_file(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, target)  # readers never see a half-written file
 
 
-def _dead_ranks(engine: Any) -> list[int]:
+# after the engine dies, the process ends within this many seconds even if the model thread is stuck in a collective
+EXIT_GRACE_S = 8.0
+
+
+def _runner_failure(engine: Any) -> str | None:
+    """Why the model runner cannot run any more (a rank dead, silent or hung), or None."""
     runner = getattr(engine.engine, "runner", None)
-    return runner.dead_workers() if hasattr(runner, "dead_workers") else []
+    if getattr(runner, "failure", None):
+        return runner.failure
+    dead = runner.dead_workers() if hasattr(runner, "dead_workers") else []
+    return f"worker process(es) {dead} died" if dead else None
+
+
+def _exit_soon(reason: str) -> None:
+    """Exit with status 1 in EXIT_GRACE_S, whatever the model thread is doing (it may wait on a dead peer)."""
+    timer = threading.Timer(EXIT_GRACE_S, _exit_now, args=(1, reason))
+    timer.daemon = True
+    timer.start()
+
+
+def _exit_now(status: int, reason: str) -> None:
+    logger.error("exiting with status %d: %s", status, reason)
+    exit_without_teardown(status)
+
+
+def exit_without_teardown(status: int) -> None:
+    """Flush the logs and end the process. A normal interpreter exit first tears down torch.distributed, whose
+    process groups and store may wait on a peer that is dead or stopped (issue 27: a rank 0 whose peer was
+    killed still ran after 60 s), and no daemon thread can run during that teardown to end it."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 async def _exit_when_engine_dies(server: Any, engine: Any) -> None:
-    """A dead engine or tensor-parallel rank ends the server: the job must fail, not idle."""
+    """A dead engine or tensor-parallel rank ends the server: the job must fail, not idle at 503. Requests in
+    flight get the error now; the process ends within EXIT_GRACE_S even if the model thread never returns."""
     while not server.should_exit:
-        dead = _dead_ranks(engine)
-        if engine.error is not None or dead:
-            reason = engine.error or f"worker process(es) {dead} died"
+        failure = _runner_failure(engine)
+        if engine.error is not None or failure:
+            reason = engine.error or failure
             logger.error("the engine died (%s): shutting down", reason)
-            engine.error = engine.error or RuntimeError(str(reason))
+            engine.fail(engine.error or RuntimeError(str(reason)))
             server.should_exit = True
+            _exit_soon(f"the engine died ({reason})")
             return
         await asyncio.sleep(0.5)
 
@@ -392,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     if layout is not None and layout.rank != 0:
         return _follow(config, layout, args.cpu_threads)
     logger.info("config: %r; API key %s", config, "required" if config.api_key else "not set")
-    sock = bind_socket(config.hostname, config.port)  # fail fast, before minutes of weight loading
+    sock = bind_socket(config.hostname, config.port, args.port_attempts)  # fail fast, before minutes of loading
+    config.port = sock.getsockname()[1]
 
     import uvicorn
 
@@ -434,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
         engine.run_here(keep_running=http.is_alive)
     finally:
         server.should_exit = True
+        if engine.error is not None:
+            _exit_soon(f"the engine died ({engine.error}); its shutdown took too long")
         http.join(10)
         engine.close()
-    return 1 if engine.error is not None else 0
+    if engine.error is not None:
+        _exit_now(1, f"the engine died ({engine.error})")
+    return 0

@@ -89,7 +89,8 @@ class LLMEngine:
 
     `abort` emits one final RequestOutput (finished, finish_reason "aborted", the text so far).
     When several endings coincide on one token: stop_sequence, then eos_token, then length.
-    A runner failure fails the requests of that batch: their final output carries `error`.
+    A runner failure fails the requests of that batch: their final output carries `error`. A runner that cannot
+    run again (its `failure` is set: a tensor-parallel rank died or hung) makes `step()` raise instead.
     `runner`, `model_config` and `tokenizer` can be passed in (tests use a fake runner).
     """
 
@@ -213,6 +214,8 @@ class LLMEngine:
             last_logits, all_logits = self.runner.run(batch.spans)
         except Exception as e:  # noqa: BLE001 - reported per request, the engine keeps serving
             logger.exception("model step failed for %d sequences", len(batch))
+            if getattr(self.runner, "failure", None):   # its ranks are gone or hung: no later step can run
+                raise RuntimeError(f"the model runner failed: {self.runner.failure}") from e
             return outputs + self._fail_batch(batch, f"model step failed: {type(e).__name__}: {e}")
         self.scheduler.on_run_done(batch)
         self._num_prompt_tokens_total += batch.num_prefill_tokens

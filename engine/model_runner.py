@@ -19,6 +19,7 @@ from engine.lora.adapter import read_adapters
 from engine.model_config import ModelConfig
 from engine.model_inputs import validate_spans
 from engine.models.decoder import check_tensor_parallel
+from engine.rank_watch import HEARTBEAT_S, RankState, stall_reason
 from engine.worker import RankWorker, available_cpus, resolve_device, worker_main
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ class ModelRunner:
         self._rank0: RankWorker | None = None
         self._failure: str | None = None
         self._closed = False
-        self._in_step = False
+        self._step_started: float | None = None
+        self._beats = None
         self._threads_before: int | None = None
         try:
             self._start(config, model_config)
@@ -80,16 +82,17 @@ class ModelRunner:
             self._wait_for("joining")
         self._rank0 = RankWorker(config, model_config, 0, store)
         self._wait_for("ready")
-        if self._workers and self._rank0.device.type == "cuda":
+        if self._workers:
             threading.Thread(target=self._watch_workers, name="tgi-engine-watchdog", daemon=True).start()
 
     def _spawn_workers(self, config: EngineConfig, model_config: ModelConfig, master: tuple[str, int]) -> None:
         context = mp.get_context("spawn")
+        self._beats = context.RawArray("d", config.num_shard)   # heartbeats (engine/rank_watch.py)
         worker_config = dataclasses.replace(config, api_key=None)  # secrets stay in rank 0
         for rank in range(1, config.num_shard):
             parent_end, child_end = context.Pipe()
             process = context.Process(target=worker_main, name=f"tgi-engine-rank{rank}", daemon=True,
-                                      args=(worker_config, model_config, rank, master, child_end))
+                                      args=(worker_config, model_config, rank, master, child_end, self._beats))
             process.start()
             child_end.close()
             self._workers.append((process, parent_end))
@@ -121,29 +124,47 @@ class ModelRunner:
                 conn.send(("run", spans))
             except OSError as error:
                 self._fail(f"tensor-parallel rank {rank} is gone ({error})")
-        self._in_step = True
+        self._step_started = time.monotonic()
         try:
             logits = self._rank0.execute(spans)
         except Exception as error:
             if not self._workers:
                 raise
-            self._fail(f"tensor-parallel step failed ({self._worker_states()}): {error}{self._worker_errors()}")
+            cause = f"{self._failure}; " if self._failure else ""   # the watchdog's reason, when it ended the step
+            self._fail(f"tensor-parallel step failed ({cause}{self._worker_states()}): {error}{self._worker_errors()}")
         finally:
-            self._in_step = False
+            self._step_started = None
         return split_logits(spans, logits)
 
     def _watch_workers(self) -> None:
-        """NCCL waits forever on a dead peer (gloo notices by itself): abort the group instead."""
-        while not self._closed:
-            time.sleep(0.5)
-            if self._in_step and any(not process.is_alive() for process, _ in self._workers):
-                abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
-                logger.error("a tensor-parallel worker died during a step; aborting the NCCL group")
-                try:
-                    abort() if abort is not None else None
-                except Exception:  # best effort: the step fails either way
-                    logger.exception("aborting the process group failed")
-                return
+        """A dead, silent or hung rank fails the runner and the step at once (engine/rank_watch.py): the workers
+        are killed, so rank 0's collective errors out (gloo) or is aborted (NCCL) instead of waiting for its
+        timeout, and the launcher ends the process."""
+        while not self._closed and not self._failure:
+            time.sleep(HEARTBEAT_S)
+            ranks = [RankState(rank, process.is_alive(), process.exitcode, self._beats[rank])
+                     for rank, (process, _) in enumerate(self._workers, start=1)]
+            reason = stall_reason(time.monotonic(), ranks, self._step_started, self.config.rank_timeout_s,
+                                  self.config.step_timeout_s)
+            if reason is not None and not self._closed:
+                self._abort(reason)
+
+    def _abort(self, reason: str) -> None:
+        logger.error("%s: the model runner stops", reason)
+        self._failure = reason
+        for process, _ in self._workers:
+            process.kill()      # SIGKILL ends a stopped (SIGSTOP) process too
+        abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
+        if self._rank0 is not None and self._rank0.device.type == "cuda" and abort is not None:
+            try:
+                abort()         # NCCL waits forever on a dead peer (gloo notices by itself)
+            except Exception:  # noqa: BLE001 - best effort: the launcher exits either way
+                logger.exception("aborting the process group failed")
+
+    @property
+    def failure(self) -> str | None:
+        """Why the runner cannot run any more (a rank died or hung, a step failed), or None."""
+        return self._failure
 
     def _check_usable(self) -> None:
         if self._closed:

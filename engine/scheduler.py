@@ -32,7 +32,9 @@ class Scheduler:
     Prefill tokens (prompt chunks and recomputes) share a budget of `max_batch_prefill_tokens`
     per step; decodes never count against it, so a long prompt cannot starve running sequences.
     When the KV cache is full, the newest running sequence loses its blocks and goes back to the
-    front of `waiting` with its generated tokens, to be recomputed later (nothing is lost).
+    front of `waiting` with its generated tokens, to be recomputed later (nothing is lost). A waiting
+    sequence is admitted only while its whole prompt and a block of growth per running sequence fit, so
+    admissions do not cause the preemptions that would undo them.
     `max_batch_size` caps the running sequences. Unlike TGI's router, which reserves each
     request's whole max_new_tokens up front, blocks are taken as tokens arrive (hence preemption),
     and TGI's waiting_served_ratio is not needed: prefill chunks ride along with the decodes.
@@ -45,7 +47,7 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_batch_prefill_tokens: int,
                  max_batch_size: int | None = None, num_speculative_tokens: int = 0,
-                 propose: Callable[[Sequence, int], list[int]] | None = None):
+                 propose: Callable[[Sequence, int], list[int]] | None = None, reserve_growth: bool = True):
         if max_batch_prefill_tokens <= 0:
             raise ValueError(f"max_batch_prefill_tokens must be positive, got {max_batch_prefill_tokens}")
         self.block_manager = block_manager
@@ -56,6 +58,7 @@ class Scheduler:
         self.num_preempted_total = 0
         self.num_speculative_tokens = num_speculative_tokens if propose is not None else 0
         self.propose = propose
+        self.reserve_growth = reserve_growth
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -133,6 +136,13 @@ class Scheduler:
             num_cached = bm.num_cached_tokens(seq)
             num_new = min(seq.num_tokens - num_cached, budget)
             if not bm.can_allocate(seq, num_cached + num_new):
+                break
+            # Admit only what the cache can carry on with: the whole prompt, and a block of growth for each
+            # running sequence (the next `block_size` decode steps). Admitting on the first chunk alone
+            # filled the cache with half-prefilled prompts that the decodes then preempted, recomputed and
+            # preempted again (thrash: 3x the prompt tokens computed under pressure).
+            if (self.reserve_growth and self.running
+                    and not bm.can_allocate(seq, seq.num_tokens + len(self.running) * bm.block_size)):
                 break
             bm.allocate(seq, num_cached + num_new)
             self.waiting.popleft()

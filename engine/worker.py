@@ -10,6 +10,7 @@ import os
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
@@ -18,6 +19,7 @@ from engine.attention.flash import flash_version
 from engine.attention.selection import choose_backend
 from engine.batch import SeqSpan
 from engine.config import EngineConfig
+from engine.host_memory import cpu_kv_budget
 from engine.kv_budget import kv_budget
 from engine.layers import cpu_gemm, quantization
 from engine.lora import backend as lora_backend
@@ -28,6 +30,7 @@ from engine.model_config import ModelConfig
 from engine.model_inputs import prepare_inputs
 from engine.models import model_class
 from engine.parallel_layout import ParallelLayout
+from engine.rank_watch import start_heartbeat
 from engine.weights import load_dummy, load_safetensors
 
 logger = logging.getLogger(__name__)
@@ -192,7 +195,14 @@ class RankWorker:
         num_layers = len(self.attention_layers)  # this pipeline stage's layers
         bytes_per_block = (2 * num_layers * self.block_size * layer0.num_kv_heads * cfg.head_dim
                            * self.dtype.itemsize)
-        budget = self._gpu_kv_budget() if self.device.type == "cuda" else self.config.cpu_kv_cache_bytes
+        if self.device.type == "cuda":
+            budget = self._gpu_kv_budget()
+        elif self.config.cpu_kv_cache_bytes is not None:
+            budget = self.config.cpu_kv_cache_bytes
+        else:  # this rank's share of the node's memory, no more than max_total_tokens per concurrent request
+            per_token = bytes_per_block // self.block_size
+            most = self.config.max_concurrent_requests * (self.config.max_total_tokens or cfg.max_position_embeddings)
+            budget = cpu_kv_budget(per_token, most, self.layout.tp_size)
         scratch = 1 if self.graph_sizes else 0  # one block past the scheduler's: padding rows of decode graphs
         num_blocks = distributed.all_reduce_min(int(budget // bytes_per_block), self.device) - scratch
         if num_blocks < 1:
@@ -272,10 +282,12 @@ class RankWorker:
 
 
 def worker_main(config: EngineConfig, model_config: ModelConfig, rank: int, master: tuple[str, int],
-                conn: Connection) -> None:
+                conn: Connection, beats: Any = None) -> None:
     """Entry point of a spawned rank: build the shard, then run spans until told to stop."""
     parent = os.getppid()
     worker = None
+    if beats is not None:
+        start_heartbeat(beats, rank)
     try:
         if resolve_device(config.device, rank).type == "cpu":  # ranks share the node's cores
             torch.set_num_threads(max(1, available_cpus() // config.num_shard))

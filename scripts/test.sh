@@ -2,8 +2,11 @@
 # The whole test suite on a fresh machine (as root): set up .venv, start the local Slurm cluster
 # and sshd (scripts/local-cluster/start.sh), build the offline test models, run pytest.
 # Extra arguments go to pytest. This is the README's test command; .ci/run calls it.
+# The venv is pinned (scripts/setup.sh); to see upstream drift, run the suite on the newest releases too:
+#   TGI_HPC_DEPS=newest TGI_HPC_VENV=.venv-newest bash scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+VENV=${TGI_HPC_VENV:-.venv}
 bash scripts/setup.sh
 # A clean cluster every run: jobs left in Slurm's saved state by an earlier, killed run would come
 # back as RUNNING and hold the node's CPUs and GPUs.
@@ -11,9 +14,9 @@ ENV_FILE=$(TGI_HPC_CLUSTER_FRESH="${TGI_HPC_CLUSTER_FRESH:-1}" bash scripts/loca
 # shellcheck disable=SC1090
 . "$ENV_FILE"
 export TGI_HPC_REQUIRE_CLUSTER=1 PYTHONUNBUFFERED=1
-.venv/bin/python scripts/make_models.py all >/dev/null
+"$VENV/bin/python" scripts/make_models.py all >/dev/null
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
 status=$?
 set -e
 # pytest's 5 means "no tests collected": a suite that ran nothing has not passed.

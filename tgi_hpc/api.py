@@ -28,12 +28,12 @@ from tgi_hpc.slurm.cluster import Cluster, open_cluster
 from tgi_hpc.slurm.jobs import JobStatus
 from tgi_hpc.workflows import access, scrape
 from tgi_hpc.workflows.access import Access
-from tgi_hpc.workflows.serve import LIMIT_FLAGS, ServeOptions, run_serve
+from tgi_hpc.workflows.serve import LIMIT_FLAGS, ServeOptions, gpu_type_from_overrides, run_serve
 from tgi_hpc.workflows.service import ServiceOptions, run_service, stop_service
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Access", "Server", "attach", "endpoint", "metrics", "serve", "status", "stop", "wait_until_ready"]
+__all__ = ["Access", "Batch", "Server", "attach", "batch", "endpoint", "metrics", "serve", "status", "stop", "wait_until_ready"]
 
 
 def _open(cluster: str | Cluster | None, overrides: Sequence[str], remote: bool | None) -> Cluster:
@@ -117,7 +117,8 @@ class Server:
 
 
 def serve(model: str, *, cluster: str | Cluster | None = None, overrides: Sequence[str] = (), remote: bool | None = None,
-          revision: str = "main", gpus: int | None = None, time: str | None = None, partition: str | None = None,
+          revision: str = "main", gpus: int | None = None, gpu_type: str | None = None, time: str | None = None,
+          partition: str | None = None,
           env: Mapping[str, str] | None = None, engine_args: Sequence[str] = (), requeue: bool = False,
           replicas: int = 1, service: str | None = None, handover: str | None = None, keep_alive: bool = False,
           api_key: bool = True, shared_weights: bool = True, release: str | None = None, wait: bool = False,
@@ -129,7 +130,9 @@ def serve(model: str, *, cluster: str | Cluster | None = None, overrides: Sequen
     unknown = sorted(set(limits) - set(LIMIT_FLAGS))
     if unknown:
         raise UsageError(f"serve(): unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(LIMIT_FLAGS))}")
-    opts = ServeOptions(model=model, revision=revision, gpus=gpus, time=time, partition=partition, limits=dict(limits),
+    gpu_type = gpu_type if gpu_type is not None else gpu_type_from_overrides(overrides)
+    opts = ServeOptions(model=model, revision=revision, gpus=gpus, gpu_type=gpu_type, time=time, partition=partition,
+                        limits=dict(limits),
                         env=[f"{k}={v}" for k, v in (env or {}).items()], engine_args=list(engine_args),
                         keep_alive=requeue, api_key=api_key, shared_weights=shared_weights,
                         loras=[f"{name}={source}" for name, source in (lora or {}).items()])
@@ -173,3 +176,55 @@ def metrics(target: str | Server, interval: float = 1.0, model: str | None = Non
 
 def stop(target: str | Server, **where) -> None:
     attach(target, **where).stop()
+
+
+@dataclass
+class Batch:
+    """A batch (`batch(...)`): its jobs work through the input; `progress()`, `wait()`, `results()`."""
+
+    output: str
+    job_ids: list[str]
+    cluster: Cluster = field(repr=False)
+
+    def _ledger(self):
+        from pathlib import Path
+
+        from tgi_hpc.batch.ledger import Ledger
+        from tgi_hpc.batch.submission import batch_dir_of
+        return Ledger(batch_dir_of(Path(self.output)))
+
+    def progress(self) -> dict:
+        """{total, done, failed, shards, shards_done, holders, complete} from the batch's ledger."""
+        return self._ledger().progress().to_dict()
+
+    def wait(self, timeout: float = 24 * 3600, poll_s: float = 5.0) -> dict:
+        """Block until every request is answered and the output is written; JobFailedError if the jobs end
+        first (call `batch(...)` again with the same arguments to go on), ReadinessTimeout after `timeout`."""
+        from tgi_hpc.batch.submission import follow
+
+        return follow(self.cluster, self._ledger(), self.job_ids, timeout=timeout, progress=logger.info,
+                      poll_s=poll_s)
+
+    def results(self):
+        """The output's lines as dicts, in input order (once complete)."""
+        import json
+
+        with open(self.output) as fh:
+            for line in fh:
+                yield json.loads(line)
+
+
+def batch(model: str, input: str, output: str, *, jobs: int = 1, cluster: str | Cluster | None = None,
+          overrides: Sequence[str] = (), release: str | None = None, restart: bool = False,
+          gpus: int | None = None, time: str | None = None, **limits) -> Batch:
+    """Submit (or continue) `tgi-hpc batch`: the jobs answer every line of `input` into `output`."""
+    from tgi_hpc.batch.submission import BatchOptions, run_batch
+
+    unknown = set(limits) - set(LIMIT_FLAGS)
+    if unknown:
+        raise UsageError(f"unknown engine limit(s): {', '.join(sorted(unknown))}")
+    where = _open(cluster, overrides, None)
+    opts = BatchOptions(ServeOptions(model=model, gpus=gpus, time=time, limits=limits), input, output, jobs=jobs,
+                        restart=restart)
+    result = run_batch(where, opts, release=release, progress=logger.info)
+    return Batch(result.output, result.submitted + result.running, where)

@@ -18,6 +18,8 @@ from engine.server.response_store import ResponseStore
 from engine.server.routing import ExactRoute
 from engine.server.auth import ApiKeyMiddleware
 from engine.server.errors import EXCEPTION_HANDLERS, UnhealthyError, ValidationError
+from engine.server.grammar import prepare_grammars
+from engine.structured import spec
 from engine.server.infer import Generation, Infer, StreamEvent
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from engine.server.protocol import (BestOfSequence, CompatGenerateRequest, Details, GenerateRequest,
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 def build_app(engine: AsyncEngine, config: EngineConfig) -> Starlette:
     state = _build_state(engine, config)
+    spec.LIMITS.max_bytes, spec.LIMITS.timeout_s = config.max_grammar_bytes, config.grammar_timeout_s
     # every path answers exactly the methods /api-doc/openapi.json declares; others get 405
     routes = [
         ExactRoute("/", compat_generate, methods=["POST"]),
@@ -112,21 +115,27 @@ def server_state(request: Request) -> ServerState:
 async def generate(request: Request) -> Response:
     state = server_state(request)
     with state.request() as arrival, state.infer.permit():
-        req = parse_body(GenerateRequest, await request.body())
+        body = await request.body()
+        await prepare_grammars(body, state.engine)   # before parsing: a huge schema is refused unparsed
+        req = parse_body(GenerateRequest, body)
         return await unless_disconnected(request, _generate(state, req, arrival, wrap_in_list=False))
 
 
 async def generate_stream(request: Request) -> Response:
     state = server_state(request)
     with state.request() as arrival:
-        req = parse_body(GenerateRequest, await request.body())
+        body = await request.body()
+        await prepare_grammars(body, state.engine)   # before parsing: a huge schema is refused unparsed
+        req = parse_body(GenerateRequest, body)
         return _generate_stream(state, req, arrival)
 
 
 async def compat_generate(request: Request) -> Response:
     state = server_state(request)
     with state.request() as arrival:
-        req = parse_body(CompatGenerateRequest, await request.body())
+        body = await request.body()
+        await prepare_grammars(body, state.engine)   # before parsing: a huge schema is refused unparsed
+        req = parse_body(CompatGenerateRequest, body)
         if req.stream:
             return _generate_stream(state, req, arrival)
         with state.infer.permit():

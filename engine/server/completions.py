@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.server import choices as fan
 from engine.server.errors import ValidationError
-from engine.server.grammar import response_format_grammar
+from engine.server.grammar import prepare_grammars, response_format_grammar
 from engine.server.infer import Generation, StreamEvent
 from engine.server.legacy_logprobs import completion_logprobs, stream_logprobs
 from engine.server.openai_common import adapter_id, check_common, finish, model_name, parameters, stream_choices
@@ -28,7 +28,9 @@ COMPLETIONS_MAX_TOKENS = 16     # OpenAI's documented default for /v1/completion
 async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
     with state.request() as arrival:
-        req = parse_body(CompletionRequest, await request.body())
+        body = await request.body()
+        await prepare_grammars(body, state.engine)   # before parsing: a huge schema is refused unparsed
+        req = parse_body(CompletionRequest, body)
         _check_completion(state, req)
         prompts = req.prompts()
         n = req.n or 1

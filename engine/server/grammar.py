@@ -1,11 +1,13 @@
-"""Request grammars -> GrammarSpec: TGI's `parameters.grammar` and OpenAI's `response_format`. Every problem is a
-422 naming the field; nothing unchecked reaches the engine."""
+"""Request grammars -> GrammarSpec: TGI's `parameters.grammar` and OpenAI's `response_format` (and the schemas of
+`tools`). Every problem is a 422 naming the field; nothing unchecked reaches the engine. `prepare_grammars` does
+the heavy part first, off the event loop and bounded (engine/structured/offload.py)."""
 from __future__ import annotations
 
 from typing import Any
 
 from engine.server.errors import ValidationError
-from engine.structured.spec import GrammarError, GrammarSpec, json_schema_spec, regex_spec
+from engine.structured.offload import prepare_matcher, prepare_request
+from engine.structured.spec import LIMITS, GrammarError, GrammarSpec, json_schema_spec, regex_spec
 
 # OpenAI's json_object: any JSON object
 _ANY_OBJECT = {"type": "object"}
@@ -53,3 +55,31 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> GrammarSp
     except GrammarError as exc:
         raise ValidationError(f"Grammar is not valid: {exc}") from None
     raise ValidationError(f'`response_format.type` must be "text", "json_object" or "json_schema". Given: {kind!r}')
+
+
+_GRAMMAR_KEYS = (b'"grammar"', b'"response_format"', b'"tools"')
+
+
+async def prepare_grammars(body: bytes, engine: Any) -> None:
+    """Build every grammar of a request off the event loop, bounded by --max-grammar-bytes and --grammar-timeout,
+    before the body is parsed here: the worker process reads the raw body, measures and checks each grammar (a
+    2 MB schema is never parsed, serialized or checked on the event loop, it is refused first), then their
+    matchers are compiled in a thread with the GrammarCompiler of `engine` (an AsyncEngine) when it has one. Both
+    land in caches, so the synchronous validation after this finds them there and raises a bad grammar's error
+    with its field's own message."""
+    if not any(key in body for key in _GRAMMAR_KEYS):
+        return
+    try:
+        built = await prepare_request(body)
+    except GrammarError as exc:
+        raise ValidationError(f"Grammar is not valid: {exc}") from None
+    compiler = getattr(getattr(engine, "engine", None), "grammars", None)
+    for kind, text, entry in built:
+        if kind == "size":
+            raise ValidationError(f"Grammar is not valid: `{text}` is {entry} bytes, more than this server's limit of "
+                                  f"{LIMITS.max_bytes} (--max-grammar-bytes / MAX_GRAMMAR_BYTES)")
+        if isinstance(entry, GrammarSpec):
+            try:
+                await prepare_matcher(compiler, entry)
+            except GrammarError as exc:
+                raise ValidationError(f"Grammar is not valid: {exc}") from None

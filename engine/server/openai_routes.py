@@ -19,7 +19,7 @@ from engine.server import choices as fan
 from engine.server import sse
 from engine.server.completions import completions
 from engine.server.errors import ValidationError
-from engine.server.grammar import response_format_grammar
+from engine.server.grammar import prepare_grammars, response_format_grammar
 from engine.server.infer import Generation, StreamEvent
 from engine.server.openai_common import (adapter_id, check_common, finish, model_name, parameters, renderer,
                                          stream_choices, usage_of)
@@ -41,7 +41,9 @@ logger = logging.getLogger(__name__)
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
     with state.request() as arrival:
-        req = parse_body(ChatCompletionRequest, await request.body())
+        body = await request.body()
+        await prepare_grammars(body, state.engine)   # before parsing: a huge schema is refused unparsed
+        req = parse_body(ChatCompletionRequest, body)
         check_common(req)
         n = req.n or 1
         fan.check_counts(1, n, n, state.config.max_concurrent_requests)

@@ -16,8 +16,9 @@ in a worker thread while the forward runs (`masks.py`), so speed does not separa
 xgrammar accepts may still produce JSON that fails validation, whereas every schema llguidance accepts is
 enforced, and the ones it cannot enforce become a 422 that names the keyword instead of silently wrong output.
 
-Files: `spec.py` (what a request asks for, checked up front), `compiler.py` (tokenizer-bound compilation and the
-cache keyed by spec), `masks.py` (the step's bitmask, filled in parallel and overlapped with the forward; applied
+Files: `spec.py` (what a request asks for, checked up front), `offload.py` (that check and the compilation off
+the server's event loop, bounded by --max-grammar-bytes and --grammar-timeout), `compiler.py` (tokenizer-bound
+compilation and the cache keyed by spec), `masks.py` (the step's bitmask, filled in parallel and overlapped with the forward; applied
 by `engine.sampler`), `tool_calls.py` (how a chat template marks a tool call, the grammar that forces or allows
 one, and parsing it back).
 """

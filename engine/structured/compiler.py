@@ -79,13 +79,18 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 return template.deep_copy()
         template = llguidance.LLMatcher(tokenizer, spec.grammar, log_level=0)   # drops the GIL while it builds
-        if template.is_error():
-            raise GrammarError(f"the {spec.kind} grammar cannot be used with this model: {template.get_error()}")
+        if template.is_error():   # the first line: a panic's backtrace follows it
+            error = (template.get_error().strip().splitlines() or ["unknown error"])[0]
+            raise GrammarError(f"the {spec.kind} grammar cannot be used with this model: {error}")
         with self._lock:
             self._cache[spec] = template
             while len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)
         return template.deep_copy()
+
+    def is_cached(self, spec: GrammarSpec) -> bool:
+        with self._lock:
+            return spec in self._cache
 
     @property
     def num_cached(self) -> int:

@@ -1,8 +1,14 @@
 """GrammarSpec: what a request constrains its output to (a JSON schema, a regex or a Lark grammar), checked
-when the request arrives so that a bad one is the caller's 422 and never reaches the engine."""
+when the request arrives so that a bad one is the caller's 422 and never reaches the engine.
+
+Checking a large schema takes seconds to minutes of pure Python (jsonschema) and Rust (llguidance): the server
+builds specs in a worker process first (engine/structured/offload.py), bounded by LIMITS, and the synchronous
+functions here then find them in the cache."""
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,13 +33,84 @@ class GrammarSpec:
     grammar: str
 
 
+@dataclass(slots=True)
+class GrammarLimits:
+    """Set once by the server from --max-grammar-bytes and --grammar-timeout (engine/server/app.py)."""
+
+    max_bytes: int = 512 * 1024
+    timeout_s: float = 10.0
+
+
+LIMITS = GrammarLimits()
+FIELD = "\x00"     # stands for the request field in a cached error message
+MAX_CACHED = 512
+_cache: OrderedDict[tuple[str, str], GrammarSpec | str] = OrderedDict()   # (kind, text) -> spec or error
+_cache_lock = threading.Lock()
+
+
+def spec_text(value: Any) -> str:
+    """The text a grammar value is cached and measured by: a string as given, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def json_schema_spec(schema: Any, field: str) -> GrammarSpec:
     """A JSON schema (dict, bool, or its JSON text) -> spec; invalid or unenforceable schemas raise GrammarError."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as exc:
-            raise GrammarError(f"`{field}` is not valid JSON: {exc}") from None
+    return _cached("json", spec_text(schema), field)
+
+
+def regex_spec(pattern: Any, field: str) -> GrammarSpec:
+    if not isinstance(pattern, str) or not pattern:
+        raise GrammarError(f"`{field}` must be a non-empty regular expression string")
+    return _cached("regex", pattern, field)
+
+
+def check_size(text: str, field: str) -> None:
+    size = len(text.encode())
+    if size > LIMITS.max_bytes:
+        raise GrammarError(f"`{field}` is {size} bytes, more than this server's limit of {LIMITS.max_bytes} "
+                           "(--max-grammar-bytes / MAX_GRAMMAR_BYTES)")
+
+
+def cached_entry(kind: str, text: str) -> GrammarSpec | str | None:
+    with _cache_lock:
+        entry = _cache.get((kind, text))
+        if entry is not None:
+            _cache.move_to_end((kind, text))
+        return entry
+
+
+def store_entry(kind: str, text: str, entry: GrammarSpec | str) -> None:
+    with _cache_lock:
+        _cache[(kind, text)] = entry
+        while len(_cache) > MAX_CACHED:
+            _cache.popitem(last=False)
+
+
+def build_entry(kind: str, text: str) -> GrammarSpec | str:
+    """The spec, or the error message with FIELD for the request field (cached either way: a schema that failed
+    once fails the same way again, without the work). Runs in engine/structured/offload.py's worker process."""
+    try:
+        return (_json_schema if kind == "json" else _regex)(text, FIELD)
+    except GrammarError as exc:
+        return str(exc)
+
+
+def _cached(kind: str, text: str, field: str) -> GrammarSpec:
+    check_size(text, field)
+    entry = cached_entry(kind, text)
+    if entry is None:   # not prepared off the event loop (engine/server/grammar.py): built here
+        entry = build_entry(kind, text)
+        store_entry(kind, text, entry)
+    if isinstance(entry, str):
+        raise GrammarError(entry.replace(FIELD, field))
+    return entry
+
+
+def _json_schema(text: str, field: str) -> GrammarSpec:
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise GrammarError(f"`{field}` is not valid JSON: {exc}") from None
     if not isinstance(schema, (dict, bool)):
         raise GrammarError(f"`{field}` must be a JSON schema object, got {type(schema).__name__}")
     try:
@@ -47,9 +124,7 @@ def json_schema_spec(schema: Any, field: str) -> GrammarSpec:
     return _checked(GrammarSpec("json", grammar), field, "uses a JSON schema feature this server cannot enforce")
 
 
-def regex_spec(pattern: Any, field: str) -> GrammarSpec:
-    if not isinstance(pattern, str) or not pattern:
-        raise GrammarError(f"`{field}` must be a non-empty regular expression string")
+def _regex(pattern: str, field: str) -> GrammarSpec:
     return _checked(GrammarSpec("regex", llguidance.LLMatcher.grammar_from_regex(pattern)), field,
                     "is not a regular expression this server can compile")
 

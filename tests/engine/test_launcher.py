@@ -74,6 +74,16 @@ def test_env_twins_and_flags_override_env():
     assert parse_args(["--max-input-length", "60"], environ=env).max_input_tokens == 60
 
 
+def test_failure_and_grammar_limits_have_flags_env_twins_and_defaults():
+    config = to_config(parse_args(["--model-id", "/m"], environ={}), "/m")
+    assert (config.step_timeout_s, config.max_grammar_bytes, config.grammar_timeout_s) == (300.0, 512 * 1024, 10.0)
+    env = {"MODEL_ID": "/m", "STEP_TIMEOUT": "30", "MAX_GRAMMAR_BYTES": "2MiB", "GRAMMAR_TIMEOUT": "2.5"}
+    config = to_config(parse_args([], environ=env), "/m")
+    assert (config.step_timeout_s, config.max_grammar_bytes, config.grammar_timeout_s) == (30.0, 2 * 1024**2, 2.5)
+    config = to_config(parse_args(["--max-grammar-bytes", "1000", "--step-timeout", "9"], environ=env), "/m")
+    assert (config.max_grammar_bytes, config.step_timeout_s) == (1000, 9.0)
+
+
 def test_prefix_caching_and_max_new_tokens_default(capsys):
     env = {"MODEL_ID": "/m"}
     config = to_config(parse_args([], environ=env), "/m")

@@ -17,9 +17,10 @@ def make_seq(num_prompt, max_new=4, first=1, prefill_logprobs=False):
                     max_tokens=num_prompt + max_new)
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=16, max_batch_size=None, prefix=True):
+def make_scheduler(num_blocks=64, block_size=4, budget=16, max_batch_size=None, prefix=True, reserve_growth=False):
+    """Without the growth reserve by default: these tests set up preemption on purpose."""
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    return Scheduler(bm, budget, max_batch_size)
+    return Scheduler(bm, budget, max_batch_size, reserve_growth=reserve_growth)
 
 
 def run_step(sched):
@@ -222,3 +223,56 @@ def test_schedule_is_cheap_for_a_batch_of_64_decodes():
         run_step(sched)
     per_step = (time.perf_counter() - t0) / 100
     assert per_step < 2e-3, f"{per_step * 1e3:.2f} ms per step"
+
+
+def test_admission_waits_for_the_whole_prompt_and_the_running_sequences_growth():
+    # 6 blocks of 4: a (7 tokens) takes 2; b's 7 tokens (2 blocks) + a block of growth for a fit in 4;
+    # c's would leave no block for a's and b's next tokens, so it waits instead of being preempted later
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64, reserve_growth=True)
+    a, b, c = (make_seq(7, max_new=6, first=1 + 100 * i) for i in range(3))
+    for seq in (a, b, c):
+        sched.add(seq)
+    run_step(sched)
+    assert sched.running == [a, b] and list(sched.waiting) == [c]
+    for _ in range(40):
+        if not sched.has_unfinished():
+            break
+        run_step(sched)
+    assert not sched.has_unfinished() and sched.num_preempted_total == 0
+
+
+def test_a_long_prompt_is_not_admitted_chunk_by_chunk_into_a_full_cache():
+    """The first chunk fits but the whole prompt does not: admitting it would only be undone."""
+    sched = make_scheduler(num_blocks=8, block_size=4, budget=4, reserve_growth=True)
+    a = make_seq(4, max_new=12, first=1)
+    sched.add(a)
+    run_step(sched)
+    long = make_seq(24, max_new=2, first=100)
+    sched.add(long)
+    run_step(sched)
+    assert long.status is SequenceStatus.WAITING and long.block_table == []
+
+
+def computed_tokens_under_pressure(reserve_growth):
+    sched = make_scheduler(num_blocks=40, block_size=4, budget=32, reserve_growth=reserve_growth)
+    seqs = [make_seq(20, max_new=24, first=1 + 100 * i) for i in range(12)]
+    for seq in seqs:
+        sched.add(seq)
+    computed = 0
+    for _ in range(2000):
+        if not sched.has_unfinished():
+            break
+        computed += sum(len(span.token_ids) for span in run_step(sched).spans)
+    assert not sched.has_unfinished()
+    assert all(s.num_generated_tokens == 24 for s in seqs)
+    return computed, sched.num_preempted_total
+
+
+def test_the_growth_reserve_stops_preemption_thrash():
+    """12 requests of 20 + 24 tokens in a cache of 160 slots: without the reserve, admissions are
+    preempted and recomputed; with it, every token is computed about once."""
+    thrash, preempted = computed_tokens_under_pressure(False)
+    calm, calm_preempted = computed_tokens_under_pressure(True)
+    minimum = 12 * (20 + 24 - 1)
+    assert calm_preempted < preempted and calm < thrash
+    assert calm <= minimum * 1.2, (calm, minimum)

@@ -327,7 +327,7 @@ def test_greedy_with_drafts_equals_without_under_preemption_and_block_boundaries
     # 24 requests in 48 blocks of 4 tokens: preemption, block edges at every offset, drafts clipped by room
     # penalties on some rows: each drafted position must count the drafts before it as context
     requests = {f"r{i}": (repetitive_prompt(i, 3 + (i * 7) % 29),
-                          SamplingParams(max_new_tokens=1 + (i * 5) % 23, top_n_tokens=i % 3,
+                          SamplingParams(max_new_tokens=1 + (i * 13) % 60, top_n_tokens=i % 3,
                                          repetition_penalty=1.05 if i % 4 == 1 else None,
                                          frequency_penalty=0.3 if i % 4 == 2 else None)) for i in range(24)}
     results = {}

@@ -41,7 +41,16 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
-server = ThreadingHTTPServer((host, port), Handler)
+attempts = int(args[args.index("--port-attempts") + 1] if "--port-attempts" in args else
+               os.environ.get("PORT_ATTEMPTS", "1"))
+for candidate in range(port, port + attempts):   # as the engine does: the port, or the next free one
+    try:
+        server = ThreadingHTTPServer((host, candidate), Handler)
+        break
+    except OSError:
+        if candidate == port + attempts - 1:
+            raise
+port = server.server_address[1]
 if "--ready-file" in args:  # as the engine does: written once the port is bound
     with open(args[args.index("--ready-file") + 1], "w") as fh:
         json.dump({"host": host, "port": port, "pid": os.getpid()}, fh)

@@ -14,7 +14,7 @@ ROOT = Path(tgi_hpc.__file__).parent
 # A package may import from its own rank and the ranks below it, never above.
 RANKS = {"errors": 0, "data": 0, "files": 0, "quoting": 0, "__init__": 0, "__main__": 5,
          "profiles": 1, "remote": 1, "models": 1, "release": 1, "service": 1,
-         "slurm": 2, "workflows": 3, "api": 4, "cli": 5}
+         "slurm": 2, "workflows": 3, "batch": 3, "api": 4, "cli": 5}
 
 
 def _module_name(path: Path) -> str:
@@ -109,7 +109,7 @@ def test_no_module_is_left_flat_at_the_top():
     assert sorted(p.stem for p in ROOT.glob("*.py")) == ["__init__", "__main__", "api", "data", "errors", "files",
                                                         "quoting"]
     assert {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()} == {
-        "cli", "models", "profiles", "release", "remote", "service", "slurm", "workflows"}
+        "batch", "cli", "models", "profiles", "release", "remote", "service", "slurm", "workflows"}
 
 
 def test_importing_each_package_and_the_cli_imports_no_torch():
@@ -120,7 +120,7 @@ def test_importing_each_package_and_the_cli_imports_no_torch():
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(packages) == 8
+    assert len(packages) == 9
 
 
 def test_a_release_still_finds_this_checkout_from_its_new_folder():

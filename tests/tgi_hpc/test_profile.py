@@ -339,8 +339,8 @@ def test_load_profile_resolution_order(env, monkeypatch):
     ("trillium", 34, 4, None),
     ("mila", 0.135, 1, "l40s"), ("mila", 8, 1, "l40s"), ("mila", 13, 1, "l40s"),
     ("mila", 34, 2, None), ("mila", 70, 4, None),
-    ("tamia", 8, 4, "h100"), ("tamia", 70, 4, "h100"), ("killarney", 34, 4, None), ("killarney", 70, 8, None),
-    ("vulcan", 13, 1, None),
+    ("tamia", 8, 4, "h100"), ("tamia", 70, 4, "h100"), ("killarney", 34, 4, "l40s"), ("killarney", 70, 4, "h100"),
+    ("vulcan", 13, 1, "l40s"), ("rocky", 70, 2, "h200"),
 ])
 def test_resources_for_picks_the_smallest_fitting_entry(env, name, size, gpus, gpu_type):
     resources = resources_for(load_profile(name, env=env), "serve", size, None)

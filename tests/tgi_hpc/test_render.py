@@ -74,7 +74,7 @@ def test_gpu_counts_a_cluster_does_not_allow_are_refused():
 
     cluster = open_cluster("trillium", ["slurm.account=def-x"], strict_paths=False)
     spec = build_serve_spec(cluster, ServeOptions(model="meta-llama/Llama-3.1-8B-Instruct", gpus=2))
-    with pytest.raises(UsageError, match="1 or 4 GPUs, not 2"):
+    with pytest.raises(UsageError, match=r"1 GPU\(s\) on one node, or exactly 4 GPUs per node, not 2 .*Trillium_Quickstart"):
         jobs.render(cluster, spec)
 
 

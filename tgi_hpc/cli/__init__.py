@@ -7,6 +7,8 @@ import click
 
 from tgi_hpc import __version__
 from tgi_hpc.cli._app import global_options
+from tgi_hpc.cli.batch import batch
+from tgi_hpc.cli.bench import bench
 from tgi_hpc.cli.compile import compile_command, release
 from tgi_hpc.cli.chat import chat
 from tgi_hpc.cli.completion import completion
@@ -53,7 +55,7 @@ def cli() -> None:
 
 
 for command in (serve, status, logs, stop, metrics, chat, download, models, compile_command, release, profiles, tunnel,
-                ssh_config, completion, endpoint):
+                ssh_config, completion, endpoint, batch, bench):
     cli.add_command(command)
 
 

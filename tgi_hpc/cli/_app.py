@@ -62,7 +62,7 @@ def _global_options(with_env: bool) -> list:
     env = (lambda name: {"envvar": name}) if with_env else (lambda name: {})
     return [
         click.option("--cluster", "-c", "cluster_name", **env("TGI_HPC_CLUSTER"),
-                     help="Profile or cluster: local, mila, computecanada (fir, nibi, rorqual, narval, trillium), "
+                     help="Profile or cluster: local, mila, computecanada (fir, nibi, rorqual, narval, trillium, rocky), "
                           "paice (tamia, killarney, vulcan), or a YAML path. Default: detected on the login node, "
                           "else local. [env: TGI_HPC_CLUSTER]"),
         click.option("--set", "overrides", multiple=True, **env("TGI_HPC_SET"), metavar="KEY=VALUE",

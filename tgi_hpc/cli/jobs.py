@@ -42,7 +42,11 @@ def status(app: App, job_ids, no_probe, generate) -> None:
     from tgi_hpc.slurm import jobs
 
     probe = False if no_probe else ("generate" if generate else True)
-    rows = jobs.status(app.cluster(), list(job_ids) or None, with_probe=probe)
+    cluster = app.cluster()
+    rows = jobs.status(cluster, list(job_ids) or None, with_probe=probe)
+    from tgi_hpc.batch.status import add_progress
+
+    add_progress(cluster, rows)       # batch jobs: done/total from their ledger
     if not rows and not app.json_output:
         app.info("no tgi-hpc jobs")
         return

@@ -35,3 +35,20 @@ def show(app: App, name) -> None:
     profile = load_profile(name or app.cluster_name, overrides=app.overrides)
     data = profile.model_dump(mode="json")
     app.emit(data, lambda: click.echo(yaml.safe_dump(data, sort_keys=False), nl=False))
+
+
+@profiles.command("check")
+@with_app
+def check(app: App) -> None:
+    """Check the shipped profiles against their citation list (profiles/citations/pages.yaml): every source
+    is a listed page, every value a page states is the profile's, and no two clusters disagree with a page."""
+    from tgi_hpc.errors import ProfileError
+    from tgi_hpc.profiles.facts import check_profiles, read_citations, shipped_profiles
+
+    merged, texts = shipped_profiles()
+    pages = read_citations()
+    problems = check_profiles(merged, pages, texts)
+    if problems:
+        raise ProfileError(f"{len(problems)} profile fact(s) do not hold:\n  " + "\n  ".join(problems))
+    app.emit({"clusters": sorted(merged), "pages": len(pages), "problems": []},
+             f"facts hold: {len(merged)} clusters against {len(pages)} cited pages")

@@ -31,6 +31,8 @@ def _limit_options(func):
 @click.option("--revision", default="main", show_default=True, help="Revision of a stored Hub model.")
 @click.option("--gpus", "--num-shard", "gpus", type=click.IntRange(min=0),
               help="GPUs of the job, all nodes together (= tensor-parallel shards on one node). Default: from the model size.")
+@click.option("--gpu-type", help="GPU type, one of the cluster's (`tgi-hpc profiles show`: slurm.gpu_types), e.g. l40s, "
+                                 "h100 or a MIG slice. Default: the profile's. Sizes the job from that type's memory.")
 @click.option("--nodes", type=click.IntRange(min=1),
               help="Nodes for one server (--gpus split evenly over them; tensor parallelism within a node, pipeline "
                    "stages across nodes). Default: 1, or as many as a model too large for one node needs.")
@@ -65,15 +67,16 @@ def _limit_options(func):
 @click.option("--stop-on-exit", is_flag=True, help="With --tunnel: stop the job when the tunnel closes.")
 @click.option("--dry-run", is_flag=True, help="Print the job script; submit nothing.")
 @with_app
-def serve(app: App, models, loras, memory_fractions, revision, gpus, nodes, time_, partition, dtype, quantize, env,
+def serve(app: App, models, loras, memory_fractions, revision, gpus, gpu_type, nodes, time_, partition, dtype, quantize, env,
           engine_args, release, keep_alive, no_api_key, wait_ready, timeout, open_tunnel, local_port, stop_on_exit, dry_run,
           no_shared_weights, replicas, service_name, handover_lead, requeue, **limits) -> None:
     """Submit a server job for MODEL (or several: one engine each) and print its job id and endpoint."""
-    from tgi_hpc.workflows.serve import ServeOptions, run_serve
+    from tgi_hpc.workflows.serve import ServeOptions, gpu_type_from_overrides, run_serve
 
     limits.update(dtype=dtype, quantize=quantize)
     opts = ServeOptions(model=models[0], other_models=list(models[1:]), loras=list(loras),
                         memory_fractions=list(memory_fractions), revision=revision, gpus=gpus, nodes=nodes, time=time_,
+                        gpu_type=gpu_type if gpu_type is not None else gpu_type_from_overrides(app.overrides),
                         partition=partition, limits=limits,
                         env=list(env), engine_args=list(engine_args), keep_alive=requeue, api_key=not no_api_key,
                         shared_weights=not no_shared_weights)

@@ -54,7 +54,9 @@ def apply_cluster(raw: dict, cluster: str, origins: Origins) -> dict:
     # Cluster keys map onto profile keys (unknown ones are reported by validation, in place).
     where = {"login_host": ("login_host",), "cpu_login_host": ("cpu_login_host",), "detect": ("detect",),
              "gpu_request": ("slurm", "gpu_request"),
-             "gpu_types": ("slurm", "gpu_types"), "allowed_gpu_counts": ("slurm", "allowed_gpu_counts"),
+             "gpu_types": ("slurm", "gpu_types"),
+             "gpu_memory_gb": ("slurm", "gpu_memory_gb"),
+             "gpus_per_node": ("slurm", "gpus_per_node"), "access": ("access",), "allowed_gpu_counts": ("slurm", "allowed_gpu_counts"),
              "defaults": ("slurm", "defaults"),
              "catalog": ("catalog",), "network": ("network",), "modules": ("environment", "modules"),
              "env": ("environment", "env"), "paths": ("paths",), "rules": ("rules",),

@@ -5,6 +5,8 @@ Every refusal names the rule and cites the page that states it, so a job is neve
 """
 from __future__ import annotations
 
+import fnmatch
+import math
 import re
 
 from tgi_hpc.errors import UsageError
@@ -44,7 +46,7 @@ def _check_time(profile: Profile, res: Resources, rule: TimeRule | None, what: s
     seconds = parse_time(res.time)
     if rule.min and seconds < parse_time(rule.min):
         raise UsageError(f"{_where(profile)}: {what} must run at least {_human(parse_time(rule.min))}; "
-                         f"--time {res.time} is {_human(seconds)} (source: {rule.source})")
+                         f"--time {res.time} is {_human(seconds)} (source: {rule.min_source or rule.source})")
     if rule.max and seconds > parse_time(rule.max):
         raise UsageError(f"{_where(profile)}: {what} may run at most {_human(parse_time(rule.max))}; "
                          f"--time {res.time} is {_human(seconds)} (source: {rule.source})")
@@ -73,13 +75,44 @@ def _check_whole_nodes(profile: Profile, res: Resources) -> None:
     if rule is None or not res.gpus:
         return
     sizes = ", ".join(f"{n}x {t}" for t, n in rule.gpus_per_node.items())
-    if res.gpu_type not in rule.gpus_per_node:
+    node_type = res.gpu_type or rule.untyped
+    if node_type not in rule.gpus_per_node:
         raise UsageError(f"{_where(profile)} gives GPU jobs whole nodes ({sizes}): name the GPU type "
-                         f"(e.g. --set slurm.defaults.serve.gpu_type=...) (source: {rule.source})")
-    per_node, nodes = rule.gpus_per_node[res.gpu_type], res.nodes or 1
+                         f"(--gpu-type TYPE) (source: {rule.source})")
+    per_node, nodes = rule.gpus_per_node[node_type], res.nodes or 1
+    if nodes == 1 and res.gpus in rule.partial:
+        return
     if res.gpus != per_node * nodes:
-        raise UsageError(f"{_where(profile)} gives GPU jobs whole nodes: a {res.gpu_type} job asks for exactly "
+        single = f"{' or '.join(map(str, rule.partial))} GPU(s) on one node, or " if rule.partial else ""
+        raise UsageError(f"{_where(profile)} gives GPU jobs whole nodes: a {node_type} job asks for {single}exactly "
                          f"{per_node} GPUs per node, not {res.gpus} on {nodes} node(s) (--gpus {per_node * nodes}) "
+                         f"(source: {rule.source})")
+
+
+def allowed_count(profile: Profile, gpu_type: str | None, count: int) -> int:
+    """The smallest GPU count at least `count` that the cluster's rules let one job ask for."""
+    rule = profile.rules.whole_nodes
+    per_node = rule.gpus_per_node.get(gpu_type or rule.untyped or "") if rule else None
+    if rule and per_node:
+        partial = [n for n in sorted(rule.partial) if n >= count]
+        return partial[0] if partial else math.ceil(count / per_node) * per_node
+    allowed = sorted(profile.slurm.allowed_gpu_counts) if profile.slurm else []
+    return next((n for n in allowed if n >= count), count)
+
+
+def _check_gpu_type_named(profile: Profile, res: Resources) -> None:
+    rule = profile.rules.gpu_type
+    if rule and res.gpus and not res.gpu_type:
+        known = profile.slurm.gpu_types if profile.slurm else []
+        raise UsageError(f"{_where(profile)}: a GPU job must name its GPU type ({', '.join(known)}: --gpu-type TYPE); "
+                         f"without one it may be rejected or sent to an arbitrary GPU (source: {rule.source})")
+
+
+def _check_mig(profile: Profile, res: Resources) -> None:
+    rule = profile.rules.mig
+    if rule and res.gpu_type and fnmatch.fnmatchcase(res.gpu_type, rule.pattern) and (res.gpus or 0) > rule.max_instances:
+        raise UsageError(f"{_where(profile)}: {res.gpu_type} is a MIG instance, and a job may ask for at most "
+                         f"{rule.max_instances}, not {res.gpus}: pick a whole GPU (--gpu-type) or fewer --gpus "
                          f"(source: {rule.source})")
 
 
@@ -91,9 +124,15 @@ def _check_account(profile: Profile) -> None:
 
 
 def _check_gpu_type(profile: Profile, res: Resources) -> None:
+    if res.gpus and res.gpu_type:
+        check_gpu_type(profile, res.gpu_type)
+
+
+def check_gpu_type(profile: Profile, gpu_type: str) -> None:
+    """UsageError unless `gpu_type` is one of the profile's slurm.gpu_types (when it lists any)."""
     known = profile.slurm.gpu_types if profile.slurm else []
-    if res.gpus and res.gpu_type and known and res.gpu_type not in known:
-        raise UsageError(f"{_where(profile)} has no GPU type {res.gpu_type!r}; it has: {', '.join(known)} "
+    if known and gpu_type not in known:
+        raise UsageError(f"{_where(profile)} has no GPU type {gpu_type!r}; it has: {', '.join(known)} "
                          "(profile: slurm.gpu_types)")
 
 
@@ -121,5 +160,7 @@ def check_job(profile: Profile, res: Resources) -> None:
     _check_time(profile, res, time_rule, f"{'CPU' if cpu_job else 'GPU'} jobs" if rules.cpu_time else "jobs")
     _check_partition(profile, res)
     _check_whole_nodes(profile, res)
+    _check_gpu_type_named(profile, res)
     _check_gpu_type(profile, res)
+    _check_mig(profile, res)
     _check_account(profile)

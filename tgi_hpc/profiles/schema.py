@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-JobKind = Literal["serve", "compile", "download"]
+JobKind = Literal["serve", "compile", "download", "batch"]
 GpuRequest = Literal["gpus_per_task", "gres", "gpus", "gpus_per_node"]
 
 
@@ -74,6 +74,8 @@ class SlurmSection(_Strict):
     account_required: bool = False        # DRAC: every job needs --account=def-xxx
     gpu_request: GpuRequest = "gpus_per_task"
     gpu_types: list[str] = Field(default_factory=list)   # what --gres/--gpus may name on this cluster
+    gpu_memory_gb: dict[str, float] = Field(default_factory=dict)  # GPU type -> its memory (sizes --gpu-type jobs)
+    gpus_per_node: dict[str, int] = Field(default_factory=dict)    # GPU type -> GPUs in one node of that type
     allowed_gpu_counts: list[int] = Field(default_factory=list)  # GPUs a job may ask for (empty = any)
     requeue_signal: str = "USR1"          # --signal=B:<sig>@<delay> for keep-alive
     requeue_signal_delay_s: int = 120
@@ -120,6 +122,7 @@ class TimeRule(_Strict):
     min: str | None = None
     max: str | None = None
     source: str
+    min_source: str | None = None         # the page for `min`, when another page states it
 
 
 class PartitionRule(_Strict):
@@ -133,9 +136,33 @@ class PartitionRule(_Strict):
 
 
 class WholeNodes(_Strict):
-    """GPU jobs get whole nodes: a job asks for exactly a node's GPUs of one type."""
+    """GPU jobs get whole nodes: a job asks for exactly a node's GPUs of one type, on every node it spans
+    (a one-node job may also ask for one of the `partial` counts)."""
 
-    gpus_per_node: dict[str, int]         # GPU type -> GPUs in one node of that type
+    gpus_per_node: dict[str, int]         # GPU (node) type -> GPUs in one node of that type
+    partial: list[int] = Field(default_factory=list)  # counts below a whole node a one-node job may ask for
+    untyped: str | None = None            # the node type a request without a GPU type gets (None: name one)
+    source: str
+
+
+class GpuTypeRule(_Strict):
+    """GPU jobs must name a GPU type (a request without one may be refused or land on any GPU)."""
+
+    source: str
+
+
+class MigRule(_Strict):
+    """MIG instances (GPU types matching `pattern`, fnmatch): at most `max_instances` in one job."""
+
+    pattern: str
+    max_instances: int = 1
+    source: str
+
+
+class AccessNote(_Strict):
+    """A rule for reaching the login node (shown when SSH fails), with the page that states it."""
+
+    text: str
     source: str
 
 
@@ -150,6 +177,8 @@ class JobRules(_Strict):
     time: TimeRule | None = None          # every job (GPU jobs where cpu_time is set)
     cpu_time: TimeRule | None = None      # jobs without GPUs, when their limits differ
     whole_nodes: WholeNodes | None = None
+    gpu_type: GpuTypeRule | None = None   # GPU jobs must name their type
+    mig: MigRule | None = None
     account: AccountRule | None = None
     partitions: dict[str, PartitionRule] = Field(default_factory=dict)
 
@@ -168,9 +197,12 @@ class ClusterOverride(_Strict):
     detect: ClusterDetection = Field(default_factory=ClusterDetection)
     gpu_request: GpuRequest | None = None
     gpu_types: list[str] | None = None
+    gpu_memory_gb: dict[str, float] | None = None
+    gpus_per_node: dict[str, int] | None = None
     allowed_gpu_counts: list[int] | None = None
     defaults: dict[JobKind, Resources] = Field(default_factory=dict)
     catalog: list[CatalogEntry] | None = None
+    access: list[AccessNote] | None = None
     network: NetworkSection | None = None
     modules: list[str] | None = None
     env: dict[str, str] = Field(default_factory=dict)    # merged into environment.env
@@ -195,6 +227,7 @@ class Profile(_Strict):
     login_host: str | None = None         # ssh alias of the login node (None = local)
     ssh: SSHSection | None = None         # ssh-config entries, for profiles that are not shipped clusters
     cpu_login_host: str | None = None     # ssh alias for jobs without GPUs (Trillium: CPU login nodes)
+    access: list[AccessNote] = Field(default_factory=list)  # login rules, shown when SSH fails
     detect: ClusterDetection = Field(default_factory=ClusterDetection)
     slurm: SlurmSection | None = None     # None = no Slurm (the built-in `local` profile)
     paths: PathsSection

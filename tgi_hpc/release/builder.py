@@ -22,6 +22,7 @@ from tgi_hpc.release.spec import ReleaseSpec, inputs_hash, resolve_project
 BUILD_LOG = "build.log"
 STATE = ".tgi-hpc-build.json"
 _PIP_TIMEOUT_S = 3600
+CONSTRAINTS = Path(__file__).with_name("constraints.txt")
 _NOT_FOUND_HINT = ("A package or version is not available from the index/wheelhouse pip used: check the version "
                    "(--torch-spec), or on a node without internet run the build on the login node, or pass a "
                    "wheelhouse that holds it (--offline). ")
@@ -75,7 +76,9 @@ class ReleaseBuilder:
     def collect_wheels(self) -> None:
         project, _, build_requires = resolve_project(self.spec)
         self.wheelhouse.mkdir(exist_ok=True)
-        self.pip_wheel([project, self.spec.torch_spec], "collect the wheels of the engine")
+        # the engine's dependencies at the versions the suite ran (constraints.txt), not whatever is newest today
+        self.pip_wheel([project, self.spec.torch_spec], "collect the wheels of the engine",
+                       extra=["--constraint", str(CONSTRAINTS)])
         if build_requires:  # so that an offline rebuild can build tgi-hpc from source again
             self.pip_wheel(build_requires, "collect the build backend of tgi-hpc")
         built = max(self.wheelhouse.glob("tgi_hpc-*.whl"), key=lambda p: p.stat().st_mtime)

@@ -10,7 +10,9 @@ from tgi_hpc.errors import UsageError
 # Authenticate (2FA) once and let later ssh/scp/rsync reuse that connection. The values are the ones
 # milatools writes (mila-iqia/milatools, milatools/cli/init_command.py at 7f79c43,
 # `ssh_multiplexing_config`), so both tools share one socket per login: ControlPath
-# ~/.cache/ssh/%r@%h:%p, ControlPersist yes (until the laptop restarts), also on compute-node entries.
+# ~/.cache/ssh/%r@%h:%p, ControlPersist yes (until the laptop restarts). milatools sets them on Mila's
+# compute-node entries too, not on the Alliance ones; we set them on every entry (our choice: one 2FA
+# prompt per login, whichever cluster).
 # (The Alliance "Multifactor authentication" page shows the same mechanism with ControlPersist 10m:
 # https://docs.alliancecan.ca/wiki/Multifactor_authentication.) Windows' OpenSSH has no
 # ControlMaster (milatools drops these keys there too).
@@ -76,6 +78,9 @@ CLUSTERS: dict[str, ClusterSSH] = {
     "vulcan": ClusterSSH(logins={"vulcan": {"HostName": "vulcan.alliancecan.ca"}},
                          nodes={"rack??-??": "vulcan"},
                          source="https://docs.alliancecan.ca/wiki/Vulcan/en"),
+    # "Login node rocky.alliancecan.ca" (Amii). The page and milatools name no compute-node pattern: none here.
+    "rocky": ClusterSSH(logins={"rocky": {"HostName": "rocky.alliancecan.ca"}}, nodes={},
+                        source="https://docs.alliancecan.ca/wiki/Rocky"),
 }
 
 
@@ -95,7 +100,8 @@ def render_ssh_config(cluster: str, user: str, spec: ClusterSSH | None = None) -
                   f"# sets it up); create its folder once: mkdir -p {CONTROL_DIR} && chmod 700 {CONTROL_DIR}"]
     for alias, options in spec.logins.items():
         lines += ["", f"Host {alias}", *_options({**options, "User": user, **MULTIPLEX})]
-    lines += ["", f"# Compute nodes, reached through the {cluster} login node"]
+    if spec.nodes:
+        lines += ["", f"# Compute nodes, reached through the {cluster} login node"]
     for pattern, login in spec.nodes.items():
         lines += [f"Host {pattern}", *_options({"ProxyJump": login, "User": user, **MULTIPLEX}), ""]
     return "\n".join(lines)

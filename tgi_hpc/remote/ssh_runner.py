@@ -32,8 +32,10 @@ class SSHRunner:
     """
 
     def __init__(self, alias: str, *, config_path: Path | None = None, accept_new_host_key: bool = False,
-                 interactive: ssh.Interactive | None = None, client: paramiko.SSHClient | None = None):
+                 interactive: ssh.Interactive | None = None, client: paramiko.SSHClient | None = None,
+                 access_rules: tuple[str, ...] = ()):
         self.alias = alias
+        self.access_rules = access_rules   # the cluster's login rules, added to a failed connection's message
         self._connect_args = dict(config_path=config_path, accept_new_host_key=accept_new_host_key,
                                   interactive=interactive)
         self._client = client
@@ -121,7 +123,13 @@ class SSHRunner:
             if self._client is not None:
                 logger.warning("SSH connection to %s was lost; reconnecting", self.alias)
                 self.close()
-            self._client = ssh.connect(self.alias, **self._connect_args)
+            try:
+                self._client = ssh.connect(self.alias, **self._connect_args)
+            except SSHError as e:
+                if not self.access_rules:
+                    raise
+                rules = "".join(f"\n  - {rule}" for rule in self.access_rules)
+                raise type(e)(f"{e}\nThis cluster's access rules:{rules}") from e
             transport = self._client.get_transport()
         return transport
 

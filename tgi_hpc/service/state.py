@@ -1,13 +1,13 @@
 """The service state file: `<jobs>/services/<name>.json`, one per service, never one per job.
 
 Writers: the CLI creates it (before any of its jobs can run: they are submitted held), each job
-updates its own entry and records its successor (`locked()`: flock + atomic replace), `stop` drops a
+updates its own entry and records its successor (`locked()`: a lease lock that holds across nodes, see
+lease_lock.py, + atomic replace), `stop` drops a
 `<name>.stopped` marker. Readers (tunnel, `endpoint`, client) read it whole, without the lock.
 """
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import re
 import time
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tgi_hpc.errors import UsageError
 from tgi_hpc.files import write_atomic
+from tgi_hpc.service.lease_lock import LEASE_S, LeaseLock
 
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -73,6 +74,7 @@ class Replica:
     url: str = ""                 # http://host:port once ready
     predecessor: str = ""
     successor: str = ""
+    submitting: str = ""          # "TOKEN HOST PID TIME": a successor's sbatch under way (see handover.py)
 
     @property
     def is_live(self) -> bool:
@@ -148,19 +150,16 @@ def parse_state(text: str, where: str) -> ServiceState:
 
 
 @contextlib.contextmanager
-def locked(path: str | Path) -> Iterator[ServiceState]:
-    """Read-modify-write under an exclusive flock (the jobs of a service run on several nodes); the
-    new state replaces the file atomically, so readers without the lock never see half of it."""
+def locked(path: str | Path, lease_s: float = LEASE_S) -> Iterator[ServiceState]:
+    """Read-modify-write under a lock that excludes across nodes (the jobs of a service run on several;
+    `flock` on Lustre with localflock would not); the new state replaces the file atomically, so
+    readers without the lock never see half of it."""
     path = Path(path)
-    with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            state = read_state(path)
-            yield state
-            state.prune()
-            write_atomic(path, state.to_json() + "\n", mode=0o600)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with LeaseLock(path.with_suffix(".lock"), lease_s=lease_s):
+        state = read_state(path)
+        yield state
+        state.prune()
+        write_atomic(path, state.to_json() + "\n", mode=0o600)
 
 
 def is_stopped(path: str | Path) -> bool:

@@ -17,7 +17,7 @@ from tgi_hpc.slurm.commands import SlurmJob
 from tgi_hpc.slurm.jobspec import JOB_NAME_PREFIX
 from tgi_hpc.slurm.local_job import pid_alive, read_state, start_ticks
 
-OUR_JOB_NAMES = {JOB_NAME_PREFIX + kind for kind in ("serve", "download", "compile")}
+OUR_JOB_NAMES = {JOB_NAME_PREFIX + kind for kind in ("serve", "download", "compile", "batch")}
 
 
 class Backend(Protocol):

@@ -48,7 +48,7 @@ class Cluster:
         host = submit_host(self.profile, res)
         if self.is_local or host in (None, self.profile.login_host):
             return self
-        runner = _ssh_runner(host)
+        runner = _ssh_runner(host, access_rules(self.profile))
         return Cluster(self.profile, runner, SlurmBackend(runner, self.job_dir), self.job_dir)
 
 
@@ -60,10 +60,15 @@ def submit_host(profile: Profile, res: Resources) -> str | None:
     return profile.login_host
 
 
-def _ssh_runner(alias: str) -> Runner:
+def _ssh_runner(alias: str, access_rules: tuple[str, ...] = ()) -> Runner:
     from tgi_hpc.remote.ssh_runner import SSHRunner  # paramiko only when needed
 
-    return SSHRunner(alias)
+    return SSHRunner(alias, access_rules=access_rules)
+
+
+def access_rules(profile: Profile) -> tuple[str, ...]:
+    """The cluster's login rules (profile: access), each with its page, for a failed SSH connection."""
+    return tuple(f"{note.text} (source: {note.source})" for note in profile.access)
 
 
 def _runner_for(profile: Profile, remote: bool | None) -> Runner:
@@ -75,7 +80,7 @@ def _runner_for(profile: Profile, remote: bool | None) -> Runner:
         return LocalRunner()
     if not profile.login_host:
         raise SlurmError(f"profile {profile.name} has no login_host to reach over SSH")
-    return _ssh_runner(profile.login_host)
+    return _ssh_runner(profile.login_host, access_rules(profile))
 
 
 def open_cluster(name: str | None = None, overrides: Sequence[str] = (), *, remote: bool | None = None,

@@ -25,12 +25,14 @@ from tgi_hpc.service.lead import lead_time, plan
 from tgi_hpc.service.state import Replica, ServiceState, is_stopped, locked, read_state
 from tgi_hpc.slurm.commands import FINAL_STATES, parse_sbatch
 from tgi_hpc.slurm.endpoint import Endpoint
+from tgi_hpc.slurm.successor_intent import Intent, find_submitted
 
 logger = logging.getLogger(__name__)
 
 SLOT_ENV, GENERATION_ENV = "TGI_HPC_SERVICE_SLOT", "TGI_HPC_SERVICE_GENERATION"
 SWITCH_S = 3.0        # between "draining" in the state and SIGTERM: balancers re-read the state every 2 s
 POLL_S = 2.0
+INTENT_POLL_S = 0.5  # while another process of the job submits the successor
 MAX_RETRIES = 3       # successors that die before READY are replaced this many times per generation
 
 
@@ -80,16 +82,81 @@ def submission_flags(submit_by: str, delay_s: float, predecessor: Replica, now: 
 
 
 def submit_successor(state_file: str, me: Replica, delay_s: float) -> str | None:
-    """Submit the next generation of `me`'s slot and record it; None when the service was stopped."""
+    """Submit the next generation of `me`'s slot and record it, once however many processes ask (see
+    successor_intent.py): the live successor already recorded, if any; None when the service was stopped."""
+    return _successor(state_file, me, delay_s)[0]
+
+
+def _successor(state_file: str, me: Replica, delay_s: float) -> tuple[str | None, bool]:
+    """(successor id or None, whether this call submitted it)."""
+    intent = Intent.mine()
+    while True:
+        if is_stopped(state_file):
+            return None, False
+        verdict, other = _claim(state_file, me.job_id, intent)
+        if verdict == "existing":
+            return other, False
+        if verdict == "claimed":
+            break
+        if verdict == "gone":
+            return None, False
+        if verdict == "stale":
+            found = find_submitted(other, _run)
+            if found is None:   # a busy controller: no verdict, never a duplicate successor
+                logger.warning("successor of job %s: an earlier sbatch's outcome is unknown and squeue does not "
+                               "answer: not submitting another", me.job_id)
+                return None, False
+            _settle(state_file, me, other, found)
+            continue
+        time.sleep(INTENT_POLL_S)   # another process is submitting it: wait for its id
+    return _submit(state_file, me, delay_s, intent), True
+
+
+def _claim(state_file: str, job_id: str, intent: Intent) -> tuple[str, object]:
+    """Under the lock: ("existing", id) | ("claimed", None) | ("busy"|"stale", other intent) | ("gone", None)."""
+    with locked(state_file) as st:
+        mine = st.job(job_id)
+        if mine is None:
+            return "gone", None
+        succ = st.job(mine.successor) if mine.successor else None
+        if succ is not None and succ.is_live:
+            return "existing", succ.job_id
+        other = Intent.parse(mine.submitting)
+        if other is None:
+            mine.submitting = str(intent)
+            return "claimed", None
+        return ("stale" if other.submitter_gone(time.time()) else "busy"), other
+
+
+def _settle(state_file: str, me: Replica, stale: Intent, found: str) -> None:
+    """A stale intent: adopt the job Slurm has for it, or forget it (unless another process did first)."""
+    with locked(state_file) as st:
+        mine = st.job(me.job_id)
+        if mine is None or mine.submitting != str(stale):
+            return
+        mine.submitting = ""
+        if found:
+            logger.info("job %s: adopting successor %s, submitted by a process that did not record it", me.job_id, found)
+            if st.job(found) is None:
+                st.jobs.append(Replica(found, slot=me.slot, generation=me.generation + 1, submitted_at=stale.at,
+                                       begin_at=stale.at, predecessor=me.job_id))
+            mine.successor = found
+
+
+def _submit(state_file: str, me: Replica, delay_s: float, intent: Intent) -> str | None:
     st = read_state(state_file)
-    if is_stopped(state_file):
-        return None
     now = time.time()
     flags = submission_flags(st.submit_by, delay_s, me, now)
     job_dir = str(Path(state_file).parent.parent)
-    result = _run(["sbatch", "--parsable", *flags, st.script], cwd=job_dir, env=_sbatch_env(me.slot, me.generation + 1))
+    try:
+        result = _run(["sbatch", "--parsable", f"--comment={intent.comment}", *flags, st.script], cwd=job_dir,
+                      env=_sbatch_env(me.slot, me.generation + 1))
+    except BaseException:
+        _give_up(state_file, me.job_id, intent)
+        raise
     if result.returncode != 0:
         logger.error("could not submit the successor of job %s: %s", me.job_id, result.stderr.strip())
+        _give_up(state_file, me.job_id, intent)
         return None
     job_id = parse_sbatch(result.stdout)
     shutil.copyfile(st.script, f"{job_dir}/{job_id}.sbatch")   # where `tgi-hpc status/logs` look for it
@@ -99,11 +166,21 @@ def submit_successor(state_file: str, me: Replica, delay_s: float) -> str | None
         mine = st.job(me.job_id)
         if mine:
             mine.successor = job_id
+            if mine.submitting == str(intent):
+                mine.submitting = ""
     if is_stopped(state_file):   # `stop` ran while we submitted: do not leave it behind
         _run(["scancel", job_id])
         return None
     logger.info("submitted successor %s of job %s (%s)", job_id, me.job_id, " ".join(flags) or "no delay")
     return job_id
+
+
+def _give_up(state_file: str, job_id: str, intent: Intent) -> None:
+    """The sbatch failed or timed out, and may still have got through: the next attempt asks Slurm first."""
+    with locked(state_file) as st:
+        mine = st.job(job_id)
+        if mine is not None and mine.submitting == str(intent):
+            mine.submitting = str(intent.outcome_unknown())
 
 
 def _alive(pid: int) -> bool:
@@ -244,13 +321,18 @@ def on_term(state_file: str, job_id: str) -> int:
     if me is None or not st.handover or is_stopped(state_file):
         return 0
     succ = st.job(me.successor) if me.successor else None
+    if succ is None or not succ.is_live:
+        if not me.ready_at:   # never READY: no chain of jobs that never load
+            return 0
+        successor, submitted_here = _successor(state_file, me, 0)
+        if successor is None or submitted_here:
+            return 0
+        succ = read_state(state_file).job(successor)   # `watch` submitted it meanwhile, maybe with a delay
     if succ is not None and succ.state == "submitted":
         _run(["scontrol", "update", f"JobId={succ.job_id}", "StartTime=now"])
         if st.submit_by == "dependency":
             _run(["scontrol", "update", f"JobId={succ.job_id}", "Dependency="])
         logger.info("job %s ends early: successor %s may start at once", job_id, succ.job_id)
-    elif (succ is None or not succ.is_live) and me.ready_at:   # never READY: no chain of jobs that never load
-        submit_successor(state_file, me, 0)
     return 0
 
 

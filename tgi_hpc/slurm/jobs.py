@@ -157,7 +157,7 @@ def status(cluster: Cluster, job_ids: list[str] | None = None, *,
     else:
         rows = [_status(cluster, job.job_id, job, with_probe) for job in cluster.backend.mine()]
         rows.sort(key=lambda st: (st.state not in ACTIVE, -_id_number(st.job_id)))
-    _fill_models(cluster, [st for st in rows if st.kind == "serve" and not st.model])
+    _fill_models(cluster, [st for st in rows if st.kind in ("serve", "batch") and not st.model])
     return rows
 
 

@@ -81,3 +81,14 @@ class DownloadSpec(JobSpec):
 class CompileSpec(JobSpec):
     release_dir: ShellPath = ShellPath()
     job_args: tuple[str, ...] = ()     # the compile options, for `python -m tgi_hpc.slurm.job compile`
+
+
+@dataclass(frozen=True)
+class BatchSpec(JobSpec):
+    """A batch job (tgi_hpc/batch/): the engine in-process over shards of the batch folder's ledger."""
+
+    model: str = ""
+    model_dir: ShellPath = ShellPath()
+    num_shard: int = 1
+    engine_args: tuple[str, ...] = ()
+    batch_dir: str = ""                # absolute, on a filesystem every node sees

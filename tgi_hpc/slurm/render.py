@@ -17,12 +17,13 @@ from tgi_hpc.profiles.schema import Profile, Resources
 from tgi_hpc.quoting import Shell, finalize, sbatch_value, sh, sh_comment, sh_env, sh_join, sh_name, trusted
 from tgi_hpc.service.state import services_dir
 from tgi_hpc.slurm import multinode
-from tgi_hpc.slurm.jobspec import CompileSpec, DownloadSpec, EngineSpec, JobSpec, LoraAdapter, ServeSpec, ShellPath
+from tgi_hpc.slurm.jobspec import BatchSpec, CompileSpec, DownloadSpec, EngineSpec, JobSpec, LoraAdapter, ServeSpec, ShellPath
 
 TITLES = {
     "serve": "tgi-hpc serve job: runs the engine and publishes its endpoint",
     "download": "tgi-hpc download job: stores Hugging Face weights in the model store",
     "compile": "tgi-hpc compile job: builds the offline engine release",
+    "batch": "tgi-hpc batch job: runs shards of a batch of requests with the engine in-process",
 }
 
 
@@ -179,6 +180,16 @@ def render_job(profile: Profile, spec: JobSpec, *, job_dir: str, release_dir: Sh
     elif isinstance(spec, DownloadSpec):
         context.update(model=sh(spec.model), revision=sh(spec.revision),
                        store_dir=sh_env(profile.paths.models))
+    elif isinstance(spec, BatchSpec):
+        slurm = profile.slurm
+        context.update(
+            release_dir=path_word(release_dir or ShellPath(profile.paths.releases, "current")),
+            model=sh(spec.model), model_comment=sh_comment(spec.model), model_dir=path_word(spec.model_dir),
+            num_shard=int(spec.num_shard), batch_dir=sh(spec.batch_dir), batch_comment=sh_comment(spec.batch_dir),
+            engine_args=sh_join(list(spec.engine_args)) if spec.engine_args else "",
+            keep_alive=spec.keep_alive and slurm is not None,
+            requeue_signal=sh(slurm.requeue_signal) if slurm else "",
+            max_requeues=int(slurm.max_requeues) if slurm else 0)
     elif isinstance(spec, CompileSpec):
         context.update(release_dir=path_word(spec.release_dir),
                        compile_args=sh_join(list(spec.job_args)) if spec.job_args else "")

@@ -15,8 +15,8 @@ VALUE_FLAGS = {
 }
 SWITCH_FLAGS = {"--json-output"}
 # Set by the job itself; --api-key in particular must never be on a command line.
-RESERVED = {"--model-id", "--port", "--hostname", "--master-port", "--master-addr", "--num-shard", "--api-key",
-            "--pipeline-parallel-size"}
+RESERVED = {"--model-id", "--port", "--port-attempts", "--hostname", "--master-port", "--master-addr", "--num-shard",
+            "--api-key", "--pipeline-parallel-size"}
 # Serve options: checked against the snapshot and used to size the job, so never passed around them.
 SERVE_OPTIONS = {"--quantize"}
 

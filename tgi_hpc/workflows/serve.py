@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from tgi_hpc.models.quantization import LEGACY_FILE, check_quantize, with_legacy
 from tgi_hpc.models.size import catalog_size_b
 from tgi_hpc.models.store import model_dir, validate_model_id
 from tgi_hpc.profiles.loader import require_account
+from tgi_hpc.profiles.merge import parse_set
 from tgi_hpc.profiles.rules import fit_partition
 from tgi_hpc.quoting import sh
 from tgi_hpc.remote.runner import LocalRunner
@@ -37,6 +39,7 @@ class ServeOptions:
     model: str
     revision: str = "main"
     gpus: int | None = None        # the job's total GPUs (all nodes together)
+    gpu_type: str | None = None    # one of the profile's slurm.gpu_types; sizes the job from its memory
     nodes: int | None = None       # None: one node, or as many as the model needs (tgi_hpc/workflows/placement.py)
     time: str | None = None
     partition: str | None = None
@@ -49,6 +52,17 @@ class ServeOptions:
     other_models: list[str] = field(default_factory=list)     # --model A --model B: B..., one engine each
     loras: list[str] = field(default_factory=list)            # NAME=ORG/ADAPTER or NAME=FOLDER
     memory_fractions: list[float] = field(default_factory=list)   # --cuda-memory-fraction, one per model
+
+
+def gpu_type_from_overrides(overrides: Sequence[str]) -> str | None:
+    """`--set slurm.defaults.serve.gpu_type=X` asks for that type as --gpu-type X does (otherwise a catalog
+    entry's type would win over it, and the --set would be accepted and ignored)."""
+    found = None
+    for item in overrides:
+        parts, value = parse_set(item)
+        if parts == ("slurm", "defaults", "serve", "gpu_type") and value not in (None, ""):
+            found = str(value)
+    return found
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
@@ -148,7 +162,7 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions, *, offline: bool = Fa
         size = fp.weight_gb / 2          # a known model's card, where only its name was available
     text = (config or {}).get("text_config", config or {})
     placement = place(profile, fp, size, opts.gpus, opts.nodes, num_heads=text.get("num_attention_heads"),
-                      context_tokens=opts.limits.get("max_total_tokens"))
+                      context_tokens=opts.limits.get("max_total_tokens"), gpu_type=opts.gpu_type)
     resources = placement.resources
     if placement.nodes > 1 and opts.loras:
         raise UsageError(f"--lora on {placement.nodes} nodes is not supported: adapters are served on one node")

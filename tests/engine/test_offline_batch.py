@@ -1,0 +1,185 @@
+"""engine.offline: OpenAI Batch lines through an in-process tiny-llama, against LLMEngine.generate."""
+from __future__ import annotations
+
+import json
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.offline.requests import OfflineState, seed_of
+from engine.offline.runner import BatchRunner
+from engine.sampling_params import SamplingParams
+from tgi_hpc.batch.assembly import assemble
+from tgi_hpc.batch.inputs import copy_input
+from tgi_hpc.batch.ledger import Ledger
+
+PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):", "x", "Once upon a time", "1 2 3 4"]
+
+
+@pytest.fixture(scope="module")
+def llm(model_path):
+    engine = LLMEngine(EngineConfig(model_id=str(model_path("tiny-llama")), device="cpu", dtype="float32",
+                                    cpu_kv_cache_bytes=32 * 1024**2, max_total_tokens=256))
+    yield engine
+    engine.close()
+
+
+def batch(tmp_path, name, lines, shard_size, lease_s=60.0):
+    src = tmp_path / f"{name}.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    root = tmp_path / name
+    root.mkdir()
+    scan = copy_input(src, root)
+    Ledger.create(root, {"num_records": scan.num_records, "shard_size": shard_size,
+                         "output": str(tmp_path / f"{name}.out.jsonl")})
+    return Ledger(root, lease_s=lease_s)
+
+
+def run(llm, ledger, window=4, holder="t"):
+    summary = BatchRunner(llm, OfflineState.of(llm, llm.config), ledger, holder, window=window).run()
+    out = ledger.root.parent / f"{ledger.root.name}.out.jsonl"
+    assert assemble(ledger, out)
+    return summary, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_greedy_answers_equal_generate_per_request(llm, tmp_path):
+    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": p, "max_tokens": 6 + i, "temperature": 0}}) for i, p in enumerate(PROMPTS)]
+    messages = [{"role": "user", "content": "What is two plus two?"}]
+    lines.append(json.dumps({"custom_id": "chat", "url": "/v1/chat/completions",
+                             "body": {"messages": messages, "max_tokens": 9, "temperature": 0}}))
+    lines.append(json.dumps({"prompt": "plain line", "max_tokens": 5, "temperature": 0}))
+    summary, out = run(llm, batch(tmp_path, "greedy", lines, shard_size=3), window=3)
+    assert summary.requests == len(lines) and summary.failed == 0
+    assert [o["custom_id"] for o in out] == [f"c{i}" for i in range(len(PROMPTS))] + ["chat", str(len(lines))]
+    expected = llm.generate(PROMPTS, [SamplingParams(max_new_tokens=6 + i) for i in range(len(PROMPTS))])
+    for o, e in zip(out, expected):
+        assert o["error"] is None and o["response"]["status_code"] == 200
+        body = o["response"]["body"]
+        assert body["object"] == "text_completion" and body["choices"][0]["text"] == e.text
+        assert body["usage"]["completion_tokens"] == e.num_generated_tokens
+    tok = llm.tokenizer
+    chat_ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)
+    chat = llm.generate([chat_ids], SamplingParams(max_new_tokens=9))[0]
+    assert out[-2]["response"]["body"]["choices"][0]["message"]["content"] == chat.text
+    assert out[-1]["response"]["body"]["choices"][0]["text"] == llm.generate(
+        ["plain line"], SamplingParams(max_new_tokens=5))[0].text
+
+
+def test_sampling_is_the_same_whatever_the_sharding(llm, tmp_path):
+    lines = [json.dumps({"custom_id": f"s{i}", "url": "/v1/completions",
+                         "body": {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 8, "temperature": 0.9}})
+             for i in range(10)]
+    _, one = run(llm, batch(tmp_path, "one", lines, shard_size=10), window=10)
+    _, many = run(llm, batch(tmp_path, "many", lines, shard_size=3), window=2)
+    texts = [o["response"]["body"]["choices"][0]["text"] for o in one]
+    assert texts == [o["response"]["body"]["choices"][0]["text"] for o in many]
+    assert len(set(texts)) > 1 and seed_of("s1") != seed_of("s2")
+
+
+def test_malformed_lines_become_error_lines_and_the_rest_completes(llm, tmp_path):
+    ok = json.dumps({"custom_id": "ok", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 3}})
+    lines = [
+        "{this is not json",
+        json.dumps({"custom_id": "bad-url", "url": "/v1/embeddings", "body": {"input": "x"}}),
+        json.dumps({"custom_id": "no-body", "url": "/v1/chat/completions"}),
+        json.dumps({"custom_id": "too-long", "url": "/v1/completions", "body": {"prompt": "word " * 600}}),
+        json.dumps({"custom_id": "bad-type", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": "many"}}),
+        json.dumps({"custom_id": "n2", "url": "/v1/completions", "body": {"prompt": "x", "n": 2}}),
+        json.dumps({"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": {}}),
+        json.dumps([1, 2]),
+        ok,
+    ]
+    summary, out = run(llm, batch(tmp_path, "bad", lines, shard_size=4))
+    assert [o["custom_id"] for o in out] == ["1", "bad-url", "no-body", "too-long", "bad-type", "n2", "get", "8", "ok"]
+    codes = [o["error"]["code"] if o["error"] else None for o in out]
+    assert codes == ["invalid_json", "invalid_url", "missing_body", "invalid_request", "invalid_request",
+                     "invalid_request", "invalid_request", "invalid_request", None]
+    assert "tokens" in out[3]["error"]["message"] and "max_tokens" in out[4]["error"]["message"]
+    assert out[0]["error"]["line"] == 1 and out[0]["response"] is None
+    assert summary.failed == 8 and Ledger(tmp_path / "bad").progress().failed == 8
+
+
+def test_stop_gives_open_shards_back_and_a_second_holder_finishes(llm, tmp_path):
+    lines = [json.dumps({"custom_id": f"r{i}", "url": "/v1/completions",
+                         "body": {"prompt": PROMPTS[i % 6], "max_tokens": 12, "temperature": 0}}) for i in range(12)]
+    ledger = batch(tmp_path, "stop", lines, shard_size=2)
+    first = BatchRunner(llm, OfflineState.of(llm, llm.config), ledger, "first", window=2)
+    step = llm.step
+    calls = [0]
+
+    def counting_step():
+        calls[0] += 1
+        if calls[0] == 15:
+            first.stop()
+        return step()
+    llm.step = counting_step
+    try:
+        summary = first.run()
+    finally:
+        del llm.step
+    assert summary.stopped and 0 < ledger.progress().shards_done < 6
+    for _ in range(3):                      # aborted requests end on the engine's next steps
+        llm.step()
+    _, out = run(llm, ledger, holder="second")
+    assert [o["custom_id"] for o in out] == [f"r{i}" for i in range(12)]
+    expected = llm.generate([PROMPTS[i % 6] for i in range(12)], SamplingParams(max_new_tokens=12))
+    assert [o["response"]["body"]["choices"][0]["text"] for o in out] == [e.text for e in expected]
+
+
+def test_api_batch_on_this_machine_with_cluster_local(model_path, tmp_path):
+    from tgi_hpc import api
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p, "max_tokens": 4}) + "\n" for p in PROMPTS))
+    handle = api.batch(str(model_path("tiny-llama")), str(src), str(out), cluster="local",
+                       overrides=[f"paths.jobs={tmp_path / 'jobs'}"], max_total_tokens=128)
+    assert len(handle.job_ids) == 1 and not handle.progress()["complete"]
+    assert handle.wait(timeout=240, poll_s=0.5)["done"] == len(PROMPTS)
+    results = list(handle.results())
+    assert [r["custom_id"] for r in results] == [str(i + 1) for i in range(len(PROMPTS))]
+    assert all(r["response"]["body"]["usage"]["completion_tokens"] <= 4 for r in results)
+    again = api.batch(str(model_path("tiny-llama")), str(src), str(out), cluster="local",
+                      overrides=[f"paths.jobs={tmp_path / 'jobs'}"], max_total_tokens=128)
+    assert again.job_ids == [] and again.progress()["complete"]       # done: nothing submitted again
+
+
+def test_a_line_that_breaks_preparation_unexpectedly_is_an_error_line_not_a_crash(llm, tmp_path, monkeypatch):
+    import engine.offline.runner as runner_module
+
+    real = runner_module.prepare
+
+    def fragile(state, custom_id, text):
+        if custom_id == "boom":
+            raise RuntimeError("template exploded")
+        return real(state, custom_id, text)
+    monkeypatch.setattr(runner_module, "prepare", fragile)
+    lines = [json.dumps({"custom_id": c, "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 2}})
+             for c in ("a", "boom", "c")]
+    summary, out = run(llm, batch(tmp_path, "boom", lines, shard_size=3))
+    assert [o["error"] and o["error"]["code"] for o in out] == [None, "internal_error", None]
+    assert out[1]["error"]["message"] == "RuntimeError: template exploded" and summary.failed == 1
+
+
+def test_the_batch_stays_full_across_shards_and_never_exceeds_the_window(llm, tmp_path):
+    lines = [json.dumps({"custom_id": f"w{i}", "url": "/v1/completions",
+                         "body": {"prompt": PROMPTS[i % 6], "max_tokens": 3 + 2 * (i % 3), "temperature": 0}})
+             for i in range(10)]
+    ledger = batch(tmp_path, "full", lines, shard_size=2)
+    seen: list[int] = []
+    step = llm.step
+
+    def watching_step():
+        outputs = step()
+        seen.append(llm.stats().batch_size)      # sequences the step ran
+        return outputs
+    llm.step = watching_step
+    try:
+        summary = BatchRunner(llm, OfflineState.of(llm, llm.config), ledger, "w", window=3).run()
+    finally:
+        del llm.step
+    assert summary.requests == 10 and ledger.progress().complete
+    assert max(seen) <= 3                     # never more than the window in the engine
+    full = [n for n in seen[:-6] if n == 3]   # requests from the next shard fill the slots of finished ones
+    assert len(full) >= len(seen[:-6]) * 0.6, seen

@@ -1,0 +1,90 @@
+"""A tensor-parallel rank that dies or hangs ends the engine (issue 27, failure path 1): `python -m engine
+--num-shard 2` on CPU (gloo) exits non-zero within seconds, and the request in flight gets an error event
+instead of waiting for the job's time limit."""
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("torch")
+
+from engine.rank_watch import RankState, stall_reason  # noqa: E402
+
+RANK_TIMEOUT_S = 2.0
+EXIT_WITHIN_S = 10.0        # after detection
+
+
+def _worker_pid(proc):
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    workers = [int(p) for p in children if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(workers) == 1, children  # rank 1; rank 0 is the launcher itself
+    return workers[0]
+
+
+def _running(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_dead_or_hung_worker_ends_the_engine_and_fails_the_request_in_flight(model_path, tmp_path, fault):
+    from test_clients import start_server
+
+    proc, url, log = start_server(model_path("tiny-llama"), tmp_path, "--num-shard", "2", "--device", "cpu",
+                                  "--max-total-tokens", "512", "--rank-timeout", str(RANK_TIMEOUT_S))
+    worker = _worker_pid(proc)
+    try:
+        body = {"inputs": "Count to one thousand: 1, 2, 3", "parameters": {"max_new_tokens": 480}}  # greedy: no EOS
+        with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert json.loads(next(lines).removeprefix("data:"))["token"]   # the request is running
+            os.kill(worker, fault)      # SIGSTOP: rank 0 waits for it in the next all-reduce, forever
+            injected = time.monotonic()
+            events = [json.loads(line.removeprefix("data:")) for line in lines if line.startswith("data:")]
+        assert events and events[-1].get("error_type") == "generation", events[-3:]
+        assert "rank 1" in events[-1]["error"] and "Traceback" not in events[-1]["error"]
+        assert not any(event.get("details") for event in events), "the request must not end as if it had finished"
+        detection = 1.0 if fault == signal.SIGKILL else RANK_TIMEOUT_S + 1.0    # + one watchdog period
+        code = proc.wait(timeout=detection + EXIT_WITHIN_S + 5)   # + 5 s so that a slow exit fails on time below
+        elapsed = time.monotonic() - injected
+        assert code != 0
+        assert elapsed < detection + EXIT_WITHIN_S, f"exited {elapsed:.1f} s after the fault"
+        text = log.read_text()
+        assert ("died" if fault == signal.SIGKILL else "sent no heartbeat") in text
+        assert "exiting with status 1" in text
+        time.sleep(0.5)
+        assert not _running(worker), "the hung worker outlived its engine"
+    finally:
+        if _running(worker):
+            os.kill(worker, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _ranks(**beats):
+    return [RankState(int(rank[1:]), True, None, beat) for rank, beat in beats.items()]
+
+
+def test_stall_reason_names_a_dead_rank_first():
+    ranks = [RankState(1, True, None, 90.0), RankState(2, False, -9, 10.0)]
+    assert stall_reason(100.0, ranks, 0.0, 5.0, 60.0) == "tensor-parallel rank 2 died (exit code -9)"
+
+
+def test_stall_reason_a_silent_rank_after_the_rank_timeout():
+    assert stall_reason(100.0, _ranks(r1=96.0, r2=99.5), None, 5.0, 60.0) is None
+    assert "rank 1 sent no heartbeat for 6 s (--rank-timeout 5)" in stall_reason(102.0, _ranks(r1=96.0), None, 5.0, 60.0)
+    assert stall_reason(100.0, _ranks(r1=0.0), None, 5.0, 60.0) is None   # not started beating yet
+
+
+def test_stall_reason_a_step_longer_than_the_step_timeout_while_every_rank_beats():
+    assert stall_reason(100.0, _ranks(r1=99.9), 41.0, 5.0, 60.0) is None
+    assert "step has run for 61 s (--step-timeout 60)" in stall_reason(100.0, _ranks(r1=99.9), 39.0, 5.0, 60.0)
+    assert stall_reason(100.0, _ranks(r1=99.9), None, 5.0, 60.0) is None   # idle: no step to time

@@ -1,0 +1,94 @@
+"""A batch's input: copied into the batch folder (hashed on the way), indexed by record, one id per record.
+
+A record is a non-blank line. Its id is the line's `custom_id` (OpenAI Batch), or its 1-based line number
+for a plain `{"prompt": ...}` / `{"messages": ...}` line and for a line that is not even JSON (it becomes an
+error line under that id). The jobs read records through the index, never the user's file, which may change.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from tgi_hpc.batch.durable import fsync_dir, write_durable
+
+INPUT = "input.jsonl"
+INDEX = "index.json"
+
+
+@dataclass(frozen=True)
+class Record:
+    line_no: int          # 1-based line of the input
+    custom_id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Scan:
+    sha256: str
+    size: int
+    num_records: int
+    duplicates: list[tuple[str, list[int]]]    # (custom_id, its line numbers) for every id used twice
+
+
+def custom_id_of(text: str, line_no: int) -> str:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return str(line_no)
+    found = data.get("custom_id") if isinstance(data, dict) else None
+    return found if isinstance(found, str) and found else str(line_no)
+
+
+def copy_input(src: Path, batch_dir: Path) -> Scan:
+    """Copy `src` to the batch folder durably, and write the index of its records."""
+    digest, offsets, size = hashlib.sha256(), [], 0
+    dst = batch_dir / INPUT
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        for line_no, raw in enumerate(fin, start=1):
+            digest.update(raw)
+            fout.write(raw)
+            text = raw.decode("utf-8", errors="replace").strip()
+            if text:
+                offsets.append([size, line_no, custom_id_of(text, line_no)])
+            size += len(raw)
+        fout.flush()
+        os.fsync(fout.fileno())
+    fsync_dir(batch_dir)
+    write_durable(batch_dir / INDEX, json.dumps(offsets).encode())
+    counts = Counter(cid for _, _, cid in offsets)
+    duplicates = [(cid, [ln for _, ln, c in offsets if c == cid]) for cid, n in counts.items() if n > 1]
+    return Scan(digest.hexdigest(), size, len(offsets), duplicates)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class Records:
+    """Records [start, stop) of a batch folder's input copy."""
+
+    def __init__(self, batch_dir: Path | str):
+        self.batch_dir = Path(batch_dir)
+        self.index = json.loads((self.batch_dir / INDEX).read_text())
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def ids(self) -> list[str]:
+        return [cid for _, _, cid in self.index]
+
+    def read(self, start: int, stop: int) -> list[Record]:
+        out = []
+        with open(self.batch_dir / INPUT, "rb") as fh:
+            for offset, line_no, cid in self.index[start:stop]:
+                fh.seek(offset)
+                out.append(Record(line_no, cid, fh.readline().decode("utf-8", errors="replace").strip()))
+        return out
