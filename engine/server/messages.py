@@ -25,6 +25,7 @@ from engine.server.anthropic_protocol import (AnthropicErrorDetail, AnthropicErr
                                               ContentBlocks, CountTokensRequest, CountTokensResponse,
                                               MessagesRequest, MessagesResponse)
 from engine.server.errors import GenerationError, ServerError, ValidationError
+from engine.server.grammar import prepare_spec
 from engine.server.infer import Generation
 from engine.server.openai_common import parameters
 from engine.server.openai_routes import _apply_chat_template
@@ -48,6 +49,7 @@ async def messages(request: Request) -> Response:
             req = parse_body(MessagesRequest, await request.body())
             chat, use = _chat_request(req, state)
             prompt = _apply_chat_template(state, chat, use)
+            await prepare_spec(use.grammar if use is not None else None, state.engine)
             params = parameters(chat, req.max_tokens, 0, use.grammar if use is not None else None)
             params.top_k = req.top_k or None
             generate = GenerateRequest(inputs=prompt, parameters=params)

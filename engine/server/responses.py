@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.server.errors import GenerationError, ServerError, ValidationError
-from engine.server.grammar import response_format_grammar
+from engine.server.grammar import prepare_spec, response_format_grammar
 from engine.server.infer import Generation
 from engine.server.openai_common import parameters
 from engine.server.openai_routes import _apply_chat_template
@@ -60,6 +60,7 @@ async def create_response(request: Request) -> Response:
         if use is not None and grammar is not None:
             raise ValidationError('`text.format` cannot be combined with `tools` unless `tool_choice` is "none"')
         prompt = _apply_chat_template(state, chat, use)
+        await prepare_spec(use.grammar if use is not None else grammar, state.engine)
         params = parameters(chat, req.max_output_tokens, 0, use.grammar if use is not None else grammar)
         generate = GenerateRequest(inputs=prompt, parameters=params)
         answer = _Answer(state, req, use, messages)
