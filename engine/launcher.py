@@ -156,6 +156,9 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
      dict(default=1024, type=int, help="tokens generated when a request sets no limit (max_new_tokens, max_tokens, "
                                        "max_completion_tokens), cut to the room the prompt leaves; 0 = all that "
                                        "room, TGI's behaviour. /v1/completions keeps OpenAI's default of 16")),
+    (("--reasoning-parser",), "REASONING_PARSER",
+     dict(default="auto", choices=("auto", "qwen3", "deepseek_r1", "none"),
+          help="split <think>...</think> into reasoning_content on chat completions; auto reads the chat template")),
     (("--prefix-caching",), "PREFIX_CACHING",
      dict(default=True, type=_bool, help="share the KV blocks of equal prompt prefixes between requests "
                                          "(true|false); the hits show as usage.prompt_tokens_details.cached_tokens")),
@@ -256,7 +259,8 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         cors_allow_origin=list(args.cors_allow_origin or []), json_output=args.json_output,
         served_model_name=args.served_model_name or args.model_id, cpu_gemm=args.cpu_gemm,
         cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend, block_size=args.block_size,
-        speculate=args.speculate, max_grammar_bytes=args.max_grammar_bytes, grammar_timeout_s=args.grammar_timeout)
+        speculate=args.speculate, max_grammar_bytes=args.max_grammar_bytes, grammar_timeout_s=args.grammar_timeout,
+        reasoning_parser=args.reasoning_parser)
     if args.kv_cache_bytes is not None:
         config.cpu_kv_cache_bytes = args.kv_cache_bytes
     config.max_client_batch_size = int(args.max_client_batch_size)

@@ -13,7 +13,8 @@ from starlette.responses import JSONResponse, Response
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.server import openai_routes, openapi, pooling_routes, sse
+from engine.server import messages, openai_routes, openapi, pooling_routes, responses, sse
+from engine.server.response_store import ResponseStore
 from engine.server.routing import ExactRoute
 from engine.server.auth import ApiKeyMiddleware
 from engine.server.errors import EXCEPTION_HANDLERS, UnhealthyError, ValidationError
@@ -47,6 +48,9 @@ def build_app(engine: AsyncEngine, config: EngineConfig) -> Starlette:
         ExactRoute("/api-doc/openapi.json", openapi.spec, methods=["GET"]),
         *openai_routes.ROUTES,
         *pooling_routes.ROUTES,
+        ExactRoute("/v1/messages", messages.messages, methods=["POST"]),
+        ExactRoute("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+        ExactRoute("/v1/responses", responses.create_response, methods=["POST"]),
     ]
     routes = pooling_routes.guard(routes, pooling_routes.task_of(state))  # one engine serves one task
     middleware = [Middleware(CORSMiddleware, allow_origins=list(config.cors_allow_origin), allow_methods=["*"],
@@ -56,6 +60,7 @@ def build_app(engine: AsyncEngine, config: EngineConfig) -> Starlette:
     app = Starlette(routes=routes, middleware=middleware,
                     exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
     app.state.server = state
+    app.state.responses = ResponseStore()      # previous_response_id's conversations, bounded
     return app
 
 
@@ -66,9 +71,13 @@ def _build_state(engine: AsyncEngine, config: EngineConfig) -> ServerState:
                     max_total_tokens=llm.max_total_tokens, max_new_tokens_default=config.max_new_tokens_default,
                     vocab_size=getattr(llm, "vocab_size", None))
     metrics = ServerMetrics(engine.stats)
-    return ServerState(engine=engine, config=config, tokenizer=llm.tokenizer,
-                       validator=Validator(llm.tokenizer, limits, tuple(name for name, _ in config.lora_adapters),
-                                           config.served_model_name or config.model_id),
+    validator = Validator(llm.tokenizer, limits, tuple(name for name, _ in config.lora_adapters),
+                          config.served_model_name or config.model_id)
+    grammars = getattr(llm, "grammars", None)
+    if grammars is not None:    # the token table is checked (and a refusal logged) at start-up
+        grammars.prepare_in_background()
+        validator.grammar_unavailable = lambda: grammars.unavailable
+    return ServerState(engine=engine, config=config, tokenizer=llm.tokenizer, validator=validator,
                        infer=Infer(engine, metrics, config.max_concurrent_requests),
                        metrics=metrics, info=_build_info(llm, config))
 

@@ -1,4 +1,5 @@
-"""API key check (Authorization: Bearer KEY) for the routes that generate or tokenize."""
+"""API key check (Authorization: Bearer KEY, or Anthropic's x-api-key: KEY) for the routes that generate or
+tokenize."""
 from __future__ import annotations
 
 import hmac
@@ -19,6 +20,7 @@ class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and is_protected(scope["method"], scope["path"]) and not self._ok(scope):
@@ -27,8 +29,10 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
     def _ok(self, scope: Scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = given.partition(b" ")
+        headers = dict(scope["headers"])
+        if b"x-api-key" in headers:     # Anthropic's clients send the key so
+            return hmac.compare_digest(headers[b"x-api-key"].strip(), self.key)
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         return hmac.compare_digest(scheme.lower() + b" " + token.strip(), self.expected)
 
 

@@ -83,3 +83,14 @@ async def prepare_grammars(body: bytes, engine: Any) -> None:
                 await prepare_matcher(compiler, entry)
             except GrammarError as exc:
                 raise ValidationError(f"Grammar is not valid: {exc}") from None
+
+
+async def prepare_spec(spec: GrammarSpec | None, engine: Any) -> None:
+    """Compile one spec's matcher off the event loop (the routes that build their grammar from another API's
+    shape: Anthropic Messages, Responses), bounded by --grammar-timeout; a failure is the request's 422."""
+    if spec is None:
+        return
+    try:
+        await prepare_matcher(getattr(getattr(engine, "engine", None), "grammars", None), spec)
+    except GrammarError as exc:
+        raise ValidationError(f"Grammar is not valid: {exc}") from None

@@ -6,6 +6,7 @@ TGI's {"error", "error_type"} body with the TGI status codes.
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
@@ -26,12 +27,15 @@ from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatComplet
                                     ChatCompletionMessage, ChatCompletionRequest, ChatDelta, ChatLogprob, ChatLogprobs,
                                     ChatToolCall, FunctionCall, GenerateRequest, ModelCard, ModelList, TopLogprob,
                                     Usage, dump)
+from engine.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format, split_reasoning
 from engine.server.routing import ExactRoute
 from engine.server.state import ServerState
 from engine.server.streaming import Renderer, open_stream, unless_disconnected
 from engine.server.tools import ToolUse, new_call_id, template_inputs, tool_use
 from engine.server.validation import ValidRequest, parse_body
 from engine.structured.tool_calls import ToolCallStream, parse_tool_call
+
+logger = logging.getLogger(__name__)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -57,13 +61,16 @@ async def chat_completions(request: Request) -> Response:
         params = parameters(req, max_tokens, top_n, use.grammar if use is not None else grammar)
         params.adapter_id = adapter_id(state, req)
         created, rid, logprobs = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", bool(req.logprobs)
+        thinks = reasoning_format(state.config.reasoning_parser, getattr(state.tokenizer, "chat_template", None))
         if req.stream and use is not None:
             return open_stream(state, GenerateRequest(inputs=prompt, parameters=params), arrival,
                                _tool_renderer(state, req, use, rid, created), openai=True, add_special_tokens=False)
         if req.stream:
+            reasoning_streams: dict[int, ReasoningStream] = {}
+
             def chunk(ev: StreamEvent | None, usage: Usage | None, index: int = 0) -> dict[str, Any]:
                 choices = [] if ev is None else [ChatChunkChoice(
-                    index=index, delta=ChatDelta(content=ev.text),
+                    index=index, delta=_delta(ev, thinks, reasoning_streams, index),
                     logprobs=_chat_logprobs([ev.token]) if logprobs else None, finish_reason=finish(ev.end))]
                 return dump(ChatCompletionChunk(id=rid, created=created, model=model_name(state, req), usage=usage,
                                                 system_fingerprint=state.system_fingerprint, choices=choices))
@@ -79,16 +86,34 @@ async def chat_completions(request: Request) -> Response:
             groups = [fan.fan_out(valid, n, req.seed, prompt_logprobs=False)]
             gens = await unless_disconnected(request, state.infer.generate_groups(
                 groups, arrival, state.config.prefix_caching))
-        choices = [_chat_choice(gen, use, logprobs, index) for index, gen in enumerate(gens[0])]
+        choices = [_chat_choice(gen, use, logprobs, index, thinks) for index, gen in enumerate(gens[0])]
         body = ChatCompletion(id=rid, created=created, model=model_name(state, req), choices=choices,
                               usage=fan.usage(gens, gens), system_fingerprint=state.system_fingerprint)
         return JSONResponse(dump(body))
 
 
-def _chat_choice(gen: Generation, use: ToolUse | None, logprobs: bool, index: int) -> ChatCompletionChoice:
+def _delta(ev: StreamEvent, thinks: ReasoningFormat | None, streams: dict[int, ReasoningStream],
+           index: int) -> ChatDelta:
+    if thinks is None:
+        return ChatDelta(content=ev.text)
+    stream = streams.setdefault(index, ReasoningStream(thinks))
+    pieces = stream.feed(ev.text) + (stream.finish() if ev.end is not None else [])
+    content = "".join(text for kind, text in pieces if kind == "content")
+    reasoning = "".join(text for kind, text in pieces if kind == "reasoning")
+    return ChatDelta(content=content if content or not reasoning else None, reasoning_content=reasoning or None)
+
+
+def _chat_choice(gen: Generation, use: ToolUse | None, logprobs: bool, index: int,
+                 thinks: ReasoningFormat | None = None) -> ChatCompletionChoice:
     call = parse_tool_call(gen.text, use.fmt, use.tools) if use is not None else None
-    message = ChatCompletionMessage(content=gen.text) if call is None else ChatCompletionMessage(
-        content=None, tool_calls=[ChatToolCall(id=new_call_id(), function=FunctionCall(
+    if call is None and use is not None and not use.allow_text:
+        # the grammar forced a call: only a cut-off (length) or a grammar failure gets here
+        logger.warning("tool_choice required/named answered without a complete call (finish %s): %r",
+                       gen.finish_reason, gen.text[:300])
+    reasoning, text = split_reasoning(gen.text, thinks) if thinks is not None and call is None else (None, gen.text)
+    message = ChatCompletionMessage(content=text, reasoning_content=reasoning)
+    if call is not None:
+        message = ChatCompletionMessage(content=None, tool_calls=[ChatToolCall(id=new_call_id(), function=FunctionCall(
             name=call.name, arguments=call.arguments))])
     return ChatCompletionChoice(index=index, message=message, finish_reason="tool_calls" if call else finish(gen),
                                 logprobs=_chat_logprobs(gen.tokens) if logprobs else None)

@@ -10,7 +10,9 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from engine.server import pooling_protocol as pp
+from engine.server import anthropic_protocol as a
 from engine.server import protocol as p
+from engine.server import responses_protocol as r
 
 _REF = "#/components/schemas/{model}"
 _GENERATION_ERRORS = {
@@ -56,6 +58,14 @@ _ROUTES: list[tuple[str, str, str, type[BaseModel] | None, dict[str, Any], dict[
      _GENERATION_ERRORS),
     ("post", "/v1/completions", "OpenAI completions (`stream: true`: chunks as server-sent events)",
      p.CompletionRequest, {JSON: p.Completion, SSE: _events_of(p.Completion, done=True)}, _GENERATION_ERRORS),
+    ("post", "/v1/messages", "Anthropic Messages (`stream: true`: Anthropic's typed server-sent events); errors use "
+     "Anthropic's body", a.MessagesRequest, {JSON: a.MessagesResponse, SSE: _events_of(a.MessageStreamEvent)},
+     _GENERATION_ERRORS),
+    ("post", "/v1/messages/count_tokens", "Anthropic Messages: the prompt's token count", a.CountTokensRequest,
+     {JSON: a.CountTokensResponse}, {"422": "Input validation error", "401": _GENERATION_ERRORS["401"]}),
+    ("post", "/v1/responses", "OpenAI Responses (`stream: true`: typed server-sent events); `previous_response_id` "
+     "continues a stored response", r.ResponsesRequest,
+     {JSON: r.ResponseObject, SSE: _events_of(r.ResponseStreamEvent)}, _GENERATION_ERRORS),
     ("get", "/v1/models", "Served model", None, {JSON: p.ModelList}, {"401": _GENERATION_ERRORS["401"]}),
     ("get", "/info", "Model and server limits", None, {JSON: p.Info}, {}),
     ("get", "/health", "200 when a one-token generation succeeds, 503 otherwise", None, {},
@@ -83,6 +93,8 @@ _MODELS: list[type[BaseModel]] = [
     p.CompletionRequest, p.Completion, p.ModelList,
     pp.EmbeddingRequest, pp.EmbeddingResponse, pp.EmbedRequest, pp.RerankRequest, pp.Rank, pp.PredictRequest,
     pp.Prediction, pp.CohereRerankRequest, pp.CohereRerankResponse, pp.ScoreRequest, pp.ScoreResponse,
+    a.MessagesRequest, a.MessagesResponse, a.MessageStreamEvent, a.CountTokensRequest, a.CountTokensResponse,
+    a.AnthropicErrorResponse, r.ResponsesRequest, r.ResponseObject, r.ResponseStreamEvent,
 ]
 
 
@@ -96,6 +108,9 @@ def build_spec(version: str) -> dict[str, Any]:
         if request is not None:
             op["requestBody"] = {"required": True, "content": {JSON: {"schema": _ref(request)}}}
         op["responses"].update({code: _error(desc) for code, desc in errors.items()})
+        if path.startswith("/v1/messages"):     # 401 comes from the auth middleware, in TGI's body
+            op["responses"].update({code: _error(desc, a.AnthropicErrorResponse) for code, desc in errors.items()
+                                    if code != "401"})
         paths.setdefault(path, {})[method] = op
     return {"openapi": "3.1.0",
             "info": {"title": "tgi-hpc engine", "version": version,
@@ -111,8 +126,8 @@ def _ok(content: dict[str, Any]) -> dict[str, Any]:
     return {"description": "OK", "content": {media: {"schema": schema} for media, schema in schemas.items()}}
 
 
-def _error(description: str) -> dict[str, Any]:
-    return {"description": description, "content": {JSON: {"schema": _ref(p.ErrorResponse)}}}
+def _error(description: str, model: type[BaseModel] = p.ErrorResponse) -> dict[str, Any]:
+    return {"description": description, "content": {JSON: {"schema": _ref(model)}}}
 
 
 async def spec(request: Request) -> Response:

@@ -185,7 +185,7 @@ def dump(model: BaseModel) -> dict[str, Any]:
 
 def _drop_empty(data: Any) -> None:
     if isinstance(data, dict):
-        for key in ("top_tokens", "best_of_sequences", "tool_calls"):
+        for key in ("top_tokens", "best_of_sequences", "tool_calls", "reasoning_content"):
             if key in data and not data[key]:
                 del data[key]
         for value in data.values():
@@ -317,6 +317,7 @@ class ChatCompletionMessage(_Wire):
     role: str = "assistant"
     content: str | None
     tool_calls: list[ChatToolCall] | None = None
+    reasoning_content: str | None = None        # a reasoning model's <think> span (--reasoning-parser)
 
 
 class ChatCompletionChoice(_Wire):
@@ -340,6 +341,7 @@ class ChatDelta(_Wire):
     role: str = "assistant"
     content: str | None
     tool_calls: list[dict[str, Any]] | None = None     # OpenAI's pieces: index, then id/type/name once, arguments
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(_Wire):

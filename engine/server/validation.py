@@ -1,6 +1,7 @@
 """GenerateRequest -> ValidRequest: tokenize, apply defaults, check TGI's limits (router/src/validation.rs)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,7 +10,7 @@ import pydantic
 from engine.sampling_params import SamplingParams
 from engine.server.errors import ValidationError
 from engine.server.grammar import tgi_grammar
-from engine.server.protocol import GenerateParameters, GenerateRequest
+from engine.server.protocol import ChatCompletionRequest, GenerateParameters, GenerateRequest
 
 
 @dataclass(slots=True)
@@ -46,6 +47,14 @@ def parse_body(model: type[pydantic.BaseModel], body: bytes) -> Any:
         raise ValidationError(_describe(exc)) from None
 
 
+def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat request that another API's route built (Anthropic Messages, Responses); its problems are 422s."""
+    try:
+        return ChatCompletionRequest.model_validate(body, strict=False)
+    except pydantic.ValidationError as exc:
+        raise ValidationError(_describe(exc)) from None
+
+
 _PROMPT_FORMS = ("`prompt` must be a string, a list of strings, a list of token ids or a list of lists of token "
                  "ids, none of them empty")
 
@@ -67,6 +76,8 @@ class Validator:
         self.limits = limits
         self.adapters = adapters        # --lora-adapters names
         self.base_name = base_name      # this name (or "tgi", or none) means the base model
+        # why grammars are refused on this model (its token table cannot be built), or None
+        self.grammar_unavailable: Callable[[], str | None] = lambda: None
 
     def adapter(self, adapter_id: str | None) -> str | None:
         """The LoRA adapter a request names (None = the base model); 422 naming the loaded ones if unknown."""
@@ -96,6 +107,8 @@ class Validator:
         if p.watermark:
             raise ValidationError("`watermark` is not supported by this server")
         grammar = tgi_grammar(p.grammar)
+        if grammar is not None and (refusal := self.grammar_unavailable()):
+            raise ValidationError(refusal)
         adapter = self.adapter(p.adapter_id)
         if stream and p.decoder_input_details:
             raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")

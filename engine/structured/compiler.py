@@ -8,9 +8,9 @@ from collections import OrderedDict
 from typing import Any
 
 import llguidance
-import llguidance.hf
 
 from engine.structured.spec import GrammarError, GrammarSpec
+from engine.structured.token_table import TokenTableError, grammar_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -31,16 +31,44 @@ class GrammarCompiler:
         self.max_cached = max_cached
         self._lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._table_error: TokenTableError | None = None
         self._cache: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
+        """The token table, checked against the tokenizer's own decoding (engine.structured.token_table);
+        GrammarError naming the cause when no table matches it."""
         with self._lock:
-            if self._tokenizer is None:
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
-                                                              eos_token=self._eos)
-                logger.info("grammar tokenizer ready (%d tokens, eos %s)", self.vocab_size, self._eos)
+            if self._tokenizer is None and self._table_error is None:
+                try:
+                    self._tokenizer, how = grammar_tokenizer(self._hf_tokenizer, self.vocab_size, self._eos)
+                    log = logger.info if how == "automatic" else logger.warning
+                    log("grammar tokenizer ready (%d tokens, eos %s), token table %s", self.vocab_size, self._eos,
+                        how)
+                except TokenTableError as exc:
+                    self._table_error = exc
+                    logger.error("structured output (grammars, JSON schemas, tools) is refused: %s", exc)
+            if self.unavailable is not None:
+                raise GrammarError(self.unavailable)
+            assert self._tokenizer is not None
             return self._tokenizer
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why grammar requests are refused (the token table cannot be built), once that is known; else None."""
+        error = self._table_error
+        return f"structured output is not available for this model: {error}" if error is not None else None
+
+    def prepare_in_background(self) -> threading.Thread:
+        """Build and check the token table now (at start-up), so its outcome is logged before any request."""
+        def prepare() -> None:
+            try:
+                self.tokenizer
+            except GrammarError:
+                pass        # logged; grammar requests get it as their 422
+        thread = threading.Thread(target=prepare, name="grammar-token-table", daemon=True)
+        thread.start()
+        return thread
 
     def matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         """A fresh matcher for one request; GrammarError if the grammar does not fit this tokenizer."""

@@ -82,7 +82,7 @@ def tool_call_grammar(tools: list[Tool], fmt: ToolCallFormat, *, allow_text: boo
     rules = [f"call: {_marker(fmt.prefix, tokenizer)} ({' | '.join(f'call_{i}' for i in range(len(tools)))}) "
              f"{_marker(fmt.suffix, tokenizer)}"]
     for i, tool in enumerate(tools):
-        schema = {**tool.parameters, "x-guidance": _LAYOUT}
+        schema = {**closed(tool.parameters), "x-guidance": _LAYOUT}
         rules.append(f"call_{i}: {json.dumps(header(fmt, tool.name))} args_{i} \"}}\"")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
     if allow_text:
@@ -91,6 +91,22 @@ def tool_call_grammar(tools: list[Tool], fmt: ToolCallFormat, *, allow_text: boo
     else:
         rules.insert(0, "start: call")
     return lark_spec("\n".join(rules), field)
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object that lists `properties` and says nothing about
+    others. A tool cannot use arguments it does not declare, and a small model left free to invent them (SmolLM2
+    under `required` wrote `"unitStyle"`, `"properties"`, `"apiKey"`...) can go on until `max_tokens`, which cuts
+    the call off: no tool call at all."""
+    if isinstance(schema, list):
+        return [closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed(value) if key not in ("const", "enum", "default", "examples") else value
+           for key, value in schema.items()}
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _marker(text: str, tokenizer: Any) -> str:

@@ -285,3 +285,20 @@ def test_tensor_parallel_rank0_samples_under_the_grammar(model_path):
     assert outs[1] == outs[2]
     for text in outs[2]:
         assert re.fullmatch(r"[a-z]{3,8}( [a-z]{3,8}){2}", text), outs
+
+
+def test_tool_arguments_are_closed_to_undeclared_properties(compiler, tokenizer):
+    # issue 25: SmolLM2 under "required" invented arguments ("unitStyle", "apiKey", ...) a tool without
+    # additionalProperties allows, and could go on until max_tokens cut the call off
+    open_tool = Tool("get_weather", "w", {"type": "object", "properties": {
+        "city": {"type": "string"}, "where": {"type": "object", "properties": {"lat": {"type": "number"}}}},
+        "required": ["city"]})
+    spec = tool_call_grammar([open_tool], FORMATS["json"], allow_text=False)
+    assert accepts(compiler, spec, '{"name": "get_weather", "arguments": {"city": "Paris", "where": {"lat": 1}}}',
+                   tokenizer)
+    for extra in ('{"city": "Paris", "unitStyle": "x"}', '{"city": "Paris", "where": {"lat": 1, "lon": 2}}'):
+        assert not accepts(compiler, spec, f'{{"name": "get_weather", "arguments": {extra}}}', tokenizer)
+    # a schema that opens them on purpose keeps them open
+    free = Tool("f", "", {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True})
+    spec = tool_call_grammar([free], FORMATS["json"], allow_text=False)
+    assert accepts(compiler, spec, '{"name": "f", "arguments": {"a": 1, "b": 2}}', tokenizer)
