@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from typing import Any
-
-import llguidance
+from typing import TYPE_CHECKING, Any
 
 from engine.structured.spec import GrammarError, GrammarSpec
 from engine.structured.token_table import TokenTableError, grammar_tokenizer
+
+if TYPE_CHECKING:  # imported where used: a server that never sees a grammar does not need llguidance
+    import llguidance
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class GrammarCompiler:
             if template is not None:
                 self._cache.move_to_end(spec)
                 return template.deep_copy()
+        import llguidance
+
         template = llguidance.LLMatcher(tokenizer, spec.grammar, log_level=0)   # drops the GIL while it builds
         if template.is_error():   # the first line: a panic's backtrace follows it
             error = (template.get_error().strip().splitlines() or ["unknown error"])[0]

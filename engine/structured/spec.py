@@ -12,9 +12,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
-import llguidance
-
 
 # json.dumps' layout, no free whitespace: a small model left free to emit whitespace can loop on "\n\n" until
 # max_new_tokens instead of closing the object
@@ -106,7 +103,20 @@ def _cached(kind: str, text: str, field: str) -> GrammarSpec:
     return entry
 
 
+def grammar_libraries():
+    """(jsonschema, llguidance), imported on the first grammar: an engine without them still serves, and a
+    grammar request then gets a 422 saying what is missing."""
+    try:
+        import jsonschema
+        import llguidance
+    except ImportError as exc:
+        raise GrammarError(f"structured output is not available on this server: {exc.name} is not installed "
+                           "(pip install llguidance jsonschema)") from None
+    return jsonschema, llguidance
+
+
 def _json_schema(text: str, field: str) -> GrammarSpec:
+    jsonschema, llguidance = grammar_libraries()
     try:
         schema = json.loads(text)
     except ValueError as exc:
@@ -125,6 +135,7 @@ def _json_schema(text: str, field: str) -> GrammarSpec:
 
 
 def _regex(pattern: str, field: str) -> GrammarSpec:
+    llguidance = grammar_libraries()[1]
     return _checked(GrammarSpec("regex", llguidance.LLMatcher.grammar_from_regex(pattern)), field,
                     "is not a regular expression this server can compile")
 
@@ -135,6 +146,7 @@ def lark_spec(grammar: str, field: str) -> GrammarSpec:
 
 def _checked(spec: GrammarSpec, field: str, problem: str) -> GrammarSpec:
     # no tokenizer needed: this checks the grammar itself, cheaply, on the server's event loop
+    llguidance = grammar_libraries()[1]
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(spec.grammar)
     if is_error:
         lines = messages[0].strip().splitlines() if messages else ["unknown error"]

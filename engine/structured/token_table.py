@@ -19,10 +19,10 @@ import functools
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import llguidance
-import llguidance.hf
+if TYPE_CHECKING:  # imported where used (see compiler.py)
+    import llguidance
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _SPECIAL = b"\xff"          # llguidance's mark for a special token
@@ -50,6 +50,11 @@ def grammar_tokenizer(hf_tokenizer: Any, n_vocab: int, eos: list[int]) -> tuple[
     if getattr(hf_tokenizer, "backend_tokenizer", None) is None:
         raise TokenTableError("the grammar token table needs a fast tokenizer (a tokenizer.json); this model's "
                               f"tokenizer is a {type(hf_tokenizer).__name__}")
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError as exc:
+        raise TokenTableError(f"structured output needs {exc.name}, which is not installed") from None
     texts = decoded_in_context(hf_tokenizer)
     special = special_ids(hf_tokenizer)
     try:
