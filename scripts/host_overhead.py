@@ -1,0 +1,239 @@
+"""Host overhead of a decode step: the engine's own work around a runner that answers at once.
+
+    python scripts/bench_engine.py --host-overhead [--batch 256 --context 2048 --vocab 128256 --steps 40]
+
+`InstantRunner` stands in for ModelRunner: it does the runner's host work (`validate_spans`,
+`prepare_inputs`: token ids, positions, slot mapping, block tables) and returns rows of a random
+[batch + 64, vocab] float32 logits tensor built once (a view that shifts by one row per step, so
+the tokens change from step to step at no cost). Everything else in `LLMEngine.step` is real:
+scheduler, block manager, sampler, detokenizer, stop matching, outputs.
+
+Vocabulary: the logits have `--vocab` columns (128256, Llama 3) but the tokenizer is SmolLM2's
+(49152 ids). Columns past the tokenizer's vocabulary are padding, scored 12 below the real ones (as
+a model's padded embedding rows are never chosen), so the sampler works on the full width and the
+detokenizer sees real tokens. (Ids past the tokenizer's vocabulary still decode, to "".)
+
+Phases, in microseconds of CPU time per step (medians over the steps):
+  schedule    Scheduler.schedule (block tables grow, spans built)
+  prepare     validate_spans + prepare_inputs (in the real runner, before the forward)
+  sample      sampler.sample on the [batch, vocab] logits; on this CPU that includes the vocabulary-wide
+              tensor work a GPU would do on the device ("sample, vocab math" below separates it)
+  detokenize  IncrementalDetokenizer calls and stop-sequence matching, per sequence
+  outputs     the rest of step(): appending tokens, TokenInfo/RequestOutput building, finish checks
+The total is measured on steps without the per-phase timers (process_time around step()); the
+phases come from separate steps with them (schedule/prepare/sample by process_time, detokenize
+summed with perf_counter per call: each call is a few microseconds, too short to be preempted
+often), and `outputs` is what is left of the timed step.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+NUM_SHIFTS = 64     # distinct logits views per sequence before they repeat
+
+
+class InstantRunner:
+    """A ModelRunner without a model: the runner's host work, then logits at once."""
+
+    def __init__(self, batch: int, vocab: int, real_vocab: int, num_kv_blocks: int, block_size: int,
+                 max_position: int, seed: int = 0):
+        from engine.attention.backend import AttentionBackend
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.device = torch.device("cpu")
+        self.attention_backend = "instant"
+        self.max_position = max_position
+        self.backend = AttentionBackend()   # the base class: no per-step precompute (as the GPU kernels)
+        generator = torch.Generator().manual_seed(seed)
+        self.logits = torch.randn(batch + NUM_SHIFTS, vocab, generator=generator) * 2
+        self.logits[:, real_vocab:] -= 12.0
+        self.num_steps = 0
+        self.prepare_s = 0.0
+
+    def run(self, spans: list[Any]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        from engine.model_inputs import prepare_inputs, validate_spans
+        start = time.process_time()
+        validate_spans(spans, self.block_size, self.num_kv_blocks, self.max_position)
+        prepare_inputs(spans, self.block_size, self.device, self.backend, {None})
+        self.prepare_s += time.process_time() - start
+        rows = sum(1 for span in spans if span.logits != "none")
+        if rows > len(self.logits) - NUM_SHIFTS:
+            raise ValueError(f"{rows} rows of logits asked, the stand-in holds {len(self.logits) - NUM_SHIFTS}")
+        shift = self.num_steps % NUM_SHIFTS
+        self.num_steps += 1
+        return self.logits[shift:shift + rows], {}
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class ModelShape:
+    vocab_size: int
+    max_position_embeddings: int
+
+
+class PhaseTimers:
+    """Wraps the engine's phase entry points with timers (installed only for the phase steps)."""
+
+    def __init__(self, engine: Any):
+        import engine.llm_engine as llm_engine_module
+        self.engine, self.module = engine, llm_engine_module
+        self.schedule_s = self.sample_s = self.detok_s = 0.0
+        self._schedule, self._sample = engine.scheduler.schedule, llm_engine_module.sample
+        self._wrapped: list[tuple[Any, str, Any]] = []
+
+    def install(self) -> None:
+        engine, timers = self.engine, self
+
+        def schedule() -> Any:
+            start = time.process_time()
+            try:
+                return timers._schedule()
+            finally:
+                timers.schedule_s += time.process_time() - start
+
+        def sample(*args: Any, **kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return timers._sample(*args, **kwargs)
+            finally:
+                timers.sample_s += time.process_time() - start
+
+        engine.scheduler.schedule = schedule
+        self.module.sample = sample
+        seq = next(iter(engine._seqs.values()))
+        for obj, name in ((type(seq.detokenizer), "decode_next"), (type(seq.detokenizer), "flush"),
+                          (type(seq.stop), "feed")):
+            self._wrap(obj, name)
+
+    def _wrap(self, cls: type, name: str) -> None:
+        original, timers, clock = getattr(cls, name), self, time.perf_counter
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                timers.detok_s += clock() - start
+
+        self._wrapped.append((cls, name, original))
+        setattr(cls, name, timed)
+
+    def remove(self) -> None:
+        self.engine.scheduler.schedule = self._schedule
+        self.module.sample = self._sample
+        for cls, name, original in self._wrapped:
+            setattr(cls, name, original)
+        self._wrapped = []
+
+    def reset(self) -> None:
+        self.schedule_s = self.sample_s = self.detok_s = 0.0
+
+
+def build(args: argparse.Namespace, tokenizer_dir: Any) -> Any:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    block_size = 16
+    max_total = args.context + args.steps * 2 + 64
+    num_blocks = args.batch * (-(-max_total // block_size) + 1)
+    runner = InstantRunner(args.batch, args.vocab, len(tokenizer), num_blocks, block_size, max_total)
+    config = EngineConfig(model_id="", max_total_tokens=max_total, max_input_tokens=args.context,
+                          max_batch_prefill_tokens=args.batch * args.context, max_batch_size=args.batch)
+    return LLMEngine(config, runner=runner, model_config=ModelShape(args.vocab, max_total), tokenizer=tokenizer)
+
+
+def request_params(mode: str, i: int) -> Any:
+    """greedy: TGI's default request (logprob of each token). mixed: every other row samples, seeded,
+    with temperature, top-k, top-p and a repetition penalty."""
+    from engine.sampling_params import SamplingParams
+    if mode == "mixed" and i % 2:
+        return SamplingParams(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1,
+                              seed=i, max_new_tokens=10**6, ignore_eos=True)
+    return SamplingParams(max_new_tokens=10**6, ignore_eos=True)
+
+
+def measure(engine: Any, steps: int) -> dict[str, Any]:
+    """CPU microseconds per decode step: the plain total, then the phases on as many timed steps."""
+    totals = []
+    for _ in range(steps):
+        start = time.process_time()
+        outputs = engine.step()
+        totals.append(time.process_time() - start)
+        assert len(outputs) == engine.config.max_batch_size, "every sequence must decode in every step"
+    timers = PhaseTimers(engine)
+    timers.install()
+    phases: dict[str, list[float]] = {name: [] for name in ("schedule", "prepare", "sample", "detokenize",
+                                                            "outputs", "timed step")}
+    try:
+        for _ in range(steps):
+            timers.reset()
+            engine.runner.prepare_s = 0.0
+            start = time.process_time()
+            engine.step()
+            total = time.process_time() - start
+            parts = {"schedule": timers.schedule_s, "prepare": engine.runner.prepare_s,
+                     "sample": timers.sample_s, "detokenize": timers.detok_s}
+            parts["outputs"] = total - sum(parts.values())
+            parts["timed step"] = total
+            for name, value in parts.items():
+                phases[name].append(value)
+    finally:
+        timers.remove()
+    us = {name: statistics.median(values) * 1e6 for name, values in phases.items()}
+    us["total"] = statistics.median(totals) * 1e6
+    return us
+
+
+def vocab_math_us(engine: Any, repeats: int = 5) -> float:
+    """CPU microseconds of the sampler's vocabulary-wide reduction alone (what a GPU runs on the device):
+    one argmax + logsumexp over the [batch, vocab] logits."""
+    logits = engine.runner.logits[:engine.config.max_batch_size]
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        logits.argmax(dim=-1)
+        logits.logsumexp(dim=-1)
+        times.append(time.process_time() - start)
+    return statistics.median(times) * 1e6
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from bench_engine import make_prompts, resolve_model_dir
+    tokenizer_dir = resolve_model_dir(args.model_id)
+    engine = build(args, tokenizer_dir)
+    print(f"host overhead: batch {args.batch}, contexts of {args.context} tokens, vocab {args.vocab} (tokenizer "
+          f"{len(engine.tokenizer)} ids, the rest padding), sampling {args.sampling}, torch threads "
+          f"{torch.get_num_threads()}; stand-in runner, CPU time per step", flush=True)
+    prompts = make_prompts(engine.tokenizer, args.batch, args.context, len(engine.tokenizer))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, request_params(args.sampling, i))
+    start = time.perf_counter()
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                          for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(args.warmup):
+        engine.step()
+    print(f"prefill + {args.warmup} warm-up steps: {time.perf_counter() - start:.1f} s wall", flush=True)
+    us = measure(engine, args.steps)
+    us["vocab math"] = vocab_math_us(engine)
+    engine.close()
+    print(f"{'phase':<22}{'us/step':>10}")
+    for name in ("schedule", "prepare", "sample", "detokenize", "outputs", "timed step"):
+        print(f"{name:<22}{us[name]:>10.0f}")
+    print(f"{'sample, vocab math':<22}{us['vocab math']:>10.0f}   (argmax + logsumexp over [batch, vocab] "
+          "alone: device work on a GPU)")
+    print(f"{'total, untimed steps':<22}{us['total']:>10.0f}")
+    print(f"host overhead without the vocab math: {us['total'] - us['vocab math']:.0f} us/step")
+    print(f"host overhead: {us['total']:.0f} us/step at batch {args.batch}")
+    return {"host_overhead_us": us, "batch": args.batch, "context": args.context, "vocab": args.vocab,
+            "sampling": args.sampling}
