@@ -81,12 +81,38 @@ def process(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitma
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmask | None = None) -> SamplerOutput:
     """Choose one token per row of `logits` [n, vocab] (float32) with that row's parameters, among the tokens
     `bitmask` allows for the rows it names."""
+    params = [row.params for row in rows]
+    if bitmask is None and not any(_changes_scores(p) for p in params):
+        # greedy rows only, nothing processes the scores: argmax, and logprobs as score - logsumexp
+        # (no [n, vocab] log_softmax written out)
+        scores = logits.float()
+        return report_scores(scores, scores.argmax(dim=-1), params)
     processed = process(logits, rows, bitmask)
     logprobs, sampling = processed.logprobs, processed.sampling
     next_ids = processed.scores.argmax(dim=-1)
     if any(sampling):
         next_ids = _draw(logprobs, next_ids, rows, sampling)
     return report(logprobs, next_ids, [row.params for row in rows])
+
+
+def _changes_scores(params: SamplingParams) -> bool:
+    return is_sampling(params) or params.repetition_penalty not in (None, 1.0) or bool(params.frequency_penalty)
+
+
+def report_scores(scores: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
+    """`report` from raw scores: log_softmax(scores) = scores - logsumexp(scores), computed for the chosen
+    and the top_n_tokens entries only."""
+    lse = scores.logsumexp(dim=-1, keepdim=True)
+    chosen = (scores.gather(1, token_ids[:, None]) - lse).squeeze(1)
+    top_n = max((p.top_n_tokens for p in params), default=0)
+    top_ids: list[list[int]] = [[] for _ in params]
+    top_lps: list[list[float]] = [[] for _ in params]
+    if top_n > 0:
+        top = scores.topk(min(top_n, scores.shape[-1]), dim=-1)
+        all_ids, all_lps = top.indices.tolist(), (top.values - lse).tolist()
+        for r, p in enumerate(params):
+            top_ids[r], top_lps[r] = all_ids[r][:p.top_n_tokens], all_lps[r][:p.top_n_tokens]
+    return SamplerOutput(token_ids.tolist(), chosen.tolist(), top_ids, top_lps)
 
 
 def report(logprobs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
@@ -157,12 +183,11 @@ def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow]) ->
     ids, _ = _padded_ids(rows, which, generated_only=False, device=scores.device)
     penalty = torch.tensor([rows[r].params.repetition_penalty for r in which],
                            dtype=scores.dtype, device=scores.device)[:, None]
-    sub = scores[which]
-    picked = sub.gather(1, ids)
+    row_ids = torch.tensor(which, device=scores.device)[:, None].expand_as(ids)
+    picked = scores[row_ids, ids]       # only the penalised entries: no copy of the penalised rows
     picked = torch.where(picked < 0, picked * penalty, picked / penalty)
-    scores = scores.clone()
-    scores[which] = sub.scatter(1, ids, picked)
-    return scores
+    # out of place (the caller's logits stay as they were); padding repeats a row's first id, same value
+    return scores.index_put((row_ids, ids), picked)
 
 
 def apply_frequency_penalty(scores: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
@@ -188,7 +213,13 @@ def apply_warpers(scores: torch.Tensor, params: list[SamplingParams], sampling: 
         scores = top_k_mask(scores, torch.tensor(top_k, device=device), max(top_k))
     top_p = [p.top_p if s and p.top_p is not None else 1.0 for p, s in zip(params, sampling)]
     if any(v < 1.0 for v in top_p):
-        scores = top_p_mask(scores, torch.tensor(top_p, dtype=dtype, device=device))
+        # top-k prefilter: when every top-p row also has a top-k, only its survivors need sorting (ties with
+        # the k-th survive too, so they are counted, not assumed)
+        max_kept = None
+        if all(k for k, v in zip(top_k, top_p) if v < 1.0):
+            rows = [r for r, v in enumerate(top_p) if v < 1.0]
+            max_kept = int(torch.isfinite(scores[rows]).sum(dim=-1).max())
+        scores = top_p_mask(scores, torch.tensor(top_p, dtype=dtype, device=device), max_kept)
     typical = [p.typical_p if s and p.typical_p is not None else 1.0 for p, s in zip(params, sampling)]
     if any(v < 1.0 for v in typical):
         scores = typical_mask(scores, torch.tensor(typical, dtype=dtype, device=device))
@@ -205,14 +236,24 @@ def top_k_mask(scores: torch.Tensor, top_k: torch.Tensor, max_k: int | None = No
     return scores.masked_fill(scores < kth, float("-inf"))
 
 
-def top_p_mask(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Nucleus: keep the fewest best tokens whose probability reaches `top_p` (HF semantics)."""
-    sorted_scores, order = scores.sort(dim=-1)          # ascending
+def top_p_mask(scores: torch.Tensor, top_p: torch.Tensor, max_kept: int | None = None) -> torch.Tensor:
+    """Nucleus: keep the fewest best tokens whose probability reaches `top_p` (HF semantics).
+
+    `max_kept`: no row with top_p < 1 has more finite scores than this (a top-k ran first), so only
+    the best `max_kept` of each row are sorted instead of the whole vocabulary: the -inf scores left out
+    have probability 0 and would only have sat at the head of the ascending sort.
+    """
+    if max_kept is not None and max_kept < scores.shape[-1]:
+        best = scores.topk(max_kept, dim=-1)                # descending
+        sorted_scores, order = best.values.flip(-1), best.indices.flip(-1)
+    else:
+        sorted_scores, order = scores.sort(dim=-1)          # ascending
     cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
     remove = cum <= (1 - top_p)[:, None]
     remove[:, -1] = False                                # always keep the best token
     remove &= (top_p < 1.0)[:, None]
-    return scores.masked_fill(torch.zeros_like(remove).scatter(1, order, remove), float("-inf"))
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, order, remove)
+    return scores.masked_fill(mask, float("-inf"))
 
 
 def typical_mask(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
