@@ -37,7 +37,7 @@ class SampleRow(Protocol):
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float]                 # nan for all rows when no row asked for logprobs (greedy shortcut)
     top_token_ids: list[list[int]]        # per row, its top_n_tokens best ids (empty if 0)
     top_logprobs: list[list[float]]
 
@@ -83,10 +83,14 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
     `bitmask` allows for the rows it names."""
     params = [row.params for row in rows]
     if bitmask is None and not any(_changes_scores(p) for p in params):
-        # greedy rows only, nothing processes the scores: argmax, and logprobs as score - logsumexp
-        # (no [n, vocab] log_softmax written out)
+        # greedy rows only and nothing processes the scores: argmax, and the log_softmax only when a row
+        # reports logprobs (on CPU the fused log_softmax beats logsumexp + gather)
         scores = logits.float()
-        return report_scores(scores, scores.argmax(dim=-1), params)
+        next_ids = scores.argmax(dim=-1)
+        if any(p.logprobs or p.top_n_tokens for p in params):
+            return report(torch.log_softmax(scores, dim=-1), next_ids, params)
+        return SamplerOutput(next_ids.tolist(), [float("nan")] * len(params), [[] for _ in params],
+                             [[] for _ in params])
     processed = process(logits, rows, bitmask)
     logprobs, sampling = processed.logprobs, processed.sampling
     next_ids = processed.scores.argmax(dim=-1)
@@ -97,22 +101,6 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
 
 def _changes_scores(params: SamplingParams) -> bool:
     return is_sampling(params) or params.repetition_penalty not in (None, 1.0) or bool(params.frequency_penalty)
-
-
-def report_scores(scores: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
-    """`report` from raw scores: log_softmax(scores) = scores - logsumexp(scores), computed for the chosen
-    and the top_n_tokens entries only."""
-    lse = scores.logsumexp(dim=-1, keepdim=True)
-    chosen = (scores.gather(1, token_ids[:, None]) - lse).squeeze(1)
-    top_n = max((p.top_n_tokens for p in params), default=0)
-    top_ids: list[list[int]] = [[] for _ in params]
-    top_lps: list[list[float]] = [[] for _ in params]
-    if top_n > 0:
-        top = scores.topk(min(top_n, scores.shape[-1]), dim=-1)
-        all_ids, all_lps = top.indices.tolist(), (top.values - lse).tolist()
-        for r, p in enumerate(params):
-            top_ids[r], top_lps[r] = all_ids[r][:p.top_n_tokens], all_lps[r][:p.top_n_tokens]
-    return SamplerOutput(token_ids.tolist(), chosen.tolist(), top_ids, top_lps)
 
 
 def report(logprobs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:

@@ -24,8 +24,9 @@ Phases, in microseconds of CPU time per step (medians over the steps):
 The total is measured on steps without the phase timers (process_time around step()); the phases come
 from as many steps with them (schedule, prepare, sample by process_time; detokenize summed with
 perf_counter per call: each call is a few microseconds, rarely preempted), and `outputs` is what is left
-of the timed step. Host overhead = total - sample + sample at 4096 columns: what the step costs the host
-when the vocabulary-wide math runs elsewhere. Both figures are printed; the last line is the host one.
+of the timed step. Host overhead = timed step - sample + sample at 4096 columns (per step, then the
+median): what the step costs the host when the vocabulary-wide math runs elsewhere. Both figures are
+printed; the last line is the host one.
 """
 from __future__ import annotations
 
@@ -186,7 +187,7 @@ def measure(engine: Any, steps: int) -> dict[str, Any]:
     timers = PhaseTimers(engine)
     timers.install()
     phases: dict[str, list[float]] = {name: [] for name in ("schedule", "prepare", "sample", "detokenize",
-                                                            "outputs", "timed step", "sample, host")}
+                                                            "outputs", "timed step", "sample, host", "host")}
     try:
         for _ in range(steps):
             timers.reset()
@@ -200,6 +201,7 @@ def measure(engine: Any, steps: int) -> dict[str, Any]:
             parts["outputs"] = total - sum(parts.values())
             parts["timed step"] = total
             parts["sample, host"] = timers.sample_host_s
+            parts["host"] = total - parts["sample"] + timers.sample_host_s
             for name, value in parts.items():
                 phases[name].append(value)
     finally:
@@ -233,7 +235,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{name:<22}{us[name]:>10.0f}")
     print(f"{'sample, host':<22}{us['sample, host']:>10.0f}   (the same call on {NARROW} columns)")
     print(f"{'total, untimed steps':<22}{us['total']:>10.0f}   (CPU time with the vocabulary-wide math on this CPU)")
-    us["host"] = us["total"] - us["sample"] + us["sample, host"]
     print(f"host overhead: {us['host']:.0f} us/step at batch {args.batch}")
     return {"host_overhead_us": us, "batch": args.batch, "context": args.context, "vocab": args.vocab,
             "sampling": args.sampling}

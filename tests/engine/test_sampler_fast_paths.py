@@ -30,10 +30,16 @@ def test_greedy_only_batch_matches_the_general_path(top_n):
     general = process(logits, rows)
     slow = report(general.logprobs, general.scores.argmax(dim=-1), [r.params for r in rows])
     assert fast.token_ids == slow.token_ids == logits.argmax(dim=-1).tolist()
-    assert fast.logprobs == pytest.approx(slow.logprobs, abs=1e-5)
+    assert fast.logprobs == slow.logprobs
     assert fast.top_token_ids == slow.top_token_ids
-    for a, b in zip(fast.top_logprobs, slow.top_logprobs):
-        assert a == pytest.approx(b, abs=1e-5)
+    assert fast.top_logprobs == slow.top_logprobs
+
+
+def test_greedy_rows_without_logprobs_skip_them():
+    logits = logits_for(4)
+    out = sample(logits, [row(logprobs=False) for _ in range(4)])
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert all(lp != lp for lp in out.logprobs)         # nan: nobody asked
 
 
 def test_greedy_fast_path_is_not_taken_when_anything_processes_scores():
