@@ -156,6 +156,8 @@ def build(args: argparse.Namespace, tokenizer_dir: Any) -> Any:
     from engine.llm_engine import LLMEngine
     from engine.tokenizer import load_tokenizer
 
+    if args.vocab < NARROW:
+        raise SystemExit(f"error: --vocab must be at least {NARROW} (the token ids in use)")
     tokenizer = load_tokenizer(tokenizer_dir)
     block_size = 16
     max_total = args.context + args.steps * 2 + 64
