@@ -208,7 +208,7 @@ def apply_warpers(scores: torch.Tensor, params: list[SamplingParams], sampling: 
         max_kept = None
         if all(k for k, v in zip(top_k, top_p) if v < 1.0):
             rows = [r for r, v in enumerate(top_p) if v < 1.0]
-            max_kept = int(torch.isfinite(scores[rows]).sum(dim=-1).max())
+            max_kept = max(1, int(torch.isfinite(scores[rows]).sum(dim=-1).max()))
         scores = top_p_mask(scores, torch.tensor(top_p, dtype=dtype, device=device), max_kept)
     typical = [p.typical_p if s and p.typical_p is not None else 1.0 for p, s in zip(params, sampling)]
     if any(v < 1.0 for v in typical):
