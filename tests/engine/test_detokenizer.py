@@ -238,3 +238,18 @@ def test_python_path_takes_over_when_the_stream_refuses(smollm2):
     pieces.append(detok.flush(ids))
     assert not detok._use_stream
     assert "".join(pieces) == " fine 😀 day"
+
+
+def test_stream_path_takes_several_new_tokens_at_once(smollm2):
+    prompt = smollm2.encode("Hi")
+    generated = smollm2.encode(" one 😀 two three", add_special_tokens=False)
+    fast = IncrementalDetokenizer(smollm2, len(prompt))
+    slow = IncrementalDetokenizer(smollm2, len(prompt))
+    slow._use_stream = False
+    ids, fast_pieces, slow_pieces = list(prompt), [], []
+    for i in range(0, len(generated), 3):
+        ids += generated[i:i + 3]
+        fast_pieces.append(fast.decode_next(ids))
+        slow_pieces.append(slow.decode_next(ids))
+    assert fast._use_stream and fast_pieces == slow_pieces
+    assert "".join(fast_pieces) + fast.flush(ids) == " one 😀 two three"
