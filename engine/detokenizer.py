@@ -3,6 +3,11 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+try:  # tokenizers >= 0.21
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # pragma: no cover - older tokenizers: the Python path below does the same
+    DecodeStream = None
+
 # tokens of context decoded before the new ones, so that SentencePiece/byte-level spaces and
 # merges at the boundary come out as they do in a full decode
 CONTEXT_TOKENS = 5
@@ -12,6 +17,11 @@ class IncrementalDetokenizer:
     """TGI's decode_token (prefix/read offsets): the new text is decode(ids[prefix:]) minus
     decode(ids[prefix:read]), held back while it ends in U+FFFD (an incomplete UTF-8 character
     split across byte tokens). The pieces concatenate exactly to what the caller streams.
+
+    With a Rust tokenizer that needs no clean-up of spaces, the tokenizers library's `DecodeStream` runs
+    that same algorithm in Rust (one decode per token while text comes out, not two plus the list
+    slices); the offsets are mirrored here for `flush`. Should it ever refuse a step (its prefix check),
+    this sequence goes on with the Python path from the same offsets.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, num_prompt_tokens: int,
@@ -24,18 +34,40 @@ class IncrementalDetokenizer:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         use_backend = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
         self._decoder = backend if use_backend else tokenizer
+        self._stream = None                   # created on the first token: it needs the prompt's tail
+        self._use_stream = use_backend and DecodeStream is not None
+        self._num_fed = num_prompt_tokens     # tokens the stream has seen
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._decoder.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def decode_next(self, token_ids: list[int]) -> str:
         """Text that the tokens after the read offset add, or "" while it is not yet stable."""
+        if self._use_stream:
+            return self._stream_next(token_ids)
         prefix_text = self._decode(token_ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(token_ids[self.prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
             return new_text[len(prefix_text):]
         return ""
+
+    def _stream_next(self, token_ids: list[int]) -> str:
+        if self._stream is None:
+            self._stream = DecodeStream(token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        new = token_ids[self._num_fed:]
+        if not new:
+            return ""
+        try:
+            piece = self._stream.step(self._decoder, new[0] if len(new) == 1 else new)
+        except Exception:  # noqa: BLE001 - DecodeStream's prefix check: the Python path has no such check
+            self._use_stream = False
+            return self.decode_next(token_ids)
+        self._num_fed = len(token_ids)
+        if piece is None:
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        return piece
 
     def flush(self, token_ids: list[int]) -> str:
         """Whatever is still held back (a dangling partial character comes out as U+FFFD)."""
@@ -44,4 +76,5 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(token_ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(token_ids[self.prefix_offset:])
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        self._use_stream = False      # the stream's state is behind the offsets now
         return new_text[len(prefix_text):]

@@ -13,6 +13,8 @@
     `engine.worker.prepare_inputs` (building input tensors, part of the runner) is timed apart.
     What is left is the scheduler, the sampler (logits -> ids, incl. its device->host copy),
     detokenization and output building: what the scheduler+sampler target measures.
+(h) --host-overhead: no model at all; host CPU time per decode step by phase at batch 256, 2k-token contexts
+    and a 128k vocabulary, with a runner that returns logits at once (scripts/host_overhead.py).
 (c) The same prompts through the engine (`LLMEngine.generate`) and through HF transformers
     `generate` as one padded batch and one request at a time; aggregate tok/s and ratios.
 On CUDA it also measures memory-copy bandwidth and compares batch-1 decode ms/token with
@@ -479,11 +481,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cuda-graphs", type=lambda s: [int(x) for x in s.split(",") if int(x) > 0],
                         help="decode batch sizes to capture (0 = none; default: the engine's)")
     parser.add_argument("--json-out", help="also write every number to this JSON file")
+    host = parser.add_argument_group("--host-overhead (scripts/host_overhead.py): no model, logits at once")
+    host.add_argument("--host-overhead", action="store_true",
+                      help="host CPU time per decode step by phase, with a stand-in runner")
+    host.add_argument("--batch", type=int, default=256, help="sequences decoding together")
+    host.add_argument("--context", type=int, default=2048, help="prompt tokens per sequence")
+    host.add_argument("--vocab", type=int, default=128256, help="logits width")
+    host.add_argument("--steps", type=int, default=30, help="measured decode steps (twice: plain, then timed)")
+    host.add_argument("--warmup", type=int, default=5, help="decode steps before measuring")
+    host.add_argument("--sampling", choices=["greedy", "mixed"], default="greedy",
+                      help="greedy: TGI's default request; mixed: half the rows sample (seeded, "
+                      "temperature, top-k, top-p, repetition penalty)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    run_benchmark(parse_args(argv), run)
+    args = parse_args(argv)
+    if args.host_overhead:
+        import host_overhead
+        # one torch thread unless told: on a shared box, idle OpenMP workers spinning inflate CPU time
+        torch.set_num_threads(args.threads or 1)
+        print_machine(machine_info(torch.device("cpu")))
+        results = host_overhead.run(args)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"args": vars(args), **results}, indent=2, default=str))
+        return 0
+    run_benchmark(args, run)
     return 0
 
 

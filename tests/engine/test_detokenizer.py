@@ -141,3 +141,115 @@ def test_stop_inside_a_single_piece_and_at_the_start():
 def test_no_stop_strings_passes_text_through():
     matcher = StopMatcher([])
     assert feed_all(matcher, ["a", "b"]) == (["a", "b", ""], False)
+
+
+# the DecodeStream path against the Python one, on hostile token sequences
+def stream_both(tokenizer, prompt_ids, generated_ids, skip_special_tokens=True):
+    """Pieces from the DecodeStream path and from the Python path; fails if the stream path is not taken."""
+    fast = IncrementalDetokenizer(tokenizer, len(prompt_ids), skip_special_tokens)
+    slow = IncrementalDetokenizer(tokenizer, len(prompt_ids), skip_special_tokens)
+    assert fast._use_stream, "this tokenizer should take the DecodeStream path"
+    slow._use_stream = False
+    ids, fast_pieces, slow_pieces = list(prompt_ids), [], []
+    for token in generated_ids:
+        ids.append(token)
+        fast_pieces.append(fast.decode_next(ids))
+        slow_pieces.append(slow.decode_next(ids))
+    fast_pieces.append(fast.flush(ids))
+    slow_pieces.append(slow.flush(ids))
+    return fast_pieces, slow_pieces
+
+
+HOSTILE = ["👨‍👩‍👧 family 🇫🇷🏳️‍🌈", "a\u0301e\u0301 combining", "\x00\x01 control \x7f", "  \n\n  ", "日本語😀x"]
+
+
+@pytest.mark.parametrize("text", HOSTILE + TEXTS)
+def test_stream_path_gives_the_same_pieces_as_the_python_path(smollm2, text):
+    prompt = smollm2.encode("Say:")
+    generated = smollm2.encode(text, add_special_tokens=False)
+    fast, slow = stream_both(smollm2, prompt, generated)
+    assert fast == slow
+    assert "".join(fast) == smollm2.decode(prompt + generated)[len(smollm2.decode(prompt)):]
+
+
+def test_stream_path_on_random_ids_specials_and_ids_past_the_vocab(smollm2):
+    import random
+    rng = random.Random(0)
+    vocab = len(smollm2)
+    specials = sorted(set(smollm2.all_special_ids))
+    emoji = smollm2.encode("😀🇫🇷", add_special_tokens=False)
+    for trial in range(40):
+        generated = []
+        for _ in range(rng.randint(1, 30)):
+            kind = rng.random()
+            if kind < 0.15:
+                generated.append(rng.choice(specials))
+            elif kind < 0.2:
+                generated.append(vocab + rng.randint(0, 1000))      # a padded embedding row: decodes to ""
+            elif kind < 0.4:
+                generated += emoji[:rng.randint(1, len(emoji))]     # characters cut anywhere
+            else:
+                generated.append(rng.randrange(vocab))
+        for skip in (True, False):
+            fast, slow = stream_both(smollm2, smollm2.encode("Hi there"), generated, skip)
+            assert fast == slow, (trial, generated, skip)
+            assert "".join(fast) == "".join(slow)
+
+
+def test_stream_path_holds_an_emoji_split_over_byte_tokens(smollm2):
+    generated = smollm2.encode(" 😀!", add_special_tokens=False)
+    assert len(generated) >= 3
+    fast, slow = stream_both(smollm2, smollm2.encode("Hi"), generated)
+    assert fast == slow
+    assert "".join(fast) == " 😀!" and "" in fast[:-1] and not any("\ufffd" in p for p in fast)
+
+
+@pytest.mark.parametrize("text", HOSTILE + TEXTS)
+def test_stream_path_with_byte_fallback_tokens(sentencepiece_like, text):
+    tok = sentencepiece_like
+    prompt = tok.encode("The answer is", add_special_tokens=False)
+    generated = tok.encode(text, add_special_tokens=False)
+    assert any(tok.convert_ids_to_tokens(i).startswith("<0x") for i in generated) or text.isascii()
+    fast, slow = stream_both(tok, prompt, generated, skip_special_tokens=False)
+    assert fast == slow
+    assert "".join(fast) == tok.decode(prompt + generated)[len(tok.decode(prompt)):]
+
+
+def test_stream_path_cut_mid_character_flushes_like_the_python_path(sentencepiece_like):
+    tok = sentencepiece_like
+    generated = tok.encode(" 😀", add_special_tokens=False)[:-1]
+    fast, slow = stream_both(tok, tok.encode("Hi", add_special_tokens=False), generated, skip_special_tokens=False)
+    assert fast == slow and fast[-1].endswith("\ufffd")
+
+
+def test_python_path_takes_over_when_the_stream_refuses(smollm2):
+    class Refusing:
+        def step(self, tokenizer, ids):
+            raise Exception("InvalidPrefix")
+
+    prompt, generated = smollm2.encode("Hi"), smollm2.encode(" fine 😀 day", add_special_tokens=False)
+    detok = IncrementalDetokenizer(smollm2, len(prompt))
+    ids, pieces = list(prompt), []
+    for i, token in enumerate(generated):
+        ids.append(token)
+        if i == 2:
+            detok._stream = Refusing()
+        pieces.append(detok.decode_next(ids))
+    pieces.append(detok.flush(ids))
+    assert not detok._use_stream
+    assert "".join(pieces) == " fine 😀 day"
+
+
+def test_stream_path_takes_several_new_tokens_at_once(smollm2):
+    prompt = smollm2.encode("Hi")
+    generated = smollm2.encode(" one 😀 two three", add_special_tokens=False)
+    fast = IncrementalDetokenizer(smollm2, len(prompt))
+    slow = IncrementalDetokenizer(smollm2, len(prompt))
+    slow._use_stream = False
+    ids, fast_pieces, slow_pieces = list(prompt), [], []
+    for i in range(0, len(generated), 3):
+        ids += generated[i:i + 3]
+        fast_pieces.append(fast.decode_next(ids))
+        slow_pieces.append(slow.decode_next(ids))
+    assert fast._use_stream and fast_pieces == slow_pieces
+    assert "".join(fast_pieces) + fast.flush(ids) == " one 😀 two three"

@@ -1,0 +1,242 @@
+"""Host overhead of a decode step: the engine's own work around a runner that answers at once.
+
+    python scripts/bench_engine.py --host-overhead [--batch 256 --context 2048 --vocab 128256 --steps 40]
+
+`InstantRunner` stands in for ModelRunner: it does the runner's host work (`validate_spans`,
+`prepare_inputs`: token ids, positions, slot mapping, block tables) and returns rows of a random
+[batch + 64, vocab] float32 logits tensor built once (a view that shifts by one row per step, so
+the tokens change from step to step at no cost). Everything else in `LLMEngine.step` is real:
+scheduler, block manager, sampler, detokenizer, stop matching, outputs.
+
+Vocabulary: the logits have `--vocab` columns (128256, Llama 3); the tokenizer is SmolLM2's (49152 ids).
+Prompts and generated tokens use its first 4096 ids (common BPE merges: real text pieces); the other
+columns are padding scored 12 below them (as a model's padded embedding rows), so the sampler works on
+the full width and the detokenizer decodes real tokens.
+
+Phases, in microseconds of CPU time per step (medians over the steps):
+  schedule    Scheduler.schedule (block tables grow, spans built)
+  prepare     validate_spans + prepare_inputs (the runner's host work before the forward)
+  sample      sampler.sample on the [batch, vocab] logits, on this CPU: that includes the vocabulary-wide
+              tensor math a GPU runs on the device. "sample, host" is the same call on the first 4096
+              columns only (same rows, same ids): the sampler's Python, dispatch and small-tensor work
+  detokenize  IncrementalDetokenizer calls and stop-sequence matching, per sequence
+  outputs     the rest of step(): appending tokens, TokenInfo/RequestOutput building, finish checks
+The total is measured on steps without the phase timers (process_time around step()); the phases come
+from as many steps with them (schedule, prepare, sample by process_time; detokenize summed with
+perf_counter per call: each call is a few microseconds, rarely preempted), and `outputs` is what is left
+of the timed step. Host overhead = timed step - sample + sample at 4096 columns (per step, then the
+median): what the step costs the host when the vocabulary-wide math runs elsewhere. Both figures are
+printed; the last line is the host one.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+NUM_SHIFTS = 64     # distinct logits views per sequence before they repeat
+NARROW = 4096       # token ids in use; the sampler's host cost is measured at this width
+
+
+class InstantRunner:
+    """A ModelRunner without a model: the runner's host work, then logits at once."""
+
+    def __init__(self, batch: int, vocab: int, real_vocab: int, num_kv_blocks: int, block_size: int,
+                 max_position: int, seed: int = 0):
+        from engine.attention.backend import AttentionBackend
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.device = torch.device("cpu")
+        self.attention_backend = "instant"
+        self.max_position = max_position
+        self.backend = AttentionBackend()   # the base class: no per-step precompute (as the GPU kernels)
+        generator = torch.Generator().manual_seed(seed)
+        self.logits = torch.randn(batch + NUM_SHIFTS, vocab, generator=generator) * 2
+        self.logits[:, real_vocab:] -= 12.0
+        self.narrow = self.logits[:, :real_vocab].contiguous()
+        self.num_steps = 0
+        self.prepare_s = 0.0
+
+    def run(self, spans: list[Any]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        from engine.model_inputs import prepare_inputs, validate_spans
+        start = time.process_time()
+        validate_spans(spans, self.block_size, self.num_kv_blocks, self.max_position)
+        prepare_inputs(spans, self.block_size, self.device, self.backend, {None})
+        self.prepare_s += time.process_time() - start
+        rows = sum(1 for span in spans if span.logits != "none")
+        if rows > len(self.logits) - NUM_SHIFTS:
+            raise ValueError(f"{rows} rows of logits asked, the stand-in holds {len(self.logits) - NUM_SHIFTS}")
+        shift = self.num_steps % NUM_SHIFTS
+        self.num_steps += 1
+        return self.logits[shift:shift + rows], {}
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class ModelShape:
+    vocab_size: int
+    max_position_embeddings: int
+
+
+class PhaseTimers:
+    """Wraps the engine's phase entry points with timers (installed only for the phase steps)."""
+
+    def __init__(self, engine: Any):
+        import engine.llm_engine as llm_engine_module
+        self.engine, self.module = engine, llm_engine_module
+        self.schedule_s = self.sample_s = self.detok_s = self.sample_host_s = 0.0
+        self._schedule, self._sample = engine.scheduler.schedule, llm_engine_module.sample
+        self._wrapped: list[tuple[Any, str, Any]] = []
+
+    def install(self) -> None:
+        engine, timers = self.engine, self
+
+        def schedule() -> Any:
+            start = time.process_time()
+            try:
+                return timers._schedule()
+            finally:
+                timers.schedule_s += time.process_time() - start
+
+        def sample(logits: torch.Tensor, rows: Any, bitmask: Any = None) -> Any:
+            # the same rows at NARROW columns first (the generators' states are put back): the host part
+            narrow = engine.runner.narrow[logits.storage_offset() // logits.shape[1]:][:len(logits)]
+            states = [row.generator.get_state() if row.generator is not None else None for row in rows]
+            start = time.process_time()
+            timers._sample(narrow, rows, bitmask)
+            timers.sample_host_s += time.process_time() - start
+            for row, state in zip(rows, states):
+                if state is not None:
+                    row.generator.set_state(state)
+            start = time.process_time()
+            try:
+                return timers._sample(logits, rows, bitmask)
+            finally:
+                timers.sample_s += time.process_time() - start
+
+        engine.scheduler.schedule = schedule
+        self.module.sample = sample
+        seq = next(iter(engine._seqs.values()))
+        for obj, name in ((type(seq.detokenizer), "decode_next"), (type(seq.detokenizer), "flush"),
+                          (type(seq.stop), "feed")):
+            self._wrap(obj, name)
+
+    def _wrap(self, cls: type, name: str) -> None:
+        original, timers, clock = getattr(cls, name), self, time.perf_counter
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                timers.detok_s += clock() - start
+
+        self._wrapped.append((cls, name, original))
+        setattr(cls, name, timed)
+
+    def remove(self) -> None:
+        self.engine.scheduler.schedule = self._schedule
+        self.module.sample = self._sample
+        for cls, name, original in self._wrapped:
+            setattr(cls, name, original)
+        self._wrapped = []
+
+    def reset(self) -> None:
+        self.schedule_s = self.sample_s = self.detok_s = self.sample_host_s = 0.0
+
+
+def build(args: argparse.Namespace, tokenizer_dir: Any) -> Any:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.tokenizer import load_tokenizer
+
+    if args.vocab < NARROW:
+        raise SystemExit(f"error: --vocab must be at least {NARROW} (the token ids in use)")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    block_size = 16
+    max_total = args.context + args.steps * 2 + 64
+    num_blocks = args.batch * (-(-max_total // block_size) + 1)
+    runner = InstantRunner(args.batch, args.vocab, NARROW, num_blocks, block_size, max_total)
+    config = EngineConfig(model_id="", max_total_tokens=max_total, max_input_tokens=args.context,
+                          max_batch_prefill_tokens=args.batch * args.context, max_batch_size=args.batch)
+    return LLMEngine(config, runner=runner, model_config=ModelShape(args.vocab, max_total), tokenizer=tokenizer)
+
+
+def request_params(mode: str, i: int) -> Any:
+    """greedy: TGI's default request (logprob of each token). mixed: every other row samples, seeded,
+    with temperature, top-k, top-p and a repetition penalty."""
+    from engine.sampling_params import SamplingParams
+    if mode == "mixed" and i % 2:
+        return SamplingParams(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1,
+                              seed=i, max_new_tokens=10**6, ignore_eos=True)
+    return SamplingParams(max_new_tokens=10**6, ignore_eos=True)
+
+
+def measure(engine: Any, steps: int) -> dict[str, Any]:
+    """CPU microseconds per decode step: the plain total, then the phases on as many timed steps."""
+    totals = []
+    for _ in range(steps):
+        start = time.process_time()
+        outputs = engine.step()
+        totals.append(time.process_time() - start)
+        assert len(outputs) == engine.config.max_batch_size, "every sequence must decode in every step"
+    timers = PhaseTimers(engine)
+    timers.install()
+    phases: dict[str, list[float]] = {name: [] for name in ("schedule", "prepare", "sample", "detokenize",
+                                                            "outputs", "timed step", "sample, host", "host")}
+    try:
+        for _ in range(steps):
+            timers.reset()
+            engine.runner.prepare_s = 0.0
+            start = time.process_time()
+            engine.step()
+            total = time.process_time() - start
+            parts = {"schedule": timers.schedule_s, "prepare": engine.runner.prepare_s,
+                     "sample": timers.sample_s, "detokenize": timers.detok_s}
+            total -= timers.sample_host_s
+            parts["outputs"] = total - sum(parts.values())
+            parts["timed step"] = total
+            parts["sample, host"] = timers.sample_host_s
+            parts["host"] = total - parts["sample"] + timers.sample_host_s
+            for name, value in parts.items():
+                phases[name].append(value)
+    finally:
+        timers.remove()
+    us = {name: statistics.median(values) * 1e6 for name, values in phases.items()}
+    us["total"] = statistics.median(totals) * 1e6
+    return us
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from bench_engine import make_prompts, resolve_model_dir
+    tokenizer_dir = resolve_model_dir(args.model_id)
+    engine = build(args, tokenizer_dir)
+    print(f"host overhead: batch {args.batch}, contexts of {args.context} tokens, vocab {args.vocab} (SmolLM2's "
+          f"first {NARROW} token ids, the rest padding), sampling {args.sampling}, torch threads "
+          f"{torch.get_num_threads()}; stand-in runner, CPU time per step", flush=True)
+    prompts = make_prompts(engine.tokenizer, args.batch, args.context, NARROW)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, request_params(args.sampling, i))
+    start = time.perf_counter()
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                          for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(args.warmup):
+        engine.step()
+    print(f"prefill + {args.warmup} warm-up steps: {time.perf_counter() - start:.1f} s wall", flush=True)
+    us = measure(engine, args.steps)
+    engine.close()
+    print(f"{'phase':<22}{'us/step':>10}")
+    for name in ("schedule", "prepare", "sample", "detokenize", "outputs", "timed step"):
+        print(f"{name:<22}{us[name]:>10.0f}")
+    print(f"{'sample, host':<22}{us['sample, host']:>10.0f}   (the same call on {NARROW} columns)")
+    print(f"{'total, untimed steps':<22}{us['total']:>10.0f}   (CPU time with the vocabulary-wide math on this CPU)")
+    print(f"host overhead: {us['host']:.0f} us/step at batch {args.batch}")
+    return {"host_overhead_us": us, "batch": args.batch, "context": args.context, "vocab": args.vocab,
+            "sampling": args.sampling}

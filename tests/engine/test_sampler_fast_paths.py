@@ -1,0 +1,105 @@
+"""The sampler's shortcuts give what the general path gives: greedy-only batches, the top-k prefilter
+before the top-p sort, the repetition penalty written in place of a row copy."""
+import pytest
+
+torch = pytest.importorskip("torch")
+import engine.sampler as sampler  # noqa: E402
+from engine.sampler import process, report, sample, top_k_mask, top_p_mask  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sequence import Sequence  # noqa: E402
+
+VOCAB = 3000
+
+
+def row(prompt=(1, 2, 3), generated=(), seed=None, **params):
+    p = SamplingParams(**params)
+    seq = Sequence(0, "r", list(prompt) + list(generated), p, max_tokens=10**6, num_prompt_tokens=len(prompt))
+    seq.seed = seed
+    return seq
+
+
+def logits_for(n, seed=0):
+    return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize("top_n", [0, 1, 5])
+def test_greedy_only_batch_matches_the_general_path(top_n):
+    logits = logits_for(16)
+    rows = [row(top_n_tokens=top_n) for _ in range(16)]
+    fast = sample(logits, rows)
+    general = process(logits, rows)
+    slow = report(general.logprobs, general.scores.argmax(dim=-1), [r.params for r in rows])
+    assert fast.token_ids == slow.token_ids == logits.argmax(dim=-1).tolist()
+    assert fast.logprobs == slow.logprobs
+    assert fast.top_token_ids == slow.top_token_ids
+    assert fast.top_logprobs == slow.top_logprobs
+
+
+def test_greedy_rows_without_logprobs_skip_them():
+    logits = logits_for(4)
+    out = sample(logits, [row(logprobs=False) for _ in range(4)])
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert all(lp != lp for lp in out.logprobs)         # nan: nobody asked
+
+
+def test_greedy_fast_path_is_not_taken_when_anything_processes_scores():
+    logits = logits_for(2)
+    logits[0, 7] = 50.0                                  # the argmax, then penalised away
+    rows = [row(prompt=(7,), repetition_penalty=1e6), row()]
+    out = sample(logits, rows)
+    assert out.token_ids[0] != 7
+
+
+@pytest.mark.parametrize("k,p", [(1, 0.5), (5, 0.9), (50, 0.95), (200, 0.3), (50, 1.0)])
+def test_top_p_after_top_k_prefilter_equals_the_full_sort(k, p):
+    scores = top_k_mask(logits_for(8, seed=k), torch.tensor([k] * 8), k)
+    top_p = torch.tensor([p] * 7 + [1.0])
+    full = top_p_mask(scores, top_p)
+    kept = int(torch.isfinite(scores).sum(dim=-1).max())
+    assert kept == k
+    assert torch.equal(torch.isfinite(top_p_mask(scores, top_p, kept)), torch.isfinite(full))
+    assert torch.equal(top_p_mask(scores, top_p, kept), full)
+
+
+def test_top_k_ties_are_counted_before_the_prefilter(monkeypatch):
+    # ties with the k-th score all survive top-k: the prefilter must sort them all (sorting only k of
+    # them would leave 6 tied tokens that the full sort removes)
+    logits = torch.zeros(2, VOCAB)
+    logits[:, :3] = torch.tensor([5.0, 4.0, 3.0])
+    logits[:, 3:10] = 2.0                                # 7 ties at the 4th place
+    rows = [row(do_sample=True, top_k=4, top_p=0.7, seed=s) for s in (1, 2)]
+    fast = process(logits, rows).scores
+    original = sampler.top_p_mask
+    monkeypatch.setattr(sampler, "top_p_mask", lambda scores, top_p, max_kept=None: original(scores, top_p))
+    assert torch.equal(fast, process(logits, rows).scores)
+    assert torch.isfinite(fast).sum(dim=-1).tolist() == [2, 2]
+
+
+def test_mixed_batch_draws_the_same_tokens_with_and_without_the_prefilter(monkeypatch):
+    def make_rows():
+        return [row(do_sample=True, top_k=40, top_p=0.8, temperature=0.7, seed=11 + i) if i % 2 else
+                row(top_n_tokens=2) for i in range(12)]
+
+    logits = logits_for(12, seed=3)
+    with_prefilter = [sample(logits, rows) for rows in [make_rows()]][0]
+    original = sampler.top_p_mask
+    monkeypatch.setattr(sampler, "top_p_mask", lambda scores, top_p, max_kept=None: original(scores, top_p))
+    without = sample(logits, make_rows())
+    assert with_prefilter.token_ids == without.token_ids
+    assert with_prefilter.logprobs == pytest.approx(without.logprobs, abs=1e-6)
+
+
+def test_repetition_penalty_matches_the_hf_formula_and_leaves_the_logits_alone():
+    logits = logits_for(3, seed=5)
+    before = logits.clone()
+    history = [[4, 4, 9, 2999], [], [7]]
+    rows = [row(prompt=h or (1,), repetition_penalty=1.3) for h in history]
+    rows[1] = row(prompt=(1,))                           # no penalty on this row
+    scores = sampler.apply_repetition_penalty(logits, rows)
+    assert torch.equal(logits, before)
+    expected = logits.clone()
+    for r, ids in ((0, {4, 9, 2999}), (2, {7})):
+        for i in ids:
+            v = expected[r, i]
+            expected[r, i] = v * 1.3 if v < 0 else v / 1.3
+    assert torch.equal(scores, expected)
