@@ -54,8 +54,10 @@ class PeerWatch:
         self._thread.start()
 
     def _loop(self) -> None:
+        """The first heartbeat goes out at once: a rank counts as watched from its first beat on, and one that
+        died right after start-up (before a beat a second later) was never declared dead."""
         last_seen: dict[int, tuple[int, float]] = {}
-        while not self._stop.wait(HEARTBEAT_S):
+        while not self._stop.is_set():
             try:
                 self.store.add(f"tgi/heartbeat/{self.layout.rank}", 1)
                 counts = {rank: self.store.add(f"tgi/heartbeat/{rank}", 0) for rank in self.watched}
@@ -68,6 +70,7 @@ class PeerWatch:
                     last_seen[rank] = (count, now)
                 elif count > 0 and now - seen[1] > self.timeout:
                     return self._dead(f"rank {rank} sent no heartbeat for {self.timeout:g} s")
+            self._stop.wait(HEARTBEAT_S)
 
     def _dead(self, reason: str) -> None:
         if not self._stop.is_set():
