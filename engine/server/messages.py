@@ -32,7 +32,7 @@ from engine.server.openai_routes import _apply_chat_template
 from engine.server.protocol import ChatCompletionRequest, GenerateRequest, dump
 from engine.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format, split_reasoning
 from engine.server.state import ServerState
-from engine.server.streaming import EventStream, stream_error, unless_disconnected
+from engine.server.streaming import EventStream, admit, stream_error, unless_disconnected
 from engine.server.tools import ToolUse, tool_use
 from engine.server.validation import ValidRequest, chat_request, parse_body
 from engine.structured.tool_calls import ToolCall, ToolCallStream, parse_tool_call
@@ -230,14 +230,8 @@ def _tool_id() -> str:
 def _stream(state: ServerState, req: MessagesRequest, use: ToolUse | None, generate: GenerateRequest,
             arrival: float) -> EventStream:
     """Admitted and validated now (a real 429/422), then Anthropic's events; a failure is the last event."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(state.infer.permit())
-    try:
-        valid = state.validator.validate(generate, stream=True, add_special_tokens=False)
-    except ServerError:
-        stack.close()
-        raise
-    return EventStream(_events(state, req, use, valid, arrival), on_close=stack.close)
+    valid, release = admit(state, lambda: state.validator.validate(generate, stream=True, add_special_tokens=False))
+    return EventStream(_events(state, req, use, valid, arrival), on_close=release)
 
 
 def _event(data: dict[str, Any]) -> bytes:

@@ -30,7 +30,7 @@ from engine.server.reasoning import ReasoningStream, reasoning_format, split_rea
 from engine.server.response_store import ResponseStore
 from engine.server.responses_protocol import InputTokensDetails, ResponseObject, ResponsesRequest, ResponseUsage
 from engine.server.state import ServerState
-from engine.server.streaming import EventStream, stream_error, unless_disconnected
+from engine.server.streaming import EventStream, admit, stream_error, unless_disconnected
 from engine.server.tools import ToolUse, new_call_id, tool_use
 from engine.server.validation import ValidRequest, chat_request, parse_body
 from engine.structured.tool_calls import ToolCall, ToolCallStream, parse_tool_call
@@ -250,14 +250,8 @@ class _Answer:
 
 def _stream(state: ServerState, store: ResponseStore, answer: _Answer, generate: GenerateRequest,
             arrival: float) -> EventStream:
-    stack = contextlib.ExitStack()
-    stack.enter_context(state.infer.permit())
-    try:
-        valid = state.validator.validate(generate, stream=True, add_special_tokens=False)
-    except ServerError:
-        stack.close()
-        raise
-    return EventStream(_events(state, store, answer, valid, arrival), on_close=stack.close)
+    valid, release = admit(state, lambda: state.validator.validate(generate, stream=True, add_special_tokens=False))
+    return EventStream(_events(state, store, answer, valid, arrival), on_close=release)
 
 
 class _Events:

@@ -72,16 +72,22 @@ def open_stream(state: ServerState, req: GenerateRequest, arrival: float, render
 
     Once the stream is open an error can only be its last event; OpenAI streams end with [DONE].
     """
+    valid, release = admit(state, lambda: state.validator.validate(
+        req, stream=True, add_special_tokens=add_special_tokens, prompt_token_ids=prompt_token_ids,
+        max_new_tokens_default=max_new_tokens_default))
+    return EventStream(_events(state, valid, arrival, render, openai), on_close=release)
+
+
+def admit(state: ServerState, validate: Callable[[], T]) -> tuple[T, Callable[[], None]]:
+    """Take a permit now (a real 429) and run `validate` (a real 422): the permit goes back if validation
+    fails; otherwise the stream that follows gives it back by calling the returned function when it closes."""
     stack = contextlib.ExitStack()
     stack.enter_context(state.infer.permit())
     try:
-        valid = state.validator.validate(req, stream=True, add_special_tokens=add_special_tokens,
-                                         prompt_token_ids=prompt_token_ids,
-                                         max_new_tokens_default=max_new_tokens_default)
+        return validate(), stack.close
     except ServerError:
         stack.close()
         raise
-    return EventStream(_events(state, valid, arrival, render, openai), on_close=stack.close)
 
 
 async def _events(state: ServerState, valid: ValidRequest, arrival: float, render: Renderer,
