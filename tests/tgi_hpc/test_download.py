@@ -317,7 +317,7 @@ def test_killed_download_resumes_and_is_hash_checked(tmp_path, hf_env):
     repo = tmp_path / "hub" / "acme" / "big"
     _tokenizer_files(repo)
     save_file({"w": np.frombuffer(os.urandom(24 << 20), np.uint8)}, str(repo / "model.safetensors"))
-    size = (repo / "model.safetensors").stat().st_size
+    size, oid = (repo / "model.safetensors").stat().st_size, _sha256(repo / "model.safetensors")
     store = tmp_path / "store"
     part_dir = model_dir(store, "acme/big") / PARTIAL_DIR
     srv = HubServer(tmp_path / "hub", gated={"acme/big"}, tokens={TOKEN}, throttle=8 << 20)
@@ -330,7 +330,7 @@ def test_killed_download_resumes_and_is_hash_checked(tmp_path, hf_env):
             deadline, partial = time.monotonic() + 30, 0
             while time.monotonic() < deadline and child.poll() is None and not partial:
                 assert TOKEN.encode() not in Path(f"/proc/{child.pid}/cmdline").read_bytes()
-                partial = _partial_bytes(part_dir)
+                partial = _partial_bytes(part_dir, oid)  # the weights' part only: a tokenizer part may come first
                 time.sleep(0.02)
             child.send_signal(signal.SIGKILL)
         finally:
@@ -351,9 +351,9 @@ def test_killed_download_resumes_and_is_hash_checked(tmp_path, hf_env):
     _assert_no_token_under(tmp_path)
 
 
-def _partial_bytes(part_dir: Path) -> int:
+def _partial_bytes(part_dir: Path, oid: str) -> int:
     try:
-        return sum(p.stat().st_size for p in part_dir.glob("*.part"))
+        return sum(p.stat().st_size for p in part_dir.glob(f"*.{oid}.part"))
     except FileNotFoundError:  # the folder or a part moved between listing and stat
         return 0
 
