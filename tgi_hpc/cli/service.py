@@ -17,6 +17,7 @@ def serve_service(app: App, cluster, opts, svc, *, release, dry_run, wait, timeo
 
     deliver(app, cluster, result, dry_run=dry_run, open_tunnel=open_tunnel, stop_on_exit=stop_on_exit,
             tunnel=lambda: open_service_tunnel(cluster, result.name, local_port=local_port, timeout=timeout,
+                                               accept_host_key=app.accept_host_key,
                                                progress=app.info),
             stop=lambda: stop_service(cluster, result.name))
 
@@ -42,17 +43,21 @@ def endpoint(app: App, service, no_check) -> None:
     app.emit(found.to_dict(), found.exports())
 
 
-def stop_services(app: App, cluster, names: list[str], all_jobs: bool) -> list[str] | None:
+def stop_services(app: App, cluster, names: list[str], all_jobs: bool, *, replica: bool = False) -> list[str] | None:
     """`stop` with service names: each service is marked stopped, then its jobs are cancelled; `stop --all`
     marks every service stopped first, so no job submits a successor on its way out. Returns the job ids
     left for `stop` (None when only services were named: their result is printed here)."""
+    from tgi_hpc.errors import UsageError
     from tgi_hpc.service.state import is_job_id
-    from tgi_hpc.workflows.service import stop_all_services, stop_service
+    from tgi_hpc.workflows.service import check_replica_stop, stop_all_services, stop_service
 
     if all_jobs:
         stop_all_services(cluster)
         return None
     services = [n for n in names if not is_job_id(n)]
+    if replica and services:
+        raise UsageError(f"--replica takes job ids, not a service name ({services[0]})")
+    check_replica_stop(cluster, [n for n in names if is_job_id(n)], replica=replica)
     done = {name: stop_service(cluster, name) for name in services}
     if services and len(services) == len(names):
         app.emit({"stopped": [j for ids in done.values() for j in ids], "services": done},
