@@ -43,7 +43,7 @@ Exit codes:
 @click.version_option(__version__, prog_name="tgi-hpc")
 @global_options
 def cli() -> None:
-    """Serve open LLMs on Slurm clusters (Mila, DRAC) with a TGI/OpenAI-compatible engine.
+    """Serve open LLMs on Slurm clusters (Mila, DRAC, PAICE) with a TGI/OpenAI-compatible engine.
 
     \b
     tgi-hpc download --model ORG/NAME      store weights in the cluster's model store

@@ -1,4 +1,4 @@
-"""`tgi-hpc endpoint SERVICE`, and the service side of `serve`, `tunnel` and `stop`."""
+"""`tgi-hpc endpoint JOB|SERVICE`, and the service side of `serve`, `tunnel` and `stop`."""
 from __future__ import annotations
 
 import click
@@ -23,19 +23,32 @@ def serve_service(app: App, cluster, opts, svc, *, release, dry_run, wait, timeo
 
 
 @click.command()
-@click.argument("service")
-@click.option("--no-check", is_flag=True, help="Trust the state file; do not ask Slurm which replicas still run.")
+@click.argument("target", metavar="JOB|SERVICE")
+@click.option("--wait", is_flag=True, help="JOB: wait until it is READY (else a job not READY is an error).")
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds --wait waits.")
+@click.option("--no-check", is_flag=True, help="SERVICE: trust the state file; do not ask Slurm which replicas run.")
 @with_app
-def endpoint(app: App, service, no_check) -> None:
-    """Print SERVICE's current URLs and API key as shell exports (eval them), or --json.
+def endpoint(app: App, target, wait, timeout, no_check) -> None:
+    """Print a serve JOB's, or SERVICE's, URLs and API key as shell exports (eval them), or --json.
 
     \b
-    For clients in other jobs on the cluster:  eval "$(tgi-hpc endpoint NAME)"
-    then TGI_HPC_URLS (every serving replica), TGI_HPC_URL, TGI_HPC_API_KEY, OPENAI_BASE_URL/OPENAI_API_KEY,
-    and TGI_HPC_SERVICE_STATE for tgi_hpc.client.ServiceClient, which follows successors and retries.
+    For clients in other jobs on the cluster (an evaluation job):  eval "$(tgi-hpc endpoint 4148 --wait)"
+    then TGI_HPC_URL, TGI_HPC_URLS (a service: every serving replica), TGI_HPC_API_KEY, OPENAI_BASE_URL,
+    OPENAI_API_KEY; a job adds TGI_HPC_MODEL (the served name), a service TGI_HPC_SERVICE_STATE for
+    tgi_hpc.service.client.ServiceClient.from_env(), which follows successors and retries.
+    The URLs are the compute nodes' own: from a laptop use `tunnel` instead.
     """
+    from tgi_hpc.service.state import is_job_id
+
+    if is_job_id(target):
+        from tgi_hpc.workflows.job_endpoint import job_endpoint
+
+        job = job_endpoint(app.cluster(), target, wait=wait, timeout=timeout, progress=app.info)
+        app.emit(job.to_dict(), job.exports())
+        return
     from tgi_hpc.workflows.service import service_endpoint
 
+    service = target
     found = service_endpoint(app.cluster(), service, check_slurm=not no_check)
     if not found.urls:
         app.info(f"service {service}: no replica is READY now (jobs: "
