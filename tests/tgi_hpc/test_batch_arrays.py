@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tgi_hpc.batch.ledger import Progress
-from tgi_hpc.batch.logs import logs
+from tgi_hpc.batch.logs import followed, logs
 from tgi_hpc.batch.submission import _active
 from tgi_hpc.cli._app import App
 from tgi_hpc.cli.batch import ProgressView
@@ -112,6 +112,9 @@ def test_logs_of_an_array_are_every_task_in_task_order_and_nothing_of_a_look_ali
     assert logs(cluster, "7") == {"7": "plain job\n"}
     with pytest.raises(SlurmError, match="no log for 8"):
         logs(cluster, "8")
+    assert followed(cluster, "12_2") == "12_2" and followed(cluster, "7") == "7" and followed(cluster, "8") == "8"
+    with pytest.raises(UsageError, match=r"12 has 3 logs \(12_0, 12_2, 12_10\): follow one task, e.g. .*12_0 -f"):
+        followed(cluster, "12")
 
 
 def test_logs_of_a_batch_are_those_of_every_job_it_submitted(tmp_path, hostile):

@@ -61,3 +61,12 @@ def logs(cluster: Cluster, target: str) -> dict[str, str]:
     if not found:
         raise SlurmError(f"no log for {target} in {cluster.job_dir} (not started yet?)")
     return found
+
+
+def followed(cluster: Cluster, target: str) -> str:
+    """The one job or task that `logs --follow TARGET` follows (a job array or a batch has a log per task)."""
+    names = [name for job_id in job_ids_of(cluster, target) for name in log_names(cluster, job_id)]
+    if len(names) != 1:
+        raise UsageError(f"{target} has {len(names)} logs ({', '.join(names[:4])}{'...' if len(names) > 4 else ''}): "
+                         f"follow one task, e.g. `tgi-hpc logs {names[0]} -f`")
+    return names[0]

@@ -76,6 +76,9 @@ def logs(app: App, job_id, follow) -> None:
             f"==> {name} <==\n{log}" + ("" if log.endswith("\n") or not log else "\n") for name, log in found.items())
         app.emit({"job_id": job_id, "log": text, "logs": found}, lambda: click.echo(text, nl=False))
         return
+    from tgi_hpc.batch.logs import followed
+
+    job_id = followed(cluster, job_id)       # an array task, not the array
     for chunk in jobs.follow(cluster, job_id):  # with --json: one JSON object per chunk (JSON lines)
         if app.json_output:
             click.echo(json.dumps({"job_id": job_id, "log": chunk}))
