@@ -6,7 +6,6 @@ TGI's {"error", "error_type"} body with the TGI status codes.
 """
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from typing import Any
@@ -20,22 +19,20 @@ from engine.server import sse
 from engine.server.completions import completions
 from engine.server.errors import ValidationError
 from engine.server.grammar import prepare_grammars, response_format_grammar
-from engine.server.infer import Generation, StreamEvent
+from engine.server.infer import StreamEvent
 from engine.server.openai_common import (adapter_id, check_common, finish, model_name, parameters, renderer,
                                          stream_choices, usage_of)
-from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
-                                    ChatCompletionMessage, ChatCompletionRequest, ChatDelta, ChatLogprob, ChatLogprobs,
-                                    ChatToolCall, FunctionCall, GenerateRequest, ModelCard, ModelList, TopLogprob,
-                                    Usage, dump)
-from engine.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format, split_reasoning
+from engine.server.openai_requests import apply_chat_template, chat_choice, chat_logprobs
+from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
+                                    ChatDelta, GenerateRequest, ModelCard, ModelList, Usage, dump)
+from engine.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format
 from engine.server.routing import ExactRoute
 from engine.server.state import ServerState
 from engine.server.streaming import Renderer, open_stream, unless_disconnected
-from engine.server.tools import ToolUse, new_call_id, template_inputs, tool_use
+from engine.server.tools import ToolUse, new_call_id, tool_use
 from engine.server.validation import ValidRequest, parse_body
-from engine.structured.tool_calls import ToolCallStream, parse_tool_call
+from engine.structured.tool_calls import ToolCallStream
 
-logger = logging.getLogger(__name__)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -56,7 +53,7 @@ async def chat_completions(request: Request) -> Response:
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
         if top_n > state.config.max_top_n_tokens:
             raise ValidationError(f"`top_logprobs` must be <= {state.config.max_top_n_tokens}. Given: {top_n}")
-        prompt = _apply_chat_template(state, req, use)
+        prompt = apply_chat_template(state, req, use)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = parameters(req, max_tokens, top_n, use.grammar if use is not None else grammar)
         params.adapter_id = adapter_id(state, req)
@@ -71,7 +68,7 @@ async def chat_completions(request: Request) -> Response:
             def chunk(ev: StreamEvent | None, usage: Usage | None, index: int = 0) -> dict[str, Any]:
                 choices = [] if ev is None else [ChatChunkChoice(
                     index=index, delta=_delta(ev, thinks, reasoning_streams, index),
-                    logprobs=_chat_logprobs([ev.token]) if logprobs else None, finish_reason=finish(ev.end))]
+                    logprobs=chat_logprobs([ev.token]) if logprobs else None, finish_reason=finish(ev.end))]
                 return dump(ChatCompletionChunk(id=rid, created=created, model=model_name(state, req), usage=usage,
                                                 system_fingerprint=state.system_fingerprint, choices=choices))
             if n > 1:
@@ -86,7 +83,7 @@ async def chat_completions(request: Request) -> Response:
             groups = [fan.fan_out(valid, n, req.seed, prompt_logprobs=False)]
             gens = await unless_disconnected(request, state.infer.generate_groups(
                 groups, arrival, state.config.prefix_caching))
-        choices = [_chat_choice(gen, use, logprobs, index, thinks) for index, gen in enumerate(gens[0])]
+        choices = [chat_choice(gen, use, logprobs, index, thinks) for index, gen in enumerate(gens[0])]
         body = ChatCompletion(id=rid, created=created, model=model_name(state, req), choices=choices,
                               usage=fan.usage(gens, gens), system_fingerprint=state.system_fingerprint)
         return JSONResponse(dump(body))
@@ -103,22 +100,6 @@ def _delta(ev: StreamEvent, thinks: ReasoningFormat | None, streams: dict[int, R
     return ChatDelta(content=content if content or not reasoning else None, reasoning_content=reasoning or None)
 
 
-def _chat_choice(gen: Generation, use: ToolUse | None, logprobs: bool, index: int,
-                 thinks: ReasoningFormat | None = None) -> ChatCompletionChoice:
-    call = parse_tool_call(gen.text, use.fmt, use.tools) if use is not None else None
-    if call is None and use is not None and not use.allow_text:
-        # the grammar forced a call: only a cut-off (length) or a grammar failure gets here
-        logger.warning("tool_choice required/named answered without a complete call (finish %s): %r",
-                       gen.finish_reason, gen.text[:300])
-    reasoning, text = split_reasoning(gen.text, thinks) if thinks is not None and call is None else (None, gen.text)
-    message = ChatCompletionMessage(content=text, reasoning_content=reasoning)
-    if call is not None:
-        message = ChatCompletionMessage(content=None, tool_calls=[ChatToolCall(id=new_call_id(), function=FunctionCall(
-            name=call.name, arguments=call.arguments))])
-    return ChatCompletionChoice(index=index, message=message, finish_reason="tool_calls" if call else finish(gen),
-                                logprobs=_chat_logprobs(gen.tokens) if logprobs else None)
-
-
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.server
     cards = [ModelCard(id=state.model_name, owned_by="tgi-hpc", task=state.info.task)]
@@ -133,30 +114,7 @@ ROUTES: list[BaseRoute] = [
 ]
 
 
-# --- request -> GenerateParameters --------------------------------------------------------------
-
-def _apply_chat_template(state: ServerState, req: ChatCompletionRequest, use: ToolUse | None) -> str:
-    if not getattr(state.tokenizer, "chat_template", None):
-        raise ValidationError("this model has no chat template; use /v1/completions or /generate")
-    for message in req.messages:
-        if isinstance(message.content, list) and any(p.type != "text" for p in message.content):
-            raise ValidationError("only text content parts are supported")
-    messages, tools = template_inputs(req, state.tokenizer, use)
-    try:
-        extra = {"tools": tools} if tools else {}
-        return str(state.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra))
-    except Exception as exc:  # jinja errors (e.g. "roles must alternate") are the caller's to fix
-        raise ValidationError(f"chat template error: {exc}") from None
-
-
 # --- responses ----------------------------------------------------------------------------------
-
-def _chat_logprobs(tokens: list[Any]) -> ChatLogprobs:
-    return ChatLogprobs(content=[
-        ChatLogprob(token=t.text, logprob=t.logprob or 0.0,
-                    top_logprobs=[TopLogprob(token=a.text, logprob=a.logprob or 0.0) for a in t.top_tokens])
-        for t in tokens])
-
 
 def _tool_renderer(state: ServerState, req: ChatCompletionRequest, use: ToolUse, rid: str,
                    created: int) -> Renderer:

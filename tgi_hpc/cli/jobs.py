@@ -60,17 +60,25 @@ def status(app: App, job_ids, no_probe, generate) -> None:
 
 @click.command()
 @click.argument("job_id")
-@click.option("--follow", "-f", is_flag=True, help="Keep printing new output until the job ends.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new output until the job ends (one job or task).")
 @with_app
 def logs(app: App, job_id, follow) -> None:
-    """Print the output of JOB_ID."""
+    """Print the output of JOB_ID: a job, an array task (4148_2), every task of a job array (4148), or
+    every job of a batch (its --output file)."""
     from tgi_hpc.slurm import jobs
 
     cluster = app.cluster()
     if not follow:
-        text = jobs.logs(cluster, job_id)
-        app.emit({"job_id": job_id, "log": text}, lambda: click.echo(text, nl=False))
+        from tgi_hpc.batch.logs import logs as read_logs
+
+        found = read_logs(cluster, job_id)
+        text = "".join(found.values()) if list(found) == [job_id] else "".join(
+            f"==> {name} <==\n{log}" + ("" if log.endswith("\n") or not log else "\n") for name, log in found.items())
+        app.emit({"job_id": job_id, "log": text, "logs": found}, lambda: click.echo(text, nl=False))
         return
+    from tgi_hpc.batch.logs import followed
+
+    job_id = followed(cluster, job_id)       # an array task, not the array
     for chunk in jobs.follow(cluster, job_id):  # with --json: one JSON object per chunk (JSON lines)
         if app.json_output:
             click.echo(json.dumps({"job_id": job_id, "log": chunk}))
