@@ -142,3 +142,14 @@ def test_every_command_and_flag_the_docs_name_exists():
                     wrong.append(f"{where}: `tgi-hpc {' '.join(path)} ... {flag}`: no such option")
     assert seen > 30
     assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def test_the_readme_names_the_states_status_prints():
+    with click.Context(cli.commands["status"], info_name="status") as ctx:
+        help_text = cli.commands["status"].get_help(ctx)
+    states = set(re.findall(r"\b(PENDING|STARTING|LISTENING|READY|ENDING|COMPLETED|FAILED|CANCELLED|TIMEOUT)\b",
+                            help_text))
+    assert len(states) == 9, help_text
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### `status`", 1)[1].split("\n### ", 1)[0]
+    assert not {s for s in states if s not in section}, section
