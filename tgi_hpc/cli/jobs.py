@@ -89,21 +89,30 @@ def logs(app: App, job_id, follow) -> None:
 @click.command()
 @click.argument("job_ids", nargs=-1)
 @click.option("--all", "all_jobs", is_flag=True, help="Stop all my tgi-hpc jobs.")
+@click.option("--replica", is_flag=True, help="JOB_IDS are jobs of a service: cancel just them, and the service "
+              "replaces each with its successor (without it, a service's job is refused: stop SERVICE).")
 @with_app
-def stop(app: App, job_ids, all_jobs) -> None:
-    """Cancel JOB_IDS (or --all of my tgi-hpc jobs); a SERVICE name stops the whole service."""
+def stop(app: App, job_ids, all_jobs, replica) -> None:
+    """Cancel JOB_IDS (or --all of my tgi-hpc jobs); a SERVICE name stops the whole service.
+
+    A job of a service is refused (its successor would start and the service go on): `stop SERVICE`
+    stops the service, `stop JOB --replica` replaces just that job.
+    """
     from tgi_hpc.errors import UsageError
     from tgi_hpc.slurm import jobs
 
     if bool(job_ids) == all_jobs:
         raise UsageError("give job ids or --all (not both)")
+    if replica and all_jobs:
+        raise UsageError("--replica names jobs of a service; it does not go with --all")
     from tgi_hpc.cli.service import stop_services
 
     cluster = app.cluster()
-    left = stop_services(app, cluster, list(job_ids), all_jobs)
+    left = stop_services(app, cluster, list(job_ids), all_jobs, replica=replica)
     if left is None and not all_jobs:   # only services were named
         return
     result = jobs.stop(cluster, None if all_jobs else left)
     lines = [f"stopped {' '.join(result.stopped)}"] if result.stopped else []
+    lines = [f"{line} (replaced by its service)" for line in lines] if replica else lines
     lines += [f"job {j} had already ended ({state})" for j, state in result.ended.items()]
     app.emit({"stopped": result.stopped, "already_ended": result.ended}, "\n".join(lines) or "nothing to stop")
