@@ -46,13 +46,13 @@ def unsupported_reason(hf_config: Any) -> str | None:
     model_cls = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
     if model_cls is None:
         return f"transformers has no AutoModelForCausalLM class for model_type {hf_config.model_type!r}"
-    if not getattr(model_cls, "_supports_attention_backend", False):
-        return (f"{model_cls.__name__}'s attention bypasses transformers' attention interface "
-                "(it cannot use our paged attention)")
     text = hf_config.get_text_config()
     other = sorted(set(getattr(text, "layer_types", None) or ()) - KV_LAYER_TYPES)
     if other:
         return f"layers of type {', '.join(other)} keep a cache that is not key/value"
+    if not getattr(model_cls, "_supports_attention_backend", False):
+        return (f"{model_cls.__name__}'s attention bypasses transformers' attention interface "
+                "(it cannot use our paged attention)")
     if getattr(text, "attn_temperature_tuning", False) and 0 in (getattr(text, "no_rope_layers", None) or ()):
         return "its NoPE layers scale queries by positions counted from transformers' own cache"
     return None
