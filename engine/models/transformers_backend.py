@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from engine.attention.backend import causal_mask
+from engine.distributed import layout
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.model_config import ModelConfig
 
@@ -192,6 +193,9 @@ class TransformersForCausalLM(nn.Module):
         super().__init__()
         from transformers import AutoModelForCausalLM
 
+        if layout().tp_size > 1 or layout().pp_size > 1:
+            raise ValueError(f"{config.architecture} runs on the transformers backend, which has no tensor or "
+                             "pipeline parallelism yet: use one rank")
         _register()
         self.config = config
         hf_config = load_hf_config(config.source)
