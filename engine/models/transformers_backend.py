@@ -111,9 +111,14 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     layer = module.__dict__.get("tgi_attention")
     if layer is None:  # the probe (or a forward before it): one causal sequence, recorded
         if tgi_probe is not None:
+            problem = None
+            if v.shape[-1] != k.shape[-1] or k.shape[-1] != head_dim:
+                problem = f"keys of {k.shape[-1]} and values of {v.shape[-1]} per head (one KV size needed)"
+            elif attention_mask is not None:
+                problem = "it builds its own attention mask, which paged attention cannot apply"
             tgi_probe.append((module, dict(num_heads=num_heads, num_kv_heads=k.shape[1], head_dim=head_dim,
                                            scale=scaling if scaling is not None else head_dim ** -0.5,
-                                           sliding_window=sliding_window, logit_softcap=softcap), s_aux is not None))
+                                           sliding_window=sliding_window, logit_softcap=softcap), problem))
         layer = Attention(num_heads, k.shape[1], head_dim, scaling or head_dim ** -0.5, sliding_window,
                           logit_softcap=softcap)
         tgi_meta = None
@@ -121,7 +126,7 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         out = sink_attention(layer, q, k, v, s_aux, tgi_meta)
     else:
         out = layer(q, k, v, tgi_meta)
-    return out.view(1, num_tokens, num_heads, head_dim), None
+    return out.view(1, num_tokens, num_heads, -1), None
 
 
 def sink_attention(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
@@ -136,7 +141,8 @@ def sink_attention(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.
     out, start = q.new_empty(q.shape), 0
     for b, (num_queries, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
         positions = torch.arange(seq_len, device=q.device)
-        slots = meta.block_tables[b, positions // meta.block_size].long() * meta.block_size + positions % meta.block_size
+        blocks = meta.block_tables[b, positions // meta.block_size].long()
+        slots = blocks * meta.block_size + positions % meta.block_size
         mask = causal_mask(num_queries, seq_len - num_queries, seq_len, layer.sliding_window, q.device)
         rows = slice(start, start + num_queries)
         out[rows] = _sink_attend(layer, q[rows], keys.index_select(0, slots), values.index_select(0, slots), mask,
@@ -267,7 +273,9 @@ class TransformersForCausalLM(nn.Module):
             raise ValueError(f"{name}: an attention module runs more than once per forward (shared layers); "
                              "the transformers backend keeps one KV cache per module")
         layers = []
-        for module, shape, _ in calls:
+        for module, shape, problem in calls:
+            if problem is not None:
+                raise ValueError(f"{name} cannot run on the transformers backend: {problem}")
             if (shape["num_kv_heads"], shape["head_dim"]) != (self.config.num_key_value_heads, self.config.head_dim):
                 raise ValueError(f"{name}: attention layers with {shape['num_kv_heads']} KV heads of "
                                  f"{shape['head_dim']} (config: {self.config.num_key_value_heads} of "
