@@ -65,16 +65,16 @@ def run_one(args: argparse.Namespace, name: str) -> dict:
         profile = _profiler() if args.profile else None
         wall0, cpu0 = time.perf_counter(), time.process_time()
         while engine.has_unfinished_requests():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             outputs = engine.step()
-            elapsed = time.perf_counter() - start
+            elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
             is_decode = bool(engine.scheduler.running) and all(
                 s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running) and \
                 engine.stats().batch_size == len(prompts)
             if profile is not None:
                 profile.step(is_decode)
             if is_decode and len(first_token) == len(prompts):
-                decode_steps.append(elapsed)
+                decode_steps.append((elapsed, elapsed_cpu))
             for out in outputs:
                 first_token.setdefault(out.request_id, time.perf_counter() - wall0)
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
@@ -83,11 +83,17 @@ def run_one(args: argparse.Namespace, name: str) -> dict:
         generated = len(prompts) * args.new_tokens
         return {"workload": name, "tok_s": generated / wall, "tok_per_cpu_s": generated / cpu, "wall_s": wall,
                 "cpu_s": cpu, "ttft_p50_s": statistics.median(first_token.values()),
-                "decode_step_ms": 1e3 * statistics.median(decode_steps) if decode_steps else float("nan"),
+                "decode_step_ms": _median_ms(w for w, _ in decode_steps),
+                "decode_step_cpu_ms": _median_ms(c for _, c in decode_steps),
                 "prefix_hit_tokens": engine.block_manager.num_hit_tokens,
                 "prefill_tokens": engine._num_prompt_tokens_total}
     finally:
         engine.close()
+
+
+def _median_ms(seconds) -> float:
+    values = list(seconds)
+    return 1e3 * statistics.median(values) if values else float("nan")
 
 
 class _profiler:
@@ -161,13 +167,14 @@ def main() -> None:
 def print_table(names, trees, results) -> None:
     keys = [("tok_s", "tok/s", "{:.1f}"), ("tok_per_cpu_s", "tok/CPU-s", "{:.1f}"),
             ("ttft_p50_s", "TTFT p50 s", "{:.2f}"), ("decode_step_ms", "decode step ms", "{:.0f}"),
+            ("decode_step_cpu_ms", "decode step CPU ms", "{:.0f}"),
             ("prefill_tokens", "prefill tokens", "{:.0f}")]
     print("| workload | tree | " + " | ".join(title for _, title, _ in keys) + " |")
     print("|---|---|" + "---|" * len(keys))
     for name in names:
         for tree in trees:
             runs = results[(name, tree)]
-            cells = [fmt.format(statistics.median(r[key] for r in runs)) for key, _, fmt in keys]
+            cells = [fmt.format(statistics.median(r.get(key, float("nan")) for r in runs)) for key, _, fmt in keys]
             print(f"| {name} | {tree.name} | " + " | ".join(cells) + " |")
 
 
