@@ -7,8 +7,10 @@
 Workloads (issue 20): N prompts of L tokens, all added at once (N = the concurrency), `--new-tokens` each,
 greedy with ignore_eos, the engine at its defaults (KV cache, prefill budget, block size, backends):
 p128/p512/p1024/p2048 = 16 prompts of 128..2048 tokens; shared1024 = 16 prompts of a shared 1024-token
-system prompt + 128 own tokens; c64 = 64 prompts of 128 tokens. A context curve: `--curve` runs 16 prompts
-of 128, 512, 1024 and 2048 tokens and prints the median pure-decode step time of each.
+system prompt + 128 own tokens; c64 = 64 prompts of 128 tokens. `--curve`: the model runner's decode step
+(forward + logits, no sampler) at 16 sequences over contexts of 128, 512, 1024 and 2048 tokens, each
+sequence on its own blocks; the cache holds whatever it holds (no prefill: the time does not depend on the
+values), median CPU and wall ms of `--repeat` x 5 steps per context.
 
 `--compare DIR` runs each workload in a subprocess of this checkout and of DIR (another checkout, e.g. main)
 alternately, `--repeat` times, so both see the same load; medians are printed side by side. CPU time
@@ -30,7 +32,7 @@ sys.path.insert(0, str(HERE / "scripts"))
 # name -> (prompt tokens, shared prefix tokens, number of prompts)
 WORKLOADS = {"p128": (128, 0, 16), "p512": (512, 0, 16), "p1024": (1024, 0, 16), "p2048": (2048, 0, 16),
              "shared1024": (128, 1024, 16), "c64": (128, 0, 64)}
-CURVE = ("p128", "p512", "p1024", "p2048")
+CURVE = (128, 512, 1024, 2048)
 
 
 def prompts_for(tokenizer, name: str, vocab_size: int) -> list[list[int]]:
@@ -125,6 +127,41 @@ class _profiler:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), file=sys.stderr)
 
 
+def decode_curve(args: argparse.Namespace, num_seqs: int = 16) -> None:
+    import torch
+    from bench_engine import resolve_model_dir
+    from engine.batch import SeqSpan
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+    from engine.model_config import ModelConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = EngineConfig(model_id=str(resolve_model_dir(args.model_id)), device="cpu",
+                          **json.loads(args.engine_config))
+    runner = ModelRunner(config, ModelConfig.from_pretrained(config.model_id))
+    try:
+        bs = runner.block_size
+        print(f"| context | decode step CPU ms | wall ms | (16 sequences, {runner.attention_backend}, blocks of {bs}) |")
+        print("|---|---|---|---|")
+        for context in CURVE:
+            per_seq = -(-(context + 1) // bs)
+            if num_seqs * per_seq > runner.num_kv_blocks:
+                raise SystemExit(f"the KV cache has {runner.num_kv_blocks} blocks, {num_seqs * per_seq} needed")
+            spans = [SeqSpan(b, [100 + b], context, list(range(b * per_seq, (b + 1) * per_seq)))
+                     for b in range(num_seqs)]
+            runner.run(spans)  # warm-up
+            cpu, wall = [], []
+            for _ in range(5 * args.repeat):
+                start, start_cpu = time.perf_counter(), time.process_time()
+                runner.run(spans)
+                wall.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
+            print(f"| {context} | {_median_ms(cpu):.1f} | {_median_ms(wall):.1f} | |", flush=True)
+    finally:
+        runner.close()
+
+
 def run_tree(tree: Path, args: argparse.Namespace, name: str) -> dict:
     command = [sys.executable, str(tree / "scripts" / "bench_workloads.py"), "--child", name,
                "--model-id", args.model_id, "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
@@ -139,7 +176,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-id", default="smollm2")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--curve", action="store_true", help="the context curve: " + ", ".join(CURVE))
+    parser.add_argument("--curve", action="store_true", help="decode step time at 16 sequences over contexts "
+                        + ", ".join(map(str, CURVE)))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--repeat", type=int, default=1)
@@ -152,7 +190,10 @@ def main() -> None:
     if args.child:
         print(json.dumps(run_one(args, args.child)))
         return
-    names = CURVE if args.curve else args.workloads.split(",")
+    if args.curve:
+        decode_curve(args)
+        return
+    names = args.workloads.split(",")
     trees = [HERE] + ([args.compare.resolve()] if args.compare else [])
     results: dict[tuple[str, Path], list[dict]] = {}
     for name in names:
