@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(HERE / "scripts"))
+sys.path[:0] = [str(HERE), str(HERE / "scripts")]  # this checkout's `engine` and bench_engine
 
 # name -> (prompt tokens, shared prefix tokens, number of prompts)
 WORKLOADS = {"p128": (128, 0, 16), "p512": (512, 0, 16), "p1024": (1024, 0, 16), "p2048": (2048, 0, 16),
