@@ -48,12 +48,14 @@ class InstantRunner:
     def __init__(self, batch: int, vocab: int, real_vocab: int, num_kv_blocks: int, block_size: int,
                  max_position: int, seed: int = 0):
         from engine.attention.backend import AttentionBackend
+        from engine.attention.block_tables import BlockTables
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.device = torch.device("cpu")
         self.attention_backend = "instant"
         self.max_position = max_position
         self.backend = AttentionBackend()   # the base class: no per-step precompute (as the GPU kernels)
+        self.tables = BlockTables(self.device)
         generator = torch.Generator().manual_seed(seed)
         self.logits = torch.randn(batch + NUM_SHIFTS, vocab, generator=generator) * 2
         self.logits[:, real_vocab:] -= 12.0
@@ -65,7 +67,7 @@ class InstantRunner:
         from engine.model_inputs import prepare_inputs, validate_spans
         start = time.process_time()
         validate_spans(spans, self.block_size, self.num_kv_blocks, self.max_position)
-        prepare_inputs(spans, self.block_size, self.device, self.backend, {None})
+        prepare_inputs(spans, self.block_size, self.device, self.backend, {None}, self.tables)
         self.prepare_s += time.process_time() - start
         rows = sum(1 for span in spans if span.logits != "none")
         if rows > len(self.logits) - NUM_SHIFTS:
