@@ -33,14 +33,17 @@ from engine.model_inputs import prepare_inputs
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_DEFAULT_SIZE = 512      # a larger --max-batch-size decodes its larger batches eagerly
 
 
 def batch_sizes(wanted: list[int] | None, enforce_eager: bool, max_batch_size: int | None) -> list[int]:
-    """The sizes to capture: TGI's `--cuda-graphs` list (0 or empty = none), by default powers of
-    two up to 256, never above max_batch_size."""
+    """The sizes to capture: TGI's `--cuda-graphs` list (0 or empty = none), never above max_batch_size;
+    by default powers of two up to 256 and max_batch_size itself (up to 512), so a full batch replays too."""
     if enforce_eager:
         return []
-    sizes = DEFAULT_BATCH_SIZES if wanted is None else [size for size in wanted if size > 0]
+    sizes = list(DEFAULT_BATCH_SIZES) if wanted is None else [size for size in wanted if size > 0]
+    if wanted is None and max_batch_size:
+        sizes.append(min(max_batch_size, MAX_DEFAULT_SIZE))
     if max_batch_size:
         sizes = [size for size in sizes if size <= max_batch_size] or [max_batch_size]
     return sorted(set(sizes))

@@ -95,6 +95,8 @@ class PhaseTimers:
         self.schedule_s = self.sample_s = self.detok_s = self.sample_host_s = 0.0
         self._schedule, self._sample = engine.scheduler.schedule, llm_engine_module.sample
         self._wrapped: list[tuple[Any, str, Any]] = []
+        from engine.penalty_counts import PenaltyCounts
+        self.narrow_counts = PenaltyCounts()   # the 4096-column calls keep their own counts (another width)
 
     def install(self) -> None:
         engine, timers = self.engine, self
@@ -106,19 +108,19 @@ class PhaseTimers:
             finally:
                 timers.schedule_s += time.process_time() - start
 
-        def sample(logits: torch.Tensor, rows: Any, bitmask: Any = None) -> Any:
+        def sample(logits: torch.Tensor, rows: Any, bitmask: Any = None, counts: Any = None) -> Any:
             # the same rows at NARROW columns first (the generators' states are put back): the host part
             narrow = engine.runner.narrow[logits.storage_offset() // logits.shape[1]:][:len(logits)]
             states = [row.generator.get_state() if row.generator is not None else None for row in rows]
             start = time.process_time()
-            timers._sample(narrow, rows, bitmask)
+            timers._sample(narrow, rows, bitmask, counts=None if counts is None else timers.narrow_counts)
             timers.sample_host_s += time.process_time() - start
             for row, state in zip(rows, states):
                 if state is not None:
                     row.generator.set_state(state)
             start = time.process_time()
             try:
-                return timers._sample(logits, rows, bitmask)
+                return timers._sample(logits, rows, bitmask, counts=counts)
             finally:
                 timers.sample_s += time.process_time() - start
 
