@@ -12,7 +12,8 @@ warpers and the reported logprobs all see the constrained distribution.
 Each sampling row draws from its own (CPU) torch.Generator, so a seeded request gives the same
 tokens whatever else is in the batch; across devices too, unless a uniform falls within float32 rounding
 of a token's boundary (the draw's probabilities are float32: `inverse_cdf_blocked`).
-With the engine's `PenaltyCounts`, penalties read token counts kept between steps instead of each history.
+On a GPU, with the engine's `PenaltyCounts`, penalties read token counts kept on the device between steps
+instead of copying each history there (on CPU the per-history path is faster and stays).
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ def process(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitma
     `counts`: the engine's token counts kept between steps (else each history is counted afresh)."""
     params = [row.params for row in rows]
     scores = logits.float()
+    if counts is not None and scores.device.type == "cpu":
+        counts = None   # on CPU the sparse per-history path wins (kept counts cost vocabulary-wide passes)
     if bitmask is not None:
         scores = apply_token_bitmask(scores, bitmask)
     if any(p.repetition_penalty not in (None, 1.0) for p in params):
