@@ -48,7 +48,7 @@ while [ $# -gt 0 ]; do
     --python) PY=$2; shift 2 ;;
     --only) ONLY=",$2,"; shift 2 ;;
     --skip) SKIP=",$2,"; shift 2 ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
