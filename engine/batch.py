@@ -21,3 +21,4 @@ class SeqSpan:
     block_table: list[int]
     logits: Literal["none", "last", "all"] = "last"
     adapter: int = 0            # LoRA adapter index (engine/lora), 0 = the base model
+    table_version: int = -1     # Sequence.block_table_version; -1: unknown (engine/attention/block_tables.py)

@@ -84,6 +84,7 @@ class BlockManager:
                 del self.free_block_ids[block_id]
             self.ref_counts[block_id] += 1
         seq.block_table = list(cached)
+        seq.block_table_version += 1
         seq.num_computed_tokens = len(cached) * self.block_size
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = seq.num_computed_tokens
@@ -108,6 +109,8 @@ class BlockManager:
         past num_computed_tokens in the blocks kept are rewritten before anything reads them."""
         keep = self.num_blocks_for(num_tokens)
         assert keep >= seq.num_registered_blocks, f"seq {seq.seq_id}: truncating registered blocks"
+        if len(seq.block_table) > keep:
+            seq.block_table_version += 1
         while len(seq.block_table) > keep:
             block_id = seq.block_table.pop()
             self.ref_counts[block_id] -= 1
@@ -133,6 +136,7 @@ class BlockManager:
             if self.ref_counts[block_id] == 0:
                 self.free_block_ids[block_id] = None
         seq.block_table = []
+        seq.block_table_version += 1
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 

@@ -26,20 +26,24 @@ import logging
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention.block_tables import BlockTables
 from engine.batch import SeqSpan
 from engine.model_inputs import prepare_inputs
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_DEFAULT_SIZE = 512      # a larger --max-batch-size decodes its larger batches eagerly
 
 
 def batch_sizes(wanted: list[int] | None, enforce_eager: bool, max_batch_size: int | None) -> list[int]:
-    """The sizes to capture: TGI's `--cuda-graphs` list (0 or empty = none), by default powers of
-    two up to 256, never above max_batch_size."""
+    """The sizes to capture: TGI's `--cuda-graphs` list (0 or empty = none), never above max_batch_size;
+    by default powers of two up to 256 and max_batch_size itself (up to 512), so a full batch replays too."""
     if enforce_eager:
         return []
-    sizes = DEFAULT_BATCH_SIZES if wanted is None else [size for size in wanted if size > 0]
+    sizes = list(DEFAULT_BATCH_SIZES) if wanted is None else [size for size in wanted if size > 0]
+    if wanted is None and max_batch_size:
+        sizes.append(min(max_batch_size, MAX_DEFAULT_SIZE))
     if max_batch_size:
         sizes = [size for size in sizes if size <= max_batch_size] or [max_batch_size]
     return sorted(set(sizes))
@@ -66,7 +70,7 @@ class DecodeGraphs:
         largest = self.batch_sizes[-1]
         with torch.inference_mode():  # the buffers are written under inference mode at every step
             # one host-to-device copy per step lands here, then fans out on the device (one sync, not five)
-            self.staging = torch.zeros(largest * (4 + max_blocks), dtype=torch.int64, device=device)
+            self.staging = torch.zeros(largest * 4, dtype=torch.int64, device=device)
             self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
             self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
             self.slot_mapping = torch.full((largest,), scratch_block * block_size, dtype=torch.int64, device=device)
@@ -78,6 +82,7 @@ class DecodeGraphs:
                                                  device)
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.tables = BlockTables(device, rows=largest, width=max_blocks)
 
     @property
     def max_batch_size(self) -> int:
@@ -135,19 +140,21 @@ class DecodeGraphs:
         bs, scratch = self.block_size, self.scratch_block
         positions = [s.start_pos for s in spans]
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(spans, positions)]
-        tables = [s.block_table + [0] * (self.max_blocks - len(s.block_table)) for s in spans]
-        tables += [[scratch] * self.max_blocks] * padding
         values = ([s.token_ids[0] for s in spans] + [0] * padding            # input_ids
                   + positions + [0] * padding                                 # positions
                   + slots + [scratch * bs] * padding                          # slot_mapping
-                  + [p + 1 for p in positions] + [1] * padding                # seq_lens
-                  + [block for row in tables for block in row])               # block_tables
+                  + [p + 1 for p in positions] + [1] * padding)               # seq_lens
         self.staging[:len(values)].copy_(torch.tensor(values, dtype=torch.int64))
         offset = 0
-        for buffer in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables):
-            target = buffer[:size].view(-1)
-            target.copy_(self.staging[offset:offset + target.numel()])  # device-side, int64 -> the buffer's dtype
-            offset += target.numel()
+        for buffer in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens):
+            target = buffer[:size]
+            target.copy_(self.staging[offset:offset + size])  # device-side, int64 -> the buffer's dtype
+            offset += size
+        tables = self.tables.gather(spans)       # device-resident rows: only new blocks cross from the host
+        width = tables.shape[1]
+        self.block_tables[:count, :width].copy_(tables)
+        self.block_tables[:count, width:].fill_(0)
+        self.block_tables[count:size].fill_(scratch)
         self.graphs[size].replay()
         return self.outputs[size][:count]
 

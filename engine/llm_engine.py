@@ -14,6 +14,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import FinishReason, RequestOutput, TokenInfo
+from engine.penalty_counts import PenaltyCounts
 from engine.sampler import SamplerOutput, pick_seed, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -136,6 +137,7 @@ class LLMEngine:
         self._live_ids: set[str] = set()
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = count()
+        self._penalty_counts = PenaltyCounts()         # penalties' token counts, kept between steps
         self._batch_size = 0
         self._num_prompt_tokens_total = 0
         self._num_generated_tokens_total = 0
@@ -238,7 +240,7 @@ class LLMEngine:
             self._num_generated_tokens_total += len(sampled)
             logits = last_logits if len(rows) == len(last_logits) else last_logits[rows]
             bitmask = masks.for_rows(sampled) if masks is not None else None
-            out = sample(logits, sampled, bitmask)
+            out = sample(logits, sampled, bitmask, counts=self._penalty_counts)
             outputs += [self._append_run(seq, out, range(j, j + 1)) for j, seq in enumerate(sampled)]
         if drafted:
             outputs += self._append_verified(drafted, verify(drafted, [all_logits[s.seq_id] for s in drafted]))

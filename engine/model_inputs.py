@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, build_metadata
+from engine.attention.block_tables import BlockTables
 from engine.batch import SeqSpan
 
 
@@ -50,7 +51,7 @@ def validate_spans(spans: list[SeqSpan], block_size: int, num_blocks: int, max_p
 
 
 def prepare_inputs(spans: list[SeqSpan], block_size: int, device: torch.device, backend: AttentionBackend,
-                   windows: set[int | None]) -> ModelInputs:
+                   windows: set[int | None], tables: BlockTables | None = None) -> ModelInputs:
     input_ids: list[int] = []
     positions: list[int] = []
     logits_rows: list[int] = []
@@ -62,7 +63,7 @@ def prepare_inputs(spans: list[SeqSpan], block_size: int, device: torch.device, 
             logits_rows += range(first_row, len(input_ids))
         elif span.logits == "last":
             logits_rows.append(len(input_ids) - 1)
-    meta = build_metadata(spans, block_size, device)
+    meta = build_metadata(spans, block_size, device, tables)
     backend.prepare(meta, windows)
     return ModelInputs(_tensor(input_ids, device), _tensor(positions, device), meta, _tensor(logits_rows, device))
 

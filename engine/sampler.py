@@ -10,7 +10,10 @@ Semantics (TGI's HeterogeneousNextTokenChooser, per row):
 A grammar's token bitmask (engine.structured) applies first, to greedy and sampling rows alike, so penalties,
 warpers and the reported logprobs all see the constrained distribution.
 Each sampling row draws from its own (CPU) torch.Generator, so a seeded request gives the same
-tokens whatever else is in the batch and whatever the device.
+tokens whatever else is in the batch; across devices too, unless a uniform falls within float32 rounding
+of a token's boundary (the draw's probabilities are float32: `inverse_cdf_blocked`).
+On a GPU, with the engine's `PenaltyCounts`, penalties read token counts kept on the device between steps
+instead of copying each history there (on CPU the per-history path is faster and stays).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from engine.penalty_counts import PenaltyCounts
 from engine.sampling_params import SamplingParams
 from engine.structured.masks import TokenBitmask, apply_token_bitmask
 
@@ -63,23 +67,28 @@ class ProcessedScores:
     sampling: list[bool]                  # per row: draws (True) or takes the argmax
 
 
-def process(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmask | None = None) -> ProcessedScores:
-    """Grammar mask, penalties and warpers of each row, then log_softmax: the distribution a row draws from."""
+def process(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmask | None = None,
+            counts: PenaltyCounts | None = None) -> ProcessedScores:
+    """Grammar mask, penalties and warpers of each row, then log_softmax: the distribution a row draws from.
+    `counts`: the engine's token counts kept between steps (else each history is counted afresh)."""
     params = [row.params for row in rows]
     scores = logits.float()
+    if counts is not None and scores.device.type == "cpu":
+        counts = None   # on CPU the sparse per-history path wins (kept counts cost vocabulary-wide passes)
     if bitmask is not None:
         scores = apply_token_bitmask(scores, bitmask)
     if any(p.repetition_penalty not in (None, 1.0) for p in params):
-        scores = apply_repetition_penalty(scores, rows)
+        scores = apply_repetition_penalty(scores, rows, counts)
     if any(p.frequency_penalty for p in params):
-        scores = apply_frequency_penalty(scores, rows)
+        scores = apply_frequency_penalty(scores, rows, counts)
     sampling = [is_sampling(p) for p in params]
     if any(sampling):
         scores = apply_warpers(scores, params, sampling)
     return ProcessedScores(scores, torch.log_softmax(scores, dim=-1), sampling)
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmask | None = None) -> SamplerOutput:
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmask | None = None,
+           counts: PenaltyCounts | None = None) -> SamplerOutput:
     """Choose one token per row of `logits` [n, vocab] (float32) with that row's parameters, among the tokens
     `bitmask` allows for the rows it names."""
     params = [row.params for row in rows]
@@ -92,7 +101,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
             return report(torch.log_softmax(scores, dim=-1), next_ids, params)
         return SamplerOutput(next_ids.tolist(), [float("nan")] * len(params), [[] for _ in params],
                              [[] for _ in params])
-    processed = process(logits, rows, bitmask)
+    processed = process(logits, rows, bitmask, counts)
     logprobs, sampling = processed.logprobs, processed.sampling
     next_ids = processed.scores.argmax(dim=-1)
     if any(sampling):
@@ -131,7 +140,8 @@ def draw_uniform(row: SampleRow) -> float:
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Token ids [n] drawn from unnormalised `probs` [n, vocab] (float64) by one uniform per row."""
+    """Token ids [n] drawn from unnormalised `probs` [n, vocab] (float64) by one uniform per row: the
+    whole-vocabulary reference of `inverse_cdf_blocked`."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     # strictly below the total, so zero-probability tokens at the tail can never be picked
@@ -139,13 +149,38 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=cdf.shape[-1] - 1)
 
 
+CDF_BLOCK = 1024   # probabilities per block of the two-level inverse CDF
+
+
+def inverse_cdf_blocked(logprobs: torch.Tensor, uniforms: torch.Tensor, block: int = CDF_BLOCK) -> torch.Tensor:
+    """Token ids [n] drawn from exp(`logprobs`) [n, vocab] by one float64 uniform per row, with no float64
+    copy of the vocabulary: float64 sums of blocks of `block` float32 probabilities pick a block, then a
+    float64 cumulative sum inside that one block picks the token (a zero-probability token never)."""
+    n, vocab = logprobs.shape
+    probs = logprobs.exp()
+    if vocab % block:
+        probs = torch.nn.functional.pad(probs, (0, -vocab % block))
+    blocks = probs.view(n, -1, block)
+    cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)           # [n, num_blocks]
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms.to(cdf.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    j = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)          # [n, 1]
+    before = torch.where(j > 0, cdf.gather(1, (j - 1).clamp(min=0)), torch.zeros_like(target))
+    inner = blocks.gather(1, j[:, :, None].expand(n, 1, block)).squeeze(1).double()      # [n, block]
+    k = torch.searchsorted(inner.cumsum(dim=-1) + before, target, right=True)
+    offsets = torch.arange(block, device=inner.device).expand_as(inner)
+    last = torch.where(inner > 0, offsets, torch.full_like(offsets, -1)).amax(dim=-1, keepdim=True)
+    return (j * block + torch.minimum(k, last)).squeeze(1)   # the block's last token with p > 0 at its edge
+
+
 def _draw(logprobs: torch.Tensor, next_ids: torch.Tensor, rows: Sequence[SampleRow],
           sampling: list[bool]) -> torch.Tensor:
     # inverse CDF: one uniform per row from the request's own CPU generator, so a seed gives the
-    # same draws on any device and batch; the vocab-wide work is one cumsum + searchsorted
+    # same draws on any device and batch; the vocab-wide work is a float32 exp, block sums and one block's
+    # cumsum per row
     idx = [r for r, s in enumerate(sampling) if s]
     uniforms = torch.tensor([draw_uniform(rows[r]) for r in idx], dtype=torch.float64)
-    drawn = inverse_cdf(logprobs[idx].double().exp(), uniforms)
+    drawn = inverse_cdf_blocked(logprobs[idx], uniforms)
     next_ids = next_ids.clone()
     next_ids[torch.tensor(idx, device=next_ids.device)] = drawn
     return next_ids
@@ -168,11 +203,18 @@ def _padded_ids(rows: Sequence[SampleRow], which: list[int], generated_only: boo
     return ids.to(device), mask.to(device)
 
 
-def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow],
+                             counts: PenaltyCounts | None = None) -> torch.Tensor:
     which = [r for r, row in enumerate(rows) if row.params.repetition_penalty not in (None, 1.0)]
-    ids, _ = _padded_ids(rows, which, generated_only=False, device=scores.device)
     penalty = torch.tensor([rows[r].params.repetition_penalty for r in which],
                            dtype=scores.dtype, device=scores.device)[:, None]
+    if counts is not None:
+        present = counts.presence(rows, which, scores.shape[-1], scores.device)
+        index = torch.tensor(which, device=scores.device)
+        picked = scores[index]
+        picked = torch.where(present, torch.where(picked < 0, picked * penalty, picked / penalty), picked)
+        return scores.index_copy(0, index, picked)      # out of place: the caller's logits stay
+    ids, _ = _padded_ids(rows, which, generated_only=False, device=scores.device)
     row_ids = torch.tensor(which, device=scores.device)[:, None].expand_as(ids)
     picked = scores[row_ids, ids]       # only the penalised entries: no copy of the penalised rows
     picked = torch.where(picked < 0, picked * penalty, picked / penalty)
@@ -180,15 +222,19 @@ def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow]) ->
     return scores.index_put((row_ids, ids), picked)
 
 
-def apply_frequency_penalty(scores: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+def apply_frequency_penalty(scores: torch.Tensor, rows: Sequence[SampleRow],
+                            counts: PenaltyCounts | None = None) -> torch.Tensor:
     which = [r for r, row in enumerate(rows) if row.params.frequency_penalty]
-    ids, mask = _padded_ids(rows, which, generated_only=True, device=scores.device)
     penalty = torch.tensor([rows[r].params.frequency_penalty for r in which],
                            dtype=scores.dtype, device=scores.device)[:, None]
-    counts = torch.zeros(len(which), scores.shape[-1], dtype=scores.dtype, device=scores.device)
-    counts.scatter_add_(1, ids, mask.to(scores.dtype))
+    if counts is not None:
+        times = counts.generated(rows, which, scores.shape[-1], scores.device).to(scores.dtype)
+    else:
+        ids, mask = _padded_ids(rows, which, generated_only=True, device=scores.device)
+        times = torch.zeros(len(which), scores.shape[-1], dtype=scores.dtype, device=scores.device)
+        times.scatter_add_(1, ids, mask.to(scores.dtype))
     scores = scores.clone()
-    scores[which] = scores[which] - penalty * counts
+    scores[which] = scores[which] - penalty * times
     return scores
 
 

@@ -173,7 +173,7 @@ class Scheduler:
             logits = "last" if end == seq.num_tokens else "none"
         batch.seqs.append(seq)
         batch.spans.append(SeqSpan(seq.seq_id, seq.token_ids[start:end] + seq.draft_token_ids, start,
-                                   seq.block_table, logits, seq.adapter))
+                                   seq.block_table, logits, seq.adapter, seq.block_table_version))
         batch.num_draft_tokens += len(seq.draft_token_ids)
         if end - start == 1 and start >= seq.num_prompt_tokens:
             batch.num_decode_tokens += 1

@@ -36,6 +36,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_table_version: int = 0                            # bumped by any change but a tail append
     block_hashes: list[int] = field(default_factory=list)   # of full blocks, filled lazily
     num_registered_blocks: int = 0                          # leading blocks already in the prefix cache
     wants_prefill_logprobs: bool = False                    # until the first full prefill ran

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from engine import cuda_graphs, distributed, pipeline
+from engine.attention.block_tables import BlockTables
 from engine.attention.flash import flash_version
 from engine.attention.selection import choose_backend
 from engine.batch import SeqSpan
@@ -98,6 +99,7 @@ class RankWorker:
             cpu_gemm.prepack_model(self.model)
         self.attention_layers = self.model.attention_layers()
         self.windows = {layer.sliding_window for layer in self.attention_layers}
+        self.block_tables = BlockTables(self.device)   # kept on the device, updated by what changed
         self.attention, self.block_size, self.attention_report = self._choose_backend()
         self.attention_backend = self.attention.name
         self.graph_sizes = self._graph_sizes()
@@ -259,7 +261,8 @@ class RankWorker:
         restore = None
         if self.lora is not None:  # each adapter's tokens in one slice: a few GEMMs per adapter, no gathers
             spans, restore = order_by_adapter(spans)
-        inputs = prepare_inputs(spans, self.block_size, self.device, self.attention, self.windows)
+        inputs = prepare_inputs(spans, self.block_size, self.device, self.attention, self.windows,
+                                self.block_tables)
         try:
             if self.lora is not None:
                 self.lora.set_batch(spans, self.device)

@@ -203,7 +203,7 @@ def build_engine(model_dir: Path, args: argparse.Namespace, device: torch.device
                           max_total_tokens=args.prompt_len + args.new_tokens + 16, max_batch_size=most,
                           cpu_gemm=args.cpu_gemm, cuda_graphs=args.cuda_graphs)
     if device.type == "cpu":
-        config.cpu_kv_cache_bytes = max(config.cpu_kv_cache_bytes, int(kv_bytes_per_token(model_dir, dtype)
+        config.cpu_kv_cache_bytes = max(config.cpu_kv_cache_bytes or 0, int(kv_bytes_per_token(model_dir, dtype)
                                                                        * (total_tokens + 64 * most) * 1.1))
     return LLMEngine(config)
 

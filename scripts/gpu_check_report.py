@@ -1,11 +1,16 @@
 """Fold scripts/gpu_check.sh's logs into one results file: gpu_check.json and a Markdown summary.
 
-    python scripts/gpu_check_report.py LOG_DIR OUT_DIR TOTAL_SECONDS
+    python scripts/gpu_check_report.py LOG_DIR OUT_DIR TOTAL_SECONDS [CALL] [DRY_RUN: 0|1]
+
+Run after every stage, so a call killed midway leaves the report of what it finished. A stage's status:
+ok, failed (exit N), timed out (its limit or the call's budget ran out: exit 124/137), not run (no budget
+left for it).
 """
 from __future__ import annotations
 
 import datetime
 import json
+import platform
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -32,26 +37,47 @@ def junit(path: Path) -> dict | None:
     return counts
 
 
-def main(log_dir: str, out_dir: str, total_s: str) -> None:
-    logs, out = Path(log_dir), Path(out_dir)
+def status(rc: str) -> str:
+    if rc == "budget":
+        return "not run (no budget left)"
+    code = int(rc)
+    return "ok" if code == 0 else "timed out" if code in (124, 137) else f"failed (exit {code})"
+
+
+def stages_of(logs: Path) -> dict:
     stages = {}
     for line in (logs / "stages.tsv").read_text().splitlines():
         name, rc, seconds = line.split("\t")
         log = logs / f"{name}.log"
-        stages[name] = {"exit": int(rc), "seconds": int(seconds),
+        stages[name] = {"status": status(rc), "exit": rc if rc == "budget" else int(rc), "seconds": int(seconds),
                         "log_tail": log.read_text(errors="replace")[-TAIL:] if log.exists() else ""}
         tests = junit(logs / f"{name}.xml")
         if tests is not None:
             stages[name]["tests"] = tests
-    figures = {path.stem: json.loads(path.read_text()) for path in sorted(logs.glob("*.json"))}
+    return stages
+
+
+def main(log_dir: str, out_dir: str, total_s: str, call: str = "all", dry_run: str = "0") -> None:
+    logs, out = Path(log_dir), Path(out_dir)
+    stages = stages_of(logs)
+    figures = {}
+    for path in sorted(logs.glob("*.json")):
+        try:
+            figures[path.stem] = json.loads(path.read_text())
+        except ValueError:   # a stage killed while writing it
+            figures[path.stem] = {"unreadable": path.read_text(errors="replace")[-300:]}
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "total_seconds": int(total_s), "stages": stages, "figures": figures}
+              "call": call, "dry_run": dry_run == "1", "host": platform.node(), "total_seconds": int(total_s),
+              "ok": all(s["status"] == "ok" and not s.get("tests", {}).get("failed") for s in stages.values()),
+              "stages": stages, "figures": figures}
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
-    lines = [f"# gpu_check {result['date']} ({total_s} s)", "", "| stage | exit | s | tests |", "|---|---|---|---|"]
+    title = f"# gpu_check `{call}`{' (dry run: CPU, Triton interpreted)' if result['dry_run'] else ''}"
+    lines = [title, "", f"{result['date']}, {total_s} s, host {result['host']}", "",
+             "| stage | status | s | tests |", "|---|---|---|---|"]
     for name, stage in stages.items():
         tests = stage.get("tests")
         summary = f"{tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped" if tests else ""
-        lines.append(f"| {name} | {stage['exit']} | {stage['seconds']} | {summary} |")
+        lines.append(f"| {name} | {stage['status']} | {stage['seconds']} | {summary} |")
     for name, stage in stages.items():
         for failure in stage.get("tests", {}).get("failures", []):
             lines.append(f"- FAILED {failure}")
@@ -60,4 +86,4 @@ def main(log_dir: str, out_dir: str, total_s: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:6])

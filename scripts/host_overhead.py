@@ -48,12 +48,14 @@ class InstantRunner:
     def __init__(self, batch: int, vocab: int, real_vocab: int, num_kv_blocks: int, block_size: int,
                  max_position: int, seed: int = 0):
         from engine.attention.backend import AttentionBackend
+        from engine.attention.block_tables import BlockTables
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.device = torch.device("cpu")
         self.attention_backend = "instant"
         self.max_position = max_position
         self.backend = AttentionBackend()   # the base class: no per-step precompute (as the GPU kernels)
+        self.tables = BlockTables(self.device)
         generator = torch.Generator().manual_seed(seed)
         self.logits = torch.randn(batch + NUM_SHIFTS, vocab, generator=generator) * 2
         self.logits[:, real_vocab:] -= 12.0
@@ -65,7 +67,7 @@ class InstantRunner:
         from engine.model_inputs import prepare_inputs, validate_spans
         start = time.process_time()
         validate_spans(spans, self.block_size, self.num_kv_blocks, self.max_position)
-        prepare_inputs(spans, self.block_size, self.device, self.backend, {None})
+        prepare_inputs(spans, self.block_size, self.device, self.backend, {None}, self.tables)
         self.prepare_s += time.process_time() - start
         rows = sum(1 for span in spans if span.logits != "none")
         if rows > len(self.logits) - NUM_SHIFTS:
@@ -93,6 +95,8 @@ class PhaseTimers:
         self.schedule_s = self.sample_s = self.detok_s = self.sample_host_s = 0.0
         self._schedule, self._sample = engine.scheduler.schedule, llm_engine_module.sample
         self._wrapped: list[tuple[Any, str, Any]] = []
+        from engine.penalty_counts import PenaltyCounts
+        self.narrow_counts = PenaltyCounts()   # the 4096-column calls keep their own counts (another width)
 
     def install(self) -> None:
         engine, timers = self.engine, self
@@ -104,19 +108,19 @@ class PhaseTimers:
             finally:
                 timers.schedule_s += time.process_time() - start
 
-        def sample(logits: torch.Tensor, rows: Any, bitmask: Any = None) -> Any:
+        def sample(logits: torch.Tensor, rows: Any, bitmask: Any = None, counts: Any = None) -> Any:
             # the same rows at NARROW columns first (the generators' states are put back): the host part
             narrow = engine.runner.narrow[logits.storage_offset() // logits.shape[1]:][:len(logits)]
             states = [row.generator.get_state() if row.generator is not None else None for row in rows]
             start = time.process_time()
-            timers._sample(narrow, rows, bitmask)
+            timers._sample(narrow, rows, bitmask, counts=None if counts is None else timers.narrow_counts)
             timers.sample_host_s += time.process_time() - start
             for row, state in zip(rows, states):
                 if state is not None:
                     row.generator.set_state(state)
             start = time.process_time()
             try:
-                return timers._sample(logits, rows, bitmask)
+                return timers._sample(logits, rows, bitmask, counts=counts)
             finally:
                 timers.sample_s += time.process_time() - start
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine.attention.block_tables import BlockTables
 from engine.batch import SeqSpan
 
 
@@ -31,7 +32,10 @@ class AttentionMetadata:
     extra: dict[str, Any] = field(default_factory=dict)  # a backend's per-step precomputation
 
 
-def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device) -> AttentionMetadata:
+def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device,
+                   tables: BlockTables | None = None) -> AttentionMetadata:
+    """The step's layout; with `tables`, block tables come from the device-resident copy (updated by what
+    changed since the last step) instead of being rebuilt from the spans' lists."""
     query_lens = [len(span.token_ids) for span in spans]
     seq_lens = [span.start_pos + length for span, length in zip(spans, query_lens)]
     slots: list[int] = []
@@ -42,13 +46,17 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device) 
     cu_seqlens = [0]
     for length in query_lens:
         cu_seqlens.append(cu_seqlens[-1] + length)
-    width = max(len(span.block_table) for span in spans)
-    tables = [span.block_table + [0] * (width - len(span.block_table)) for span in spans]
+    if tables is not None:
+        block_tables = tables.gather(spans)
+    else:
+        width = max(len(span.block_table) for span in spans)
+        padded = [span.block_table + [0] * (width - len(span.block_table)) for span in spans]
+        block_tables = _to(torch.tensor(padded, dtype=torch.int32), device)
     return AttentionMetadata(
         slot_mapping=_to(torch.tensor(slots, dtype=torch.int64), device),
         cu_seqlens_q=_to(torch.tensor(cu_seqlens, dtype=torch.int32), device),
         seq_lens=_to(torch.tensor(seq_lens, dtype=torch.int32), device),
-        block_tables=_to(torch.tensor(tables, dtype=torch.int32), device),
+        block_tables=block_tables,
         block_size=block_size, num_seqs=len(spans), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
         query_lens_host=query_lens, seq_lens_host=seq_lens)
 

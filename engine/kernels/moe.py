@@ -45,7 +45,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
     return sorted_pairs, block_experts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # changes with every batch: no variant per value
 def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, scale_ptr, sorted_ptr, experts_ptr,
                          num_pairs, N, K, rows_per_a,
                          stride_am, stride_we, stride_wn, stride_cm,

@@ -38,7 +38,7 @@ def gemm_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # the token count: no compiled variant per value
     def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K,
                       stride_xm, stride_qk, stride_sg, stride_ym,
                       BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,

@@ -35,6 +35,11 @@ _DEFAULT_MAX_SPLITS = 32
 # --------------------------------------------------------------------------------------------- device
 
 
+# Integers that change from step to step (batch size, splits, the block tables' width): left unspecialized,
+# or Triton compiles a variant for each value that is 1 or a multiple of 16, stalling live traffic.
+PREFILL_INTS, DECODE_INTS = ["num_seqs", "stride_bt"], ["num_splits", "stride_bt"]
+
+
 @triton.jit
 def _find_seq(cu_seqlens_q, num_seqs, pid, BLOCK_Q: tl.constexpr):
     """Largest b with (cu_seqlens_q[b] // BLOCK_Q + b) <= pid: the sequence owning q-tile `pid`."""
@@ -122,7 +127,7 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PREFILL_INTS)
 def _unified_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr,
     num_seqs, qk_scale, softcap_log2, window,
@@ -194,7 +199,7 @@ def _unified_attention_kernel(
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DECODE_INTS)
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr,
     num_splits, qk_scale, softcap_log2, window,
@@ -253,7 +258,7 @@ def _decode_split_kernel(
         tl.store(part_l_ptr + stat, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, cu_q_ptr, num_splits,
     stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_mb, stride_mh,

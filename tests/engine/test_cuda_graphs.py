@@ -52,7 +52,10 @@ def eager(model, spans, windows):
 
 def test_default_sizes_and_limits():
     assert batch_sizes(None, False, None) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    assert batch_sizes(None, False, 24) == [1, 2, 4, 8, 16]
+    assert batch_sizes(None, False, 24) == [1, 2, 4, 8, 16, 24]      # a full batch replays a graph too
+    assert batch_sizes(None, False, 300) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 300]
+    assert batch_sizes(None, False, 4096)[-2:] == [256, 512]          # larger batches decode eagerly
+    assert batch_sizes([8, 3], False, 24) == [3, 8]                   # an explicit list is taken as given
     assert batch_sizes([8, 3, 3, 0], False, None) == [3, 8]
     assert batch_sizes([], False, None) == [] and batch_sizes(None, True, None) == []
 

@@ -232,7 +232,7 @@ GPU_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_cuda_kernels_give_the_cpu_logits(base_llama, tmp_path, case):
-    """On CUDA the Triton W4A16/W8A16 kernel and torch._scaled_mm (8.9+) replace the CPU dequantize path."""
+    """On CUDA the Triton W4A16/W8A16 kernel and torch._scaled_mm (9.0+) replace the CPU dequantize path."""
     quant = GPU_CASES[case](base_llama, tmp_path)
     with make_runner(quant) as runner:
         expected = engine_logits(runner)

@@ -4,7 +4,7 @@ Two sources: `--quantize fp8` quantizes a bf16/fp16/fp32 checkpoint at load (eac
 get their own scale, so q/k/v and gate/up quantize piece by piece), and compressed-tensors
 `float-quantized` checkpoints (engine.layers.quantization.compressed_tensors) bring e4m3 weights with
 per-channel or per-tensor scales (a per-tensor scale is spread over its projection's channels).
-On GPUs with FP8 tensor cores (compute capability 8.9+: Ada, Hopper) the GEMM is `torch._scaled_mm`;
+On GPUs with rowwise-scaled FP8 GEMMs (compute capability 9.0+: Hopper) the GEMM is `torch._scaled_mm`;
 elsewhere the same numerics run dequantized (weight and fake-quantized activations in the activation
 dtype: the weight per forward on older GPUs, once at load on CPU), and the log says so.
 """
@@ -40,8 +40,10 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def scaled_mm_usable(device: torch.device) -> bool:
+    """Rowwise-scaled `torch._scaled_mm` (per-token x per-channel scales, as here) is a Hopper (9.0+) kernel;
+    Ada (8.9) has FP8 tensor cores but torch's rowwise path has not been seen to run there."""
     return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
-            and torch.cuda.get_device_capability(device) >= (8, 9))
+            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 class Fp8LinearMethod(LinearMethod):
@@ -103,8 +105,8 @@ class Fp8LinearMethod(LinearMethod):
             if layer.fp8_scaled_mm:
                 logger.info("FP8 linear layers run torch._scaled_mm on %s", torch.cuda.get_device_name(device))
             else:
-                logger.warning("FP8 linear layers on %s: no FP8 GEMM here (torch._scaled_mm needs CUDA compute "
-                               "capability 8.9+); the weights are dequantized %s and activations still rounded "
+                logger.warning("FP8 linear layers on %s: no FP8 GEMM here (rowwise torch._scaled_mm needs CUDA "
+                               "compute capability 9.0+); the weights are dequantized %s and activations still rounded "
                                "to FP8 per token (same numerics, slower%s)", device,
                                "once at load" if device.type == "cpu" else "per forward",
                                ", 4x the FP8 weight memory" if device.type == "cpu" else "")

@@ -1,0 +1,106 @@
+"""Penalties from token counts kept between steps (engine/penalty_counts.py) give exactly the scores of
+counting each history afresh, step after step, while sequences join, grow, leave,
+get their rows taken by others, and come back; with duplicate ids, ids at the vocabulary's ends and
+rows without a sequence id."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from engine.penalty_counts import PenaltyCounts  # noqa: E402
+from engine.sampler import apply_frequency_penalty, apply_repetition_penalty, sample  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+VOCAB = 97
+
+
+@dataclass(eq=False)
+class Row:
+    seq_id: int
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seed: int | None = None
+    generator: torch.Generator | None = field(default=None)
+
+
+@dataclass(eq=False)
+class AnonymousRow:     # as the verifier's draft positions: no seq_id
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seed: int | None = None
+    generator: torch.Generator | None = None
+
+
+def params(rng: random.Random) -> SamplingParams:
+    return SamplingParams(repetition_penalty=rng.choice([None, 1.0, 1.3, 0.7]),
+                          frequency_penalty=rng.choice([0.0, 0.5, -0.4]),
+                          do_sample=rng.random() < 0.5, top_k=rng.choice([0, 5]), seed=rng.randrange(100))
+
+
+def simulate(seed: int, device: torch.device) -> None:
+    rng = random.Random(seed)
+    counts = PenaltyCounts(rows=2)          # small: rows are taken over and the table grows
+    live: list[Row] = []
+    next_id = 0
+    for step in range(60):
+        if rng.random() < 0.3 or not live:
+            prompt = [rng.choice([0, VOCAB - 1, rng.randrange(VOCAB)]) for _ in range(rng.randrange(1, 9))]
+            live.append(Row(next_id, params(rng), prompt, len(prompt), seed=rng.randrange(10)))
+            next_id += 1
+        if rng.random() < 0.15 and len(live) > 1:
+            live.pop(rng.randrange(len(live)))
+        batch = rng.sample(live, rng.randrange(1, len(live) + 1))
+        if rng.random() < 0.2:
+            batch.append(AnonymousRow(SamplingParams(repetition_penalty=1.5, frequency_penalty=0.3), [3, 3, 5, 3], 1))
+        logits = torch.randn(len(batch), VOCAB, generator=torch.Generator().manual_seed(step))
+        on = logits.to(device)
+        if any(r.params.repetition_penalty not in (None, 1.0) for r in batch):
+            kept = apply_repetition_penalty(on, batch, counts).cpu()
+            assert torch.equal(kept, apply_repetition_penalty(logits, batch))
+        if any(r.params.frequency_penalty for r in batch):
+            kept = apply_frequency_penalty(on, batch, counts).cpu()
+            assert torch.equal(kept, apply_frequency_penalty(logits, batch))
+        tokens = sample(logits.to(device), batch, counts=counts if device.type == "cuda" else None).token_ids
+        for r, token in zip(batch, tokens):
+            r.token_ids.append(token)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_kept_counts_equal_fresh_counts_step_after_step(seed):
+    simulate(seed, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_kept_counts_on_cuda_equal_fresh_counts_on_cpu():
+    for seed in range(3):
+        simulate(seed, torch.device("cuda"))
+
+
+def test_on_cpu_the_sampler_keeps_its_per_history_path():
+    counts = PenaltyCounts()
+    row = Row(0, SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5), [1, 2, 2], 1)
+    sample(torch.randn(1, 8), [row], counts=counts)
+    assert not counts.tables        # nothing was kept: the vocabulary-wide passes cost more than they save here
+
+
+def test_a_history_that_got_shorter_is_recounted():
+    counts = PenaltyCounts()
+    row = Row(0, SamplingParams(frequency_penalty=1.0), [1, 2, 3, 3, 3], 2)
+    logits = torch.zeros(1, 8)
+    apply_frequency_penalty(logits, [row], counts)
+    row.token_ids = [1, 2, 4]                      # e.g. a rollback
+    assert torch.equal(apply_frequency_penalty(logits, [row], counts), apply_frequency_penalty(logits, [row]))
+
+
+def test_the_callers_logits_are_left_alone():
+    counts = PenaltyCounts()
+    row = Row(0, SamplingParams(repetition_penalty=2.0), [1, 2], 1)
+    logits = torch.ones(1, 4)
+    apply_repetition_penalty(logits, [row], counts)
+    assert torch.equal(logits, torch.ones(1, 4))
