@@ -24,7 +24,8 @@ from engine.pooling.spec import PoolingSpec, detect
 logger = logging.getLogger(__name__)
 
 DEFAULT_STEP_TOKENS = 16384     # tokens one step takes (--max-batch-prefill-tokens overrides)
-DEFAULT_FORWARD_TOKENS = 1024   # padded tokens of one forward (one length-sorted batch; see runner.py)
+FORWARD_TOKENS_PER_THREAD = 1024  # padded tokens of one CPU forward per torch thread (see runner.py)
+MAX_FORWARD_TOKENS = 8192
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -49,6 +50,14 @@ class _Request:
     request_id: str
     token_ids: list[int]
     token_type_ids: list[int] | None
+
+
+def forward_tokens(device: torch.device) -> int:
+    """Padded tokens of one forward: on CPU 1024 per torch thread (each OpenMP barrier costs more with more
+    threads, so bigger GEMMs pay off: 2048 was 1.5x faster than 1024 at 2 threads, 1024 best at 1), else 1024."""
+    if device.type != "cpu":
+        return FORWARD_TOKENS_PER_THREAD
+    return min(FORWARD_TOKENS_PER_THREAD * torch.get_num_threads(), MAX_FORWARD_TOKENS)
 
 
 class PoolingEngine:
@@ -83,7 +92,7 @@ class PoolingEngine:
         self.runner = PoolingRunner(
             config.model_id, self.spec, device=self.device, dtype=self.dtype,
             pad_token_id=int(pad) if pad is not None else 0,
-            max_batch_tokens=max(DEFAULT_FORWARD_TOKENS, self.max_input_tokens),
+            max_batch_tokens=max(forward_tokens(self.device), self.max_input_tokens),
             max_batch_size=config.max_batch_size or 256, trust_remote_code=config.trust_remote_code,
             load_format=config.load_format, cpu_gemm=config.cpu_gemm)
         self.hidden_size = self.runner.hidden_size
