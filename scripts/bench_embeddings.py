@@ -9,7 +9,8 @@ so a batch mixes short queries with passages. The engine runs as a subprocess (l
 the texts as `--request-size` inputs per request, all requests at once; sentence-transformers runs in this
 process with `encode(batch_size=32)` (its default) while the engine idles. The runs alternate (engine, then
 sentence-transformers, --repeats times), so the load of a shared machine drifts onto both alike. Both use
---cpu-threads torch threads. The embeddings are checked too (minimum cosine printed).
+--cpu-threads torch threads. The embeddings are checked too (minimum cosine printed). On a loaded machine
+quote `cpu_speedup` (CPU seconds: the engine process's, all threads, against this process's during encode).
 """
 from __future__ import annotations
 
@@ -75,6 +76,12 @@ async def engine_run(url: str, batch: list[str], request_size: int) -> list[list
     return [v for part in parts for v in part]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc), all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def timed(fn, repeats: int) -> tuple[float, object]:
     times, result = [], None
     for _ in range(repeats):
@@ -112,16 +119,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.cpu_threads)
     st = SentenceTransformer(model, device="cpu")
     st.encode(batch[:8])
-    engine_times, st_times = [], []
+    engine_times, st_times, engine_cpu, st_cpu = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = start_engine(model, args.cpu_threads, Path(tmp) / "engine.log")
         try:
             asyncio.run(engine_run(url, batch[:8], args.request_size))  # warm-up
             for _ in range(args.repeats):  # alternated, so a shared box's load drifts onto both alike
+                c0 = cpu_seconds(proc.pid)
                 t, engine_vecs = timed(lambda: asyncio.run(engine_run(url, batch, args.request_size)), 1)
                 engine_times.append(t)
+                engine_cpu.append(cpu_seconds(proc.pid) - c0)
+                c0 = time.process_time()
                 t, st_vecs = timed(lambda: st.encode(batch, batch_size=32, convert_to_tensor=True), 1)
                 st_times.append(t)
+                st_cpu.append(time.process_time() - c0)
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(30)
@@ -132,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
               "engine_s": round(engine_s, 3), "engine_tok_s": round(num_tokens / engine_s, 1),
               "st_s": round(st_s, 3), "st_tok_s": round(num_tokens / st_s, 1),
               "speedup": round(st_s / engine_s, 2), "engine_runs_s": [round(t, 2) for t in engine_times],
-              "st_runs_s": [round(t, 2) for t in st_times], "min_cosine": round(float((a * b).sum(-1).min()), 6)}
+              "st_runs_s": [round(t, 2) for t in st_times],
+              "engine_cpu_s": [round(t, 2) for t in engine_cpu], "st_cpu_s": [round(t, 2) for t in st_cpu],
+              "cpu_speedup": round(statistics.median(st_cpu) / statistics.median(engine_cpu), 2), "min_cosine": round(float((a * b).sum(-1).min()), 6)}
     print(json.dumps(result))
     return 0
 

@@ -116,6 +116,15 @@ POOLING_MODELS: dict[str, tuple[str, str, dict, dict | None]] = {
                               dict(pooling="mean", normalize=True)),
     "tiny-qwen3-embed": ("Qwen3Config", "AutoModel", dict(_COMMON, rope_theta=1e6, tie_word_embeddings=False),
                          dict(pooling="lasttoken", normalize=True, prompts={"query": "Instruct: find it\nQuery: "})),
+    # e5-mistral style: last token of "<s> text </s>", instruction prompts (one of them the default for Llama)
+    "tiny-mistral-embed": ("MistralConfig", "AutoModel", dict(_COMMON, rope_theta=1e4, sliding_window=None,
+                                                               tie_word_embeddings=False),
+                           dict(pooling="lasttoken", normalize=True, eos=True, prompts={
+                               "web_search_query": "Instruct: Given a web search query, retrieve relevant "
+                                                   "passages that answer the query\nQuery: "})),
+    "tiny-llama-embed": ("LlamaConfig", "AutoModel", dict(_COMMON, rope_theta=1e4, tie_word_embeddings=False),
+                         dict(pooling="lasttoken", normalize=True, eos=True, default_prompt_name="query",
+                              prompts={"query": "Instruct: find the passage\nQuery: ", "document": ""})),
     "tiny-bert-cross": ("BertConfig", "AutoModelForSequenceClassification", dict(_ENCODER, num_labels=1), None),
 }
 POOLING_RECIPE = 2  # 2: no chat template (sentence-transformers 6 would feed pairs to a cross-encoder as chat)
@@ -279,9 +288,9 @@ def build_pooling(name: str, out: Path) -> None:
     import torch
     import transformers
 
-    tok = train_tokenizer(out)
-    _drop_chat_template(out)
     config_cls, model_cls, overrides, st = POOLING_MODELS[name]
+    tok = train_tokenizer(out, eos=bool(st and st.get("eos")))
+    _drop_chat_template(out)
     ids = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     if config_cls == "ModernBertConfig":
         ids.update(cls_token_id=tok.bos_token_id, sep_token_id=tok.eos_token_id)
@@ -304,8 +313,8 @@ def build_pooling(name: str, out: Path) -> None:
     (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
     (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": st.get("max_seq_length", 256),
                                                                "do_lower_case": False}))
-    (out / "config_sentence_transformers.json").write_text(json.dumps({"prompts": st.get("prompts", {}),
-                                                                       "default_prompt_name": None}))
+    (out / "config_sentence_transformers.json").write_text(json.dumps({
+        "prompts": st.get("prompts", {}), "default_prompt_name": st.get("default_prompt_name")}))
 
 
 def _drop_chat_template(folder: Path) -> None:
@@ -317,8 +326,8 @@ def _drop_chat_template(folder: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
-def train_tokenizer(out: Path):
-    """A 1024-token byte-level BPE trained in ~0.1 s on the Python docs shipped with CPython."""
+def train_tokenizer(out: Path, eos: bool = False):
+    """A 1024-token byte-level BPE trained in ~0.1 s on the Python docs shipped with CPython; `eos` appends </s>."""
     from pydoc_data.topics import topics
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -332,8 +341,9 @@ def train_tokenizer(out: Path):
     trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, min_frequency=2, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([topics[k] for k in sorted(topics)], trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    end, specials = (" </s>", ["<s>", "</s>"]) if eos else ("", ["<s>"])
+    tok.post_processor = processors.TemplateProcessing(single=f"<s> $A{end}", pair=f"<s> $A <s> $B{end}",
+                                                       special_tokens=[(t, tok.token_to_id(t)) for t in specials])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="</s>", model_max_length=2048)
     fast.chat_template = CHATML

@@ -34,7 +34,8 @@ from engine.server.state import ServerState
 from engine.server.streaming import unless_disconnected
 from engine.server.validation import parse_body
 
-GENERATION_PATHS = ("/", "/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions")
+GENERATION_PATHS = ("/", "/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions",
+                    "/v1/messages", "/v1/messages/count_tokens", "/v1/responses")
 GENERATION_ROUTES = "/generate, /generate_stream, /v1/completions or /v1/chat/completions"
 DEFAULT_MAX_CLIENT_BATCH = 2048   # inputs per request (OpenAI's limit); --max-client-batch-size
 

@@ -95,3 +95,17 @@ def test_runner_batches_never_exceed_their_budget_and_keep_order(model_path):
     assert sum(count for count, _ in seen) == len(seqs)
     for a, b in zip(alone, batched):  # padding changes nothing, order is the caller's
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_cpu_forward_grows_with_threads_up_to_its_cap():
+    from engine.pooling.engine import forward_tokens
+    threads = torch.get_num_threads()
+    try:
+        sizes = []
+        for n in (1, 2, 3, 64):
+            torch.set_num_threads(n)
+            sizes.append(forward_tokens(torch.device("cpu")))
+        assert sizes == [1024, 4096, 6144, 8192]
+        assert forward_tokens(torch.device("meta")) == 1024  # not a CPU: the thread count plays no part
+    finally:
+        torch.set_num_threads(threads)
