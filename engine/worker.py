@@ -31,6 +31,7 @@ from engine.model_inputs import prepare_inputs
 from engine.models import model_class
 from engine.parallel_layout import ParallelLayout
 from engine.rank_watch import start_heartbeat
+from engine.spec_decode.layer_skip import check_layer_skip, forward_first_layers
 from engine.weights import load_dummy, load_safetensors
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class RankWorker:
         distributed.init_parallel(self.layout, store, self.device,
                                   timeout_s=LAUNCHED_GROUP_TIMEOUT_S if layout else 300.0)
         self.model = self._load_model()
+        if config.speculative_layers:
+            check_layer_skip(self.model, config.speculative_layers, model_config.num_hidden_layers)
         self.lora, self.lora_backend, self.lora_report = self._load_adapters()
         self.linear_backend = cpu_gemm.choose(config.cpu_gemm, self.device, self.dtype)
         if self.linear_backend == "onednn":
@@ -247,11 +250,12 @@ class RankWorker:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def execute(self, spans: list[SeqSpan]) -> torch.Tensor | None:
-        """Forward the spans; rank 0 gets float32 logits of the requested rows, other ranks None."""
+    def execute(self, spans: list[SeqSpan], num_layers: int | None = None) -> torch.Tensor | None:
+        """Forward the spans; rank 0 gets float32 logits of the requested rows, other ranks None.
+        `num_layers`: only the first layers, then the final norm and LM head (layer-skip drafting)."""
         if self.layout.pp_size > 1:
             return pipeline.run_stage(self, spans)
-        if self.graphs is not None and self.graphs.can_run(spans):
+        if num_layers is None and self.graphs is not None and self.graphs.can_run(spans):
             logits = self.model.compute_logits(self.graphs.run(spans))
             return None if logits is None else logits.float()
         restore = None
@@ -261,7 +265,11 @@ class RankWorker:
         try:
             if self.lora is not None:
                 self.lora.set_batch(spans, self.device)
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
+            if num_layers is None:
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
+            else:
+                hidden = forward_first_layers(self.model, inputs.input_ids, inputs.positions, inputs.attention,
+                                              num_layers)
         finally:
             if self.lora is not None:
                 self.lora.clear_batch()
