@@ -169,6 +169,9 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
      dict(default=0, type=_speculate, help="speculative decoding: draft tokens per step (n-gram drafts from the "
                                            "prompt and output unless --speculative-layers), verified in one "
                                            "forward (0 = off); auto = up to 4, per request while drafting pays")),
+    (("--speculative-model",), "SPECULATIVE_MODEL",
+     dict(default=None, help="draft the --speculate tokens with this smaller model (a snapshot directory with the "
+                             "same tokenizer); its KV cache shares the block budget")),
     (("--speculative-layers",), "SPECULATIVE_LAYERS",
      dict(default=0, type=_speculative_layers, help="draft the --speculate tokens with the model's own first K "
                                                    "layers, final norm and LM head (layer skip) instead of n-grams")),
@@ -282,6 +285,7 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend, block_size=args.block_size,
         speculate=AUTO_MAX_DRAFTS if args.speculate == "auto" else args.speculate,
         speculate_auto=args.speculate == "auto", speculative_layers=args.speculative_layers,
+        speculative_model=args.speculative_model or None,
         max_grammar_bytes=args.max_grammar_bytes, grammar_timeout_s=args.grammar_timeout,
         reasoning_parser=args.reasoning_parser)
     if args.kv_cache_bytes is not None:

@@ -103,8 +103,8 @@ class LLMEngine:
             from engine.model_config import ModelConfig
             model_config = ModelConfig.from_pretrained(config.model_id)
         self.model_config = model_config
-        check_speculation(config, model_config)
         self.tokenizer = tokenizer or load_tokenizer(config.model_id, config.revision, config.trust_remote_code)
+        draft_config = check_speculation(config, model_config, self.tokenizer)
         self.eos_token_ids: set[int] = load_eos_token_ids(config.model_id, self.tokenizer) if config.model_id \
             else {self.tokenizer.eos_token_id} - {None}
         if runner is None:
@@ -125,7 +125,7 @@ class LLMEngine:
         self.block_manager = BlockManager(limits.max_batch_total_tokens // runner.block_size, runner.block_size,
                                           enable_prefix_caching=config.prefix_caching)
         try:
-            self.speculation = build_speculation(config, runner, model_config)
+            self.speculation = build_speculation(config, runner, model_config, draft_config)
         except ValueError:
             runner.close()
             raise
