@@ -267,7 +267,7 @@ class RankWorker:
         `draft`: the draft model alone; else the draft model (if any) follows the target on the same spans."""
         if self.layout.pp_size > 1:
             return pipeline.run_stage(self, spans)
-        if num_layers is None and self.graphs is not None and self.graphs.can_run(spans):
+        if num_layers is None and not draft and self.graphs is not None and self.graphs.can_run(spans):
             logits = self.model.compute_logits(self.graphs.run(spans))
             return None if logits is None else logits.float()
         restore = None
