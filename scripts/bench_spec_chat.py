@@ -42,6 +42,12 @@ def parse_config(text: str) -> tuple[str, dict[str, int]]:
     return name, values
 
 
+def drafts(engine) -> tuple[int, int, int]:
+    stats = engine.stats()
+    return (stats.num_speculative_proposed_total, stats.num_speculative_accepted_total,
+            stats.num_speculative_paused_total)
+
+
 def run_round(engine, prompts: list[list[int]], params, concurrency: int) -> tuple[float, list[list[int]]]:
     start, tokens = time.perf_counter(), []
     for i in range(0, len(prompts), concurrency):
@@ -53,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-id", default="smollm2", help="a snapshot dir, or a scripts/make_models.py name")
     parser.add_argument("--config", action="append", required=True, help="NAME=field=value,... (repeatable)")
-    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, default=1, nargs="+", help="one or more, run in turn")
     parser.add_argument("--num-requests", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
@@ -77,25 +83,34 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [first.tokenizer.encode(apply_chat_template(first.tokenizer, [{"role": "user", "content": q}]))
                for q in (QUESTIONS * args.num_requests)[:args.num_requests]]
     params = SamplingParams(max_new_tokens=args.new_tokens)
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    outputs: dict[str, list[list[int]]] = {}
-    print(f"model {model_dir}; {len(prompts)} chat prompts, concurrency {args.concurrency}, max_new_tokens "
-          f"{args.new_tokens}, greedy, {args.rounds} interleaved rounds; load average {os.getloadavg()}", flush=True)
-    for _ in range(args.rounds):
-        for name, engine in engines.items():
-            seconds, outputs[name] = run_round(engine, prompts, params, args.concurrency)
-            times[name].append(sum(map(len, outputs[name])) / seconds)
-    reference = next(iter(outputs.values()))
-    for name, engine in engines.items():
-        stats = engine.stats()
-        rounds = " / ".join(f"{v:.2f}" for v in times[name])
-        rate = stats.num_speculative_accepted_total / max(stats.num_speculative_proposed_total, 1)
-        print(f"{name}: tok/s {rounds} (median {statistics.median(times[name]):.2f}); drafts "
-              f"{stats.num_speculative_proposed_total} proposed, {stats.num_speculative_accepted_total} accepted "
-              f"({rate:.0%}); tokens {sum(map(len, outputs[name]))}, same as the first: {outputs[name] == reference}")
+    print(f"model {model_dir}", flush=True)
+    for concurrency in args.concurrency:
+        run_workload(engines, prompts, params, concurrency, args)
+    for engine in engines.values():
         engine.close()
     print(f"load average after: {os.getloadavg()}")
     return 0
+
+
+def run_workload(engines, prompts, params, concurrency, args) -> None:
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    outputs: dict[str, list[list[int]]] = {}
+    before = {name: drafts(engine) for name, engine in engines.items()}
+    print(f"{len(prompts)} chat prompts, concurrency {concurrency}, max_new_tokens "
+          f"{args.new_tokens}, greedy, {args.rounds} interleaved rounds; load average {os.getloadavg()}", flush=True)
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            seconds, outputs[name] = run_round(engine, prompts, params, concurrency)
+            times[name].append(sum(map(len, outputs[name])) / seconds)
+            proposed, accepted, paused = (now - then for now, then in zip(drafts(engine), before[name]))
+            print(f"  round {len(times[name])} {name}: {times[name][-1]:.2f} tok/s (drafts so far {proposed} proposed, "
+                  f"{accepted} accepted, {paused} decodes paused); load {os.getloadavg()[0]:.1f}", flush=True)
+    reference = next(iter(outputs.values()))
+    for name, engine in engines.items():
+        proposed, accepted, _ = (now - then for now, then in zip(drafts(engine), before[name]))
+        rounds = " / ".join(f"{v:.2f}" for v in times[name])
+        print(f"{name}: tok/s {rounds} (median {statistics.median(times[name]):.2f}); drafts "
+              f"{proposed} proposed, {accepted} accepted ({accepted / max(proposed, 1):.0%}); tokens {sum(map(len, outputs[name]))}, same as the first: {outputs[name] == reference}")
 
 
 if __name__ == "__main__":
