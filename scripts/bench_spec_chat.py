@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-id", default="smollm2", help="a snapshot dir, or a scripts/make_models.py name")
     parser.add_argument("--config", action="append", required=True, help="NAME=field=value,... (repeatable)")
     parser.add_argument("--concurrency", type=int, default=1, nargs="+", help="one or more, run in turn")
-    parser.add_argument("--num-requests", type=int, default=4)
+    parser.add_argument("--num-requests", type=int, default=0, help="per workload; 0 = its concurrency")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-mib", type=int, default=256)
@@ -81,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
                                                cpu_kv_cache_bytes=args.kv_cache_mib * 2**20, **fields))
     first = next(iter(engines.values()))
     prompts = [first.tokenizer.encode(apply_chat_template(first.tokenizer, [{"role": "user", "content": q}]))
-               for q in (QUESTIONS * args.num_requests)[:args.num_requests]]
+               for q in (QUESTIONS * 8)[:max(args.num_requests, *args.concurrency)]]
     params = SamplingParams(max_new_tokens=args.new_tokens)
     print(f"model {model_dir}", flush=True)
-    for concurrency in args.concurrency:
-        run_workload(engines, prompts, params, concurrency, args)
+    for concurrency in args.concurrency:  # --num-requests 0: `concurrency` requests, one batch of them
+        run_workload(engines, prompts[:args.num_requests or concurrency], params, concurrency, args)
     for engine in engines.values():
         engine.close()
     print(f"load average after: {os.getloadavg()}")

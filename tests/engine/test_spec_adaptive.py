@@ -43,13 +43,28 @@ def test_a_sequence_stops_drafting_when_rejected_and_retries_later():
         assert num_drafted < 10, "never stopped drafting"
     paused = [drafts.num_tokens(seq, 4) for _ in range(adaptive.RETRY_AFTER - 1)]
     assert paused == [0] * (adaptive.RETRY_AFTER - 1) and drafts.num_paused_total == adaptive.RETRY_AFTER
-    assert drafts.num_tokens(seq, 4) > 0                     # the retry
-    for _ in range(5):                                       # and acceptance has recovered: it keeps drafting
+    assert drafts.num_tokens(seq, 4) == 1                    # the retry: a one-token probe
+    drafts.record(seq, 1, 1)
+    for _ in range(8):                                       # acceptance recovers: it drafts again, more and more
         k = drafts.num_tokens(seq, 4)
-        assert k > 0
+        if k == 0:                                           # not yet: probe again later
+            assert [drafts.num_tokens(seq, 4) for _ in range(adaptive.RETRY_AFTER)] == [0] * adaptive.RETRY_AFTER
+            k = drafts.num_tokens(seq, 4)
+            assert k == 1
         drafts.record(seq, k, k)
     assert drafts.num_tokens(seq, 4) == 4
-    assert drafts.num_tokens(seq, 0) == 0 and drafts.num_tokens(seq, -1) == 0
+
+
+def test_new_sequences_start_from_the_methods_acceptance_so_far():
+    drafts = AdaptiveDrafts(draft_cost=0.5)
+    assert drafts.num_tokens(make_seq(), 4) > 0              # nothing known yet: the optimistic prior
+    for _ in range(20):                                      # other sequences' drafts were all rejected
+        drafts.record(make_seq(), 2, 0)
+    assert drafts.num_tokens(make_seq(), 4) == 0             # a newcomer does not pay for that lesson again
+    for _ in range(400):
+        drafts.record(make_seq(), 3, 3)
+    assert drafts.num_tokens(make_seq(), 4) == 4
+    assert drafts.num_tokens(make_seq(), 0) == 0 and drafts.num_tokens(make_seq(), -1) == 0
 
 
 def test_histories_are_per_sequence():
