@@ -4,7 +4,7 @@
         --config off= --config layers12=speculate=3,speculative_layers=12 --rounds 3
 
 Every --config NAME=FIELD=VALUE,... is one engine (EngineConfig fields; an empty list is no speculation),
-all loaded at once; each round runs the same greedy requests through each engine in turn (A, B, A, B, ...),
+all loaded at once; each round runs the same greedy requests through each engine in turn (A B C, then C B A, ...),
 `--concurrency` requests in flight at a time, so every engine sees the same load drift. The prompts are plain
 chat questions whose answers do not quote them (n-gram drafts find little there). Prints per engine the
 generated tok/s of each round, their median, the drafts proposed and accepted, and whether each engine's
@@ -98,8 +98,9 @@ def run_workload(engines, prompts, params, concurrency, args) -> None:
     before = {name: drafts(engine) for name, engine in engines.items()}
     print(f"{len(prompts)} chat prompts, concurrency {concurrency}, max_new_tokens "
           f"{args.new_tokens}, greedy, {args.rounds} interleaved rounds; load average {os.getloadavg()}", flush=True)
-    for _ in range(args.rounds):
-        for name, engine in engines.items():
+    for round_index in range(args.rounds):  # A B C, then C B A, ...: a load trend hits every engine alike
+        order = list(engines.items())
+        for name, engine in order if round_index % 2 == 0 else order[::-1]:
             seconds, outputs[name] = run_round(engine, prompts, params, concurrency)
             times[name].append(sum(map(len, outputs[name])) / seconds)
             proposed, accepted, paused = (now - then for now, then in zip(drafts(engine), before[name]))
