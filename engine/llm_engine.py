@@ -81,7 +81,7 @@ class EngineStats:
     num_prefix_cache_hit_tokens: int = 0        # of those, found there
     num_speculative_proposed_total: int = 0     # draft tokens scored (--speculate)
     num_speculative_accepted_total: int = 0     # of those, accepted
-    speculative_method: str = ""                # "ngram" | "layers" ("" = no speculation)
+    speculative_method: str = ""                # "ngram" | "layers" | "draft" ("" = no speculation)
     num_speculative_paused_total: int = 0       # decodes --speculate auto left undrafted (drafting did not pay)
 
 
