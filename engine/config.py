@@ -38,7 +38,10 @@ class EngineConfig:
     prefix_caching: bool = True             # share the KV blocks of equal prompt prefixes
     max_grammar_bytes: int = 512 * 1024     # a request's JSON schema or regex above this is a 422
     grammar_timeout_s: float = 10.0         # compiling one grammar longer than this is a 422
-    speculate: int = 0                      # n-gram draft tokens per decode step (TGI's --speculate); 0 = off
+    speculate: int = 0                      # draft tokens per decode step (TGI's --speculate); 0 = off
+    speculate_auto: bool = False            # --speculate auto: up to `speculate` drafts, per sequence while they pay
+    speculative_model: str | None = None    # draft model snapshot dir (same tokenizer), its KV in the same blocks
+    speculative_layers: int = 0             # draft with the model's first K layers (layer skip); 0 = n-gram drafts
     # memory
     cuda_memory_fraction: float = 1.0
     gpu_memory_utilization: float = 0.9     # of what cuda_memory_fraction leaves

@@ -58,13 +58,30 @@ def _block_size(text: str) -> int:
     return size
 
 
-def _speculate(text: str) -> int:
+AUTO_MAX_DRAFTS = 4     # --speculate auto: draft tokens per step at most
+
+
+def _speculate(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
     try:
         num = int(text)
     except ValueError:
         num = -1
     if not 0 <= num <= 16:
-        raise argparse.ArgumentTypeError(f"invalid speculate {text!r}; use 0 (off) to 16 draft tokens per step")
+        raise argparse.ArgumentTypeError(f"invalid speculate {text!r}; use 0 (off) to 16 draft tokens per step, "
+                                         "or auto")
+    return num
+
+
+def _speculative_layers(text: str) -> int:
+    try:
+        num = int(text)
+    except ValueError:
+        num = -1
+    if num < 0:
+        raise argparse.ArgumentTypeError(f"invalid speculative layers {text!r}; use K >= 1, fewer than the "
+                                         "model's layers (0 = off)")
     return num
 
 
@@ -149,8 +166,15 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
      dict(default=10.0, type=float, help="seconds one request grammar may take to compile, off the event loop "
                                          "(422 beyond; the result is cached either way)")),
     (("--speculate",), "SPECULATE",
-     dict(default=0, type=_speculate, help="n-gram speculative decoding: draft tokens per step, taken from the "
-                                           "prompt and output and verified in one forward (0 = off)")),
+     dict(default=0, type=_speculate, help="speculative decoding: draft tokens per step (n-gram drafts from the "
+                                           "prompt and output unless --speculative-layers), verified in one "
+                                           "forward (0 = off); auto = up to 4, per request while drafting pays")),
+    (("--speculative-model",), "SPECULATIVE_MODEL",
+     dict(default=None, help="draft the --speculate tokens with this smaller model (a snapshot directory with the "
+                             "same tokenizer); its KV cache shares the block budget")),
+    (("--speculative-layers",), "SPECULATIVE_LAYERS",
+     dict(default=0, type=_speculative_layers, help="draft the --speculate tokens with the model's own first K "
+                                                   "layers, final norm and LM head (layer skip) instead of n-grams")),
     (("--waiting-served-ratio",), "WAITING_SERVED_RATIO", dict(default=0.3, type=float, help="as in TGI")),
     (("--max-new-tokens-default",), "MAX_NEW_TOKENS_DEFAULT",
      dict(default=1024, type=int, help="tokens generated when a request sets no limit (max_new_tokens, max_tokens, "
@@ -263,7 +287,10 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         cors_allow_origin=list(args.cors_allow_origin or []), json_output=args.json_output,
         served_model_name=args.served_model_name or args.model_id, cpu_gemm=args.cpu_gemm,
         cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend, block_size=args.block_size,
-        speculate=args.speculate, max_grammar_bytes=args.max_grammar_bytes, grammar_timeout_s=args.grammar_timeout,
+        speculate=AUTO_MAX_DRAFTS if args.speculate == "auto" else args.speculate,
+        speculate_auto=args.speculate == "auto", speculative_layers=args.speculative_layers,
+        speculative_model=args.speculative_model or None,
+        max_grammar_bytes=args.max_grammar_bytes, grammar_timeout_s=args.grammar_timeout,
         reasoning_parser=args.reasoning_parser, model_impl=args.model_impl)
     if args.kv_cache_bytes is not None:
         config.cpu_kv_cache_bytes = args.kv_cache_bytes

@@ -19,7 +19,7 @@ from engine.sampler import SamplerOutput, pick_seed, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
-from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.methods import build_speculation, check_speculation
 from engine.spec_decode.verifier import verify
 from engine.stop import StopMatcher
 from engine.structured.compiler import GrammarCompiler
@@ -82,6 +82,8 @@ class EngineStats:
     num_prefix_cache_hit_tokens: int = 0        # of those, found there
     num_speculative_proposed_total: int = 0     # draft tokens scored (--speculate)
     num_speculative_accepted_total: int = 0     # of those, accepted
+    speculative_method: str = ""                # "ngram" | "layers" | "draft" ("" = no speculation)
+    num_speculative_paused_total: int = 0       # decodes --speculate auto left undrafted (drafting did not pay)
 
 
 class LLMEngine:
@@ -103,6 +105,7 @@ class LLMEngine:
             model_config = ModelConfig.from_pretrained(config.model_id, config.model_impl)
         self.model_config = model_config
         self.tokenizer = tokenizer or load_tokenizer(config.model_id, config.revision, config.trust_remote_code)
+        draft_config = check_speculation(config, model_config, self.tokenizer)
         self.eos_token_ids: set[int] = load_eos_token_ids(config.model_id, self.tokenizer) if config.model_id \
             else {self.tokenizer.eos_token_id} - {None}
         if runner is None:
@@ -122,9 +125,14 @@ class LLMEngine:
         self.max_batch_total_tokens = limits.max_batch_total_tokens
         self.block_manager = BlockManager(limits.max_batch_total_tokens // runner.block_size, runner.block_size,
                                           enable_prefix_caching=config.prefix_caching)
+        try:
+            self.speculation = build_speculation(config, runner, model_config, draft_config)
+        except ValueError:
+            runner.close()
+            raise
         self.scheduler = Scheduler(self.block_manager, limits.max_batch_prefill_tokens, config.max_batch_size,
                                    num_speculative_tokens=config.speculate,
-                                   propose=NgramProposer().propose if config.speculate > 0 else None)
+                                   propose=self.speculation.propose if self.speculation else None)
         self._num_draft_tokens_total = 0
         self._num_accepted_tokens_total = 0
         self.token_texts = TokenTexts(self.tokenizer)
@@ -213,6 +221,8 @@ class LLMEngine:
             return outputs
         masks = self._start_masks(batch)
         try:
+            if self.speculation is not None and self.speculation.fill is not None:
+                self.speculation.fill(batch)
             last_logits, all_logits = self.runner.run(batch.spans)
         except Exception as e:  # noqa: BLE001 - reported per request, the engine keeps serving
             logger.exception("model step failed for %d sequences", len(batch))
@@ -253,6 +263,7 @@ class LLMEngine:
             self._num_generated_tokens_total += len(out.token_ids)
             self._num_draft_tokens_total += len(seq.draft_token_ids)
             self._num_accepted_tokens_total += num_accepted
+            self.speculation.record(seq, len(seq.draft_token_ids), num_accepted)
             outputs.append(self._append_run(seq, out, range(len(out.token_ids))))
             if not seq.is_finished:
                 self.scheduler.commit_draft(seq, num_accepted)
@@ -396,13 +407,14 @@ class LLMEngine:
         return results
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, spec = self.block_manager, self.speculation
         return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running),
                            self.scheduler.num_preempted_total, bm.num_free_blocks, bm.num_blocks,
                            bm.block_size, self._batch_size, getattr(self.runner, "attention_backend", "unknown"),
                            self._num_prompt_tokens_total, self._num_generated_tokens_total,
                            bm.num_queried_tokens, bm.num_hit_tokens,
-                           self._num_draft_tokens_total, self._num_accepted_tokens_total)
+                           self._num_draft_tokens_total, self._num_accepted_tokens_total,
+                           spec.method if spec else "", spec.adaptive.num_paused_total if spec and spec.adaptive else 0)
 
     def close(self) -> None:
         if not self._closed:

@@ -111,8 +111,10 @@ class ModelRunner:
             if message[0] != state:
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {message[-1]}")
 
-    def run(self, spans: list[SeqSpan]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Forward one batch of spans.
+    def run(self, spans: list[SeqSpan],
+            num_layers: int | None = None, draft: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Forward one batch of spans (`num_layers`: through the first layers only, a layer-skip draft;
+        `draft`: through the draft model alone).
 
         Returns the float32 logits [n, vocab] of the last token of every span whose `logits` is not
         "none" (span order), and seq_id -> [len(span.token_ids), vocab] for spans asking for "all".
@@ -123,12 +125,12 @@ class ModelRunner:
         validate_spans(spans, self.block_size, self.num_kv_blocks, self.model_config.max_position_embeddings)
         for rank, (_, conn) in enumerate(self._workers, start=1):
             try:
-                conn.send(("run", spans))
+                conn.send(("run", spans, num_layers, draft))
             except OSError as error:
                 self._fail(f"tensor-parallel rank {rank} is gone ({error})")
         self._step_started = time.monotonic()
         try:
-            logits = self._rank0.execute(spans)
+            logits = self._rank0.execute(spans, num_layers, draft)
         except Exception as error:
             if not self._workers:
                 raise

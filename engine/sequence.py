@@ -51,6 +51,7 @@ class Sequence:
     adapter: int = 0        # LoRA adapter index (engine/lora), 0 = the base model; part of the prefix-cache keys
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens scheduled this step
     ngram_index: Any = None                                   # engine.spec_decode.ngram.NgramIndex
+    draft_history: Any = None                                 # engine.spec_decode.adaptive.DraftHistory (auto)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -32,6 +32,8 @@ from engine.model_inputs import prepare_inputs
 from engine.models import model_class
 from engine.parallel_layout import ParallelLayout
 from engine.rank_watch import start_heartbeat
+from engine.spec_decode.draft_model import DraftModel
+from engine.spec_decode.layer_skip import check_layer_skip, forward_first_layers
 from engine.weights import load_dummy, load_safetensors
 
 logger = logging.getLogger(__name__)
@@ -93,6 +95,9 @@ class RankWorker:
         distributed.init_parallel(self.layout, store, self.device,
                                   timeout_s=LAUNCHED_GROUP_TIMEOUT_S if layout else 300.0)
         self.model = self._load_model()
+        if config.speculative_layers:
+            check_layer_skip(self.model, config.speculative_layers, model_config.num_hidden_layers)
+        self.draft = DraftModel(config.speculative_model, self.device, self.dtype) if config.speculative_model else None
         self.lora, self.lora_backend, self.lora_report = self._load_adapters()
         self.linear_backend = cpu_gemm.choose(config.cpu_gemm, self.device, self.dtype)
         if self.linear_backend == "onednn":
@@ -100,6 +105,8 @@ class RankWorker:
         self.attention_layers = self.model.attention_layers()
         self.windows = {layer.sliding_window for layer in self.attention_layers}
         self.block_tables = BlockTables(self.device)   # kept on the device, updated by what changed
+        if self.draft is not None:
+            self.windows |= self.draft.windows
         self.attention, self.block_size, self.attention_report = self._choose_backend()
         self.attention_backend = self.attention.name
         self.graph_sizes = self._graph_sizes()
@@ -165,6 +172,8 @@ class RankWorker:
             reason = "LoRA adapters are loaded (their per-token adapter map is not captured)"
         elif getattr(self.model, "supports_cuda_graphs", True) is False:
             reason = "not captured for models on the transformers backend"
+        elif self.draft is not None:
+            reason = "a draft model runs after the target (--speculative-model)"
         elif not self.attention.supports_cuda_graphs:
             reason = f"the {self.attention.name} attention backend reads host-side lengths"
         elif config.num_shard > 1 or self.layout.pp_size > 1:
@@ -199,6 +208,8 @@ class RankWorker:
         num_layers = len(self.attention_layers)  # this pipeline stage's layers
         bytes_per_block = (2 * num_layers * self.block_size * layer0.num_kv_heads * cfg.head_dim
                            * self.dtype.itemsize)
+        if self.draft is not None:  # the draft's cache: the same blocks, its own layers
+            bytes_per_block += self.draft.bytes_per_block(self.block_size)
         if self.device.type == "cuda":
             budget = self._gpu_kv_budget()
         elif self.config.cpu_kv_cache_bytes is not None:
@@ -217,6 +228,8 @@ class RankWorker:
         self.kv_cache[:, :, 0].zero_()  # padded gathers read block 0: keep it finite
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        if self.draft is not None:
+            self.draft.allocate(num_blocks + scratch, self.block_size, self.attention)
         if self.rank == 0:
             logger.info("KV cache: %d blocks of %d tokens (%.1f MiB per rank), attention backend %s",
                         num_blocks, self.block_size, num_blocks * bytes_per_block / 2**20, self.attention_backend)
@@ -251,11 +264,14 @@ class RankWorker:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def execute(self, spans: list[SeqSpan]) -> torch.Tensor | None:
-        """Forward the spans; rank 0 gets float32 logits of the requested rows, other ranks None."""
+    def execute(self, spans: list[SeqSpan], num_layers: int | None = None,
+                draft: bool = False) -> torch.Tensor | None:
+        """Forward the spans; rank 0 gets float32 logits of the requested rows, other ranks None.
+        `num_layers`: only the first layers, then the final norm and LM head (layer-skip drafting).
+        `draft`: the draft model alone; else the draft model (if any) follows the target on the same spans."""
         if self.layout.pp_size > 1:
             return pipeline.run_stage(self, spans)
-        if self.graphs is not None and self.graphs.can_run(spans):
+        if num_layers is None and not draft and self.graphs is not None and self.graphs.can_run(spans):
             logits = self.model.compute_logits(self.graphs.run(spans))
             return None if logits is None else logits.float()
         restore = None
@@ -266,13 +282,21 @@ class RankWorker:
         try:
             if self.lora is not None:
                 self.lora.set_batch(spans, self.device)
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
+            if draft:
+                hidden = self.draft.forward(inputs)
+            elif num_layers is None:
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
+                if self.draft is not None:
+                    self.draft.forward(inputs)
+            else:
+                hidden = forward_first_layers(self.model, inputs.input_ids, inputs.positions, inputs.attention,
+                                              num_layers)
         finally:
             if self.lora is not None:
                 self.lora.clear_batch()
         if inputs.logits_rows.numel() == 0:
             return hidden.new_zeros(0, self.model_config.vocab_size, dtype=torch.float32)
-        logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        logits = (self.draft.model if draft else self.model).compute_logits(hidden[inputs.logits_rows])
         if logits is not None and restore is not None:
             logits = logits[torch.tensor(restore, device=logits.device)]
         return None if logits is None else logits.float()
@@ -283,6 +307,8 @@ class RankWorker:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = None
         self.model = None
+        if self.draft is not None:
+            self.draft.close()
         distributed.destroy_tensor_parallel()
 
 

@@ -69,6 +69,18 @@ class _EngineGauges:
         }
         for name, (doc, attr) in counters.items():  # exposed as NAME_total
             yield CounterMetricFamily(name, doc, value=float(getattr(s, attr, 0)))
+        method = getattr(s, "speculative_method", "")
+        if method:  # the same drafts per method (n-gram, layer skip), and the decodes `--speculate auto` skipped
+            for name, doc, attr in (
+                    ("tgi_speculative_method_proposed_tokens", "Draft tokens scored, by method",
+                     "num_speculative_proposed_total"),
+                    ("tgi_speculative_method_accepted_tokens", "Draft tokens accepted, by method",
+                     "num_speculative_accepted_total"),
+                    ("tgi_speculative_method_paused_decodes", "Decodes left undrafted by --speculate auto",
+                     "num_speculative_paused_total")):
+                family = CounterMetricFamily(name, doc, labels=["method"])
+                family.add_metric([method], float(getattr(s, attr, 0)))
+                yield family
 
 
 class ServerMetrics:

@@ -11,7 +11,7 @@ VALUE_FLAGS = {
     "--waiting-served-ratio", "--cuda-memory-fraction", "--cors-allow-origin", "--load-format",
     "--served-model-name", "--kv-cache-bytes", "--cuda-graphs", "--cpu-gemm", "--attention-backend", "--block-size",
     "--cpu-threads", "--drain-timeout", "--max-new-tokens-default", "--prefix-caching", "--lora-adapters",
-    "--rank-timeout", "--speculate", "--max-client-batch-size", "--reasoning-parser",
+    "--rank-timeout", "--speculate", "--speculative-layers", "--max-client-batch-size", "--reasoning-parser",
 }
 SWITCH_FLAGS = {"--json-output"}
 # Set by the job itself; --api-key in particular must never be on a command line.
