@@ -159,6 +159,10 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--reasoning-parser",), "REASONING_PARSER",
      dict(default="auto", choices=("auto", "qwen3", "deepseek_r1", "none"),
           help="split <think>...</think> into reasoning_content on chat completions; auto reads the chat template")),
+    (("--tool-call-parser",), "TOOL_CALL_PARSER",
+     dict(default="auto", choices=("auto", "hermes", "mistral", "llama3", "json"),
+          help="how the model writes tool calls (hermes: Hermes/Qwen <tool_call>, mistral: [TOOL_CALLS], llama3: "
+               "Llama 3.x JSON, json: tools described in the prompt); auto reads the chat template")),
     (("--prefix-caching",), "PREFIX_CACHING",
      dict(default=True, type=_bool, help="share the KV blocks of equal prompt prefixes between requests "
                                          "(true|false); the hits show as usage.prompt_tokens_details.cached_tokens")),
@@ -260,7 +264,7 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         served_model_name=args.served_model_name or args.model_id, cpu_gemm=args.cpu_gemm,
         cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend, block_size=args.block_size,
         speculate=args.speculate, max_grammar_bytes=args.max_grammar_bytes, grammar_timeout_s=args.grammar_timeout,
-        reasoning_parser=args.reasoning_parser)
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
     if args.kv_cache_bytes is not None:
         config.cpu_kv_cache_bytes = args.kv_cache_bytes
     config.max_client_batch_size = int(args.max_client_batch_size)

@@ -17,6 +17,7 @@ from starlette.routing import BaseRoute
 
 from engine.server import choices as fan
 from engine.server import sse
+from engine.server.answer_text import AnswerStream, read_answer
 from engine.server.completions import completions
 from engine.server.errors import ValidationError
 from engine.server.grammar import prepare_grammars, response_format_grammar
@@ -27,13 +28,12 @@ from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatComplet
                                     ChatCompletionMessage, ChatCompletionRequest, ChatDelta, ChatLogprob, ChatLogprobs,
                                     ChatToolCall, FunctionCall, GenerateRequest, ModelCard, ModelList, TopLogprob,
                                     Usage, dump)
-from engine.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format, split_reasoning
+from engine.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format
 from engine.server.routing import ExactRoute
 from engine.server.state import ServerState
 from engine.server.streaming import Renderer, open_stream, unless_disconnected
 from engine.server.tools import ToolUse, new_call_id, template_inputs, tool_use
 from engine.server.validation import ValidRequest, parse_body
-from engine.structured.tool_calls import ToolCallStream, parse_tool_call
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ async def chat_completions(request: Request) -> Response:
         check_common(req)
         n = req.n or 1
         fan.check_counts(1, n, n, state.config.max_concurrent_requests)
-        use = tool_use(req, state.tokenizer)
+        use = tool_use(req, state.tokenizer, state.config.tool_call_parser)
         if req.stream and n > 1 and use is not None:
             raise ValidationError("`n` > 1 with `tools` is not supported when streaming")
         grammar = response_format_grammar(req.response_format)
@@ -105,17 +105,18 @@ def _delta(ev: StreamEvent, thinks: ReasoningFormat | None, streams: dict[int, R
 
 def _chat_choice(gen: Generation, use: ToolUse | None, logprobs: bool, index: int,
                  thinks: ReasoningFormat | None = None) -> ChatCompletionChoice:
-    call = parse_tool_call(gen.text, use.fmt, use.tools) if use is not None else None
-    if call is None and use is not None and not use.allow_text:
+    answer = read_answer(gen.text, use, thinks, gen.finish_reason == "length")
+    if not answer.calls and use is not None and not use.allow_text:
         # the grammar forced a call: only a cut-off (length) or a grammar failure gets here
         logger.warning("tool_choice required/named answered without a complete call (finish %s): %r",
                        gen.finish_reason, gen.text[:300])
-    reasoning, text = split_reasoning(gen.text, thinks) if thinks is not None and call is None else (None, gen.text)
-    message = ChatCompletionMessage(content=text, reasoning_content=reasoning)
-    if call is not None:
-        message = ChatCompletionMessage(content=None, tool_calls=[ChatToolCall(id=new_call_id(), function=FunctionCall(
-            name=call.name, arguments=call.arguments))])
-    return ChatCompletionChoice(index=index, message=message, finish_reason="tool_calls" if call else finish(gen),
+    message = ChatCompletionMessage(content=answer.content, reasoning_content=answer.reasoning)
+    if answer.calls:
+        message = ChatCompletionMessage(content=None, tool_calls=[
+            ChatToolCall(id=new_call_id(use.fmt if use else None),
+                         function=FunctionCall(name=call.name, arguments=call.arguments)) for call in answer.calls])
+    return ChatCompletionChoice(index=index, message=message,
+                                finish_reason="tool_calls" if answer.calls and gen.finish_reason != "length" else finish(gen),
                                 logprobs=_chat_logprobs(gen.tokens) if logprobs else None)
 
 
@@ -141,7 +142,7 @@ def _apply_chat_template(state: ServerState, req: ChatCompletionRequest, use: To
     for message in req.messages:
         if isinstance(message.content, list) and any(p.type != "text" for p in message.content):
             raise ValidationError("only text content parts are supported")
-    messages, tools = template_inputs(req, state.tokenizer, use)
+    messages, tools = template_inputs(req, state.tokenizer, use, state.config.tool_call_parser)
     try:
         extra = {"tools": tools} if tools else {}
         return str(state.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra))
@@ -160,10 +161,10 @@ def _chat_logprobs(tokens: list[Any]) -> ChatLogprobs:
 
 def _tool_renderer(state: ServerState, req: ChatCompletionRequest, use: ToolUse, rid: str,
                    created: int) -> Renderer:
-    """OpenAI's tool-call stream: the call's id and name in one delta, then its arguments in pieces, then an
-    empty delta with finish_reason "tool_calls"; plain text (under `auto`) streams as content."""
-    pieces = ToolCallStream(use.fmt, use.tools, use.allow_text)
-    call_id = new_call_id()
+    """OpenAI's tool-call stream: each call's `index`, id and name in one delta, then its arguments in pieces (with
+    its index), then an empty delta with finish_reason "tool_calls"; plain text (under `auto`) streams as
+    content."""
+    pieces = AnswerStream(use, None)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(delta: ChatDelta | None, finish: str | None, usage: Usage | None = None) -> bytes:
@@ -172,21 +173,21 @@ def _tool_renderer(state: ServerState, req: ChatCompletionRequest, use: ToolUse,
             id=rid, created=created, model=model_name(state, req), usage=usage,
             system_fingerprint=state.system_fingerprint, choices=choices)), space=True)
 
-    def delta(kind: str, text: str) -> ChatDelta:
+    def delta(kind: str, text: str, index: int) -> ChatDelta:
         if kind == "content":
             return ChatDelta(content=text)
-        call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+        call: dict[str, Any] = {"index": index, "function": {"arguments": text}}
         if kind == "name":
-            call = {"index": 0, "id": call_id, "type": "function", "function": {"name": text, "arguments": ""}}
+            call = {"index": index, "id": new_call_id(use.fmt), "type": "function",
+                    "function": {"name": text, "arguments": ""}}
         return ChatDelta(content=None, tool_calls=[call])
 
     def render(ev: StreamEvent, valid: ValidRequest) -> list[bytes]:
-        out = pieces.feed(ev.text)
+        chunks = [chunk(delta(*piece), None) for piece in pieces.feed(ev.text, ev.end)]
         if ev.end is None:
-            return [chunk(delta(kind, text), None) for kind, text in out]
-        last, call = pieces.finish(ev.end.text)
-        chunks = [chunk(delta(kind, text), None) for kind, text in out + last]
-        chunks.append(chunk(ChatDelta(content=None), "tool_calls" if call else finish(ev.end)))
+            return chunks
+        chunks.append(chunk(ChatDelta(content=None), "tool_calls" if pieces.calls and ev.end.finish_reason != "length"
+                            else finish(ev.end)))
         if include_usage:
             chunks.append(chunk(None, None, usage_of(ev.end)))
         return chunks
