@@ -14,6 +14,9 @@ class EngineConfig:
     quantize: str | None = None         # fp8 | bitsandbytes* quantize at load; None = the checkpoint's own
     trust_remote_code: bool = False
     lora_adapters: list[tuple[str, str]] = field(default_factory=list)  # (name, PEFT adapter dir), index = position + 1
+    enable_runtime_lora: bool = False   # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (engine/lora/runtime.py)
+    max_loras: int = 4                  # adapter slots with runtime LoRA (start-up adapters included)
+    max_lora_rank: int = 16             # the largest rank a runtime adapter may have
     # parallelism
     num_shard: int = 1                  # tensor-parallel ranks (per pipeline stage)
     pipeline_parallel_size: int = 1     # stages, one per node (ranks started by srun: engine/external_launch.py)

@@ -104,6 +104,14 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
      dict(type=_lora_adapters, help="PEFT LoRA adapters served beside the base model: NAME=DIR,NAME2=DIR2 (a bare DIR "
                                     "is named after its directory); a request picks one with parameters.adapter_id "
                                     "or OpenAI's `model`")),
+    (("--enable-runtime-lora",), "ENABLE_RUNTIME_LORA",
+     dict(default=False, type=_bool, nargs="?", const=True,
+          help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's shape) within --max-loras "
+               "slots of rank <= --max-lora-rank")),
+    (("--max-loras",), "MAX_LORAS", dict(default=4, type=int, help="LoRA adapter slots with --enable-runtime-lora "
+                                                                   "(start-up adapters included)")),
+    (("--max-lora-rank",), "MAX_LORA_RANK", dict(default=16, type=int, help="the largest rank of an adapter loaded "
+                                                                            "at run time")),
     (("--trust-remote-code",), "TRUST_REMOTE_CODE", dict(default=False, type=_bool, nargs="?", const=True,
                                                          help="allow custom tokenizer code from the snapshot")),
     (("--num-shard",), "NUM_SHARD", dict(default=1, type=int, help="tensor-parallel ranks (one GPU each)")),
@@ -250,6 +258,7 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         model_id=model_dir, revision=args.revision, dtype=args.dtype, load_format=args.load_format,
         quantize=args.quantize if args.quantize not in (None, "", "none") else None,
         trust_remote_code=args.trust_remote_code, lora_adapters=list(args.lora_adapters or []),
+        enable_runtime_lora=args.enable_runtime_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         num_shard=args.num_shard, pipeline_parallel_size=args.pipeline_parallel_size,
         rank_timeout_s=args.rank_timeout, step_timeout_s=args.step_timeout, master_addr=args.master_addr,
         master_port=args.master_port, device=args.device, max_concurrent_requests=args.max_concurrent_requests,
