@@ -9,27 +9,16 @@ from __future__ import annotations
 
 import asyncio
 
-from pydantic import StrictStr
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from engine.lora.runtime import RuntimeAdapters
 from engine.server.errors import ServerError, ValidationError
-from engine.server.protocol import _Wire
+from engine.server.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from engine.server.state import ServerState
 from engine.server.validation import parse_body
 
 UNLOAD_POLL_S = 0.05
-
-
-class LoadLoraAdapterRequest(_Wire):
-    lora_name: StrictStr
-    lora_path: StrictStr
-
-
-class UnloadLoraAdapterRequest(_Wire):
-    lora_name: StrictStr
-    lora_int_id: int | None = None      # vLLM's; names are what this server goes by
 
 
 class RuntimeLoraDisabledError(ServerError):
@@ -50,8 +39,8 @@ def runtime_adapters(request: Request) -> RuntimeAdapters:
 
 async def load_lora_adapter(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    adapters = runtime_adapters(request)
     req = parse_body(LoadLoraAdapterRequest, await request.body())
+    adapters = runtime_adapters(request)
     try:
         await state.engine.call(lambda: adapters.load(req.lora_name, req.lora_path))
     except ValueError as exc:       # LoraError and the name's rules
@@ -62,8 +51,8 @@ async def load_lora_adapter(request: Request) -> Response:
 
 async def unload_lora_adapter(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    adapters = runtime_adapters(request)
     req = parse_body(UnloadLoraAdapterRequest, await request.body())
+    adapters = runtime_adapters(request)
     try:
         await state.engine.call(lambda: adapters.begin_unload(req.lora_name))
     except ValueError as exc:

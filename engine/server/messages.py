@@ -193,7 +193,7 @@ def _thinks(state: ServerState) -> ReasoningFormat | None:
 # --- answer --------------------------------------------------------------------------------------
 
 def _response(state: ServerState, req: MessagesRequest, use: ToolUse | None, gen: Generation) -> MessagesResponse:
-    answer = read_answer(gen.text, use, _thinks(state), gen.finish_reason == "length")
+    answer = read_answer(gen.text, use, _thinks(state) if use is None else None, gen.finish_reason == "length")
     content = [_tool_block(call) for call in answer.calls] or [{"type": "text", "text": answer.content}]
     if answer.reasoning is not None:
         content.insert(0, {"type": "thinking", "thinking": answer.reasoning, "signature": ""})
@@ -282,7 +282,7 @@ async def _events(state: ServerState, req: MessagesRequest, use: ToolUse | None,
                "content": [], "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": valid.input_length, "output_tokens": 0}}
     yield _event({"type": "message_start", "message": message})
-    pieces = AnswerStream(use, _thinks(state))
+    pieces = AnswerStream(use, _thinks(state) if use is None else None)   # its tool grammar starts at once
     blocks = _Blocks()
     try:
         async with contextlib.aclosing(state.infer.stream(valid, arrival)) as events:

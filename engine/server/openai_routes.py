@@ -20,7 +20,7 @@ from engine.server import sse
 from engine.server.answer_text import AnswerStream, read_answer
 from engine.server.completions import completions
 from engine.server.errors import ValidationError
-from engine.server.grammar import prepare_grammars, response_format_grammar
+from engine.server.grammar import prepare_grammars, response_format_grammar, response_format_schema
 from engine.server.infer import Generation, StreamEvent
 from engine.server.openai_common import (adapter_id, check_common, finish, model_name, parameters, renderer,
                                          stream_choices, usage_of)
@@ -28,7 +28,9 @@ from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatComplet
                                     ChatCompletionMessage, ChatCompletionRequest, ChatDelta, ChatLogprob, ChatLogprobs,
                                     ChatToolCall, FunctionCall, GenerateRequest, ModelCard, ModelList, TopLogprob,
                                     Usage, dump)
-from engine.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format
+from engine.server.reasoning import (ReasoningFormat, ReasoningStream, after_reasoning, answer_rules,
+                                     reasoning_format)
+from engine.structured.spec import GrammarError, GrammarSpec
 from engine.server.routing import ExactRoute
 from engine.server.state import ServerState
 from engine.server.streaming import Renderer, open_stream, unless_disconnected
@@ -58,13 +60,15 @@ async def chat_completions(request: Request) -> Response:
             raise ValidationError(f"`top_logprobs` must be <= {state.config.max_top_n_tokens}. Given: {top_n}")
         prompt = _apply_chat_template(state, req, use)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = parameters(req, max_tokens, top_n, use.grammar if use is not None else grammar)
+        thinks = reasoning_format(state.config.reasoning_parser, getattr(state.tokenizer, "chat_template", None))
+        grammar = _grammar(req, thinks, use, grammar)
+        params = parameters(req, max_tokens, top_n, grammar)
         params.adapter_id = adapter_id(state, req)
         created, rid, logprobs = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", bool(req.logprobs)
-        thinks = reasoning_format(state.config.reasoning_parser, getattr(state.tokenizer, "chat_template", None))
         if req.stream and use is not None:
             return open_stream(state, GenerateRequest(inputs=prompt, parameters=params), arrival,
-                               _tool_renderer(state, req, use, rid, created), openai=True, add_special_tokens=False)
+                               _tool_renderer(state, req, use, thinks, rid, created), openai=True,
+                               add_special_tokens=False)
         if req.stream:
             reasoning_streams: dict[int, ReasoningStream] = {}
 
@@ -92,6 +96,26 @@ async def chat_completions(request: Request) -> Response:
         return JSONResponse(dump(body))
 
 
+def _grammar(req: ChatCompletionRequest, thinks: ReasoningFormat | None, use: ToolUse | None,
+             response_format: GrammarSpec | None) -> GrammarSpec | None:
+    """The request's grammar; for a reasoning model it starts after the reasoning span, which
+    `max_reasoning_tokens` bounds."""
+    grammar = use.grammar if use is not None else response_format
+    budget = req.max_reasoning_tokens
+    if budget is not None and thinks is None:
+        raise ValidationError("`max_reasoning_tokens` needs a reasoning model; this one has no reasoning parser "
+                              "(see --reasoning-parser)")
+    if thinks is None or (budget is None and grammar is None):
+        return grammar
+    answer = answer_rules(use.grammar if use is not None else None, response_format_schema(req.response_format))
+    if answer is None and grammar is not None:
+        return grammar      # a regex: from the first token, as without reasoning
+    try:
+        return after_reasoning(thinks, answer, budget, "response_format" if use is None else "tools")
+    except GrammarError as exc:
+        raise ValidationError(str(exc)) from None
+
+
 def _delta(ev: StreamEvent, thinks: ReasoningFormat | None, streams: dict[int, ReasoningStream],
            index: int) -> ChatDelta:
     if thinks is None:
@@ -112,7 +136,7 @@ def _chat_choice(gen: Generation, use: ToolUse | None, logprobs: bool, index: in
                        gen.finish_reason, gen.text[:300])
     message = ChatCompletionMessage(content=answer.content, reasoning_content=answer.reasoning)
     if answer.calls:
-        message = ChatCompletionMessage(content=None, tool_calls=[
+        message = ChatCompletionMessage(content=None, reasoning_content=answer.reasoning, tool_calls=[
             ChatToolCall(id=new_call_id(use.fmt if use else None),
                          function=FunctionCall(name=call.name, arguments=call.arguments)) for call in answer.calls])
     return ChatCompletionChoice(index=index, message=message,
@@ -143,8 +167,14 @@ def _apply_chat_template(state: ServerState, req: ChatCompletionRequest, use: To
         if isinstance(message.content, list) and any(p.type != "text" for p in message.content):
             raise ValidationError("only text content parts are supported")
     messages, tools = template_inputs(req, state.tokenizer, use, state.config.tool_call_parser)
+    extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    reserved = sorted(set(extra) & {"messages", "conversation", "tools", "tokenize", "add_generation_prompt",
+                                    "return_dict", "continue_final_message", "chat_template"})
+    if reserved:
+        raise ValidationError(f"`chat_template_kwargs` cannot set {', '.join(reserved)}: the server sets them")
     try:
-        extra = {"tools": tools} if tools else {}
+        if tools:
+            extra["tools"] = tools
         return str(state.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra))
     except Exception as exc:  # jinja errors (e.g. "roles must alternate") are the caller's to fix
         raise ValidationError(f"chat template error: {exc}") from None
@@ -159,12 +189,12 @@ def _chat_logprobs(tokens: list[Any]) -> ChatLogprobs:
         for t in tokens])
 
 
-def _tool_renderer(state: ServerState, req: ChatCompletionRequest, use: ToolUse, rid: str,
-                   created: int) -> Renderer:
+def _tool_renderer(state: ServerState, req: ChatCompletionRequest, use: ToolUse, thinks: ReasoningFormat | None,
+                   rid: str, created: int) -> Renderer:
     """OpenAI's tool-call stream: each call's `index`, id and name in one delta, then its arguments in pieces (with
     its index), then an empty delta with finish_reason "tool_calls"; plain text (under `auto`) streams as
     content."""
-    pieces = AnswerStream(use, None)
+    pieces = AnswerStream(use, thinks)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(delta: ChatDelta | None, finish: str | None, usage: Usage | None = None) -> bytes:
@@ -176,6 +206,8 @@ def _tool_renderer(state: ServerState, req: ChatCompletionRequest, use: ToolUse,
     def delta(kind: str, text: str, index: int) -> ChatDelta:
         if kind == "content":
             return ChatDelta(content=text)
+        if kind == "reasoning":
+            return ChatDelta(content=None, reasoning_content=text)
         call: dict[str, Any] = {"index": index, "function": {"arguments": text}}
         if kind == "name":
             call = {"index": index, "id": new_call_id(use.fmt), "type": "function",
