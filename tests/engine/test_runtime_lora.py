@@ -6,7 +6,6 @@ finishes first, requests for it are refused after, and a server without the flag
 from __future__ import annotations
 
 import asyncio
-import shutil
 import threading
 import time
 
