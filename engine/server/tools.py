@@ -25,7 +25,7 @@ _NO_PARAMETERS = {"type": "object", "properties": {}}
 @dataclass(slots=True)
 class ToolUse:
     """Tools the model may (`auto`) or must (`required`, named) call this turn, in `fmt`, under `grammar`: one
-    call, or several unless `parallel_tool_calls` is false."""
+    call, or several (`parallel_tool_calls`; by default only with a template that knows tools)."""
 
     tools: list[Tool]
     fmt: ToolCallFormat
@@ -51,10 +51,18 @@ def tool_use(req: ChatCompletionRequest, tokenizer: Any, parser: str = "auto") -
     fmt = detect_format(getattr(tokenizer, "chat_template", None), parser)
     try:
         grammar = tool_call_grammar(tools, fmt, allow_text=choice == "auto", tokenizer=tokenizer,
-                                    parallel=req.parallel_tool_calls is not False)
+                                    parallel=_parallel(req, fmt))
     except GrammarError as exc:
         raise ValidationError(f"`tools` cannot be turned into a grammar: {exc}") from None
     return ToolUse(tools, fmt, choice == "auto", grammar)
+
+
+def _parallel(req: ChatCompletionRequest, fmt: ToolCallFormat) -> bool:
+    """Several calls per turn: OpenAI's default, except for a model whose template knows no tools (json format),
+    which gets one unless the request asks (SmolLM2 left free wrote call after call up to max_tokens)."""
+    if req.parallel_tool_calls is not None:
+        return req.parallel_tool_calls
+    return not fmt.describe_in_prompt
 
 
 def _tool(item: Any, i: int) -> Tool:

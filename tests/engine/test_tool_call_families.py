@@ -179,3 +179,23 @@ def test_bad_tool_requests_are_422(family, body, message):
     reply = httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER, ADD]} | body)
     assert reply.status_code == 422 and message in reply.json()["error"], reply.text
     assert reply.json()["error_type"] == "validation"
+
+
+def test_parallel_calls_through_the_responses_api(family):
+    _, client, _ = family
+    tools = [{"type": "function", **t["function"]} for t in (WEATHER, ADD)]
+    seed, calls = next((s, c) for s in range(SEEDS) if len((c := ask(client, s, False)[1])) >= 2)
+    kwargs = dict(model="tgi", input=ASK[0]["content"], tools=tools, tool_choice="required",
+                  extra_body={"seed": seed}, max_output_tokens=240)
+    whole = client.responses.create(**kwargs)
+    assert [(o.name, o.arguments) for o in whole.output] == [c[1:] for c in calls]
+    events = list(client.responses.create(**kwargs, stream=True))
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [e.output_index for e in added] == list(range(len(calls)))
+    streamed = events[-1].response.output
+    assert [(o.name, o.arguments) for o in streamed] == [c[1:] for c in calls]
+    assert len({o.call_id for o in streamed}) == len(calls)
+    for i, item in enumerate(streamed):
+        deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta"
+                         and e.item_id == item.id)
+        assert deltas == item.arguments and added[i].item.id == item.id

@@ -5,7 +5,6 @@ the parallel grammar (several calls, one with parallel_tool_calls false); and th
 per turn, Mistral's 9-character ids)."""
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -192,4 +191,9 @@ def test_parallel_tool_calls_false_allows_one_call(compiler, tokenizer):
     two = calls_text([ToolCall("add", '{"a": 1, "b": 2}')] * 2, use.fmt)
     assert not accepts(compiler, use.grammar, two, tokenizer)
     use = tool_use(_chat(messages=PAST[:1], tools=[TOOL], tool_choice="required"), tokenizer, "json")
-    assert accepts(compiler, use.grammar, two, tokenizer) and json.loads(two.split("\n")[0])
+    assert not accepts(compiler, use.grammar, two, tokenizer)       # json (no tools in the template): one by default
+    req = _chat(messages=PAST[:1], tools=[TOOL], tool_choice="required", parallel_tool_calls=True)
+    assert accepts(compiler, tool_use(req, tokenizer, "json").grammar, two, tokenizer)
+    assert accepts(compiler, tool_use(_chat(messages=PAST[:1], tools=[TOOL], tool_choice="required"), tokenizer,
+                                      "hermes").grammar, calls_text([ToolCall("add", '{"a": 1, "b": 2}')] * 2,
+                                                                    FORMATS["hermes"]), tokenizer)
