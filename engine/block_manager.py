@@ -46,6 +46,10 @@ class BlockManager:
             hashes.append(hash((prev, *seq.token_ids[i * bs:(i + 1) * bs])))
         return hashes
 
+    def prefix_key(self, seq: Sequence, index: int) -> int:
+        """The prefix-cache key of `seq`'s full block `index` (its tokens and every token before them)."""
+        return self._block_hashes(seq, index + 1)[index]
+
     def _cached_block_ids(self, seq: Sequence) -> list[int]:
         if not self.enable_prefix_caching or seq.wants_prefill_logprobs:
             return []

@@ -13,6 +13,7 @@ class EngineConfig:
     load_format: str = "safetensors"    # "safetensors" | "dummy" (random weights, config shape)
     quantize: str | None = None         # fp8 | bitsandbytes* quantize at load; None = the checkpoint's own
     trust_remote_code: bool = False
+    model_impl: str = "auto"            # "auto" | "native" | "transformers" (engine/models/transformers_backend.py)
     lora_adapters: list[tuple[str, str]] = field(default_factory=list)  # (name, PEFT adapter dir), index = position + 1
     enable_runtime_lora: bool = False   # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (engine/lora/runtime.py)
     max_loras: int = 4                  # adapter slots with runtime LoRA (start-up adapters included)

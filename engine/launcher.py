@@ -185,6 +185,10 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
           help="paged attention: auto = the first of flash-attn, triton (CUDA), cpu_paged (CPU) and portable "
                "(any device) that passes its start-up check against the reference; naming one fails if it "
                "cannot run")),
+    (("--model-impl",), "MODEL_IMPL",
+     dict(default="auto", choices=("auto", "native", "transformers"),
+          help="native = our model classes, transformers = any causal LM transformers builds, on our paged "
+               "attention; auto = native when there is a class for the architecture, else transformers")),
     (("--block-size",), "BLOCK_SIZE", dict(type=_block_size, help="tokens per paged-KV block, a power of two "
                                            "(default: the attention backend's: 256 for flash-attn, else 16)")),
     (("--cpu-threads",), "CPU_THREADS",
@@ -273,7 +277,8 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         served_model_name=args.served_model_name or args.model_id, cpu_gemm=args.cpu_gemm,
         cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend, block_size=args.block_size,
         speculate=args.speculate, max_grammar_bytes=args.max_grammar_bytes, grammar_timeout_s=args.grammar_timeout,
-        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        model_impl=args.model_impl)
     if args.kv_cache_bytes is not None:
         config.cpu_kv_cache_bytes = args.kv_cache_bytes
     config.max_client_batch_size = int(args.max_client_batch_size)
@@ -446,7 +451,7 @@ def _driven_engine(config: EngineConfig, layout: Any) -> Any:
     from engine.llm_engine import LLMEngine
     from engine.model_config import ModelConfig
 
-    model_config = ModelConfig.from_pretrained(config.model_id)
+    model_config = ModelConfig.from_pretrained(config.model_id, config.model_impl)
     logger.info("rank 0 of %d (%d pipeline stage(s) x %d shard(s)); rendezvous at %s:%d", layout.world_size,
                 layout.pp_size, layout.tp_size, config.master_addr, config.master_port)
     return LLMEngine(config, runner=DistributedRunner(config, model_config, layout), model_config=model_config)
@@ -462,7 +467,7 @@ def _follow(config: EngineConfig, layout: Any, cpu_threads: int | None) -> int:
         torch.set_num_threads(cpu_threads)
     logging.getLogger().setLevel(logging.WARNING)  # rank 0 logs for the job
     logging.getLogger("engine.external_launch").setLevel(logging.INFO)
-    return follower_main(config, ModelConfig.from_pretrained(config.model_id), layout)
+    return follower_main(config, ModelConfig.from_pretrained(config.model_id, config.model_impl), layout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,7 +99,7 @@ class LLMEngine:
         self.config = config
         if model_config is None:
             from engine.model_config import ModelConfig
-            model_config = ModelConfig.from_pretrained(config.model_id)
+            model_config = ModelConfig.from_pretrained(config.model_id, config.model_impl)
         self.model_config = model_config
         self.tokenizer = tokenizer or load_tokenizer(config.model_id, config.revision, config.trust_remote_code)
         self.eos_token_ids: set[int] = load_eos_token_ids(config.model_id, self.tokenizer) if config.model_id \

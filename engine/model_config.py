@@ -25,6 +25,7 @@ GEMMA3_TEXT_DEFAULTS = {
     "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
     "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6, "tie_word_embeddings": True,
 }
+MODEL_IMPLS = ("auto", "native", "transformers")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh")
 
@@ -76,15 +77,26 @@ class ModelConfig:
     eos_token_id: list[int] = field(default_factory=list)
     num_params: int = 0
     quantization_config: dict[str, Any] | None = None  # as in the checkpoint; engine.layers.quantization reads it
+    impl: str = "native"                          # "native" (engine/models/) | "transformers" (its backend)
+    source: str = ""                              # the snapshot directory (the transformers backend reads it)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        """Parse `path/config.json` (or a config.json path); unsupported models raise ValueError."""
+    def from_pretrained(cls, path: str | Path, impl: str = "auto") -> ModelConfig:
+        """Parse `path/config.json` (or a config.json path); unsupported models raise ValueError.
+
+        `impl` (--model-impl): "native" = our model classes only, "transformers" = the transformers backend
+        (engine/models/transformers_backend.py), "auto" = native when there is a class, else transformers."""
         path = Path(path)
         file = path if path.is_file() else path / "config.json"
         if not file.exists():
             raise FileNotFoundError(f"no config.json in {path}: pass a local model snapshot directory")
         raw = json.loads(file.read_text())
+        if impl not in MODEL_IMPLS:
+            raise ValueError(f"--model-impl {impl!r} is not one of {', '.join(MODEL_IMPLS)}")
+        native = any(name in SUPPORTED_ARCHITECTURES for name in raw.get("architectures") or [])
+        if impl == "transformers" or (impl == "auto" and not native):
+            from engine.models.transformers_backend import model_config
+            return model_config(file.parent, raw)
         legacy = file.parent / "quantize_config.json"  # older AutoGPTQ snapshots keep it beside config.json
         if not raw.get("quantization_config") and legacy.exists():
             raw["quantization_config"] = {"quant_method": "gptq", **json.loads(legacy.read_text())}

@@ -19,6 +19,7 @@ from engine.lora.adapter import read_adapters
 from engine.model_config import ModelConfig
 from engine.model_inputs import validate_spans
 from engine.models.decoder import check_tensor_parallel
+from engine.models.transformers_backend import check_engine_options
 from engine.rank_watch import HEARTBEAT_S, RankState, stall_reason
 from engine.worker import RankWorker, available_cpus, resolve_device, worker_main
 
@@ -38,6 +39,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         if config.num_shard < 1:
             raise ValueError(f"num_shard must be >= 1, got {config.num_shard}")
+        check_engine_options(config.num_shard, config.lora_adapters, config.quantize, model_config)
         check_tensor_parallel(model_config, config.num_shard)
         if config.lora_adapters:  # every adapter problem fails here, before minutes of weight loading
             read_adapters(config.lora_adapters, model_config, config.served_model_name or config.model_id)

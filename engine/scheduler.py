@@ -135,7 +135,7 @@ class Scheduler:
             seq = self.waiting[0]
             num_cached = bm.num_cached_tokens(seq)
             num_new = min(seq.num_tokens - num_cached, budget)
-            if not bm.can_allocate(seq, num_cached + num_new):
+            if not bm.can_allocate(seq, num_cached + num_new) or self._prefix_in_flight(seq, num_cached):
                 break
             # Admit only what the cache can carry on with: the whole prompt, and a block of growth for each
             # running sequence (the next `block_size` decode steps). Admitting on the first chunk alone
@@ -150,6 +150,19 @@ class Scheduler:
             self.running.append(seq)
             self._add_span(batch, seq, num_new)
             budget -= num_new
+
+    def _prefix_in_flight(self, seq: Sequence, num_cached: int) -> bool:
+        """Whether a running sequence is computing the prompt block that follows `seq`'s cached prefix (a
+        shared system prompt, requests that arrived together): `seq` then waits, and finds that block (and
+        what follows) in the prefix cache a step later instead of computing it a second time."""
+        bm = self.block_manager
+        end = (num_cached // bm.block_size + 1) * bm.block_size  # one past the block after the cached ones
+        if not bm.enable_prefix_caching or seq.wants_prefill_logprobs or end >= seq.num_tokens:
+            return False
+        index = end // bm.block_size - 1
+        key = bm.prefix_key(seq, index)
+        return any(other.num_computed_tokens < end <= other.num_prompt_tokens and bm.prefix_key(other, index) == key
+                   for other in self.running)
 
     def _add_span(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
         start = seq.num_computed_tokens

@@ -172,6 +172,8 @@ class RankWorker:
         reason = None
         if self.lora is not None:
             reason = "LoRA adapters are loaded (their per-token adapter map is not captured)"
+        elif getattr(self.model, "supports_cuda_graphs", True) is False:
+            reason = "not captured for models on the transformers backend"
         elif not self.attention.supports_cuda_graphs:
             reason = f"the {self.attention.name} attention backend reads host-side lengths"
         elif config.num_shard > 1 or self.layout.pp_size > 1:

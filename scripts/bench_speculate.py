@@ -72,12 +72,12 @@ def run_one(args: argparse.Namespace, model_dir: Path, dtype: str, device: Any, 
         raise
     finally:
         server.stop()
-    summary = bench_http.summarize(records)
+    summary = bench_http.summarize(records, run_args.concurrency)
     print(f"\n## --speculate {speculate}")
     bench_http.print_summary(summary, run_args)
     summary["proposed"], summary["accepted"] = proposed, accepted
     if proposed:
-        tokens = summary.get("tokens") or 1
+        tokens = summary.get("generated_tokens") or 1
         print(f"drafts: {proposed:.0f} proposed, {accepted:.0f} accepted ({accepted / proposed:.0%} of drafts; "
               f"{accepted / tokens:.0%} of generated tokens came from accepted drafts)")
     return summary
@@ -96,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         results = {f"speculate_{n}": run_one(args, model_dir, dtype, device, n, prompts) for n in (0, own.speculate)}
         base, spec = results["speculate_0"], results[f"speculate_{own.speculate}"]
         if base.get("completed") and spec.get("completed"):
-            print(f"\nratio --speculate {own.speculate} / --speculate 0: {spec['tok_s'] / base['tok_s']:.2f}x "
-                  f"generated tok/s; mean TPOT {base['tpot_ms']['mean']:.1f} -> {spec['tpot_ms']['mean']:.1f} ms")
+            print(f"\nratio --speculate {own.speculate} / --speculate 0: {spec['tokens_per_s'] / base['tokens_per_s']:.2f}x "
+                  f"generated tok/s; mean TPOT {base['tpot_s']['mean'] * 1e3:.1f} -> "
+                  f"{spec['tpot_s']['mean'] * 1e3:.1f} ms")
         return {"engine": spec, **results}
 
     results = run_benchmark(args, run)

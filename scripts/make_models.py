@@ -76,6 +76,33 @@ TINY_MODELS.update({
     "tiny-gpt2": ("GPT2Config", dict(_sizes=None, n_embd=64, n_layer=2, n_head=4, n_positions=512,
                                      initializer_range=0.1), {}),
 })
+# architectures without a native class, served by the transformers backend (engine/models/transformers_backend.py);
+# tiny-falcon and tiny-bloom have attention that bypasses transformers' interface: the backend refuses them
+_PLAIN = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
+              initializer_range=0.1)
+TINY_MODELS.update({
+    "tiny-gpt-neox": ("GPTNeoXConfig", dict(_PLAIN, _sizes=None, intermediate_size=176), {}),
+    "tiny-opt": ("OPTConfig", dict(_PLAIN, _sizes=None, ffn_dim=176, word_embed_proj_dim=64, init_std=0.1), {}),
+    "tiny-glm4": ("Glm4Config", dict(tie_word_embeddings=False), {}),
+    "tiny-llama4": ("Llama4TextConfig", dict(intermediate_size_mlp=176, num_local_experts=4, num_experts_per_tok=1,
+                                             no_rope_layers=[1, 1], attention_chunk_size=256,
+                                             tie_word_embeddings=False), {}),
+    "tiny-gpt-oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                          layer_types=["sliding_attention", "full_attention"],
+                                          tie_word_embeddings=False), {}),
+    "tiny-gemma": ("GemmaConfig", dict(), {}),
+    "tiny-phi": ("PhiConfig", dict(_sizes=True), {}),
+    "tiny-granite": ("GraniteConfig", dict(_sizes=True, logits_scaling=2.0, embedding_multiplier=3.0,
+                                           residual_multiplier=0.5, attention_multiplier=0.2), {}),
+    "tiny-olmo": ("OlmoConfig", dict(_sizes=True, clip_qkv=4.0), {}),
+    "tiny-cohere": ("CohereConfig", dict(_sizes=True, logit_scale=0.5), {}),
+    "tiny-gptj": ("GPTJConfig", dict(_sizes=None, n_embd=64, n_layer=2, n_head=4, n_positions=512, rotary_dim=8,
+                                     n_inner=176, initializer_range=0.1), {}),
+    "tiny-exaone4": ("Exaone4Config", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                           tie_word_embeddings=False), {}),
+    "tiny-falcon": ("FalconConfig", dict(_PLAIN, _sizes=None, new_decoder_architecture=True, num_kv_heads=2), {}),
+    "tiny-bloom": ("BloomConfig", dict(_PLAIN, _sizes=None, n_layer=2, n_head=4), {}),
+})
 _ENCODER = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=512, initializer_range=0.1)
 # pooling models (engine/pooling/): name -> (config class, model class, config overrides, sentence-transformers

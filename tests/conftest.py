@@ -72,6 +72,7 @@ def _isolated_config(tmp_path_factory, monkeypatch):
     """No test reads the developer's own tgi-hpc config or HF token."""
     home = tmp_path_factory.mktemp("config")
     monkeypatch.setenv("TGI_HPC_CONFIG_DIR", str(home))
-    for var in ("TGI_HPC_CLUSTER", "TGI_HPC_SET", "TGI_HPC_JSON", "TGI_HPC_REMOTE", "TGI_HPC_ACCOUNT", "HF_TOKEN"):
+    for var in ("TGI_HPC_CLUSTER", "TGI_HPC_SET", "TGI_HPC_JSON", "TGI_HPC_REMOTE", "TGI_HPC_ACCOUNT", "HF_TOKEN",
+                "TGI_HPC_ACCEPT_HOST_KEY"):
         monkeypatch.delenv(var, raising=False)
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")

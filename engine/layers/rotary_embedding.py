@@ -64,21 +64,34 @@ class RotaryEmbedding(nn.Module):
         else:
             inv_freq = inverse_frequencies(self.rotary_dim, theta, scaling)
             freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())
-        self.register_buffer("cos", freqs.cos() * magnitude, persistent=False)  # [max_position, rotary_dim // 2]
-        self.register_buffer("sin", freqs.sin() * magnitude, persistent=False)
+        cos, sin = freqs.cos() * magnitude, freqs.sin() * magnitude  # [max_position, rotary_dim // 2]
+        # over the whole rotary_dim, sin signed for rotate_half: x * cos + rotate_half(x) * sin is one addcmul
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] by their token positions."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self._tables(positions)
         if self.rotary_dim == q.shape[-1]:
             return _rotate(q, cos, sin), _rotate(k, cos, sin)
         d = self.rotary_dim  # partial rotary: the remaining channels pass through
         return (torch.cat((_rotate(q[..., :d], cos, sin), q[..., d:]), dim=-1),
                 torch.cat((_rotate(k[..., :d], cos, sin), k[..., d:]), dim=-1))
 
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, rotary_dim] of the step's positions, looked up once for every layer sharing them.
+        Only on CPU, where each step's positions are a new tensor (CUDA graphs refill a static one)."""
+        if positions.device.type != "cpu":
+            return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        step = self._step
+        if step is None or step[0] is not positions:
+            step = self._step = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        return step[1], step[2]
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with sin's first half negated beforehand (HF's formula, fewer ops)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)

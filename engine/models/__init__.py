@@ -31,6 +31,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
+    if config.impl == "transformers":
+        from engine.models.transformers_backend import TransformersForCausalLM
+        return TransformersForCausalLM
     try:
         return MODEL_REGISTRY[config.architecture]
     except KeyError:

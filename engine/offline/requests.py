@@ -1,7 +1,8 @@
 """One batch input line -> a validated engine request -> one OpenAI Batch output line.
 
 The server's code does the work: the wire models, the chat template, sampling parameters, validation and
-the response bodies of /v1/chat/completions and /v1/completions. What the batch adds: the line's envelope
+the response bodies of /v1/chat/completions and /v1/completions (engine/server/openai_requests.py, which the
+routes import too). What the batch adds: the line's envelope
 (custom_id, method, url, body), a seed per custom_id (the same answer whatever the sharding) and error
 lines instead of HTTP errors. One choice per request (`n` = 1, one prompt).
 """
@@ -15,12 +16,12 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.server import choices as fan
-from engine.server.completions import COMPLETIONS_MAX_TOKENS, _check_completion, _completion_choice, _validate
 from engine.server.errors import ServerError
 from engine.server.grammar import response_format_grammar
 from engine.server.infer import Generation
 from engine.server.openai_common import check_common, parameters
-from engine.server.openai_routes import _apply_chat_template, _chat_choice
+from engine.server.openai_requests import (COMPLETIONS_MAX_TOKENS, apply_chat_template, chat_choice, check_completion,
+                                          completion_choice, validate_prompt)
 from engine.server.protocol import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest,
                                     GenerateRequest, dump)
 from engine.server.tools import ToolUse, tool_use
@@ -123,12 +124,12 @@ def _one_choice(req: ChatCompletionRequest | CompletionRequest) -> None:
 def _prepare_chat(state: OfflineState, custom_id: str, req: ChatCompletionRequest) -> Prepared:
     check_common(req)
     _one_choice(req)
-    use = tool_use(req, state.tokenizer)
+    use = tool_use(req, state.tokenizer, state.config.tool_call_parser)
     grammar = response_format_grammar(req.response_format)
     if use is not None and grammar is not None:
         raise RequestError("invalid_request", "`response_format` cannot be combined with `tools`")
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
-    prompt = _apply_chat_template(state, req, use)  # type: ignore[arg-type]  # reads .tokenizer only
+    prompt = apply_chat_template(state, req, use)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = parameters(req, max_tokens, top_n, use.grammar if use is not None else grammar)
     params.seed = req.seed if req.seed is not None else seed_of(custom_id)
@@ -137,7 +138,7 @@ def _prepare_chat(state: OfflineState, custom_id: str, req: ChatCompletionReques
 
 
 def _prepare_completion(state: OfflineState, custom_id: str, req: CompletionRequest) -> Prepared:
-    _check_completion(state, req)  # type: ignore[arg-type]
+    check_completion(state, req)
     _one_choice(req)
     prompts = req.prompts()
     if len(prompts) != 1:
@@ -147,7 +148,7 @@ def _prepare_completion(state: OfflineState, custom_id: str, req: CompletionRequ
                         response_format_grammar(req.response_format))
     params.seed = req.seed if req.seed is not None else seed_of(custom_id)
     default = min(COMPLETIONS_MAX_TOKENS, state.config.max_new_tokens_default or COMPLETIONS_MAX_TOKENS)
-    valid = _validate(state, prompts[0], params, default)  # type: ignore[arg-type]
+    valid = validate_prompt(state, prompts[0], params, default)
     return Prepared(custom_id, COMPLETIONS, req, valid, scoring=scoring)
 
 
@@ -159,11 +160,11 @@ def response_line(state: OfflineState, prep: Prepared, gen: Generation) -> str:
     rid, created, model = _line_id(prep.custom_id), int(time.time()), prep.req.model or state.model_name
     body: Any
     if prep.url == CHAT:
-        choice = _chat_choice(gen, prep.use, bool(prep.req.logprobs), 0)  # type: ignore[union-attr]
+        choice = chat_choice(gen, prep.use, bool(prep.req.logprobs), 0)  # type: ignore[union-attr]
         body = ChatCompletion(id=f"chatcmpl-{rid}", created=created, model=model, choices=[choice],
                               usage=fan.usage([[gen]], [[gen]]), system_fingerprint=state.system_fingerprint)
     else:
-        choice = _completion_choice(state, prep.req, prep.valid, gen, gen.prefill, 0,  # type: ignore[arg-type]
+        choice = completion_choice(state, prep.req, prep.valid, gen, gen.prefill, 0,  # type: ignore[arg-type]
                                     prep.scoring)
         body = Completion(id=f"cmpl-{rid}", created=created, model=model, choices=[choice],
                           usage=fan.usage([[gen]], [[gen]], count_completion=not prep.scoring),

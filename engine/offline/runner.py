@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.offline.requests import OfflineState, Prepared, RequestError, error_line, prepare, response_line
 from engine.server.errors import ServerError
-from engine.server.infer import Timings, _Collector
+from engine.server.infer import Collector, Timings
 from tgi_hpc.batch.inputs import Records
 from tgi_hpc.batch.ledger import Lease, Ledger
 
@@ -59,7 +59,7 @@ class BatchRunner:
         self.window, self.poll_s = max(1, window), poll_s
         self._open: dict[int, _OpenShard] = {}
         self._queue: deque[tuple[int, int, Prepared]] = deque()     # (shard, position, request) not yet added
-        self._in_flight: dict[str, tuple[int, int, Prepared, _Collector]] = {}
+        self._in_flight: dict[str, tuple[int, int, Prepared, Collector]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._started = time.monotonic()
@@ -101,7 +101,7 @@ class BatchRunner:
             except Exception as exc:  # noqa: BLE001 - the engine's own checks (ValueError) and anything odd
                 self._finish(index, pos, error_line(prep.custom_id, "invalid_request", str(exc)), failed=True)
                 continue
-            self._in_flight[rid] = (index, pos, prep, _Collector(prep.valid.input_length, Timings(time.monotonic())))
+            self._in_flight[rid] = (index, pos, prep, Collector(prep.valid.input_length, Timings(time.monotonic())))
 
     def _open_next_shard(self) -> bool:
         if time.monotonic() < self._next_claim:

@@ -88,7 +88,9 @@ class StreamEvent:
 
 
 @dataclass(slots=True)
-class _Collector:
+class Collector:
+    """A request's engine outputs gathered into its Generation (the routes' and the offline batch's)."""
+
     input_length: int
     timings: Timings
     tokens: list[TokenInfo] = field(default_factory=list)
@@ -185,7 +187,7 @@ class Infer:
     async def stream(self, valid: ValidRequest, arrival: float) -> AsyncIterator[StreamEvent]:
         """Yield one StreamEvent per generated token; the last carries the finished Generation."""
         self._observe(valid)
-        collector = _Collector(valid.input_length, Timings(arrival))
+        collector = Collector(valid.input_length, Timings(arrival))
         index, last_token = 0, None
         async with contextlib.aclosing(self._outputs(valid, collector.timings)) as outputs:
             async for out in outputs:
@@ -208,7 +210,7 @@ class Infer:
         raise IncompleteGenerationError()
 
     async def _collect(self, valid: ValidRequest, arrival: float, started: asyncio.Event | None = None) -> Generation:
-        collector = _Collector(valid.input_length, Timings(arrival), started=started)
+        collector = Collector(valid.input_length, Timings(arrival), started=started)
         async with contextlib.aclosing(self._outputs(valid, collector.timings)) as outputs:
             async for out in outputs:
                 end = collector.add(out)

@@ -28,7 +28,7 @@ from engine.server.errors import GenerationError, ServerError, ValidationError
 from engine.server.grammar import prepare_spec
 from engine.server.infer import Generation
 from engine.server.openai_common import parameters
-from engine.server.openai_routes import _apply_chat_template
+from engine.server.openai_requests import apply_chat_template
 from engine.server.protocol import ChatCompletionRequest, GenerateRequest, dump
 from engine.server.answer_text import AnswerStream, read_answer
 from engine.server.reasoning import ReasoningFormat, reasoning_format
@@ -49,7 +49,7 @@ async def messages(request: Request) -> Response:
         with state.request() as arrival:
             req = parse_body(MessagesRequest, await request.body())
             chat, use = _chat_request(req, state)
-            prompt = _apply_chat_template(state, chat, use)
+            prompt = apply_chat_template(state, chat, use)
             await prepare_spec(use.grammar if use is not None else None, state.engine)
             params = parameters(chat, req.max_tokens, 0, use.grammar if use is not None else None)
             params.top_k = req.top_k or None
@@ -69,7 +69,7 @@ async def count_tokens(request: Request) -> Response:
     try:
         req = parse_body(CountTokensRequest, await request.body())
         chat, use = _chat_request(req, state)
-        prompt = _apply_chat_template(state, chat, use)
+        prompt = apply_chat_template(state, chat, use)
         ids = state.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         return JSONResponse(dump(CountTokensResponse(input_tokens=len(ids))))
     except ServerError as exc:

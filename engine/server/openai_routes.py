@@ -6,7 +6,6 @@ TGI's {"error", "error_type"} body with the TGI status codes.
 """
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from typing import Any
@@ -17,27 +16,25 @@ from starlette.routing import BaseRoute
 
 from engine.server import choices as fan
 from engine.server import sse
-from engine.server.answer_text import AnswerStream, read_answer
+from engine.server.answer_text import AnswerStream
 from engine.server.completions import completions
 from engine.server.errors import ValidationError
 from engine.server.grammar import prepare_grammars, response_format_grammar, response_format_schema
-from engine.server.infer import Generation, StreamEvent
+from engine.server.infer import StreamEvent
 from engine.server.openai_common import (adapter_id, check_common, finish, model_name, parameters, renderer,
                                          stream_choices, usage_of)
-from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
-                                    ChatCompletionMessage, ChatCompletionRequest, ChatDelta, ChatLogprob, ChatLogprobs,
-                                    ChatToolCall, FunctionCall, GenerateRequest, ModelCard, ModelList, TopLogprob,
-                                    Usage, dump)
+from engine.server.openai_requests import apply_chat_template, chat_choice, chat_logprobs
+from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
+                                    ChatDelta, GenerateRequest, ModelCard, ModelList, Usage, dump)
 from engine.server.reasoning import (ReasoningFormat, ReasoningStream, after_reasoning, answer_rules,
                                      reasoning_format)
 from engine.structured.spec import GrammarError, GrammarSpec
 from engine.server.routing import ExactRoute
 from engine.server.state import ServerState
 from engine.server.streaming import Renderer, open_stream, unless_disconnected
-from engine.server.tools import ToolUse, new_call_id, template_inputs, tool_use
+from engine.server.tools import ToolUse, new_call_id, tool_use
 from engine.server.validation import ValidRequest, parse_body
 
-logger = logging.getLogger(__name__)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -58,7 +55,7 @@ async def chat_completions(request: Request) -> Response:
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
         if top_n > state.config.max_top_n_tokens:
             raise ValidationError(f"`top_logprobs` must be <= {state.config.max_top_n_tokens}. Given: {top_n}")
-        prompt = _apply_chat_template(state, req, use)
+        prompt = apply_chat_template(state, req, use)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         thinks = reasoning_format(state.config.reasoning_parser, getattr(state.tokenizer, "chat_template", None))
         grammar = _grammar(req, thinks, use, grammar)
@@ -75,7 +72,7 @@ async def chat_completions(request: Request) -> Response:
             def chunk(ev: StreamEvent | None, usage: Usage | None, index: int = 0) -> dict[str, Any]:
                 choices = [] if ev is None else [ChatChunkChoice(
                     index=index, delta=_delta(ev, thinks, reasoning_streams, index),
-                    logprobs=_chat_logprobs([ev.token]) if logprobs else None, finish_reason=finish(ev.end))]
+                    logprobs=chat_logprobs([ev.token]) if logprobs else None, finish_reason=finish(ev.end))]
                 return dump(ChatCompletionChunk(id=rid, created=created, model=model_name(state, req), usage=usage,
                                                 system_fingerprint=state.system_fingerprint, choices=choices))
             if n > 1:
@@ -90,7 +87,7 @@ async def chat_completions(request: Request) -> Response:
             groups = [fan.fan_out(valid, n, req.seed, prompt_logprobs=False)]
             gens = await unless_disconnected(request, state.infer.generate_groups(
                 groups, arrival, state.config.prefix_caching))
-        choices = [_chat_choice(gen, use, logprobs, index, thinks) for index, gen in enumerate(gens[0])]
+        choices = [chat_choice(gen, use, logprobs, index, thinks) for index, gen in enumerate(gens[0])]
         body = ChatCompletion(id=rid, created=created, model=model_name(state, req), choices=choices,
                               usage=fan.usage(gens, gens), system_fingerprint=state.system_fingerprint)
         return JSONResponse(dump(body))
@@ -127,23 +124,6 @@ def _delta(ev: StreamEvent, thinks: ReasoningFormat | None, streams: dict[int, R
     return ChatDelta(content=content if content or not reasoning else None, reasoning_content=reasoning or None)
 
 
-def _chat_choice(gen: Generation, use: ToolUse | None, logprobs: bool, index: int,
-                 thinks: ReasoningFormat | None = None) -> ChatCompletionChoice:
-    answer = read_answer(gen.text, use, thinks, gen.finish_reason == "length")
-    if not answer.calls and use is not None and not use.allow_text:
-        # the grammar forced a call: only a cut-off (length) or a grammar failure gets here
-        logger.warning("tool_choice required/named answered without a complete call (finish %s): %r",
-                       gen.finish_reason, gen.text[:300])
-    message = ChatCompletionMessage(content=answer.content, reasoning_content=answer.reasoning)
-    if answer.calls:
-        message = ChatCompletionMessage(content=None, reasoning_content=answer.reasoning, tool_calls=[
-            ChatToolCall(id=new_call_id(use.fmt if use else None),
-                         function=FunctionCall(name=call.name, arguments=call.arguments)) for call in answer.calls])
-    return ChatCompletionChoice(index=index, message=message,
-                                finish_reason="tool_calls" if answer.calls and gen.finish_reason != "length" else finish(gen),
-                                logprobs=_chat_logprobs(gen.tokens) if logprobs else None)
-
-
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.server
     cards = [ModelCard(id=state.model_name, owned_by="tgi-hpc", task=state.info.task)]
@@ -158,36 +138,7 @@ ROUTES: list[BaseRoute] = [
 ]
 
 
-# --- request -> GenerateParameters --------------------------------------------------------------
-
-def _apply_chat_template(state: ServerState, req: ChatCompletionRequest, use: ToolUse | None) -> str:
-    if not getattr(state.tokenizer, "chat_template", None):
-        raise ValidationError("this model has no chat template; use /v1/completions or /generate")
-    for message in req.messages:
-        if isinstance(message.content, list) and any(p.type != "text" for p in message.content):
-            raise ValidationError("only text content parts are supported")
-    messages, tools = template_inputs(req, state.tokenizer, use, state.config.tool_call_parser)
-    extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
-    reserved = sorted(set(extra) & {"messages", "conversation", "tools", "tokenize", "add_generation_prompt",
-                                    "return_dict", "continue_final_message", "chat_template"})
-    if reserved:
-        raise ValidationError(f"`chat_template_kwargs` cannot set {', '.join(reserved)}: the server sets them")
-    try:
-        if tools:
-            extra["tools"] = tools
-        return str(state.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra))
-    except Exception as exc:  # jinja errors (e.g. "roles must alternate") are the caller's to fix
-        raise ValidationError(f"chat template error: {exc}") from None
-
-
 # --- responses ----------------------------------------------------------------------------------
-
-def _chat_logprobs(tokens: list[Any]) -> ChatLogprobs:
-    return ChatLogprobs(content=[
-        ChatLogprob(token=t.text, logprob=t.logprob or 0.0,
-                    top_logprobs=[TopLogprob(token=a.text, logprob=a.logprob or 0.0) for a in t.top_tokens])
-        for t in tokens])
-
 
 def _tool_renderer(state: ServerState, req: ChatCompletionRequest, use: ToolUse, thinks: ReasoningFormat | None,
                    rid: str, created: int) -> Renderer:

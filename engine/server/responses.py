@@ -24,7 +24,7 @@ from engine.server.errors import GenerationError, ServerError, ValidationError
 from engine.server.grammar import prepare_spec, response_format_grammar
 from engine.server.infer import Generation
 from engine.server.openai_common import parameters
-from engine.server.openai_routes import _apply_chat_template
+from engine.server.openai_requests import apply_chat_template
 from engine.server.protocol import GenerateRequest, dump
 from engine.server.answer_text import AnswerStream, read_answer
 from engine.server.reasoning import reasoning_format
@@ -61,7 +61,7 @@ async def create_response(request: Request) -> Response:
         grammar = response_format_grammar(chat.response_format)
         if use is not None and grammar is not None:
             raise ValidationError('`text.format` cannot be combined with `tools` unless `tool_choice` is "none"')
-        prompt = _apply_chat_template(state, chat, use)
+        prompt = apply_chat_template(state, chat, use)
         await prepare_spec(use.grammar if use is not None else grammar, state.engine)
         params = parameters(chat, req.max_output_tokens, 0, use.grammar if use is not None else grammar)
         generate = GenerateRequest(inputs=prompt, parameters=params)

@@ -185,7 +185,7 @@ export TGI_HPC_CLUSTER_LOGIN=tgi-login
 export TGI_HPC_CLUSTER_LOGS=$LOG
 export TGI_HPC_CLUSTER_LOGIN_PYTHONPATH="$LOGIN_PYTHONPATH"
 export TGI_HPC_CLUSTER_PROFILE=$(cd "$HERE/../.." && pwd)/tests/cluster/local-profile.yaml
-# tgi-hpc itself reads TGI_HPC_CLUSTER: export TGI_HPC_CLUSTER="\$TGI_HPC_CLUSTER_PROFILE" (README)
+# tgi-hpc itself reads TGI_HPC_CLUSTER: export TGI_HPC_CLUSTER="\$TGI_HPC_CLUSTER_PROFILE" (CONTRIBUTING.md)
 EOF
   mv -f "$ENV_FILE.new" "$ENV_FILE"; chmod 644 "$ENV_FILE"
 }

@@ -1,6 +1,7 @@
-"""`tgi-hpc batch` on the local Slurm cluster: two jobs, one scancel'ed and one engine SIGKILLed mid-run,
-then the same command again (two new jobs, one of them told its time limit is near: it requeues itself):
-the output is complete, one line per custom_id, each the greedy answer, and no job is left running."""
+"""`tgi-hpc batch` on the local Slurm cluster: a job array of two tasks, one scancel'ed and one engine SIGKILLed
+mid-run, then the same command again (a new array, one task told its time limit is near: it requeues itself):
+the output is complete, one line per custom_id, each the greedy answer, and no job is left running.
+`tgi-hpc logs OUTPUT` shows every task's log; `--wait` off a terminal prints plain progress lines."""
 from __future__ import annotations
 
 import json
@@ -57,7 +58,8 @@ def test_batch_survives_scancel_and_sigkill_then_completes_on_rerun(local_cluste
             str(venv_release()), "--lease", "8", "--shard-size", "2", "--max-concurrent-requests", "4",
             "--max-total-tokens", "256", "--partition", "long", "--engine-arg", "--kv-cache-bytes=32MiB"]
     first = json.loads(tgi("batch", *args, "--json").stdout)
-    job_a, job_b = first["submitted"]
+    [array] = first["submitted"]                         # one job array, a task per holder
+    job_a, job_b = f"{array}_0", f"{array}_1"
     batch_dir = Path(first["batch_dir"])
     ledger = Ledger(batch_dir)
     wait_until(lambda: ledger.progress().done >= 4 and len(ledger.progress().holders) == 2, 120, "both jobs working")
@@ -72,16 +74,24 @@ def test_batch_survives_scancel_and_sigkill_then_completes_on_rerun(local_cluste
     wait_until(lambda: all(s["state"] in ("FAILED", "CANCELLED") for s in json.loads(
         tgi("status", job_a, job_b, "--json").stdout)), 60, "both jobs to end")
     assert not ledger.progress().complete
+    shown = tgi("logs", str(out)).stdout                # the batch's logs: each task's, in task order
+    assert shown.index(f"==> {job_a} <==") < shown.index(f"==> {job_b} <==")
+    assert re.search(rf"==> {job_a} <==\n.*shard \d+ \(records .*\) taken.*==> {job_b} <==", shown, re.S), shown
+    assert json.loads(tgi("logs", array, "--json").stdout)["logs"].keys() == {job_a, job_b}
 
     again = json.loads(tgi("batch", *args, "--json").stdout)
-    assert len(again["submitted"]) == 2                  # the old jobs had ended: new ones go on
-    job_c = again["submitted"][0]
+    [second] = again["submitted"]                        # the old tasks had ended: a new array goes on
+    job_c, job_d = f"{second}_0", f"{second}_1"
     wait_until(lambda: any(h.startswith(f"{job_c}@") for h in ledger.progress().holders), 120, "job c working")
     local_cluster.run("scancel", "--signal=USR1", "--batch", job_c)   # what Slurm sends before the time limit
-    final = json.loads(tgi("batch", *args, "--wait", "--timeout", "150", "--json", timeout=200).stdout)
+    waited = tgi("batch", *args, "--wait", "--timeout", "150", "--json", timeout=200)
+    final = json.loads(waited.stdout)
     assert final["complete"] and final["submitted"] == []            # a third time: it follows the running jobs
+    seen = re.findall(rf"^batch: (\d+)/{NUM} done, 0 failed.*$", waited.stderr, re.M)   # not a terminal: lines
+    assert seen and seen[-1] == str(NUM) and "\x1b[" not in waited.stderr, waited.stderr
+    assert [int(n) for n in seen] == sorted(set(int(n) for n in seen))                # one line per change
     wait_until(lambda: all(s["state"] == "COMPLETED" for s in json.loads(
-        tgi("status", *again["submitted"], "--json").stdout)), 120, "the new jobs to end")
+        tgi("status", job_c, job_d, "--json").stdout)), 120, "the new tasks to end")
     assert local_cluster.show_job(job_c)["Restarts"] == "1"          # it requeued itself and came back
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [x["custom_id"] for x in lines] == [f"q{i}" for i in range(NUM)]
@@ -98,7 +108,7 @@ def test_batch_survives_scancel_and_sigkill_then_completes_on_rerun(local_cluste
         expected = [g.text for g in llm.generate(ids, SamplingParams(max_new_tokens=16))]
     assert [x["response"]["body"]["choices"][0]["message"]["content"] for x in lines] == expected
 
-    states = json.loads(tgi("status", job_a, job_b, *again["submitted"], "--json").stdout)
+    states = json.loads(tgi("status", job_a, job_b, job_c, job_d, "--json").stdout)
     assert all(s["state"] not in ("PENDING", "RUNNING", "STARTING") for s in states), states
     assert all(re.fullmatch(rf"batch {NUM}/{NUM} done, 0 failed, \d+ tok/s \(complete\)", s["detail"])
                for s in states), states

@@ -1,8 +1,10 @@
-"""`tgi-hpc bench JOB` against a real engine served on the local cluster: the load goes through, the tables
-print, --json has the percentiles, and the results are saved beside the job's log."""
+"""`tgi-hpc bench JOB` against a real engine served on the local cluster: the load goes through at two
+concurrencies, the prefill and decode tables print, --json has the percentiles, and the results are saved
+beside the job's log."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -20,14 +22,19 @@ def test_bench_a_served_model(local_cluster, model_path, tmp_path):
                             "--timeout", "180", "--json", timeout=240).stdout)
     job = served["job_id"]
     try:
-        result = json.loads(tgi("bench", job, "--concurrency", "2", "--requests", "4", "--new-tokens", "8",
-                                "--json").stdout)
-        assert (result["requests"], result["completed"], result["failed"]) == (4, 4, 0)
-        assert 4 <= result["generated_tokens"] <= 32 and result["tokens_per_s"] > 0
-        assert 0 < result["ttft_s"]["p50"] <= result["e2e_s"]["p50"]
+        result = json.loads(tgi("bench", job, "--concurrency", "1", "--concurrency", "2", "--requests", "4", "--new-tokens", "8",
+                                "--warmup", "1", "--json").stdout)
+        assert [r["concurrency"] for r in result["runs"]] == [1, 2]
+        for run in result["runs"]:
+            assert (run["requests"], run["completed"], run["failed"]) == (4, 4, 0)
+            assert 4 <= run["generated_tokens"] <= 32 and run["tokens_per_s"] > 0 and run["prompt_tokens"] >= 4
+            assert 0 < run["ttft_s"]["p50"] <= run["e2e_s"]["p50"] and run["prefill_tok_s"]["p50"] > 0
         saved = Path(result["saved"])
-        assert saved.parent == tmp_path / "jobs" and json.loads(saved.read_text())["completed"] == 4
-        table = tgi("bench", job, "--concurrency", "1", "--requests", "1", "--new-tokens", "4").stdout
-        assert "TTFT" in table and "TPOT" in table and "1/1 requests" in table
+        assert saved.parent == tmp_path / "jobs" and json.loads(saved.read_text())["runs"] == result["runs"]
+        table = tgi("bench", job, "--concurrency", "1", "--requests", "2", "--new-tokens", "4").stdout
+        assert table.index("Prefill") < table.index("Decode") < table.index("Throughput"), table
+        assert re.search(r"^\| prefill +\| +1 \| TTFT ms +\|( +\d+\.\d \|){6}$", table, re.M), table
+        assert re.search(r"^\| decode +\| +1 \| TPOT ms +\|( +(\d+\.\d|-) \|){6}$", table, re.M), table
+        assert "2/2 requests at concurrency 1" in table
     finally:
         tgi("stop", job, check=False)

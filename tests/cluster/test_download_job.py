@@ -41,8 +41,9 @@ def test_download_job_then_serve_by_hub_id(local_cluster, tmp_path, hub_repo):
         assert failed.returncode == 6, failed.stderr
         job_id = failed.stderr.split("submitted download job ")[1].split(";")[0]
         assert "accept the licence" in (tmp_path / "jobs" / f"{job_id}.out").read_text()
-        # With HF_TOKEN in the environment (as a user exports it), the job downloads.
-        ok = _tgi(local_cluster, tmp_path, "download", "--model", "acme/tiny-gated", "--job", "--wait", "--json",
+        # With HF_TOKEN in the environment (as a user exports it), the job downloads; the command waits for it
+        # by default, so it returns once the snapshot is complete.
+        ok = _tgi(local_cluster, tmp_path, "download", "--model", "acme/tiny-gated", "--job", "--json",
                   env={**env, "HF_TOKEN": TOKEN})
         result = json.loads(ok.stdout)
         assert result["state"] == "COMPLETED"

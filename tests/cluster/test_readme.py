@@ -1,4 +1,4 @@
-"""The README's "try it on the local cluster" lines, pasted into bash as a newcomer would, and the
+"""CONTRIBUTING.md's "try it on the local cluster" lines, pasted into bash as a newcomer would, and the
 commands tgi-hpc prints in its hints, pasted back."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def _readme_block(title: str) -> list[str]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "CONTRIBUTING.md").read_text()
     section = text.split(f"## {title}", 1)[1]
     return section.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
 

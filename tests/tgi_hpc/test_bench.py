@@ -1,4 +1,5 @@
-"""tgi_hpc.workflows.bench: the load generator against an in-process fake server (timed SSE streams)."""
+"""tgi_hpc.workflows.bench: the load generator against an in-process fake server (timed SSE streams), and the
+prefill and decode tables from records of known times."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from tgi_hpc.workflows.bench import LoadOptions, percentile, run_load, summarize
+from tgi_hpc.workflows.bench import LoadOptions, Record, make_prompts, percentile, run_load, summarize, tables
 
 
 def sse(*events) -> list[bytes]:
@@ -31,10 +32,16 @@ def fake_server(behaviour, gap_s=0.01):
             if kind == "error":
                 yield sse({"error": "boom", "error_type": "generation"})[0]
                 return
+            if kind == "tgi":
+                for chunk in sse(*({"token": {"id": i, "text": f"t{i}"}} for i in range(2)),
+                                 {"token": {"id": 2, "text": "!"}, "details": {"finish_reason": "eos_token",
+                                                                              "generated_tokens": 3}}):
+                    yield chunk
+                return
             for i in range(4):
                 await asyncio.sleep(gap_s)
                 yield sse({"choices": [{"index": 0, "text": f"t{i}"}]})[0]
-            for chunk in sse({"choices": [], "usage": {"completion_tokens": 4}}, b"[DONE]"):
+            for chunk in sse({"choices": [], "usage": {"completion_tokens": 4, "prompt_tokens": 7}}, b"[DONE]"):
                 yield chunk
         return httpx.Response(200, content=stream(), headers={"content-type": "text/event-stream"})
     return httpx.MockTransport(handler), state
@@ -71,3 +78,48 @@ def test_percentiles_interpolate_and_nothing_gives_none():
     assert percentile([], 50) is None
     empty = summarize([], 4)
     assert empty["completed"] == 0 and empty["ttft_s"]["p50"] is None and empty["tokens_per_s"] == 0.0
+
+
+def test_warmup_requests_go_first_and_are_not_counted():
+    transport, state = fake_server(lambda i: "ok", gap_s=0.0)
+    opts = LoadOptions(concurrency=2, num_requests=3, new_tokens=4, warmup=2)
+    records = asyncio.run(run_load("http://x", {}, "m", opts, transport))
+    assert len(state["bodies"]) == 5 and len(records) == 3
+    s = summarize(records, 2)
+    assert (s["completed"], s["prompt_tokens"], s["generated_tokens"]) == (3, 21, 12)
+    assert s["prefill_tok_s"]["p50"] > 0 and s["decode_tok_s"]["p50"] > 0
+
+
+def test_tgi_generate_stream_counts_tokens_from_its_details():
+    transport, state = fake_server(lambda i: "tgi", gap_s=0.0)
+    opts = LoadOptions(concurrency=1, num_requests=2, new_tokens=3, openai=False)
+    records = asyncio.run(run_load("http://x", {}, "m", opts, transport))
+    assert [b["parameters"] for b, _ in state["bodies"]] == [{"max_new_tokens": 3, "do_sample": False,
+                                                              "details": True}] * 2
+    assert [(r.num_tokens, r.finish_reason, len(r.token_times), r.error) for r in records] == [(3, "eos_token", 3,
+                                                                                               None)] * 2
+
+
+def test_prefill_and_decode_tables_by_percentile_from_known_times():
+    fast = Record(sent=0.0, token_times=[0.1, 0.2, 0.3], num_tokens=3, prompt_tokens=10, end=0.3)
+    slow = Record(sent=0.0, token_times=[0.5, 0.9], num_tokens=2, prompt_tokens=20, end=1.0)
+    failed = Record(sent=0.0, end=0.05, error="HTTP 503: b'overloaded'")
+    run = summarize([fast, slow, failed], 2)
+    assert run["ttft_s"]["min"] == 0.1 and run["ttft_s"]["max"] == 0.5 and run["ttft_s"]["mean"] == pytest.approx(0.3)
+    assert run["prefill_tok_s"]["p50"] == pytest.approx(70.0)            # 10/0.1 and 20/0.5
+    assert run["tpot_s"]["p50"] == pytest.approx(0.25)                   # 0.1 and 0.4
+    assert run["decode_tok_s"]["max"] == pytest.approx(10.0) and run["decode_tok_s"]["min"] == pytest.approx(2.5)
+    text = tables([run, summarize([fast], 1)])
+    prefill, decode = text.index("Prefill"), text.index("Decode")
+    assert prefill < decode < text.index("Throughput")
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:3]): [c.strip() for c in line.strip("|").split("|")[3:]]
+            for line in text.splitlines() if line.startswith("| prefill") or line.startswith("| decode")}
+    assert rows[("prefill", "2", "TTFT ms")] == ["300.0", "100.0", "500.0", "300.0", "460.0", "496.0"]
+    assert rows[("prefill", "1", "prompt tok/s")] == ["100.0"] * 6
+    assert rows[("decode", "2", "TPOT ms")][:3] == ["250.0", "100.0", "400.0"]
+    assert rows[("decode", "1", "tok/s per stream")] == ["10.0"] * 6
+    assert "2/3 requests at concurrency 2 in 1.0 s" in text and "1 failed (HTTP 503: b'overloaded')" in text
+
+
+def test_prompts_are_distinct_however_many_are_asked():
+    assert len(set(make_prompts(50))) == 50 and make_prompts(0) == []

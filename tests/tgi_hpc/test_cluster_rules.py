@@ -194,8 +194,9 @@ def test_the_cpu_login_gets_its_own_connection_from_a_laptop(monkeypatch):
     opened = []
 
     class FakeRunner:
-        def __init__(self, alias, access_rules=()):
+        def __init__(self, alias, access_rules=(), accept_host_key=False):
             opened.append(alias)
+            self.accept_new_host_key = accept_host_key
 
         def close(self):
             pass
@@ -206,6 +207,10 @@ def test_the_cpu_login_gets_its_own_connection_from_a_laptop(monkeypatch):
     cpu = cluster.for_job(Resources(gpus=0))
     assert opened == ["trillium-gpu", "trillium"] and cpu.job_dir == cluster.job_dir
     assert cluster.for_job(Resources(gpus=1)) is cluster
+    assert not cpu.runner.accept_new_host_key
+    trusting = cluster_mod.open_cluster("trillium", ["slurm.account=def-x"], remote=True, strict_paths=False,
+                                        accept_host_key=True)   # --accept-host-key reaches the CPU login too
+    assert trusting.runner.accept_new_host_key and trusting.for_job(Resources(gpus=0)).runner.accept_new_host_key
 
 
 def test_drac_releases_live_off_scratch_with_an_explicit_python():

@@ -17,7 +17,7 @@ from pathlib import Path
 from tgi_hpc.batch.assembly import assemble
 from tgi_hpc.batch.durable import write_durable
 from tgi_hpc.batch.inputs import copy_input, file_sha256
-from tgi_hpc.batch.ledger import DEFAULT_LEASE_S, Ledger
+from tgi_hpc.batch.ledger import DEFAULT_LEASE_S, Ledger, Progress
 from tgi_hpc.errors import JobFailedError, ReadinessTimeout, UsageError
 from tgi_hpc.slurm import jobs
 from tgi_hpc.slurm.cluster import Cluster
@@ -45,7 +45,7 @@ class BatchResult:
     batch_dir: str
     output: str
     progress: dict
-    submitted: list[str] = field(default_factory=list)
+    submitted: list[str] = field(default_factory=list)   # job ids (Slurm: one job array, its tasks ID_0...)
     running: list[str] = field(default_factory=list)    # the batch's jobs already queued or running
     script: str = ""
 
@@ -143,15 +143,19 @@ def _job_ids(batch_dir: Path) -> list[str]:
 
 
 def _active(cluster: Cluster, ids: list[str]) -> list[str]:
+    """Those of `ids` still queued or running; a job array while any of its tasks is (Slurm lists the tasks,
+    4148_0 or 4148_[1-3] when pending, not the array's own id)."""
     if not ids:
         return []
     states = cluster.backend.states(ids)
-    return [j for j in ids if j in states and not states[j].is_final]
+    return [j for j in ids if any(not job.is_final for key, job in states.items() if key.split("_")[0] == j)]
 
 
 def run_batch(cluster: Cluster, opts: BatchOptions, *, release: str | None = None, dry_run: bool = False,
               wait: bool = False, timeout: float = 24 * 3600, progress: Callable[[str], None] = lambda m: None,
-              poll_s: float = 2.0) -> BatchResult:
+              poll_s: float = 2.0, watch: Callable[[Progress], None] | None = None) -> BatchResult:
+    """Make or reopen the batch, submit its jobs unless some still run, and with `wait` follow it to the
+    output: `watch` gets the ledger's Progress at every poll (default: a `progress` line per change)."""
     if opts.serve.other_models or opts.serve.loras or (opts.serve.nodes or 1) > 1:
         raise UsageError("a batch runs one model on one node (no second --model, --lora or --nodes yet)")
     if opts.jobs < 1:
@@ -160,9 +164,11 @@ def run_batch(cluster: Cluster, opts: BatchOptions, *, release: str | None = Non
     rel = release_dir(cluster, release)
     src, output = Path(cluster_path(cluster, opts.input)), Path(cluster_path(cluster, opts.output))
     batch_dir = batch_dir_of(output)
+    # Slurm: one job array, a task per holder; without Slurm (--cluster local): that many jobs
     spec = BatchSpec(kind="batch", resources=serve.resources, keep_alive=opts.requeue, env=serve.env,
                      model=serve.model, model_dir=serve.model_dir, num_shard=serve.num_shard,
-                     engine_args=serve.engine_args, batch_dir=str(batch_dir))
+                     engine_args=serve.engine_args, batch_dir=str(batch_dir),
+                     array_size=opts.jobs if cluster.uses_slurm else 0)
     if dry_run:
         return BatchResult(str(batch_dir), str(output), {}, script=jobs.render(cluster, spec, release_dir=rel))
     if not cluster.is_local:
@@ -179,27 +185,39 @@ def run_batch(cluster: Cluster, opts: BatchOptions, *, release: str | None = Non
     result.running = _active(cluster, _job_ids(batch_dir))
     if not result.running:
         check_before_submit(cluster, serve, rel, explicit_release=release is not None)
-        for _ in range(opts.jobs):
+        for _ in range(1 if spec.array_size else opts.jobs):
             sub = jobs.submit(cluster, spec, release_dir=rel)
             result.submitted.append(str(sub.job_id))
             write_durable(batch_dir / JOBS, json.dumps(_job_ids(batch_dir) + [str(sub.job_id)]).encode())
-        progress(f"submitted {opts.jobs} job(s) for {ledger.num_records} requests in {len(ledger.shards)} shards: "
-                 f"{' '.join(result.submitted)}")
+        what = f"job array {result.submitted[0]} ({opts.jobs} tasks)" if spec.array_size else \
+            f"{opts.jobs} job(s) {' '.join(result.submitted)}"
+        progress(f"submitted {what} for {ledger.num_records} requests in {len(ledger.shards)} shards")
     if wait:
         result.progress = follow(cluster, ledger, result.submitted + result.running, timeout=timeout,
-                                 progress=progress, poll_s=poll_s)
+                                 progress=progress, poll_s=poll_s, watch=watch)
     return result
 
 
+def line_per_change(progress: Callable[[str], None]) -> Callable[[Progress], None]:
+    """A `watch` that says `batch: 12/40 done, ...` each time done or failed moves (plain logs, no terminal)."""
+    last: list[tuple[int, int]] = []
+
+    def watch(p: Progress) -> None:
+        if [(p.done, p.failed)] != last:
+            progress(f"batch: {p.describe()}")
+            last[:] = [(p.done, p.failed)]
+    return watch
+
+
 def follow(cluster: Cluster, ledger: Ledger, job_ids: list[str], *, timeout: float,
-           progress: Callable[[str], None], poll_s: float = 2.0) -> dict:
-    """Until the batch is complete (then the output is written): a line per change of done/total."""
-    deadline, last = time.monotonic() + timeout, None
+           progress: Callable[[str], None], poll_s: float = 2.0,
+           watch: Callable[[Progress], None] | None = None) -> dict:
+    """Until the batch is complete (then the output is written); `watch` sees every poll's Progress."""
+    deadline = time.monotonic() + timeout
+    watch = watch or line_per_change(progress)
     while True:
         p = ledger.progress()
-        if (p.done, p.failed) != last:
-            progress(f"batch: {p.describe()}")
-            last = (p.done, p.failed)
+        watch(p)
         if p.complete:
             output = Path(ledger.manifest["output"])
             assemble(ledger, output)
@@ -209,7 +227,7 @@ def follow(cluster: Cluster, ledger: Ledger, job_ids: list[str], *, timeout: flo
             if ledger.progress().complete:
                 continue
             raise JobFailedError(f"the batch's jobs ({' '.join(job_ids)}) ended with {p.done}/{p.total} requests done; "
-                                 "run the same command again to go on (see `tgi-hpc logs JOB`)")
+                                 f"run the same command again to go on (see `tgi-hpc logs {ledger.root}`)")
         if time.monotonic() > deadline:
             raise ReadinessTimeout(f"the batch is at {p.done}/{p.total} after {timeout:.0f} s; its jobs keep running")
         time.sleep(poll_s)

@@ -9,6 +9,7 @@ from tgi_hpc import __version__
 from tgi_hpc.cli._app import global_options
 from tgi_hpc.cli.batch import batch
 from tgi_hpc.cli.bench import bench
+from tgi_hpc.cli.catalog import list_cmd
 from tgi_hpc.cli.compile import compile_command, release
 from tgi_hpc.cli.chat import chat
 from tgi_hpc.cli.completion import completion
@@ -43,9 +44,10 @@ Exit codes:
 @click.version_option(__version__, prog_name="tgi-hpc")
 @global_options
 def cli() -> None:
-    """Serve open LLMs on Slurm clusters (Mila, DRAC) with a TGI/OpenAI-compatible engine.
+    """Serve open LLMs on Slurm clusters (Mila, DRAC, PAICE) with a TGI/OpenAI-compatible engine.
 
     \b
+    tgi-hpc list [MODEL]                   what this cluster serves, with which resources, and what is ready
     tgi-hpc download --model ORG/NAME      store weights in the cluster's model store
     tgi-hpc compile                        build the offline engine release once
     tgi-hpc serve --model ORG/NAME --wait  submit a server job and wait until it answers
@@ -55,7 +57,7 @@ def cli() -> None:
 
 
 for command in (serve, status, logs, stop, metrics, chat, download, models, compile_command, release, profiles, tunnel,
-                ssh_config, completion, endpoint, batch, bench):
+                ssh_config, completion, endpoint, batch, bench, list_cmd):
     cli.add_command(command)
 
 

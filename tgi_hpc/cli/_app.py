@@ -19,11 +19,13 @@ class App:
     json_output: bool = False
     verbosity: int = 0
     remote: bool | None = None
+    accept_host_key: bool = False
 
     def cluster(self, *, strict_paths: bool = True):
         from tgi_hpc.slurm.cluster import open_cluster
 
-        return open_cluster(self.cluster_name, self.overrides, remote=self.remote, strict_paths=strict_paths)
+        return open_cluster(self.cluster_name, self.overrides, remote=self.remote, strict_paths=strict_paths,
+                            accept_host_key=self.accept_host_key)
 
     def emit(self, data: Any, human: Callable[[], None] | str | None = None) -> None:
         """Results go to stdout: JSON with --json, else the human form."""
@@ -75,6 +77,9 @@ def _global_options(with_env: bool) -> list:
         click.option("--remote/--no-remote", default=None, **env("TGI_HPC_REMOTE"),
                      help="Run Slurm commands on the profile's login host over SSH. Default: only when "
                           "sbatch is missing here. [env: TGI_HPC_REMOTE]"),
+        click.option("--accept-host-key", is_flag=True, **env("TGI_HPC_ACCEPT_HOST_KEY"),
+                     help="Trust an SSH host key not yet in known_hosts and record it (check its fingerprint, "
+                          "printed without this flag, first). [env: TGI_HPC_ACCEPT_HOST_KEY]"),
     ]
 
 
@@ -93,17 +98,19 @@ def global_options(func):
 
 
 def with_app(func):
-    """Give a command the App built from --cluster, --set, --json, -v/-q, --remote (each with a TGI_HPC_* twin);
+    """Give a command the App built from --cluster, --set, --json, -v/-q, --remote, --accept-host-key (each with a
+    TGI_HPC_* twin);
     options given before the command (on the root group) count too, the command's own win."""
 
     @functools.wraps(func)
-    def wrapper(*args, cluster_name, overrides, json_output, verbose, quiet, remote, **kwargs):
+    def wrapper(*args, cluster_name, overrides, json_output, verbose, quiet, remote, accept_host_key, **kwargs):
         root = click.get_current_context().find_root().obj or {}
         verbosity = verbose + root.get("verbose", 0) - quiet - root.get("quiet", 0)
         setup_logging(verbosity)
         app = App(cluster_name or root.get("cluster_name"), [*root.get("overrides", ()), *overrides],
                   json_output or root.get("json_output", False), verbosity,
-                  remote if remote is not None else root.get("remote"))
+                  remote if remote is not None else root.get("remote"),
+                  accept_host_key or root.get("accept_host_key", False))
         return func(app, *args, **kwargs)
 
     for option in reversed(_global_options(with_env=True)):

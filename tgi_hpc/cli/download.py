@@ -13,7 +13,9 @@ from tgi_hpc.cli._app import App, DefaultGroup, with_app
               help="Download in this process (login node) or in a job on a partition with internet. "
                    "Default: the profile's network.download_on.")
 @click.option("--store", help="Model store directory (default: the profile's paths.models).")
-@click.option("--wait/--no-wait", "wait_done", default=False, help="With --job: wait until the job ends.")
+@click.option("--wait/--no-wait", "wait_done", default=True, show_default=True,
+              help="As a job: wait until it ends and the snapshot is complete (--no-wait: return once submitted; "
+                   "serve refuses the model until the snapshot is complete).")
 @click.option("--dry-run", is_flag=True, help="With --job: print the job script; submit nothing.")
 @with_app
 def download(app: App, model, revision, here, store, wait_done, dry_run) -> None:

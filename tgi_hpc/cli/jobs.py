@@ -60,17 +60,25 @@ def status(app: App, job_ids, no_probe, generate) -> None:
 
 @click.command()
 @click.argument("job_id")
-@click.option("--follow", "-f", is_flag=True, help="Keep printing new output until the job ends.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new output until the job ends (one job or task).")
 @with_app
 def logs(app: App, job_id, follow) -> None:
-    """Print the output of JOB_ID."""
+    """Print the output of JOB_ID: a job, an array task (4148_2), every task of a job array (4148), or
+    every job of a batch (its --output file)."""
     from tgi_hpc.slurm import jobs
 
     cluster = app.cluster()
     if not follow:
-        text = jobs.logs(cluster, job_id)
-        app.emit({"job_id": job_id, "log": text}, lambda: click.echo(text, nl=False))
+        from tgi_hpc.batch.logs import logs as read_logs
+
+        found = read_logs(cluster, job_id)
+        text = "".join(found.values()) if list(found) == [job_id] else "".join(
+            f"==> {name} <==\n{log}" + ("" if log.endswith("\n") or not log else "\n") for name, log in found.items())
+        app.emit({"job_id": job_id, "log": text, "logs": found}, lambda: click.echo(text, nl=False))
         return
+    from tgi_hpc.batch.logs import followed
+
+    job_id = followed(cluster, job_id)       # an array task, not the array
     for chunk in jobs.follow(cluster, job_id):  # with --json: one JSON object per chunk (JSON lines)
         if app.json_output:
             click.echo(json.dumps({"job_id": job_id, "log": chunk}))
@@ -81,21 +89,30 @@ def logs(app: App, job_id, follow) -> None:
 @click.command()
 @click.argument("job_ids", nargs=-1)
 @click.option("--all", "all_jobs", is_flag=True, help="Stop all my tgi-hpc jobs.")
+@click.option("--replica", is_flag=True, help="JOB_IDS are jobs of a service: cancel just them, and the service "
+              "replaces each with its successor (without it, a service's job is refused: stop SERVICE).")
 @with_app
-def stop(app: App, job_ids, all_jobs) -> None:
-    """Cancel JOB_IDS (or --all of my tgi-hpc jobs); a SERVICE name stops the whole service."""
+def stop(app: App, job_ids, all_jobs, replica) -> None:
+    """Cancel JOB_IDS (or --all of my tgi-hpc jobs); a SERVICE name stops the whole service.
+
+    A job of a service is refused (its successor would start and the service go on): `stop SERVICE`
+    stops the service, `stop JOB --replica` replaces just that job.
+    """
     from tgi_hpc.errors import UsageError
     from tgi_hpc.slurm import jobs
 
     if bool(job_ids) == all_jobs:
         raise UsageError("give job ids or --all (not both)")
+    if replica and all_jobs:
+        raise UsageError("--replica names jobs of a service; it does not go with --all")
     from tgi_hpc.cli.service import stop_services
 
     cluster = app.cluster()
-    left = stop_services(app, cluster, list(job_ids), all_jobs)
+    left = stop_services(app, cluster, list(job_ids), all_jobs, replica=replica)
     if left is None and not all_jobs:   # only services were named
         return
     result = jobs.stop(cluster, None if all_jobs else left)
     lines = [f"stopped {' '.join(result.stopped)}"] if result.stopped else []
+    lines = [f"{line} (replaced by its service)" for line in lines] if replica else lines
     lines += [f"job {j} had already ended ({state})" for j, state in result.ended.items()]
     app.emit({"stopped": result.stopped, "already_ended": result.ended}, "\n".join(lines) or "nothing to stop")

@@ -14,13 +14,14 @@ def profiles() -> None:
 @profiles.command("list")
 @with_app
 def list_command(app: App) -> None:
-    """List profiles: built-in local, shipped ones, and yours."""
-    from tgi_hpc.profiles.loader import detect_cluster, list_profiles
+    """List profiles: built-in local, shipped ones, and yours (NAME.yaml in the config folder it prints)."""
+    from tgi_hpc.profiles.loader import detect_cluster, list_profiles, user_config_dir
 
-    names = list_profiles()
+    names, where = list_profiles(), str(user_config_dir())
     detected = detect_cluster()
-    app.emit({"profiles": names, "detected": detected},
-             "\n".join(names) + (f"\n(detected here: {'/'.join(filter(None, detected))})" if detected else ""))
+    app.emit({"profiles": names, "detected": detected, "config_dir": where},
+             "\n".join(names) + (f"\n(detected here: {'/'.join(filter(None, detected))})" if detected else "")
+             + f"\n(your profiles and overrides: {where}/NAME.yaml)")
 
 
 @profiles.command("show")

@@ -104,6 +104,7 @@ def serve(app: App, models, loras, memory_fractions, revision, gpus, gpu_type, n
 
     deliver(app, cluster, result, dry_run=dry_run, open_tunnel=open_tunnel, stop_on_exit=stop_on_exit,
             tunnel=lambda: start_tunnel(cluster, result.job_id, local_port=local_port, timeout=timeout,
+                                        accept_host_key=app.accept_host_key,
                                         progress=app.info),
             stop=lambda: jobs.stop(cluster, [result.job_id]))
 

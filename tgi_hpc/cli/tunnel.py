@@ -50,17 +50,25 @@ def hold(app: App, tunnel_obj, info, cluster, stop_job: bool) -> None:
 @click.argument("job_id", metavar="[JOB|SERVICE]", required=False)
 @click.option("--local-port", type=click.IntRange(0, 65535), help="Port on this machine (default: the job's port, if free).")
 @click.option("--background", is_flag=True, help="Detach; manage it with `tunnel list` / `tunnel stop`.")
-@click.option("--accept-host-key", is_flag=True, help="Trust and record an unknown SSH host key.")
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the job to be READY.")
 @click.option("--foreground-child", is_flag=True, hidden=True)
 @with_app
-def open_command(app: App, job_id, local_port, background, accept_host_key, timeout, foreground_child) -> None:
+def open_command(app: App, job_id, local_port, background, timeout, foreground_child) -> None:
     """Forward 127.0.0.1:PORT here to JOB's server (default: my newest running serve job), or to SERVICE's
-    READY replicas: each new connection to the least busy one, following handovers and failing over."""
+    READY replicas: each new connection to the least busy one, following handovers and failing over.
+
+    --background needs a login without prompts (a key in ssh-agent): a detached process cannot answer 2FA.
+    """
     from tgi_hpc.workflows import tunnel_session as ts
 
     cluster = app.cluster()
+    accept_host_key = app.accept_host_key
     job_id = ts.pick_job(cluster, job_id)
+    if background and getattr(cluster.runner, "prompted", False):   # a detached child would be asked too
+        from tgi_hpc.errors import UsageError
+        from tgi_hpc.remote.ssh import no_terminal_message
+
+        raise UsageError("--background: " + no_terminal_message(cluster.runner.alias))
     if background:
         argv = ["tunnel", "open", job_id, "--foreground-child", "--timeout", str(timeout)]
         argv += ["--cluster", app.cluster_name] if app.cluster_name else []
@@ -119,7 +127,7 @@ def stop_command(app: App, job_ids) -> None:
 @click.option("--user", "-u", required=True, help="Your username on the cluster.")
 @click.option("--append", is_flag=True, help="Append to ~/.ssh/config after asking.")
 def ssh_config(cluster_name, user, append) -> None:
-    """Print the ~/.ssh/config entries CLUSTER needs (2FA connection sharing, compute-node hops).
+    """Print the ~/.ssh/config entries CLUSTER needs (ControlMaster for ssh/scp/rsync, compute-node hops).
 
     CLUSTER is a cluster (mila, fir, nibi, rorqual, narval, trillium, tamia, killarney, vulcan) or a
     profile (name or YAML path) with an `ssh:` section.

@@ -15,8 +15,10 @@ from tgi_hpc import __version__
 from tgi_hpc.errors import ReleaseError
 from tgi_hpc.release.kernels import DEFAULT_CUDA_ARCHS, KERNELS_SPEC, parse_cuda_archs
 from tgi_hpc.release.manifest import sha256_file
+from tgi_hpc.release.origin import installed_origin
 
 COMPILE_COMMAND = "tgi-hpc compile"  # named in every "rebuild" hint
+OWN_BUILD_REQUIRES = ("hatchling>=1.21",)   # pyproject.toml's build-system, for a source pip fetches (git)
 _SKIP_SOURCE_DIRS = {"__pycache__", "build", "dist", "tests", "docs", "node_modules"}
 
 
@@ -37,7 +39,8 @@ class ReleaseSpec:
     cuda_archs: list[str] = field(default_factory=list)   # "8.0", "9.0"...; empty = DEFAULT_CUDA_ARCHS for kernels
     with_kernels: bool = False                    # build flash-attn from source (needs nvcc + CUDA torch)
     kernels_spec: str = KERNELS_SPEC
-    project_source: Path | None = None            # checkout dir or .whl; None = this checkout, else PyPI
+    project_source: Path | None = None            # checkout dir or .whl; None = this checkout, else where this
+                                                  # tgi-hpc was installed from (origin.py), else PyPI
     pip_args: list[str] = field(default_factory=list)     # e.g. ["--no-index", "--find-links", WHEELHOUSE]
     system_site_packages: bool = False
     venv_tool: Literal["venv", "virtualenv"] = "venv"     # DRAC documents `virtualenv --no-download`
@@ -83,8 +86,16 @@ def resolve_project(spec: ReleaseSpec) -> tuple[str, str, list[str]]:
     """(pip requirement, identity for the inputs hash, build requirements to keep in the wheelhouse)."""
     extras = f"[{','.join(spec.extras)}]" if spec.extras else ""
     source = spec.project_source or _checkout_root()
-    if source is None:
-        return f"tgi-hpc{extras}=={__version__}", f"pypi:{__version__}", []
+    if source is None:   # an installed tgi-hpc: the engine comes from where it came from (PEP 610)
+        origin = installed_origin()
+        if origin.kind == "index":
+            return f"tgi-hpc{extras}=={__version__}", f"pypi:{__version__}", []
+        if origin.kind in ("vcs", "archive"):
+            return f"tgi-hpc{extras} @ {origin.url}", f"{origin.kind}:{origin.url}", list(OWN_BUILD_REQUIRES)
+        source = origin.path
+        if not Path(source).exists():
+            raise ReleaseError(f"tgi-hpc was installed from {source}, which is gone: install it again from a wheel, "
+                               "a directory or git (pip install git+URL), then compile")
     source = Path(source).resolve()
     if source.is_file() and source.suffix == ".whl":
         return f"tgi-hpc{extras} @ {source.as_uri()}", f"wheel:{sha256_file(source)}", []

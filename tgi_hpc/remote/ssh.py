@@ -214,7 +214,7 @@ class _Strategy(AuthStrategy):
         self.target, self.interactive = target, interactive
 
     def authenticate(self, transport: paramiko.Transport) -> None:
-        user = self.target.user
+        user, key_accepted = self.target.user, False
         for key in self._keys():
             try:
                 transport.auth_publickey(user, key)
@@ -222,13 +222,16 @@ class _Strategy(AuthStrategy):
                 break  # the server does not take keys at all
             except paramiko.AuthenticationException:
                 continue
+            key_accepted = True
             break  # success, or partial success: the server now wants a second factor
         if not transport.is_authenticated():
-            self._second_factor(transport, user)
+            self._second_factor(transport, user, key_accepted)
         if not transport.is_authenticated():
             raise paramiko.AuthenticationException("no method was accepted")
 
-    def _second_factor(self, transport: paramiko.Transport, user: str) -> None:
+    def _second_factor(self, transport: paramiko.Transport, user: str, key_accepted: bool) -> None:
+        if key_accepted and getattr(self.interactive, "needs_terminal", False) and not has_terminal():
+            raise SSHAuthError(no_terminal_message(self.target.alias))   # the key was not enough: 2FA
         try:
             transport.auth_interactive(user, self.interactive)
         except paramiko.BadAuthenticationType as e:
@@ -288,6 +291,30 @@ def prompt_terminal(title: str, instructions: str, prompts: list[tuple[str, bool
         if line.strip():
             print(line.strip(), file=sys.stderr)
     return [_ask(text) if echo else getpass.getpass(text) for text, echo in prompts]
+
+
+prompt_terminal.needs_terminal = True  # type: ignore[attr-defined]
+
+
+def has_terminal() -> bool:
+    """Whether someone can answer a prompt: stdin is a terminal, or this process has one (/dev/tty)."""
+    if sys.stdin is not None and sys.stdin.isatty():
+        return True
+    try:
+        open("/dev/tty").close()
+        return True
+    except OSError:
+        return False
+
+
+def no_terminal_message(alias: str) -> str:
+    """The 2FA story, where a second factor is asked and nobody can answer it."""
+    return (f"{alias} asks for a second factor (2FA) and this process has no terminal to answer it (a background "
+            "tunnel, a job, cron). tgi-hpc connects with paramiko, which cannot reuse an OpenSSH ControlMaster "
+            "login, so every tgi-hpc command authenticates on its own, once. Run it in a terminal (for a lasting "
+            "tunnel: `tgi-hpc tunnel JOB` in a terminal or tmux of its own), or forward with OpenSSH itself, "
+            f"which reuses your ControlMaster login: `ssh -N -L 8080:NODE:PORT {alias}` (NODE:PORT from "
+            "`tgi-hpc status JOB`).")
 
 
 def _ask(text: str) -> str:

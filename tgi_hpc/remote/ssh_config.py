@@ -97,7 +97,8 @@ def render_ssh_config(cluster: str, user: str, spec: ClusterSSH | None = None) -
              f"# Login host: {spec.source}"]
     if MULTIPLEX:
         lines += ["# ControlMaster: ssh, scp and rsync reuse one 2FA login while the socket lives (as milatools",
-                  f"# sets it up); create its folder once: mkdir -p {CONTROL_DIR} && chmod 700 {CONTROL_DIR}"]
+                  f"# sets it up); create its folder once: mkdir -p {CONTROL_DIR} && chmod 700 {CONTROL_DIR}",
+                  "# tgi-hpc itself cannot use that socket (paramiko): each tgi-hpc command logs in once."]
     for alias, options in spec.logins.items():
         lines += ["", f"Host {alias}", *_options({**options, "User": user, **MULTIPLEX})]
     if spec.nodes:

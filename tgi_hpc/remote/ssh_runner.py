@@ -34,10 +34,19 @@ class SSHRunner:
     def __init__(self, alias: str, *, config_path: Path | None = None, accept_new_host_key: bool = False,
                  interactive: ssh.Interactive | None = None, client: paramiko.SSHClient | None = None,
                  access_rules: tuple[str, ...] = ()):
-        self.alias = alias
+        self.alias, self.accept_new_host_key = alias, accept_new_host_key
         self.access_rules = access_rules   # the cluster's login rules, added to a failed connection's message
+        self.prompted = False              # a 2FA code or key passphrase was asked: a detached process cannot
+        answer = interactive or ssh.prompt_terminal
+
+        def asked(*args):
+            self.prompted = True
+            return answer(*args)
+
+        asked.needs_terminal = getattr(answer, "needs_terminal", False)  # type: ignore[attr-defined]
+
         self._connect_args = dict(config_path=config_path, accept_new_host_key=accept_new_host_key,
-                                  interactive=interactive)
+                                  interactive=asked)
         self._client = client
         self._sftp: paramiko.SFTPClient | None = None
 

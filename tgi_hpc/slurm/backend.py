@@ -35,7 +35,8 @@ def log_path(job_dir: str, job_id: str) -> str:
 
 
 def script_path(job_dir: str, job_id: str) -> str:
-    return f"{job_dir.rstrip('/')}/{job_id}.sbatch"
+    """An array's tasks (4148_2, 4148_[0-3]) share the script of their array (4148.sbatch)."""
+    return f"{job_dir.rstrip('/')}/{job_id.split('_')[0]}.sbatch"
 
 
 class SlurmBackend:

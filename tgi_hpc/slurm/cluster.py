@@ -48,7 +48,8 @@ class Cluster:
         host = submit_host(self.profile, res)
         if self.is_local or host in (None, self.profile.login_host):
             return self
-        runner = _ssh_runner(host, access_rules(self.profile))
+        runner = _ssh_runner(host, access_rules(self.profile),
+                             getattr(self.runner, "accept_new_host_key", False))
         return Cluster(self.profile, runner, SlurmBackend(runner, self.job_dir), self.job_dir)
 
 
@@ -60,10 +61,10 @@ def submit_host(profile: Profile, res: Resources) -> str | None:
     return profile.login_host
 
 
-def _ssh_runner(alias: str, access_rules: tuple[str, ...] = ()) -> Runner:
+def _ssh_runner(alias: str, access_rules: tuple[str, ...] = (), accept_host_key: bool = False) -> Runner:
     from tgi_hpc.remote.ssh_runner import SSHRunner  # paramiko only when needed
 
-    return SSHRunner(alias, access_rules=access_rules)
+    return SSHRunner(alias, access_rules=access_rules, accept_new_host_key=accept_host_key)
 
 
 def access_rules(profile: Profile) -> tuple[str, ...]:
@@ -71,7 +72,7 @@ def access_rules(profile: Profile) -> tuple[str, ...]:
     return tuple(f"{note.text} (source: {note.source})" for note in profile.access)
 
 
-def _runner_for(profile: Profile, remote: bool | None) -> Runner:
+def _runner_for(profile: Profile, remote: bool | None, accept_host_key: bool = False) -> Runner:
     """Local on a login node; over SSH (one connection) from a laptop."""
     if remote is None:
         remote = os.environ.get("TGI_HPC_REMOTE", "") not in ("", "0") or (
@@ -80,13 +81,13 @@ def _runner_for(profile: Profile, remote: bool | None) -> Runner:
         return LocalRunner()
     if not profile.login_host:
         raise SlurmError(f"profile {profile.name} has no login_host to reach over SSH")
-    return _ssh_runner(profile.login_host, access_rules(profile))
+    return _ssh_runner(profile.login_host, access_rules(profile), accept_host_key)
 
 
 def open_cluster(name: str | None = None, overrides: Sequence[str] = (), *, remote: bool | None = None,
-                 strict_paths: bool = True) -> Cluster:
+                 strict_paths: bool = True, accept_host_key: bool = False) -> Cluster:
     profile = load_profile(name, overrides=overrides)
-    runner = _runner_for(profile, remote)
+    runner = _runner_for(profile, remote, accept_host_key)
     if not strict_paths and not isinstance(runner, LocalRunner):
         job_dir = profile.paths.jobs  # a dry run from a laptop: no SSH (and no 2FA prompt) just to print
     else:

@@ -92,3 +92,4 @@ class BatchSpec(JobSpec):
     num_shard: int = 1
     engine_args: tuple[str, ...] = ()
     batch_dir: str = ""                # absolute, on a filesystem every node sees
+    array_size: int = 0                # > 0: a job array of this many tasks (--array=0-N-1), each a holder

@@ -80,6 +80,10 @@ def sbatch_flags(profile: Profile, spec: JobSpec, log_dir: str) -> dict[str, str
         if value not in (None, ""):
             flags[key] = str(value)
     flags.update(_gpu_flags(profile, res))
+    if isinstance(spec, BatchSpec) and spec.array_size > 0:
+        # one task per holder of the batch's ledger; each task logs to ARRAYJOB_TASK.out
+        flags["array"] = f"0-{int(spec.array_size) - 1}"
+        flags["output"] = f"{log_dir.rstrip('/')}/%A_%a.out"
     if isinstance(spec, ServeSpec) and spec.service:
         flags["no-requeue"] = True   # a service replaces a lost job with a successor; a requeue would double it
     elif spec.keep_alive and slurm:

@@ -1,10 +1,12 @@
-"""`tgi-hpc bench`: load a running server (job or service) with streaming clients; TTFT, TPOT, ITL, E2E
-percentiles and throughput. The load generator of scripts/bench_http.py, reaching the target the usual way
-(tgi_hpc.workflows.access: direct on the cluster, a tunnel from a laptop).
+"""The HTTP load generator of `tgi-hpc bench` and scripts/bench_http.py: closed-loop streaming clients against a
+running server; prefill and decode tables (TTFT, TPOT, tok/s by percentile) per concurrency, and throughput.
+`bench()` reaches a job or service the usual way (tgi_hpc.workflows.access: direct on the cluster, a tunnel
+from a laptop); the script starts its own server on 127.0.0.1 and calls the same `run_load` and `summarize`.
 
 Definitions (per request; percentiles over requests, ITL over every gap between two tokens):
-TTFT = first token - request sent; TPOT = (end - first token) / (tokens - 1);
-ITL = time between consecutive streamed tokens; E2E = last event - request sent.
+TTFT = first token - request sent; TPOT = (last token - first token) / (tokens - 1);
+ITL = time between consecutive streamed tokens; E2E = end of the response - request sent;
+prefill tok/s = prompt tokens / TTFT; decode tok/s = 1 / TPOT (one stream's rate).
 Throughput = completed requests (generated tokens) / (last response end - first request sent).
 """
 from __future__ import annotations
@@ -18,16 +20,26 @@ from typing import Any
 
 from tgi_hpc.errors import UsageError
 
+# prompts of different lengths; greedy SmolLM2-135M-Instruct runs each to 64 tokens without EOS
 PROMPTS = [
     "Explain in detail how a compiler turns source code into machine code.",
     "Describe a walk through a busy market in a coastal town, with all the sounds and smells.",
     "List the steps to bake sourdough bread at home and explain why each step matters.",
     "Once upon a time, in a kingdom far away, there lived a young inventor who",
+    "The history of the printing press begins",
+    "Describe how photosynthesis works, from sunlight to sugar, for a curious teenager.",
     "Tell the story of a cat that wanted to become a sailor.",
+    "The old train station had been closed for twenty years, until one night",
+    "The history of the printing press begins in the fifteenth century, when",
+    "In the small village of Brookfield, the annual harvest festival was",
+    "Chapter 1\n\nThe rain had not stopped for three days, and",
+    "The mitochondria is often called the powerhouse of the cell because",
+    "Python is a programming language that",
+    "Dear diary, today was the strangest day of my life. It started when",
     "Slurm is a workload manager used on many supercomputers. To submit a job,",
     "The first computers filled whole rooms, and the engineers who ran them",
-    "Describe how photosynthesis works, from sunlight to sugar, for a curious teenager.",
 ]
+QUANTILES = (50, 90, 99)
 
 
 @dataclass
@@ -35,14 +47,19 @@ class LoadOptions:
     concurrency: int = 8
     num_requests: int | None = None     # default: 4 waves of `concurrency`
     new_tokens: int = 64
-    timeout_s: float = 600.0            # the whole run
+    timeout_s: float = 600.0            # the whole run, and each request
+    openai: bool = True                 # /v1/completions; False: TGI's /generate_stream
+    max_duration_s: float | None = None   # no new request after this
+    warmup: int = 0                     # requests sent (and not counted) before the measured ones
 
 
 @dataclass(slots=True)
 class Record:
     sent: float
     token_times: list[float] = field(default_factory=list)
-    num_tokens: int = 0
+    num_tokens: int = 0                 # from the final event (usage / details) when given, else streamed events
+    prompt_tokens: int | None = None
+    finish_reason: str | None = None
     end: float = 0.0
     error: str | None = None
 
@@ -58,23 +75,49 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-def read_event(record: Record, event: Any, now: float) -> None:
-    """Fold one /v1/completions stream event into `record`: a token, the usage, or an error."""
+def make_prompts(num: int) -> list[str]:
+    """`num` distinct prompts: the list, then numbered variants of it."""
+    return [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" (Part {i // len(PROMPTS) + 1}.)")
+            for i in range(num)]
+
+
+def request_body(prompt: str, new_tokens: int, model: str, openai: bool) -> tuple[str, dict[str, Any]]:
+    """(path, body) of one greedy streaming request."""
+    if openai:
+        return "/v1/completions", {"model": model or "tgi", "prompt": prompt, "max_tokens": new_tokens,
+                                   "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    return "/generate_stream", {"inputs": prompt, "parameters": {"max_new_tokens": new_tokens, "do_sample": False,
+                                                                  "details": True}}
+
+
+def read_event(record: Record, event: Any, now: float, openai: bool = True) -> None:
+    """Fold one stream event into `record`: a token, the usage or details, or an error."""
     if not isinstance(event, dict):
         record.error = f"unexpected event: {str(event)[:200]}"
         return
     if "error" in event:
         record.error = str(event["error"])[:300]
         return
-    choices = event.get("choices")
-    if choices and isinstance(choices, list) and isinstance(choices[0], dict) and choices[0].get("text"):
+    if not openai:
         record.token_times.append(now)
+        details = event.get("details")
+        if isinstance(details, dict):
+            record.finish_reason = details.get("finish_reason")
+            record.num_tokens = int(details.get("generated_tokens") or 0)
+        return
+    choices = event.get("choices")
+    if choices and isinstance(choices, list) and isinstance(choices[0], dict):
+        if choices[0].get("text"):
+            record.token_times.append(now)
+        record.finish_reason = choices[0].get("finish_reason") or record.finish_reason
     usage = event.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         record.num_tokens = usage["completion_tokens"]
+        if isinstance(usage.get("prompt_tokens"), int):
+            record.prompt_tokens = usage["prompt_tokens"]
 
 
-async def _one(client: Any, url: str, body: dict) -> Record:
+async def one_request(client: Any, url: str, body: dict[str, Any], openai: bool = True) -> Record:
     record = Record(sent=time.perf_counter())
     try:
         async with client.stream("POST", url, json=body) as response:
@@ -88,7 +131,7 @@ async def _one(client: Any, url: str, body: dict) -> Record:
                     if data == "[DONE]":
                         break
                     try:
-                        read_event(record, json.loads(data), time.perf_counter())
+                        read_event(record, json.loads(data), time.perf_counter(), openai)
                     except ValueError:
                         record.error = f"not JSON: {data[:200]}"
     except Exception as exc:  # noqa: BLE001 - a failed request is counted, the load goes on
@@ -99,63 +142,120 @@ async def _one(client: Any, url: str, body: dict) -> Record:
     return record
 
 
-async def run_load(url: str, headers: dict[str, str], model: str, opts: LoadOptions,
-                   transport: Any = None) -> list[Record]:
-    """`concurrency` closed-loop clients send `num_requests` greedy streaming completions to `url`."""
+async def run_load(url: str, headers: dict[str, str], model: str, opts: LoadOptions, transport: Any = None,
+                   prompts: list[str] | None = None) -> list[Record]:
+    """`concurrency` closed-loop clients send the prompts (default: `num_requests` of PROMPTS) as greedy
+    streaming requests to `url`; `warmup` requests go first and are not returned."""
     import httpx
 
     total = opts.num_requests if opts.num_requests is not None else 4 * opts.concurrency
-    todo = list(range(total))
+    todo = list(prompts if prompts is not None else make_prompts(total))
     records: list[Record] = []
+    limits = httpx.Limits(max_connections=opts.concurrency, max_keepalive_connections=opts.concurrency)
 
-    async def client_loop(client: httpx.AsyncClient) -> None:
-        while todo:
-            i = todo.pop()
-            body = {"model": model or "tgi", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": opts.new_tokens,
-                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-            records.append(await _one(client, f"{url.rstrip('/')}/v1/completions", body))
+    async def clients(client: httpx.AsyncClient, queue: list[str], into: list[Record]) -> None:
+        deadline = time.perf_counter() + opts.max_duration_s if opts.max_duration_s else None
 
-    limits = httpx.Limits(max_connections=opts.concurrency)
+        async def loop() -> None:
+            while queue and (deadline is None or time.perf_counter() < deadline):
+                path, body = request_body(queue.pop(0), opts.new_tokens, model, opts.openai)
+                into.append(await one_request(client, f"{url.rstrip('/')}{path}", body, opts.openai))
+        await asyncio.gather(*(loop() for _ in range(opts.concurrency)))
+
     async with httpx.AsyncClient(headers=headers, timeout=opts.timeout_s, limits=limits,
                                  transport=transport) as client:
-        await asyncio.wait_for(asyncio.gather(*(client_loop(client) for _ in range(opts.concurrency))),
-                               opts.timeout_s)
+        if opts.warmup:
+            await asyncio.wait_for(clients(client, make_prompts(opts.warmup), []), opts.timeout_s)
+        await asyncio.wait_for(clients(client, todo, records), opts.timeout_s)
     return records
 
 
+def _stats(values: list[float]) -> dict[str, float | None]:
+    return {f"p{q}": percentile(values, q) for q in QUANTILES} | {
+        "mean": sum(values) / len(values) if values else None, "min": min(values, default=None),
+        "max": max(values, default=None)}
+
+
 def summarize(records: list[Record], concurrency: int) -> dict[str, Any]:
+    """Every number of one run, times in seconds: percentiles (p50/p90/p99, mean, min, max) per metric."""
     ok = [r for r in records if r.error is None and r.token_times]
     failed = [r for r in records if r not in ok]
     ttft = [r.token_times[0] - r.sent for r in ok]
-    tpot = [(r.end - r.token_times[0]) / (r.num_tokens - 1) for r in ok if r.num_tokens > 1]
+    tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in ok if len(r.token_times) > 1]
     itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
     e2e = [r.end - r.sent for r in ok]
+    prefill = [r.prompt_tokens / (r.token_times[0] - r.sent) for r in ok
+               if r.prompt_tokens and r.token_times[0] > r.sent]
+    decode = [1 / t for t in tpot if t > 0]
     span = (max(r.end for r in records) - min(r.sent for r in records)) if records else 0.0
     tokens = sum(r.num_tokens for r in ok)
-    stats = {name: {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
-             | {"mean": sum(values) / len(values) if values else None}
-             for name, values in (("ttft_s", ttft), ("tpot_s", tpot), ("itl_s", itl), ("e2e_s", e2e))}
+    reasons: dict[str, int] = {}
+    for r in ok:
+        reasons[str(r.finish_reason)] = reasons.get(str(r.finish_reason), 0) + 1
     return {"concurrency": concurrency, "requests": len(records), "completed": len(ok), "failed": len(failed),
             "errors": sorted({r.error or "no tokens" for r in failed})[:5], "generated_tokens": tokens,
+            "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok), "finish_reasons": reasons,
             "seconds": span, "requests_per_s": len(ok) / span if span else 0.0,
-            "tokens_per_s": tokens / span if span else 0.0, **stats}
+            "tokens_per_s": tokens / span if span else 0.0,
+            "ttft_s": _stats(ttft), "tpot_s": _stats(tpot), "itl_s": _stats(itl), "e2e_s": _stats(e2e),
+            "prefill_tok_s": _stats(prefill), "decode_tok_s": _stats(decode)}
 
 
-def bench(cluster: Any, target: str | None, opts: LoadOptions, *, timeout: float = 600,
-          progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
-    """Load the target's server once it is READY; the summary, also saved beside the job's log (on the cluster)."""
+def _cell(value: float | None, scale: float = 1.0) -> str:
+    return "-" if value is None else f"{value * scale:.1f}"
+
+
+def tables(runs: list[dict[str, Any]]) -> str:
+    """The prefill and decode tables (text-generation-benchmark's layout): a row per concurrency and metric,
+    a column per statistic; then each run's throughput."""
+    columns = ("mean", "min", "max", "p50", "p90", "p99")
+    head = f"| {'step':<8}| {'clients':>7} | {'metric':<18}|" + "".join(f" {c:>9} |" for c in columns)
+    rule = "|" + "|".join("-" * (len(part)) for part in head.split("|")[1:-1]) + "|"
+    lines = []
+    for step, metrics in (("prefill", (("ttft_s", "TTFT ms", 1e3), ("prefill_tok_s", "prompt tok/s", 1.0))),
+                          ("decode", (("tpot_s", "TPOT ms", 1e3), ("itl_s", "ITL ms", 1e3),
+                                      ("decode_tok_s", "tok/s per stream", 1.0)))):
+        lines += ["", f"{step.capitalize()}", head, rule]
+        for run in runs:
+            for key, title, scale in metrics:
+                row = run[key]
+                lines.append(f"| {step:<8}| {run['concurrency']:>7} | {title:<18}|"
+                             + "".join(f" {_cell(row[c], scale):>9} |" for c in columns))
+    lines += ["", "Throughput"]
+    for run in runs:
+        line = (f"{run['completed']}/{run['requests']} requests at concurrency {run['concurrency']} in "
+                f"{run['seconds']:.1f} s: {run['requests_per_s']:.2f} req/s, {run['tokens_per_s']:.1f} generated tok/s, "
+                f"E2E p50 {_cell(run['e2e_s']['p50'], 1e3)} ms")
+        if run["failed"]:
+            line += f", {run['failed']} failed ({'; '.join(run['errors'])})"
+        lines.append(line)
+    return "\n".join(lines[1:])
+
+
+def bench(cluster: Any, target: str | None, opts: LoadOptions, *, concurrencies: list[int] | None = None,
+          timeout: float = 600, progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """Load the target's server once it is READY, once per concurrency (default: opts.concurrency); every run's
+    summary under `runs`, also saved beside the job's log (on the cluster)."""
+    from dataclasses import replace
     from pathlib import Path
 
     from tgi_hpc.workflows.access import connect
 
-    if opts.concurrency < 1 or opts.new_tokens < 1 or (opts.num_requests is not None and opts.num_requests < 1):
-        raise UsageError("--concurrency, --requests and --new-tokens must be >= 1")
+    levels = concurrencies or [opts.concurrency]
+    if min(levels) < 1 or opts.new_tokens < 1 or opts.warmup < 0 or (
+            opts.num_requests is not None and opts.num_requests < 1):
+        raise UsageError("--concurrency, --requests and --new-tokens must be >= 1, --warmup >= 0")
+    runs = []
     with connect(cluster, target, timeout=timeout, progress=progress) as access:
-        progress(f"benchmarking {access.url} ({access.via}): {opts.concurrency} clients, {opts.new_tokens} tokens each")
-        records = asyncio.run(run_load(access.url, access.headers, access.model, opts))
-        summary = {"target": access.job_id, "url": access.url, **summarize(records, opts.concurrency)}
+        for level in levels:
+            run_opts = replace(opts, concurrency=level)
+            progress(f"benchmarking {access.url} ({access.via}): {level} clients, {opts.new_tokens} tokens each"
+                     + (f", {opts.warmup} warm-up requests first" if opts.warmup else ""))
+            records = asyncio.run(run_load(access.url, access.headers, access.model, run_opts))
+            runs.append(summarize(records, level))
+    result: dict[str, Any] = {"target": access.job_id, "url": access.url, "new_tokens": opts.new_tokens, "runs": runs}
     if cluster.is_local:
         saved = Path(cluster.job_dir) / f"{access.job_id}.bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        saved.write_text(json.dumps(summary, indent=2))
-        summary["saved"] = str(saved)
-    return summary
+        saved.write_text(json.dumps(result, indent=2))
+        result["saved"] = str(saved)
+    return result

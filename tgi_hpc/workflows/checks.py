@@ -3,11 +3,15 @@ cause we could see here: the engine release, a complete snapshot, and a read-onl
 from __future__ import annotations
 
 import json
+import logging
 import posixpath
 
+from tgi_hpc import __version__
 from tgi_hpc.errors import ModelNotFoundError, ReleaseError
 from tgi_hpc.quoting import sh
 from tgi_hpc.slurm.cluster import Cluster
+
+logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ({"tokenizer.json"}, {"tokenizer.model"}, {"vocab.json", "merges.txt"}, {"tiktoken.model"})
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -55,11 +59,25 @@ def check_snapshot(cluster: Cluster, path: str, model: str, in_store: bool) -> N
 
 
 def check_release(cluster: Cluster, path: str, explicit: bool) -> None:
-    """The engine release the job activates must exist (a venv: bin/python)."""
+    """The engine release the job activates must exist (a venv: bin/python); one built for another tgi-hpc
+    version is a warning (the job runs the release's engine and job helper, not this CLI's)."""
     if cluster.runner.run(["test", "-x", f"{path.rstrip('/')}/bin/python"]).returncode == 0:
+        if (version := release_version(cluster, path)) and version != __version__:
+            logger.warning("release %s holds tgi-hpc %s, this CLI is %s: rebuild it with `tgi-hpc compile`",
+                           path, version, __version__)
         return
     hint = "check --release" if explicit else "build one with `tgi-hpc compile` (once per cluster), or pass --release DIR"
     raise ReleaseError(f"no engine release at {path} (no bin/python): {hint}")
+
+
+def release_version(cluster: Cluster, path: str) -> str:
+    """The tgi-hpc version a release installed (its release.json; "" when unknown)."""
+    from tgi_hpc.release.manifest import MANIFEST
+
+    try:
+        return str(json.loads(cluster.runner.read_file(posixpath.join(path, MANIFEST))).get("tgi_hpc_version") or "")
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 def find_shared_weights(cluster: Cluster, model: str, roots: list[str]) -> str | None:

@@ -239,6 +239,40 @@ def stop_service(cluster: Cluster, name: str) -> list[str]:
     return stopped
 
 
+def services_of_jobs(cluster: Cluster, job_ids: list[str]) -> dict[str, tuple[ServiceState, Replica]]:
+    """Which of these job ids are live replicas of a service: {job id: (its service's state, replica)}."""
+    wanted, found = set(job_ids), {}
+    for name in list_services(cluster) if wanted else []:
+        try:
+            state = read_service(cluster, name)
+        except (UsageError, SlurmError):   # a state file removed or unreadable meanwhile: not a member
+            continue
+        found.update({j.job_id: (state, j) for j in state.live() if j.job_id in wanted})
+    return found
+
+
+def check_replica_stop(cluster: Cluster, job_ids: list[str], *, replica: bool) -> dict[str, str]:
+    """`stop JOB` on a service's job would only start its successor (its SIGTERM trap does so), so the
+    service goes on: refused, naming `stop SERVICE`. With `--replica` that is the point; returns
+    {job id: service} for the jobs that are replaced, not stopped."""
+    members = services_of_jobs(cluster, job_ids)
+    if replica:
+        strays = [j for j in job_ids if j not in members]
+        if strays:
+            raise UsageError(f"--replica: job {' '.join(strays)} is not a live job of any service; "
+                             "drop --replica to stop it")
+        fixed = [st.name for st, _ in members.values() if not st.handover]
+        if fixed:
+            raise UsageError(f"--replica: service {fixed[0]!r} has no handover, so a cancelled replica is not "
+                             f"replaced; stop the service (`tgi-hpc stop {fixed[0]}`) and serve it again")
+        return {j: st.name for j, (st, _) in members.items()}
+    for job_id, (st, rep) in members.items():
+        raise UsageError(f"job {job_id} is replica {rep.slot} of service {st.name!r}: cancelling it alone starts "
+                         f"its successor and the service keeps running. Stop the service: `tgi-hpc stop {st.name}`; "
+                         f"replace just this job: `tgi-hpc stop {job_id} --replica`")
+    return {}
+
+
 def stop_all_services(cluster: Cluster) -> list[str]:
     """Before `stop --all` cancels every job: no service job may submit a successor on its way out."""
     names = list_services(cluster)
