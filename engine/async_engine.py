@@ -8,12 +8,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured.offload import prepare_matcher
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
@@ -52,6 +53,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._keep_running: Callable[[], bool] = lambda: True
         self._health_lock: asyncio.Lock | None = None
+        self._calls: list[tuple[Callable[[], Any], asyncio.Future]] = []     # run in the step thread (call())
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -126,6 +128,29 @@ class AsyncEngine:
             logger.debug("abort of %s failed", request_id, exc_info=True)
         self._wakeup.set()
 
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` in the step thread between two steps (runtime LoRA changes the weights a step reads)."""
+        if not self.is_alive:
+            raise EngineDeadError(self._dead_reason())
+        future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._calls.append((fn, future))
+        self._wakeup.set()
+        return await future
+
+    def _run_calls(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for fn, future in calls:
+            try:
+                result, error = fn(), None
+            except Exception as exc:  # noqa: BLE001 - the caller's to handle
+                result, error = None, exc
+            try:
+                future.get_loop().call_soon_threadsafe(_settle, future, result, error)
+            except RuntimeError:  # the loop is closed (server shutting down)
+                pass
+
     # --- health -----------------------------------------------------------------------------------
 
     async def check_health(self, timeout_s: float = 30.0, recent_s: float = 5.0) -> bool:
@@ -167,6 +192,8 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stop.is_set() and self._keep_running():
             self._wakeup.clear()
+            if self._calls:
+                self._run_calls()
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait(self.idle_wait_s)
                 continue
@@ -230,3 +257,12 @@ class AsyncEngine:
 def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
     for queue, item in items:
         queue.put_nowait(item)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():       # the caller gave up (cancelled)
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

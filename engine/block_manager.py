@@ -42,7 +42,7 @@ class BlockManager:
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
         hashes, bs = seq.block_hashes, self.block_size
         for i in range(len(hashes), num_full_blocks):
-            prev = hashes[-1] if hashes else seq.adapter  # the chain starts at the adapter: none shares KV
+            prev = hashes[-1] if hashes else seq.adapter_key  # the chain starts at the adapter: none shares KV
             hashes.append(hash((prev, *seq.token_ids[i * bs:(i + 1) * bs])))
         return hashes
 

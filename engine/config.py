@@ -15,6 +15,9 @@ class EngineConfig:
     trust_remote_code: bool = False
     model_impl: str = "auto"            # "auto" | "native" | "transformers" (engine/models/transformers_backend.py)
     lora_adapters: list[tuple[str, str]] = field(default_factory=list)  # (name, PEFT adapter dir), index = position + 1
+    enable_runtime_lora: bool = False   # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (engine/lora/runtime.py)
+    max_loras: int = 4                  # adapter slots with runtime LoRA (start-up adapters included)
+    max_lora_rank: int = 16             # the largest rank a runtime adapter may have
     # parallelism
     num_shard: int = 1                  # tensor-parallel ranks (per pipeline stage)
     pipeline_parallel_size: int = 1     # stages, one per node (ranks started by srun: engine/external_launch.py)
@@ -60,3 +63,4 @@ class EngineConfig:
     served_model_name: str | None = None
     max_client_batch_size: int = 2048   # inputs per pooling request (embeddings, rerank, score)
     reasoning_parser: str = "auto"          # "auto" | "qwen3" | "deepseek_r1" | "none" (engine/server/reasoning.py)
+    tool_call_parser: str = "auto"          # "auto" | "hermes" | "mistral" | "llama3" | "json" (structured/tool_calls.py)

@@ -121,6 +121,14 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
      dict(type=_lora_adapters, help="PEFT LoRA adapters served beside the base model: NAME=DIR,NAME2=DIR2 (a bare DIR "
                                     "is named after its directory); a request picks one with parameters.adapter_id "
                                     "or OpenAI's `model`")),
+    (("--enable-runtime-lora",), "ENABLE_RUNTIME_LORA",
+     dict(default=False, type=_bool, nargs="?", const=True,
+          help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's shape) within --max-loras "
+               "slots of rank <= --max-lora-rank")),
+    (("--max-loras",), "MAX_LORAS", dict(default=4, type=int, help="LoRA adapter slots with --enable-runtime-lora "
+                                                                   "(start-up adapters included)")),
+    (("--max-lora-rank",), "MAX_LORA_RANK", dict(default=16, type=int, help="the largest rank of an adapter loaded "
+                                                                            "at run time")),
     (("--trust-remote-code",), "TRUST_REMOTE_CODE", dict(default=False, type=_bool, nargs="?", const=True,
                                                          help="allow custom tokenizer code from the snapshot")),
     (("--num-shard",), "NUM_SHARD", dict(default=1, type=int, help="tensor-parallel ranks (one GPU each)")),
@@ -183,6 +191,10 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--reasoning-parser",), "REASONING_PARSER",
      dict(default="auto", choices=("auto", "qwen3", "deepseek_r1", "none"),
           help="split <think>...</think> into reasoning_content on chat completions; auto reads the chat template")),
+    (("--tool-call-parser",), "TOOL_CALL_PARSER",
+     dict(default="auto", choices=("auto", "hermes", "mistral", "llama3", "json"),
+          help="how the model writes tool calls (hermes: Hermes/Qwen <tool_call>, mistral: [TOOL_CALLS], llama3: "
+               "Llama 3.x JSON, json: tools described in the prompt); auto reads the chat template")),
     (("--prefix-caching",), "PREFIX_CACHING",
      dict(default=True, type=_bool, help="share the KV blocks of equal prompt prefixes between requests "
                                          "(true|false); the hits show as usage.prompt_tokens_details.cached_tokens")),
@@ -274,6 +286,7 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         model_id=model_dir, revision=args.revision, dtype=args.dtype, load_format=args.load_format,
         quantize=args.quantize if args.quantize not in (None, "", "none") else None,
         trust_remote_code=args.trust_remote_code, lora_adapters=list(args.lora_adapters or []),
+        enable_runtime_lora=args.enable_runtime_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         num_shard=args.num_shard, pipeline_parallel_size=args.pipeline_parallel_size,
         rank_timeout_s=args.rank_timeout, step_timeout_s=args.step_timeout, master_addr=args.master_addr,
         master_port=args.master_port, device=args.device, max_concurrent_requests=args.max_concurrent_requests,
@@ -291,7 +304,8 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         speculate_auto=args.speculate == "auto", speculative_layers=args.speculative_layers,
         speculative_model=args.speculative_model or None,
         max_grammar_bytes=args.max_grammar_bytes, grammar_timeout_s=args.grammar_timeout,
-        reasoning_parser=args.reasoning_parser, model_impl=args.model_impl)
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        model_impl=args.model_impl)
     if args.kv_cache_bytes is not None:
         config.cpu_kv_cache_bytes = args.kv_cache_bytes
     config.max_client_batch_size = int(args.max_client_batch_size)

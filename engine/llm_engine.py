@@ -137,7 +137,10 @@ class LLMEngine:
         self._num_accepted_tokens_total = 0
         self.token_texts = TokenTexts(self.tokenizer)
         self.vocab_size = model_config.vocab_size
-        self.adapter_names: list[str] = [name for name, _ in getattr(config, "lora_adapters", [])]
+        self.adapter_names: list[str | None] = [name for name, _ in getattr(config, "lora_adapters", [])]
+        if getattr(config, "enable_runtime_lora", False):   # free slots for adapters loaded later (lora/runtime.py)
+            self.adapter_names += [None] * (config.max_loras - len(self.adapter_names))
+        self.adapter_keys = list(range(1, len(self.adapter_names) + 1))    # per slot; lora/runtime.py renews them
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._mask_filler: MaskFiller | None = None
         self._lock = threading.Lock()
@@ -161,6 +164,7 @@ class LLMEngine:
                        max_tokens=min(num_prompt + params.max_new_tokens, self.max_total_tokens))
         seq.seed = pick_seed(params)
         seq.adapter = self.adapter_names.index(params.adapter_id) + 1 if params.adapter_id is not None else 0
+        seq.adapter_key = self.adapter_keys[seq.adapter - 1] if seq.adapter else 0
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, num_prompt, params.skip_special_tokens)
         seq.stop = StopMatcher(params.stop)
         if params.grammar is not None:
@@ -178,6 +182,12 @@ class LLMEngine:
         with self._lock:
             if request_id in self._live_ids:
                 self._pending.append(("abort", request_id))
+
+    def adapter_in_use(self, index: int) -> bool:
+        """Whether a live or pending request runs on adapter `index` (1-based)."""
+        with self._lock:
+            return any(seq.adapter == index for seq in self._seqs.values()) or \
+                any(kind == "add" and item.adapter == index for kind, item in self._pending)
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -206,7 +216,7 @@ class LLMEngine:
         if not 0 <= params.top_n_tokens <= self.config.max_top_n_tokens:
             raise ValueError(f"top_n_tokens must be in [0, {self.config.max_top_n_tokens}], got {params.top_n_tokens}")
         if params.adapter_id is not None and params.adapter_id not in self.adapter_names:
-            known = ", ".join(self.adapter_names) or "none (start with --lora-adapters NAME=DIR)"
+            known = ", ".join(n for n in self.adapter_names if n) or "none (start with --lora-adapters NAME=DIR)"
             raise ValueError(f"unknown LoRA adapter {params.adapter_id!r}; loaded adapters: {known}")
         if len(params.stop) > self.config.max_stop_sequences:
             raise ValueError(f"at most {self.config.max_stop_sequences} stop sequences, got {len(params.stop)}")

@@ -140,6 +140,22 @@ class ModelRunner:
             self._step_started = None
         return split_logits(spans, logits)
 
+    def load_lora(self, slot: int, name: str, path: str) -> None:
+        """Runtime LoRA (engine/lora/runtime.py): an adapter into `slot` on every rank, between steps."""
+        self._each_rank("load_lora", slot, name, path)
+
+    def unload_lora(self, slot: int) -> None:
+        self._each_rank("unload_lora", slot)
+
+    def _each_rank(self, command: str, *args: object) -> None:
+        self._check_usable()
+        for rank, (_, conn) in enumerate(self._workers, start=1):
+            try:
+                conn.send((command, *args))
+            except OSError as error:
+                self._fail(f"tensor-parallel rank {rank} is gone ({error})")
+        getattr(self._rank0, command)(*args)
+
     def _watch_workers(self) -> None:
         """A dead, silent or hung rank fails the runner and the step at once (engine/rank_watch.py): the workers
         are killed, so rank 0's collective errors out (gloo) or is aborted (NCCL) instead of waiting for its

@@ -48,7 +48,8 @@ class Sequence:
     prefill_tokens: list[TokenInfo] | None = None
     num_cached_tokens: int | None = None    # prompt tokens found in the prefix cache at first admission
     grammar: Any = None     # llguidance.LLMatcher fed every generated token; kept across preemption (tokens are too)
-    adapter: int = 0        # LoRA adapter index (engine/lora), 0 = the base model; part of the prefix-cache keys
+    adapter: int = 0        # LoRA adapter index (engine/lora), 0 = the base model
+    adapter_key: int = 0    # starts its prefix-cache chain: the adapter's, new each time a slot is loaded at run time
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens scheduled this step
     ngram_index: Any = None                                   # engine.spec_decode.ngram.NgramIndex
     draft_history: Any = None                                 # engine.spec_decode.adaptive.DraftHistory (auto)

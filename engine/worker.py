@@ -24,7 +24,7 @@ from engine.host_memory import cpu_kv_budget
 from engine.kv_budget import kv_budget
 from engine.layers import cpu_gemm, quantization
 from engine.lora import backend as lora_backend
-from engine.lora.adapter import read_adapter
+from engine.lora.adapter import adaptable_modules, read_adapter
 from engine.lora.batch import order_by_adapter
 from engine.lora.stack import AdapterSet
 from engine.model_config import ModelConfig
@@ -136,17 +136,28 @@ class RankWorker:
 
     def _load_adapters(self) -> tuple[AdapterSet | None, str, dict[str, str]]:
         """The --lora-adapters on this rank's layers, and the LoRA backend every rank agreed on."""
-        if not self.config.lora_adapters:
+        if not self.config.lora_adapters and not self.config.enable_runtime_lora:
             return None, "none", {}
         if self.layout.pp_size > 1:
-            raise ValueError("--lora-adapters with --pipeline-parallel-size > 1 is not supported yet")
+            raise ValueError("LoRA adapters with --pipeline-parallel-size > 1 are not supported yet")
         adapters = [read_adapter(name, path) for name, path in self.config.lora_adapters]  # checked by the runner
         backend, report = lora_backend.choose(self.device, self.dtype,
                                               agree=lambda ok: distributed.all_reduce_min(int(ok), self.device) == 1)
         if self.rank == 0:
             logger.info("LoRA backend %s, checked against the reference: %s", backend,
                         ", ".join(f"{name} {verdict}" for name, verdict in report.items()))
-        return AdapterSet(self.model, adapters, backend, self.dtype, self.device), backend, report
+        if not self.config.enable_runtime_lora:
+            return AdapterSet(self.model, adapters, backend, self.dtype, self.device), backend, report
+        return AdapterSet(self.model, adapters, backend, self.dtype, self.device,
+                          slots=max(self.config.max_loras, len(adapters)), rank=self.config.max_lora_rank,
+                          targets=adaptable_modules(self.model_config)), backend, report
+
+    def load_lora(self, slot: int, name: str, path: str) -> None:
+        """A runtime adapter (checked by the engine) into `slot`, between steps."""
+        self.lora.load_slot(slot, read_adapter(name, path))
+
+    def unload_lora(self, slot: int) -> None:
+        self.lora.clear_slot(slot)
 
     def _choose_backend(self):
         start = time.monotonic()
@@ -336,6 +347,8 @@ def worker_main(config: EngineConfig, model_config: ModelConfig, rank: int, mast
                 break
             if command == "run":
                 worker.execute(*args)
+            elif command in ("load_lora", "unload_lora"):
+                getattr(worker, command)(*args)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass
     except BaseException:

@@ -164,6 +164,13 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def adaptable_modules(config: ModelConfig) -> list[str]:
+    """Checkpoint paths of every module an adapter may target (runtime LoRA allocates them all up front)."""
+    shapes = expected_shapes(config)
+    return [f"model.layers.{i}.{'self_attn' if target in ATTENTION_TARGETS else 'mlp'}.{target}"
+            for i in range(config.num_hidden_layers) for target in shapes]
+
+
 def check_against(adapter: Adapter, config: ModelConfig, base_name: str | None) -> None:
     """Refuse target modules the engine cannot adapt and shapes that are not the base model's."""
     where = f"LoRA adapter {adapter.name!r} ({adapter.path})"

@@ -64,38 +64,57 @@ def _parts(layer: LinearBase) -> tuple[Any, ...]:
 
 
 class AdapterSet:
-    """This rank's adapters: attached to the model's linear layers, with the step's token -> adapter map."""
+    """This rank's adapters: attached to the model's linear layers, with the step's token -> adapter map.
+
+    With `slots` (runtime LoRA) every adaptable layer gets stacks of `slots` rows of rank `rank` up front, the
+    start-up adapters fill the first rows, and `load_slot` / `clear_slot` fill and empty a row between steps."""
 
     def __init__(self, model: nn.Module, adapters: list[Adapter], backend: str, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.names = [adapter.name for adapter in adapters]
+                 device: torch.device, slots: int = 0, rank: int = 0, targets: list[str] = ()) -> None:
+        self.names: list[str | None] = [adapter.name for adapter in adapters]
+        self.names += [None] * (slots - len(self.names))
         self.backend = backend
         self.batch = LoraBatch()
-        rank = max(adapter.max_rank for adapter in adapters)
-        modules = dict(model.named_modules())
+        self.rank = max([rank, *(adapter.max_rank for adapter in adapters)])
+        self.dtype, self.device = dtype, device
+        self.model = model
+        self.modules = dict(model.named_modules())
         self.layers: dict[str, LayerLora] = {}
+        for module in targets:      # runtime LoRA: every layer an adapter may target, before any is loaded
+            self._layer(module, adapter_name=None)
         for index, adapter in enumerate(adapters):
-            self._load(model, modules, index, adapter, rank, dtype, device)
-        logger.info("LoRA: %d adapters (%s) on %d layers, rank <= %d, backend %s", len(adapters),
-                    ", ".join(self.names), len(self.layers), rank, backend)
+            self.load_slot(index, adapter)
+        logger.info("LoRA: %d adapters (%s) on %d layers, %d slots, rank <= %d, backend %s", len(adapters),
+                    ", ".join(a.name for a in adapters), len(self.layers), len(self.names), self.rank, backend)
 
-    def _load(self, model: nn.Module, modules: dict[str, nn.Module], index: int, adapter: Adapter, rank: int,
-              dtype: torch.dtype, device: torch.device) -> None:
+    def _layer(self, module: str, adapter_name: str | None) -> tuple[LayerLora, Any]:
+        target, part = _route(self.model, module)
+        layer = self.modules.get(target)
+        if not isinstance(layer, LinearBase):
+            raise ValueError(f"LoRA adapter {adapter_name!r}: {module} has no linear layer ({target}) in this model")
+        if target not in self.layers:
+            self.layers[target] = LayerLora(layer, len(self.names), self.rank, self.batch, self.backend, self.dtype,
+                                            self.device)
+            layer.lora = self.layers[target]
+        return self.layers[target], part
+
+    def load_slot(self, index: int, adapter: Adapter) -> None:
+        """Adapter `adapter` into row `index` (0-based; its sequences' adapter index is index + 1)."""
         from safetensors import safe_open
 
+        self.clear_slot(index)
         with safe_open(str(adapter.path / "adapter_model.safetensors"), framework="pt", device="cpu") as handle:
             for module in adapter.modules:
-                target, part = _route(model, module.module)
-                layer = modules.get(target)
-                if not isinstance(layer, LinearBase):
-                    raise ValueError(f"LoRA adapter {adapter.name!r}: {module.module} has no linear layer "
-                                     f"({target}) in this model")
-                if target not in self.layers:
-                    self.layers[target] = LayerLora(layer, len(self.names), rank, self.batch, self.backend, dtype,
-                                                    device)
-                    layer.lora = self.layers[target]
-                self.layers[target].load(layer, index, part, handle.get_slice(module.a_key),
-                                         handle.get_slice(module.b_key), module.scale)
+                layer_lora, part = self._layer(module.module, adapter.name)
+                layer_lora.load(self.modules[_route(self.model, module.module)[0]], index, part,
+                                handle.get_slice(module.a_key), handle.get_slice(module.b_key), module.scale)
+        self.names[index] = adapter.name
+
+    def clear_slot(self, index: int) -> None:
+        for layer_lora in self.layers.values():
+            layer_lora.a[index].zero_()
+            layer_lora.b[index].zero_()
+        self.names[index] = None
 
     def set_batch(self, spans: list, device: torch.device) -> None:
         self.batch.set(spans, device)

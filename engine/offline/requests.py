@@ -124,7 +124,7 @@ def _one_choice(req: ChatCompletionRequest | CompletionRequest) -> None:
 def _prepare_chat(state: OfflineState, custom_id: str, req: ChatCompletionRequest) -> Prepared:
     check_common(req)
     _one_choice(req)
-    use = tool_use(req, state.tokenizer)
+    use = tool_use(req, state.tokenizer, state.config.tool_call_parser)
     grammar = response_format_grammar(req.response_format)
     if use is not None and grammar is not None:
         raise RequestError("invalid_request", "`response_format` cannot be combined with `tools`")

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.server import messages, openai_routes, openapi, pooling_routes, responses, sse
+from engine.server import lora_routes, messages, openai_routes, openapi, pooling_routes, responses, sse
 from engine.server.response_store import ResponseStore
 from engine.server.routing import ExactRoute
 from engine.server.auth import ApiKeyMiddleware
@@ -51,6 +51,8 @@ def build_app(engine: AsyncEngine, config: EngineConfig) -> Starlette:
         ExactRoute("/v1/messages", messages.messages, methods=["POST"]),
         ExactRoute("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
         ExactRoute("/v1/responses", responses.create_response, methods=["POST"]),
+        ExactRoute("/v1/load_lora_adapter", lora_routes.load_lora_adapter, methods=["POST"]),
+        ExactRoute("/v1/unload_lora_adapter", lora_routes.unload_lora_adapter, methods=["POST"]),
     ]
     routes = pooling_routes.guard(routes, pooling_routes.task_of(state))  # one engine serves one task
     middleware = [Middleware(CORSMiddleware, allow_origins=list(config.cors_allow_origin), allow_methods=["*"],
@@ -61,7 +63,16 @@ def build_app(engine: AsyncEngine, config: EngineConfig) -> Starlette:
                     exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
     app.state.server = state
     app.state.responses = ResponseStore()      # previous_response_id's conversations, bounded
+    app.state.runtime_lora = _runtime_lora(engine, config)
     return app
+
+
+def _runtime_lora(engine: AsyncEngine, config: EngineConfig) -> Any:
+    """--enable-runtime-lora: the engine's adapter slots, loaded and unloaded through /v1/*_lora_adapter."""
+    if not config.enable_runtime_lora or not hasattr(engine.engine, "adapter_in_use"):
+        return None
+    from engine.lora.runtime import RuntimeAdapters
+    return RuntimeAdapters(engine.engine, config.served_model_name or config.model_id, config.max_lora_rank)
 
 
 def _build_state(engine: AsyncEngine, config: EngineConfig) -> ServerState:

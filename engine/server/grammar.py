@@ -3,6 +3,7 @@
 the heavy part first, off the event loop and bounded (engine/structured/offload.py)."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from engine.server.errors import ValidationError
@@ -55,6 +56,19 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> GrammarSp
     except GrammarError as exc:
         raise ValidationError(f"Grammar is not valid: {exc}") from None
     raise ValidationError(f'`response_format.type` must be "text", "json_object" or "json_schema". Given: {kind!r}')
+
+
+def response_format_schema(response_format: dict[str, Any] | None) -> Any | None:
+    """The JSON schema a (checked) response_format asks for, or None (text, regex)."""
+    kind = (response_format or {}).get("type")
+    if kind == "json_object":
+        return _ANY_OBJECT
+    if kind == "json_schema":
+        return (response_format.get("json_schema") or {}).get("schema", _ANY_OBJECT)
+    if kind in ("json", "json_object") and response_format.get("value") is not None:
+        value = response_format["value"]
+        return json.loads(value) if isinstance(value, str) else value
+    return None
 
 
 _GRAMMAR_KEYS = (b'"grammar"', b'"response_format"', b'"tools"')

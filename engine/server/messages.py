@@ -30,12 +30,13 @@ from engine.server.infer import Generation
 from engine.server.openai_common import parameters
 from engine.server.openai_requests import apply_chat_template
 from engine.server.protocol import ChatCompletionRequest, GenerateRequest, dump
-from engine.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format, split_reasoning
+from engine.server.answer_text import AnswerStream, read_answer
+from engine.server.reasoning import ReasoningFormat, reasoning_format
 from engine.server.state import ServerState
 from engine.server.streaming import EventStream, admit, stream_error, unless_disconnected
 from engine.server.tools import ToolUse, tool_use
 from engine.server.validation import ValidRequest, chat_request, parse_body
-from engine.structured.tool_calls import ToolCall, ToolCallStream, parse_tool_call
+from engine.structured.tool_calls import ToolCall
 
 _ERROR_TYPES = {422: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 429: "rate_limit_error", 424: "api_error", 500: "api_error", 503: "overloaded_error"}
@@ -98,11 +99,12 @@ def _chat_request(req: CountTokensRequest, state: ServerState) -> tuple[ChatComp
         messages += _turn(message.role, message.content, i)
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}} for t in req.tools or []]
-    body: dict[str, Any] = {"messages": messages, "tools": tools or None, "tool_choice": _tool_choice(req)}
+    body: dict[str, Any] = {"messages": messages, "tools": tools or None, "tool_choice": _tool_choice(req),
+                            "parallel_tool_calls": not (req.tool_choice or {}).get("disable_parallel_tool_use")}
     if isinstance(req, MessagesRequest):
         body.update(model=req.model, temperature=req.temperature, top_p=req.top_p, stop=req.stop_sequences)
     chat = chat_request(body)
-    return chat, tool_use(chat, state.tokenizer)
+    return chat, tool_use(chat, state.tokenizer, state.config.tool_call_parser)
 
 
 def _system_text(system: str | ContentBlocks | None) -> str:
@@ -191,13 +193,11 @@ def _thinks(state: ServerState) -> ReasoningFormat | None:
 # --- answer --------------------------------------------------------------------------------------
 
 def _response(state: ServerState, req: MessagesRequest, use: ToolUse | None, gen: Generation) -> MessagesResponse:
-    call = parse_tool_call(gen.text, use.fmt, use.tools) if use is not None else None
-    thinks = _thinks(state) if use is None else None
-    reasoning, text = split_reasoning(gen.text, thinks) if thinks is not None else (None, gen.text)
-    content = [_tool_block(call)] if call is not None else [{"type": "text", "text": text}]
-    if reasoning is not None:
-        content.insert(0, {"type": "thinking", "thinking": reasoning, "signature": ""})
-    reason, sequence = _stop(gen, req, call is not None)
+    answer = read_answer(gen.text, use, _thinks(state) if use is None else None, gen.finish_reason == "length")
+    content = [_tool_block(call) for call in answer.calls] or [{"type": "text", "text": answer.content}]
+    if answer.reasoning is not None:
+        content.insert(0, {"type": "thinking", "thinking": answer.reasoning, "signature": ""})
+    reason, sequence = _stop(gen, req, bool(answer.calls))
     return MessagesResponse(id=_message_id(), model=req.model or state.model_name, content=content,
                             stop_reason=reason, stop_sequence=sequence,
                             usage=AnthropicUsage(input_tokens=gen.input_length, output_tokens=gen.generated_tokens))
@@ -208,7 +208,7 @@ def _tool_block(call: ToolCall, block_id: str | None = None) -> dict[str, Any]:
 
 
 def _stop(gen: Generation, req: MessagesRequest, called: bool) -> tuple[str, str | None]:
-    if called:
+    if called and gen.finish_reason != "length":
         return "tool_use", None
     reason = _STOP_REASONS.get(gen.finish_reason, "end_turn")
     if reason != "stop_sequence":
@@ -282,33 +282,19 @@ async def _events(state: ServerState, req: MessagesRequest, use: ToolUse | None,
                "content": [], "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": valid.input_length, "output_tokens": 0}}
     yield _event({"type": "message_start", "message": message})
-    pieces = ToolCallStream(use.fmt, use.tools, use.allow_text) if use is not None else None
-    thinks = _thinks(state) if use is None else None
-    reasoning = ReasoningStream(thinks) if thinks is not None else None
+    pieces = AnswerStream(use, _thinks(state) if use is None else None)   # its tool grammar starts at once
     blocks = _Blocks()
     try:
         async with contextlib.aclosing(state.infer.stream(valid, arrival)) as events:
             async for ev in events:
-                if pieces is not None:
-                    parts = pieces.feed(ev.text)
-                elif reasoning is not None:
-                    parts = reasoning.feed(ev.text) + (reasoning.finish() if ev.end is not None else [])
-                else:
-                    parts = [("content", ev.text)]
-                for kind, text in parts:
+                for kind, text, _ in pieces.feed(ev.text, ev.end):
                     for chunk in _piece(blocks, kind, text):
                         yield chunk
                 if ev.end is None:
                     continue
-                call = None
-                if pieces is not None:
-                    last, call = pieces.finish(ev.end.text)
-                    for kind, text in last:
-                        for chunk in _piece(blocks, kind, text):
-                            yield chunk
                 for chunk in blocks.stop():
                     yield chunk
-                reason, sequence = _stop(ev.end, req, call is not None)
+                reason, sequence = _stop(ev.end, req, bool(pieces.calls))
                 yield _event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                               "usage": {"output_tokens": ev.end.generated_tokens}})
                 yield _event({"type": "message_stop"})

@@ -45,7 +45,7 @@ def model_name(state: ServerState, req: OpenAIRequest) -> str:
 
 def adapter_id(state: ServerState, req: OpenAIRequest) -> str | None:
     """`model` names a LoRA adapter (or the base model); a server without adapters ignores it, as TGI does."""
-    return req.model if state.validator.adapters else None
+    return req.model if state.validator.adapters or state.config.enable_runtime_lora else None
 
 
 def finish(gen: Generation | None) -> str | None:

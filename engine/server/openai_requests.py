@@ -18,10 +18,10 @@ from engine.server.openai_common import check_common, finish
 from engine.server.protocol import (ChatCompletionChoice, ChatCompletionMessage, ChatCompletionRequest, ChatLogprob,
                                     ChatLogprobs, ChatToolCall, CompletionChoice, CompletionRequest, FunctionCall,
                                     GenerateParameters, GenerateRequest, TopLogprob)
-from engine.server.reasoning import ReasoningFormat, split_reasoning
+from engine.server.answer_text import read_answer
+from engine.server.reasoning import ReasoningFormat
 from engine.server.tools import ToolUse, new_call_id, template_inputs
 from engine.server.validation import ValidRequest
-from engine.structured.tool_calls import parse_tool_call
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +36,15 @@ def apply_chat_template(state: Any, req: ChatCompletionRequest, use: ToolUse | N
     for message in req.messages:
         if isinstance(message.content, list) and any(p.type != "text" for p in message.content):
             raise ValidationError("only text content parts are supported")
-    messages, tools = template_inputs(req, state.tokenizer, use)
+    messages, tools = template_inputs(req, state.tokenizer, use, state.config.tool_call_parser)
+    extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    reserved = sorted(set(extra) & {"messages", "conversation", "tools", "tokenize", "add_generation_prompt",
+                                    "return_dict", "continue_final_message", "chat_template"})
+    if reserved:
+        raise ValidationError(f"`chat_template_kwargs` cannot set {', '.join(reserved)}: the server sets them")
     try:
-        extra = {"tools": tools} if tools else {}
+        if tools:
+            extra["tools"] = tools
         return str(state.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra))
     except Exception as exc:  # jinja errors (e.g. "roles must alternate") are the caller's to fix
         raise ValidationError(f"chat template error: {exc}") from None
@@ -53,17 +59,18 @@ def chat_logprobs(tokens: list[Any]) -> ChatLogprobs:
 
 def chat_choice(gen: Generation, use: ToolUse | None, logprobs: bool, index: int,
                 thinks: ReasoningFormat | None = None) -> ChatCompletionChoice:
-    call = parse_tool_call(gen.text, use.fmt, use.tools) if use is not None else None
-    if call is None and use is not None and not use.allow_text:
+    answer = read_answer(gen.text, use, thinks, gen.finish_reason == "length")
+    if not answer.calls and use is not None and not use.allow_text:
         # the grammar forced a call: only a cut-off (length) or a grammar failure gets here
         logger.warning("tool_choice required/named answered without a complete call (finish %s): %r",
                        gen.finish_reason, gen.text[:300])
-    reasoning, text = split_reasoning(gen.text, thinks) if thinks is not None and call is None else (None, gen.text)
-    message = ChatCompletionMessage(content=text, reasoning_content=reasoning)
-    if call is not None:
-        message = ChatCompletionMessage(content=None, tool_calls=[ChatToolCall(id=new_call_id(), function=FunctionCall(
-            name=call.name, arguments=call.arguments))])
-    return ChatCompletionChoice(index=index, message=message, finish_reason="tool_calls" if call else finish(gen),
+    message = ChatCompletionMessage(content=answer.content, reasoning_content=answer.reasoning)
+    if answer.calls:
+        message = ChatCompletionMessage(content=None, reasoning_content=answer.reasoning, tool_calls=[
+            ChatToolCall(id=new_call_id(use.fmt if use else None),
+                         function=FunctionCall(name=call.name, arguments=call.arguments)) for call in answer.calls])
+    called = bool(answer.calls) and gen.finish_reason != "length"
+    return ChatCompletionChoice(index=index, message=message, finish_reason="tool_calls" if called else finish(gen),
                                 logprobs=chat_logprobs(gen.tokens) if logprobs else None)
 
 

@@ -16,22 +16,24 @@ from starlette.routing import BaseRoute
 
 from engine.server import choices as fan
 from engine.server import sse
+from engine.server.answer_text import AnswerStream
 from engine.server.completions import completions
 from engine.server.errors import ValidationError
-from engine.server.grammar import prepare_grammars, response_format_grammar
+from engine.server.grammar import prepare_grammars, response_format_grammar, response_format_schema
 from engine.server.infer import StreamEvent
 from engine.server.openai_common import (adapter_id, check_common, finish, model_name, parameters, renderer,
                                          stream_choices, usage_of)
 from engine.server.openai_requests import apply_chat_template, chat_choice, chat_logprobs
 from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatDelta, GenerateRequest, ModelCard, ModelList, Usage, dump)
-from engine.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format
+from engine.server.reasoning import (ReasoningFormat, ReasoningStream, after_reasoning, answer_rules,
+                                     reasoning_format)
+from engine.structured.spec import GrammarError, GrammarSpec
 from engine.server.routing import ExactRoute
 from engine.server.state import ServerState
 from engine.server.streaming import Renderer, open_stream, unless_disconnected
 from engine.server.tools import ToolUse, new_call_id, tool_use
 from engine.server.validation import ValidRequest, parse_body
-from engine.structured.tool_calls import ToolCallStream
 
 
 
@@ -44,7 +46,7 @@ async def chat_completions(request: Request) -> Response:
         check_common(req)
         n = req.n or 1
         fan.check_counts(1, n, n, state.config.max_concurrent_requests)
-        use = tool_use(req, state.tokenizer)
+        use = tool_use(req, state.tokenizer, state.config.tool_call_parser)
         if req.stream and n > 1 and use is not None:
             raise ValidationError("`n` > 1 with `tools` is not supported when streaming")
         grammar = response_format_grammar(req.response_format)
@@ -55,13 +57,15 @@ async def chat_completions(request: Request) -> Response:
             raise ValidationError(f"`top_logprobs` must be <= {state.config.max_top_n_tokens}. Given: {top_n}")
         prompt = apply_chat_template(state, req, use)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = parameters(req, max_tokens, top_n, use.grammar if use is not None else grammar)
+        thinks = reasoning_format(state.config.reasoning_parser, getattr(state.tokenizer, "chat_template", None))
+        grammar = _grammar(req, thinks, use, grammar)
+        params = parameters(req, max_tokens, top_n, grammar)
         params.adapter_id = adapter_id(state, req)
         created, rid, logprobs = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", bool(req.logprobs)
-        thinks = reasoning_format(state.config.reasoning_parser, getattr(state.tokenizer, "chat_template", None))
         if req.stream and use is not None:
             return open_stream(state, GenerateRequest(inputs=prompt, parameters=params), arrival,
-                               _tool_renderer(state, req, use, rid, created), openai=True, add_special_tokens=False)
+                               _tool_renderer(state, req, use, thinks, rid, created), openai=True,
+                               add_special_tokens=False)
         if req.stream:
             reasoning_streams: dict[int, ReasoningStream] = {}
 
@@ -87,6 +91,26 @@ async def chat_completions(request: Request) -> Response:
         body = ChatCompletion(id=rid, created=created, model=model_name(state, req), choices=choices,
                               usage=fan.usage(gens, gens), system_fingerprint=state.system_fingerprint)
         return JSONResponse(dump(body))
+
+
+def _grammar(req: ChatCompletionRequest, thinks: ReasoningFormat | None, use: ToolUse | None,
+             response_format: GrammarSpec | None) -> GrammarSpec | None:
+    """The request's grammar; for a reasoning model it starts after the reasoning span, which
+    `max_reasoning_tokens` bounds."""
+    grammar = use.grammar if use is not None else response_format
+    budget = req.max_reasoning_tokens
+    if budget is not None and thinks is None:
+        raise ValidationError("`max_reasoning_tokens` needs a reasoning model; this one has no reasoning parser "
+                              "(see --reasoning-parser)")
+    if thinks is None or (budget is None and grammar is None):
+        return grammar
+    answer = answer_rules(use.grammar if use is not None else None, response_format_schema(req.response_format))
+    if answer is None and grammar is not None:
+        return grammar      # a regex: from the first token, as without reasoning
+    try:
+        return after_reasoning(thinks, answer, budget, "response_format" if use is None else "tools")
+    except GrammarError as exc:
+        raise ValidationError(str(exc)) from None
 
 
 def _delta(ev: StreamEvent, thinks: ReasoningFormat | None, streams: dict[int, ReasoningStream],
@@ -116,12 +140,12 @@ ROUTES: list[BaseRoute] = [
 
 # --- responses ----------------------------------------------------------------------------------
 
-def _tool_renderer(state: ServerState, req: ChatCompletionRequest, use: ToolUse, rid: str,
-                   created: int) -> Renderer:
-    """OpenAI's tool-call stream: the call's id and name in one delta, then its arguments in pieces, then an
-    empty delta with finish_reason "tool_calls"; plain text (under `auto`) streams as content."""
-    pieces = ToolCallStream(use.fmt, use.tools, use.allow_text)
-    call_id = new_call_id()
+def _tool_renderer(state: ServerState, req: ChatCompletionRequest, use: ToolUse, thinks: ReasoningFormat | None,
+                   rid: str, created: int) -> Renderer:
+    """OpenAI's tool-call stream: each call's `index`, id and name in one delta, then its arguments in pieces (with
+    its index), then an empty delta with finish_reason "tool_calls"; plain text (under `auto`) streams as
+    content."""
+    pieces = AnswerStream(use, thinks)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(delta: ChatDelta | None, finish: str | None, usage: Usage | None = None) -> bytes:
@@ -130,21 +154,23 @@ def _tool_renderer(state: ServerState, req: ChatCompletionRequest, use: ToolUse,
             id=rid, created=created, model=model_name(state, req), usage=usage,
             system_fingerprint=state.system_fingerprint, choices=choices)), space=True)
 
-    def delta(kind: str, text: str) -> ChatDelta:
+    def delta(kind: str, text: str, index: int) -> ChatDelta:
         if kind == "content":
             return ChatDelta(content=text)
-        call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+        if kind == "reasoning":
+            return ChatDelta(content=None, reasoning_content=text)
+        call: dict[str, Any] = {"index": index, "function": {"arguments": text}}
         if kind == "name":
-            call = {"index": 0, "id": call_id, "type": "function", "function": {"name": text, "arguments": ""}}
+            call = {"index": index, "id": new_call_id(use.fmt), "type": "function",
+                    "function": {"name": text, "arguments": ""}}
         return ChatDelta(content=None, tool_calls=[call])
 
     def render(ev: StreamEvent, valid: ValidRequest) -> list[bytes]:
-        out = pieces.feed(ev.text)
+        chunks = [chunk(delta(*piece), None) for piece in pieces.feed(ev.text, ev.end)]
         if ev.end is None:
-            return [chunk(delta(kind, text), None) for kind, text in out]
-        last, call = pieces.finish(ev.end.text)
-        chunks = [chunk(delta(kind, text), None) for kind, text in out + last]
-        chunks.append(chunk(ChatDelta(content=None), "tool_calls" if call else finish(ev.end)))
+            return chunks
+        chunks.append(chunk(ChatDelta(content=None), "tool_calls" if pieces.calls and ev.end.finish_reason != "length"
+                            else finish(ev.end)))
         if include_usage:
             chunks.append(chunk(None, None, usage_of(ev.end)))
         return chunks

@@ -43,6 +43,9 @@ def _events_of(model: type[BaseModel], done: bool = False) -> dict[str, Any]:
         "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}, "data": data}}
 
 
+_LORA_ERRORS = {"404": "Runtime LoRA is off (start with --enable-runtime-lora)",
+                "422": "Refused: files, shapes, name, rank or no free slot", "401": "Missing or wrong API key"}
+
 # (method, path, summary, request model, {media type: response schema (a model, or a JSON schema)}, error codes)
 _ROUTES: list[tuple[str, str, str, type[BaseModel] | None, dict[str, Any], dict[str, str]]] = [
     ("post", "/", "Generate; `stream: true` answers server-sent events, otherwise a one-element list",
@@ -66,6 +69,11 @@ _ROUTES: list[tuple[str, str, str, type[BaseModel] | None, dict[str, Any], dict[
     ("post", "/v1/responses", "OpenAI Responses (`stream: true`: typed server-sent events); `previous_response_id` "
      "continues a stored response", r.ResponsesRequest,
      {JSON: r.ResponseObject, SSE: _events_of(r.ResponseStreamEvent)}, _GENERATION_ERRORS),
+    ("post", "/v1/load_lora_adapter", "Load a PEFT LoRA adapter into a free slot (--enable-runtime-lora, else 404)",
+     p.LoadLoraAdapterRequest, {"text/plain": {"type": "string"}}, _LORA_ERRORS),
+    ("post", "/v1/unload_lora_adapter", "Unload a LoRA adapter once the requests on it have finished "
+     "(--enable-runtime-lora, else 404)", p.UnloadLoraAdapterRequest, {"text/plain": {"type": "string"}},
+     _LORA_ERRORS),
     ("get", "/v1/models", "Served model", None, {JSON: p.ModelList}, {"401": _GENERATION_ERRORS["401"]}),
     ("get", "/info", "Model and server limits", None, {JSON: p.Info}, {}),
     ("get", "/health", "200 when a one-token generation succeeds, 503 otherwise", None, {},
@@ -90,7 +98,7 @@ _ROUTES: list[tuple[str, str, str, type[BaseModel] | None, dict[str, Any], dict[
 _MODELS: list[type[BaseModel]] = [
     p.GenerateRequest, p.CompatGenerateRequest, p.TokenizeRequest, p.GenerateResponse, p.StreamResponse,
     p.SimpleToken, p.ErrorResponse, p.Info, p.ChatCompletionRequest, p.ChatCompletion, p.ChatCompletionChunk,
-    p.CompletionRequest, p.Completion, p.ModelList,
+    p.CompletionRequest, p.Completion, p.ModelList, p.LoadLoraAdapterRequest, p.UnloadLoraAdapterRequest,
     pp.EmbeddingRequest, pp.EmbeddingResponse, pp.EmbedRequest, pp.RerankRequest, pp.Rank, pp.PredictRequest,
     pp.Prediction, pp.CohereRerankRequest, pp.CohereRerankResponse, pp.ScoreRequest, pp.ScoreResponse,
     a.MessagesRequest, a.MessagesResponse, a.MessageStreamEvent, a.CountTokensRequest, a.CountTokensResponse,

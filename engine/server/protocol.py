@@ -250,6 +250,8 @@ class ChatCompletionRequest(OpenAIRequest):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None     # extra template variables, e.g. enable_thinking
+    max_reasoning_tokens: int | None = Field(default=None, ge=1)   # a reasoning model's span is cut there
 
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
@@ -400,3 +402,15 @@ class ModelCard(_Wire):
 class ModelList(_Wire):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# --- runtime LoRA (vLLM's shape; engine/server/lora_routes.py) ------------------------------------
+
+class LoadLoraAdapterRequest(_Wire):
+    lora_name: StrictStr
+    lora_path: StrictStr
+
+
+class UnloadLoraAdapterRequest(_Wire):
+    lora_name: StrictStr
+    lora_int_id: int | None = None      # vLLM's; this server goes by names

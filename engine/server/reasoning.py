@@ -8,10 +8,18 @@ chat completions (streamed and not), chosen by `--reasoning-parser auto|qwen3|de
 
 `auto` reads the chat template: one that writes `<think>` into the generation prompt is deepseek_r1, one that
 otherwise mentions `<think>` is qwen3, any other has no reasoning parser.
+
+`after_reasoning` wraps a request's grammar (tool calls, response_format) so that it applies only after the span
+ends, and a reasoning budget (`max_reasoning_tokens`) ends the span: past that many tokens the grammar allows
+only `</think>`.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
+
+from engine.structured.spec import GrammarSpec, lark_spec
 
 PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
 START, END = "<think>", "</think>"
@@ -112,3 +120,28 @@ def _partial_suffix(text: str, tag: str) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+def after_reasoning(fmt: ReasoningFormat, answer: str | None, budget: int | None, field: str) -> GrammarSpec:
+    """A grammar for the reasoning span (at most `budget` tokens) then `answer`: Lark rules whose entry is
+    `answer` (None: free text). qwen3 may skip the span (thinking off); deepseek_r1's output starts inside it."""
+    limit = f", max_tokens={budget}" if budget is not None else ""
+    # free text after a qwen3 span cannot open one itself, or the budget could be stepped around
+    free = "answer: /(.|\\n)*/" if fmt.opened_in_prompt else "answer: /([^<](.|\\n)*)?/"
+    rules = [f"think[stop={json.dumps(END)}{limit}]: /(.|\\n)*/", "WS: /[ \\t\\r\\n]*/", answer or free]
+    if fmt.opened_in_prompt:
+        rules.insert(0, f"start: think {json.dumps(END)} WS answer")
+    else:
+        rules.insert(0, f"start: ({json.dumps(START)} think {json.dumps(END)} WS)? answer")
+    return lark_spec("\n".join(rules), field)
+
+
+def answer_rules(tool_grammar: GrammarSpec | None, schema: Any | None) -> str | None:
+    """The `answer` rule for after_reasoning: the tool-call grammar (its `start` renamed), or a JSON schema."""
+    if tool_grammar is not None:
+        return tool_grammar.grammar.replace("start:", "answer:", 1)
+    if schema is not None:
+        layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        body = {**schema, "x-guidance": layout} if isinstance(schema, dict) else schema
+        return f"answer: %json {json.dumps(body)}"
+    return None

@@ -26,14 +26,15 @@ from engine.server.infer import Generation
 from engine.server.openai_common import parameters
 from engine.server.openai_requests import apply_chat_template
 from engine.server.protocol import GenerateRequest, dump
-from engine.server.reasoning import ReasoningStream, reasoning_format, split_reasoning
+from engine.server.answer_text import AnswerStream, read_answer
+from engine.server.reasoning import reasoning_format
 from engine.server.response_store import ResponseStore
 from engine.server.responses_protocol import InputTokensDetails, ResponseObject, ResponsesRequest, ResponseUsage
 from engine.server.state import ServerState
 from engine.server.streaming import EventStream, admit, stream_error, unless_disconnected
 from engine.server.tools import ToolUse, new_call_id, tool_use
 from engine.server.validation import ValidRequest, chat_request, parse_body
-from engine.structured.tool_calls import ToolCall, ToolCallStream, parse_tool_call
+from engine.structured.tool_calls import ToolCall
 
 _REFUSED = {"background": "background mode", "conversation": "conversations", "prompt": "prompt templates",
             "top_logprobs": "logprobs", "max_tool_calls": "`max_tool_calls`"}
@@ -54,8 +55,9 @@ async def create_response(request: Request) -> Response:
         chat = chat_request({
             "model": req.model, "messages": system + messages, "temperature": req.temperature, "top_p": req.top_p,
             "seed": req.seed, "tools": _tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),
+            "parallel_tool_calls": req.parallel_tool_calls,
             "response_format": _response_format(req.text)})
-        use = tool_use(chat, state.tokenizer)
+        use = tool_use(chat, state.tokenizer, state.config.tool_call_parser)
         grammar = response_format_grammar(chat.response_format)
         if use is not None and grammar is not None:
             raise ValidationError('`text.format` cannot be combined with `tools` unless `tool_choice` is "none"')
@@ -69,7 +71,7 @@ async def create_response(request: Request) -> Response:
         with state.infer.permit():
             valid = state.validator.validate(generate, add_special_tokens=False)
             gen, _ = await unless_disconnected(request, state.infer.generate(valid, arrival))
-        body = answer.finish(gen, answer.call_of(gen))
+        body = answer.finish(gen)
         answer.remember(store)
         return JSONResponse(dump(body))
 
@@ -189,14 +191,16 @@ class _Answer:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.item_id = f"msg_{uuid.uuid4().hex}"
-        self.call_id, self.fc_id = new_call_id(), f"fc_{uuid.uuid4().hex}"
+        self.call_ids: list[tuple[str, str]] = []       # (call_id, item id) of each function call
         self.rs_id = f"rs_{uuid.uuid4().hex}"
         self.thinks = reasoning_format(state.config.reasoning_parser, getattr(state.tokenizer, "chat_template", None)) \
             if use is None else None
         self.turn: dict[str, Any] | None = None
 
-    def call_of(self, gen: Generation) -> ToolCall | None:
-        return parse_tool_call(gen.text, self.use.fmt, self.use.tools) if self.use is not None else None
+    def ids(self, index: int) -> tuple[str, str]:
+        while len(self.call_ids) <= index:
+            self.call_ids.append((new_call_id(self.use.fmt if self.use else None), f"fc_{uuid.uuid4().hex}"))
+        return self.call_ids[index]
 
     def body(self, status: str, output: list[dict[str, Any]], usage: ResponseUsage | None = None,
              incomplete: dict[str, str] | None = None) -> ResponseObject:
@@ -219,22 +223,27 @@ class _Answer:
         return {"type": "reasoning", "id": self.rs_id, "summary": [], "status": status,
                 "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}
 
-    def call_item(self, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-        return {"type": "function_call", "id": self.fc_id, "call_id": self.call_id, "name": name,
+    def call_item(self, index: int, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+        call_id, item_id = self.ids(index)
+        return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
                 "arguments": arguments, "status": status}
 
-    def finish(self, gen: Generation, call: ToolCall | None) -> ResponseObject:
-        if call is not None:
-            output = [self.call_item(call.name, call.arguments)]
+    def finish(self, gen: Generation) -> ResponseObject:
+        """The response for `gen` (a stream's calls keep the ids their events carried: one per call index)."""
+        answer = read_answer(gen.text, self.use, self.thinks, gen.finish_reason == "length")
+        calls = answer.calls
+        if calls:
+            output = [self.call_item(i, c.name, c.arguments) for i, c in enumerate(calls)]
             self.turn = {"role": "assistant", "content": "", "tool_calls": [
-                {"id": self.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]}
+                {"id": self.ids(i)[0], "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for i, c in enumerate(calls)]}
         else:
-            reasoning, text = split_reasoning(gen.text, self.thinks) if self.thinks is not None else (None, gen.text)
+            reasoning, text = answer.reasoning, answer.content
             output = [self.message_item(text)]
             if reasoning is not None:
                 output.insert(0, self.reasoning_item(reasoning))
             self.turn = {"role": "assistant", "content": text}
-        cut = gen.finish_reason == "length" and call is None
+        cut = gen.finish_reason == "length"
         usage = ResponseUsage(input_tokens=gen.input_length, output_tokens=gen.generated_tokens,
                               total_tokens=gen.input_length + gen.generated_tokens,
                               input_tokens_details=InputTokensDetails(cached_tokens=gen.num_cached_tokens))
@@ -255,7 +264,7 @@ def _stream(state: ServerState, store: ResponseStore, answer: _Answer, generate:
 
 
 class _Events:
-    """Typed events, numbered in order; one output item (a message, or a function call) opened on its first
+    """Typed events, numbered in order; each output item (a message, or each function call) opened on its first
     piece."""
 
     def __init__(self, answer: _Answer):
@@ -265,7 +274,8 @@ class _Events:
         self.text = ""
         self.name = ""
         self.arguments = ""
-        self.at = 0                 # the open item's output_index (1 after a reasoning item)
+        self.call = -1              # the open function call's index among the answer's calls
+        self.at = 0                 # the open item's output_index (1 after a reasoning item, +1 per call)
         self.reasoning = ""
 
     def event(self, kind: str, **data: Any) -> bytes:
@@ -273,7 +283,7 @@ class _Events:
         self.number += 1
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
-    def piece(self, kind: str, text: str) -> list[bytes]:
+    def piece(self, kind: str, text: str, index: int = 0) -> list[bytes]:
         a = self.answer
         if kind == "reasoning":
             if not text:
@@ -285,7 +295,7 @@ class _Events:
             return out + [self.event("response.reasoning_text.delta", item_id=a.rs_id, output_index=0,
                                      content_index=0, delta=text)]
         if self.item == "reasoning":
-            return self.close_reasoning() + self.piece(kind, text)
+            return self.close_reasoning() + self.piece(kind, text, index)
         if kind == "content":
             if not text:
                 return []
@@ -294,12 +304,22 @@ class _Events:
             return out + [self.event("response.output_text.delta", item_id=a.item_id, output_index=self.at,
                                      content_index=0, delta=text, logprobs=[])]
         if kind == "name":
-            self.item, self.name = "call", text
-            return [self.event("response.output_item.added", output_index=self.at,
-                               item=a.call_item(text, "", "in_progress"))]
+            out = self.close_call(self.arguments) if self.item == "call" else []
+            if out:
+                self.at += 1
+            self.item, self.name, self.arguments, self.call = "call", text, "", index
+            return out + [self.event("response.output_item.added", output_index=self.at,
+                                     item=a.call_item(index, text, "", "in_progress"))]
         self.arguments += text
-        return [self.event("response.function_call_arguments.delta", item_id=a.fc_id, output_index=self.at,
+        return [self.event("response.function_call_arguments.delta", item_id=a.ids(index)[1], output_index=self.at,
                            delta=text)] if text else []
+
+    def close_call(self, arguments: str) -> list[bytes]:
+        a = self.answer
+        return [self.event("response.function_call_arguments.done", item_id=a.ids(self.call)[1],
+                           output_index=self.at, arguments=arguments),
+                self.event("response.output_item.done", output_index=self.at,
+                           item=a.call_item(self.call, self.name, arguments))]
 
     def close_reasoning(self) -> list[bytes]:
         a, self.item, self.at = self.answer, None, 1
@@ -318,13 +338,10 @@ class _Events:
                 self.event("response.content_part.added", item_id=a.item_id, output_index=self.at, content_index=0,
                            part={"type": "output_text", "text": "", "annotations": []})]
 
-    def close(self, call: ToolCall | None) -> list[bytes]:
+    def close(self, calls: list[ToolCall]) -> list[bytes]:
         a = self.answer
-        if self.item == "call" and call is not None:
-            return [self.event("response.function_call_arguments.done", item_id=a.fc_id, output_index=self.at,
-                               arguments=call.arguments),
-                    self.event("response.output_item.done", output_index=self.at,
-                               item=a.call_item(call.name, call.arguments))]
+        if self.item == "call" and calls:
+            return self.close_call(calls[-1].arguments)
         out = self.open_message()       # (an empty answer opens it here)
         part = {"type": "output_text", "text": self.text, "annotations": []}
         return out + [
@@ -341,32 +358,18 @@ async def _events(state: ServerState, store: ResponseStore, answer: _Answer, val
     created = dump(answer.body("in_progress", []))
     yield events.event("response.created", response=created)
     yield events.event("response.in_progress", response=created)
-    use = answer.use
-    pieces = ToolCallStream(use.fmt, use.tools, use.allow_text) if use is not None else None
-    reasoning = ReasoningStream(answer.thinks) if answer.thinks is not None else None
+    pieces = AnswerStream(answer.use, answer.thinks)
     try:
         async with contextlib.aclosing(state.infer.stream(valid, arrival)) as stream:
             async for ev in stream:
-                if pieces is not None:
-                    parts = pieces.feed(ev.text)
-                elif reasoning is not None:
-                    parts = reasoning.feed(ev.text) + (reasoning.finish() if ev.end is not None else [])
-                else:
-                    parts = [("content", ev.text)]
-                for kind, text in parts:
-                    for chunk in events.piece(kind, text):
+                for kind, text, index in pieces.feed(ev.text, ev.end):
+                    for chunk in events.piece(kind, text, index):
                         yield chunk
                 if ev.end is None:
                     continue
-                call = None
-                if pieces is not None:
-                    last, call = pieces.finish(ev.end.text)
-                    for kind, text in last:
-                        for chunk in events.piece(kind, text):
-                            yield chunk
-                for chunk in events.close(call):
+                for chunk in events.close(pieces.calls):
                     yield chunk
-                body = dump(answer.finish(ev.end, call))
+                body = dump(answer.finish(ev.end))
                 answer.remember(store)
                 kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
                 yield events.event(kind, response=body)

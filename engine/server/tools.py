@@ -3,8 +3,11 @@ messages and tools handed to the template, and the generated call read back (eng
 owns the formats and grammars)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +15,7 @@ from typing import Any
 from engine.server.errors import ValidationError
 from engine.server.protocol import ChatCompletionRequest, ChatMessage
 from engine.structured.spec import GrammarError, GrammarSpec, json_schema_spec
-from engine.structured.tool_calls import (Tool, ToolCall, ToolCallFormat, call_text, describe_tools, detect_format,
+from engine.structured.tool_calls import (Tool, ToolCall, ToolCallFormat, calls_text, describe_tools, detect_format,
                                           tool_call_grammar)
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")     # OpenAI's rule for function names
@@ -21,7 +24,8 @@ _NO_PARAMETERS = {"type": "object", "properties": {}}
 
 @dataclass(slots=True)
 class ToolUse:
-    """Tools the model may (`auto`) or must (`required`, named) call this turn, in `fmt`, under `grammar`."""
+    """Tools the model may (`auto`) or must (`required`, named) call this turn, in `fmt`, under `grammar`: one
+    call, or several (`parallel_tool_calls`; by default only with a template that knows tools)."""
 
     tools: list[Tool]
     fmt: ToolCallFormat
@@ -29,8 +33,8 @@ class ToolUse:
     grammar: GrammarSpec
 
 
-def tool_use(req: ChatCompletionRequest, tokenizer: Any) -> ToolUse | None:
-    """None when the turn cannot call a tool (no tools, or tool_choice "none")."""
+def tool_use(req: ChatCompletionRequest, tokenizer: Any, parser: str = "auto") -> ToolUse | None:
+    """None when the turn cannot call a tool (no tools, or tool_choice "none"). `parser` is --tool-call-parser."""
     if not req.tools:
         if req.tool_choice not in (None, "none"):
             raise ValidationError("`tool_choice` is set but `tools` is empty")
@@ -44,12 +48,21 @@ def tool_use(req: ChatCompletionRequest, tokenizer: Any) -> ToolUse | None:
         return None
     if choice not in ("auto", "required"):
         tools = [_named(choice, tools)]
-    fmt = detect_format(getattr(tokenizer, "chat_template", None))
+    fmt = detect_format(getattr(tokenizer, "chat_template", None), parser)
     try:
-        grammar = tool_call_grammar(tools, fmt, allow_text=choice == "auto", tokenizer=tokenizer)
+        grammar = tool_call_grammar(tools, fmt, allow_text=choice == "auto", tokenizer=tokenizer,
+                                    parallel=_parallel(req, fmt))
     except GrammarError as exc:
         raise ValidationError(f"`tools` cannot be turned into a grammar: {exc}") from None
     return ToolUse(tools, fmt, choice == "auto", grammar)
+
+
+def _parallel(req: ChatCompletionRequest, fmt: ToolCallFormat) -> bool:
+    """Several calls per turn: OpenAI's default, except for a model whose template knows no tools (json format),
+    which gets one unless the request asks (SmolLM2 left free wrote call after call up to max_tokens)."""
+    if req.parallel_tool_calls is not None:
+        return req.parallel_tool_calls
+    return not fmt.describe_in_prompt
 
 
 def _tool(item: Any, i: int) -> Tool:
@@ -83,13 +96,15 @@ def _named(choice: Any, tools: list[Tool]) -> Tool:
     raise ValidationError(f"`tool_choice.function.name` {name!r} is not in `tools`")
 
 
-def template_inputs(req: ChatCompletionRequest, tokenizer: Any,
-                    use: ToolUse | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+def template_inputs(req: ChatCompletionRequest, tokenizer: Any, use: ToolUse | None,
+                    parser: str = "auto") -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) for apply_chat_template. A template that knows tools gets them, and earlier calls as
     `tool_calls` with dict arguments (what HF templates expect); one that does not gets a system message that
-    describes them, and earlier calls as the text the model wrote."""
-    fmt = use.fmt if use else detect_format(getattr(tokenizer, "chat_template", None))
-    messages = [_message(m, i, fmt) for i, m in enumerate(req.messages)]
+    describes them, and earlier calls as the text the model wrote. Llama 3.x templates take one call per assistant
+    turn (they raise on more), so parallel calls become consecutive turns; Mistral's take 9-character alphanumeric
+    call ids, so other ids are mapped onto such ones (the same id, the same mapping)."""
+    fmt = use.fmt if use else detect_format(getattr(tokenizer, "chat_template", None), parser)
+    messages = [turn for i, m in enumerate(req.messages) for turn in _message(m, i, fmt)]
     if use is None:
         return messages, None
     if not fmt.describe_in_prompt:
@@ -103,21 +118,24 @@ def template_inputs(req: ChatCompletionRequest, tokenizer: Any,
     return messages, None
 
 
-def _message(m: ChatMessage, i: int, fmt: ToolCallFormat) -> dict[str, Any]:
+def _message(m: ChatMessage, i: int, fmt: ToolCallFormat) -> list[dict[str, Any]]:
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.role == "tool":
         if not m.tool_call_id:
             raise ValidationError(f"`messages[{i}].tool_call_id` is required for a `tool` message")
-        out["tool_call_id"] = m.tool_call_id
-    if m.tool_calls:
-        calls = [_past_call(c, i, j) for j, c in enumerate(m.tool_calls)]
-        if fmt.describe_in_prompt:
-            out["content"] = (out["content"] + "".join(call_text(c, fmt) for _, c in calls)).strip()
-        else:
-            out["tool_calls"] = [{"id": cid, "type": "function",
-                                  "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
-                                 for cid, c in calls]
-    return out
+        out["tool_call_id"] = _template_id(m.tool_call_id, fmt)
+    if not m.tool_calls:
+        return [out]
+    calls = [_past_call(c, i, j) for j, c in enumerate(m.tool_calls)]
+    if fmt.describe_in_prompt:
+        out["content"] = (out["content"] + calls_text([c for _, c in calls], fmt)).strip()
+        return [out]
+    out["tool_calls"] = [{"id": _template_id(cid, fmt), "type": "function",
+                          "function": {"name": c.name, "arguments": json.loads(c.arguments)}} for cid, c in calls]
+    if fmt.name != "llama3" or len(calls) == 1:
+        return [out]
+    return [{**out, "content": out["content"] if j == 0 else "", "tool_calls": [call]}
+            for j, call in enumerate(out["tool_calls"])]
 
 
 def _past_call(item: dict[str, Any], i: int, j: int) -> tuple[str, ToolCall]:
@@ -134,5 +152,18 @@ def _past_call(item: dict[str, Any], i: int, j: int) -> tuple[str, ToolCall]:
     return str(item.get("id") or ""), ToolCall(name, arguments)
 
 
-def new_call_id() -> str:
+_ALNUM = string.ascii_letters + string.digits
+
+
+def new_call_id(fmt: ToolCallFormat | None = None) -> str:
+    """OpenAI's `call_...`; Mistral's templates refuse any id but 9 letters or digits."""
+    if fmt is not None and fmt.name == "mistral":
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _template_id(call_id: str, fmt: ToolCallFormat) -> str:
+    if fmt.name != "mistral" or (len(call_id) == 9 and call_id.isascii() and call_id.isalnum()):
+        return call_id
+    digest = hashlib.sha256(call_id.encode()).digest()
+    return "".join(_ALNUM[b % len(_ALNUM)] for b in digest[:9])

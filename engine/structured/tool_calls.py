@@ -1,49 +1,62 @@
-"""Tool calls: how a model's chat template marks one, the grammar that forces (`required`, named) or allows
-(`auto`) one, and reading it back from the generated text.
+"""Tool calls: how each model family writes them, the grammar that forces (`required`, named) or allows (`auto`)
+them, one or several per turn, and reading them back from the generated text, whole or streamed.
 
-A call is always generated as one JSON object with a fixed header, `{"name": "<tool>", "<args key>": <arguments>}`,
-wrapped in the template's markers:
+Every call is generated as one JSON object with a fixed header, `{"name": "<tool>", "<args key>": <arguments>}`;
+the family's markers go around each call or around the list:
 
-| template mentions | format | text the model writes |
+| parser | template mentions | text the model writes for two calls |
 |---|---|---|
-| `<tool_call>` (Hermes, Qwen2.5, Qwen3) | hermes | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` |
-| `[TOOL_CALLS]` (Mistral) | mistral | `[TOOL_CALLS][{"name": ..., "arguments": {...}}]` |
-| `<|python_tag|>` (Llama 3.1/3.2) | llama3 | `{"name": ..., "parameters": {...}}` |
-| none of these (SmolLM2, any template without tools) | json | `{"name": ..., "arguments": {...}}`; the tools are described in a system message |
+| hermes (Hermes, Qwen2.5, Qwen3) | `<tool_call>` | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>\\n<tool_call>\\n...</tool_call>` |
+| mistral | `[TOOL_CALLS]` | `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, {...}]` |
+| llama3 (Llama 3.1/3.2 JSON) | `<|python_tag|>` or `"parameters"` | `{"name": ..., "parameters": {...}}; {...}` (`<|python_tag|>` first is read too) |
+| json (SmolLM2, any template without tools) | none of these | `{"name": ..., "arguments": {...}}\\n{...}`; tools described in a system message |
 
-A marker that is one special token of the vocabulary is forced as that token (`<[id]>` in the grammar), as the
-model was trained to write it. `auto` is `start: TEXT | call`, where TEXT cannot begin with `{`, whitespace or
-the marker: the model chooses with its first token, and once it has chosen a call, the tool's name and its
-arguments' schema are enforced like `required`'s.
+`--tool-call-parser` forces one; `auto` reads the chat template. A marker that is one special token of the
+vocabulary is forced as that token (`<[id]>` in the grammar), as the model was trained to write it. `auto` is
+`start: TEXT | calls`, where TEXT cannot begin with `{`, whitespace or the marker: the model chooses with its first
+token, and once it has chosen a call, the tool's name and its arguments' schema are enforced like `required`'s.
+With parallel calls the grammar allows up to MAX_CALLS of them. Reading back is strict: text that is not exactly
+a sequence of well-formed calls to known tools (cut-off JSON, an unknown name, prose around the calls) is content.
 """
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.structured.spec import GrammarSpec, lark_spec
 
-_HEADER = re.compile(r'\s*\{"name": "([^"]+)", "(?:arguments|parameters)": ')
+_HEADER = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_CALLS = 8           # calls per turn the grammar allows with parallel_tool_calls
 
 
 @dataclass(slots=True, frozen=True)
 class ToolCallFormat:
     name: str
-    prefix: str = ""            # text before the call object (a special token's text where it is one)
-    suffix: str = ""
+    open: str = ""              # before the calls (a special token's text where it is one)
+    close: str = ""             # after them
+    call_open: str = ""         # around each call
+    call_close: str = ""
+    separator: str = ""         # between two calls
     args_key: str = "arguments"
     describe_in_prompt: bool = False     # the template ignores `tools`: we add them as a system message
+    aliases: tuple[str, ...] = ()        # other openers the family writes (Llama's <|python_tag|>)
+
+    def markers(self) -> list[str]:
+        """Marker texts the reader skips, longest first."""
+        found = {m.strip() for m in (self.open, self.close, self.call_open, self.call_close, *self.aliases)}
+        return sorted((m for m in found if m), key=len, reverse=True)
 
 
 FORMATS = {
-    "hermes": ToolCallFormat("hermes", "<tool_call>\n", "\n</tool_call>"),
-    "mistral": ToolCallFormat("mistral", "[TOOL_CALLS][", "]"),
-    "llama3": ToolCallFormat("llama3", args_key="parameters"),
-    "json": ToolCallFormat("json", describe_in_prompt=True),
+    "hermes": ToolCallFormat("hermes", call_open="<tool_call>\n", call_close="\n</tool_call>", separator="\n"),
+    "mistral": ToolCallFormat("mistral", open="[TOOL_CALLS] [", close="]", separator=", ", aliases=("[TOOL_CALLS]",)),
+    "llama3": ToolCallFormat("llama3", args_key="parameters", separator="; ", aliases=("<|python_tag|>",)),
+    "json": ToolCallFormat("json", separator="\n", describe_in_prompt=True),
 }
+PARSERS = ("auto", *FORMATS)
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,7 +72,10 @@ class ToolCall:
     arguments: str          # JSON text, as OpenAI returns it
 
 
-def detect_format(chat_template: str | None) -> ToolCallFormat:
+def detect_format(chat_template: str | None, parser: str = "auto") -> ToolCallFormat:
+    """The format `parser` names, or (auto) the one the chat template writes."""
+    if parser != "auto":
+        return FORMATS[parser]
     template = chat_template or ""
     if "tools" not in template:
         return FORMATS["json"]
@@ -77,19 +93,22 @@ def header(fmt: ToolCallFormat, name: str) -> str:
 
 
 def tool_call_grammar(tools: list[Tool], fmt: ToolCallFormat, *, allow_text: bool, tokenizer: Any = None,
-                      field: str = "tools") -> GrammarSpec:
-    """One call to one of `tools` (or, with `allow_text`, free text instead)."""
-    rules = [f"call: {_marker(fmt.prefix, tokenizer)} ({' | '.join(f'call_{i}' for i in range(len(tools)))}) "
-             f"{_marker(fmt.suffix, tokenizer)}"]
+                      parallel: bool = True, field: str = "tools") -> GrammarSpec:
+    """Calls to `tools`: one, or with `parallel` up to MAX_CALLS (or, with `allow_text`, free text instead)."""
+    more = f" ({_marker(fmt.separator, tokenizer)} call){{0,{MAX_CALLS - 1}}}" if parallel and fmt.separator else ""
+    rules = [f"calls: {_marker(fmt.open, tokenizer)} call{more} {_marker(fmt.close, tokenizer)}",
+             f"call: {_marker(fmt.call_open, tokenizer)} ({' | '.join(f'call_{i}' for i in range(len(tools)))}) "
+             f"{_marker(fmt.call_close, tokenizer)}"]
     for i, tool in enumerate(tools):
         schema = {**closed(tool.parameters), "x-guidance": _LAYOUT}
         rules.append(f"call_{i}: {json.dumps(header(fmt, tool.name))} args_{i} \"}}\"")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
     if allow_text:
-        first = "{" + (fmt.prefix[:1] if fmt.prefix else "")
-        rules.insert(0, f"start: TEXT | call\nTEXT: /[^{re.escape(first)}\\s][\\s\\S]*/")
+        opener = (fmt.open or fmt.call_open).strip()
+        first = "{" + opener[:1]
+        rules.insert(0, f"start: TEXT | calls\nTEXT: /[^{re.escape(first)}\\s][\\s\\S]*/")
     else:
-        rules.insert(0, "start: call")
+        rules.insert(0, "start: calls")
     return lark_spec("\n".join(rules), field)
 
 
@@ -110,50 +129,85 @@ def closed(schema: Any) -> Any:
 
 
 def _marker(text: str, tokenizer: Any) -> str:
-    """A grammar element for `text`: its special token when it is one (plus what follows), else the literal."""
+    """A grammar element for `text`: each added token of the vocabulary in it forced as that token (`<[id]>`), the
+    rest as literals."""
     if not text:
         return ""
-    stripped = text.strip()
-    token_id = _special_token_id(tokenizer, stripped) if tokenizer is not None else None
-    if token_id is None:
+    added = getattr(tokenizer, "added_tokens_encoder", {}) if tokenizer is not None else {}
+    specials = {token: int(i) for token, i in added.items() if len(token.strip()) > 1 and token in text}
+    if not specials:
         return json.dumps(text)
-    before, after = text.split(stripped, 1)
-    parts = [json.dumps(before)] if before else []
-    parts.append(f"<[{token_id}]>")
-    if after:
-        parts.append(json.dumps(after))
+    pattern = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+    parts, at = [], 0
+    for match in pattern.finditer(text):
+        if match.start() > at:
+            parts.append(json.dumps(text[at:match.start()]))
+        parts.append(f"<[{specials[match.group()]}]>")
+        at = match.end()
+    if at < len(text):
+        parts.append(json.dumps(text[at:]))
     return " ".join(parts)
 
 
-def _special_token_id(tokenizer: Any, text: str) -> int | None:
-    for token, token_id in getattr(tokenizer, "added_tokens_encoder", {}).items():
-        if token == text:
-            return int(token_id)
-    return None
+# --- reading calls back --------------------------------------------------------------------------
+
+def parse_tool_calls(text: str, fmt: ToolCallFormat, tools: list[Tool], cut_off: bool = False) -> list[ToolCall] | None:
+    """The calls in `text` (markers as text, or already dropped as special tokens), or None: plain text. With
+    `cut_off` (the answer hit its token limit) the complete calls before a cut-off one are the answer's calls."""
+    known = {t.name for t in tools}
+    markers = fmt.markers()
+    calls: list[ToolCall] = []
+    decoder = json.JSONDecoder()
+    at, n = 0, len(text)
+    while at < n:
+        if text[at].isspace() or text[at] in ";,":
+            at += 1
+            continue
+        marker = next((m for m in markers if text.startswith(m, at)), None)
+        if marker is not None:
+            at += len(marker)
+            continue
+        if fmt.name == "mistral" and text[at] in "[]":    # its list, once [TOOL_CALLS] is dropped as special
+            at += 1
+            continue
+        if cut_off and calls and _cut_off_call(text[at:], markers):
+            return calls
+        if text[at] != "{":
+            return None
+        try:
+            obj, end = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        call = _call(obj, text[at:end], fmt, known)
+        if call is None:
+            return None
+        calls.append(call)
+        at = end
+    return calls or None
+
+
+def _cut_off_call(rest: str, markers: list[str]) -> bool:
+    """Whether `rest` is the beginning of one more call that the token limit cut off."""
+    if rest.startswith("{"):
+        return _json_end(rest, 0) is None
+    return any(m.startswith(rest) for m in markers)
 
 
 def parse_tool_call(text: str, fmt: ToolCallFormat, tools: list[Tool]) -> ToolCall | None:
-    """The call in `text` (markers as text, or already dropped as special tokens), or None for plain text."""
-    body = text.strip()
-    prefix, suffix = fmt.prefix.strip(), fmt.suffix.strip()
-    if prefix and body.startswith(prefix):
-        body = body[len(prefix):].strip()
-    if suffix and body.endswith(suffix):
-        body = body[:-len(suffix)].strip()
-    if fmt.name == "mistral" and body.startswith("[") and body.endswith("]"):
-        body = body[1:-1]   # its marker was a special token, dropped from the text; the list remains
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
+    """The one call in `text`, or None (plain text, or several calls)."""
+    calls = parse_tool_calls(text, fmt, tools)
+    return calls[0] if calls and len(calls) == 1 else None
+
+
+def _call(obj: Any, raw: str, fmt: ToolCallFormat, known: set[str]) -> ToolCall | None:
     if not isinstance(obj, dict) or set(obj) != {"name", fmt.args_key}:
         return None
-    if obj["name"] not in {t.name for t in tools} or not isinstance(obj[fmt.args_key], dict):
+    if obj["name"] not in known or not isinstance(obj[fmt.args_key], dict):
         return None
     # the arguments as the model wrote them, so that streamed pieces and this agree to the byte
-    match = _HEADER.match(body)
-    raw = body[match.end():-1].strip() if match and body.endswith("}") else ""
-    return ToolCall(obj["name"], raw if _is_object(raw) else json.dumps(obj[fmt.args_key]))
+    match = _HEADER.match(raw)
+    args = raw[match.end():-1].rstrip() if match else ""
+    return ToolCall(obj["name"], args if _is_object(args) else json.dumps(obj[fmt.args_key]))
 
 
 def _is_object(text: str) -> bool:
@@ -161,6 +215,29 @@ def _is_object(text: str) -> bool:
         return isinstance(json.loads(text), dict)
     except ValueError:
         return False
+
+
+def _json_end(text: str, start: int) -> int | None:
+    """Index just past the JSON object that starts at `text[start]` (`{`), or None while it is incomplete."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
 
 
 def describe_tools(tools: list[Tool], fmt: ToolCallFormat, *, required: bool) -> str:
@@ -174,61 +251,97 @@ def describe_tools(tools: list[Tool], fmt: ToolCallFormat, *, required: bool) ->
 
 
 def call_text(call: ToolCall, fmt: ToolCallFormat) -> str:
-    """How the model would have written `call` (an earlier assistant turn sent back to a template without tools)."""
-    return f"{fmt.prefix}{header(fmt, call.name)}{call.arguments}}}{fmt.suffix}"
+    """How the model would have written `call` alone (an earlier turn sent back to a template without tools)."""
+    return calls_text([call], fmt)
 
 
+def calls_text(calls: list[ToolCall], fmt: ToolCallFormat) -> str:
+    body = fmt.separator.join(f"{fmt.call_open}{header(fmt, c.name)}{c.arguments}}}{fmt.call_close}" for c in calls)
+    return f"{fmt.open}{body}{fmt.close}"
+
+
+# --- streaming -----------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Streamed:
+    name: str
+    args_at: int            # where its arguments start in the buffer
+    sent: int = 0           # argument characters sent
+
+
+@dataclass(slots=True)
 class ToolCallStream:
-    """Streamed text -> OpenAI deltas: ("content", text), or one call as ("name", name) then ("arguments", text)
-    pieces. With `allow_text` the first visible character decides (a call starts with `{` or its marker); the
-    call's closing `}` and marker are held back, so the argument pieces concatenate to exactly its arguments."""
+    """Streamed text -> (kind, text, index) pieces: ("content", text, 0), or for call i ("name", name, i) then
+    ("arguments", text, i) pieces. With `allow_text` the first visible character decides (a call starts with `{`
+    or a marker). A call's name goes out once its header is complete and names a known tool, its arguments as
+    they come, up to the end of their object: the pieces of call i concatenate to exactly its arguments."""
 
-    def __init__(self, fmt: ToolCallFormat, tools: list[Tool], allow_text: bool):
-        self.fmt, self.tools = fmt, tools
-        self.mode: str | None = None if allow_text else "call"
-        self.buffer = ""
-        self.name_sent = False
-        self.args_sent = 0
-        self._holdback = 1 + len(fmt.suffix)
+    fmt: ToolCallFormat
+    tools: list[Tool]
+    allow_text: bool
+    mode: str | None = None
+    buffer: str = ""
+    calls: list[_Streamed] = field(default_factory=list)
+    _scan: int = 0          # where to look for the next call's header
 
-    def feed(self, text: str) -> list[tuple[str, str]]:
+    def __post_init__(self) -> None:
+        self.mode = None if self.allow_text else "call"
+
+    def feed(self, text: str) -> list[tuple[str, str, int]]:
         self.buffer += text
         if self.mode is None:
             visible = self.buffer.lstrip()
-            prefix = self.fmt.prefix.strip()
-            if not visible or (prefix and prefix.startswith(visible) and visible != prefix):
+            openers = [m for m in self.fmt.markers() if m not in (self.fmt.close.strip(), self.fmt.call_close.strip())]
+            if not visible or any(m.startswith(visible) and m != visible for m in openers):
                 return []       # nothing decides yet
-            self.mode = "call" if visible[0] == "{" or (prefix and visible.startswith(prefix)) \
-                or visible != self.buffer else "content"
+            called = visible[0] in "{[" and (visible[0] == "{" or self.fmt.name == "mistral")
+            self.mode = "call" if called or any(visible.startswith(m) for m in openers) else "content"
         if self.mode == "content":
             out, self.buffer = self.buffer, ""
-            return [("content", out)] if out else []
+            return [("content", out, 0)] if out else []
         return self._call_pieces()
 
-    def _call_pieces(self) -> list[tuple[str, str]]:
-        body = self.buffer.split(self.fmt.prefix.strip(), 1)[-1] if self.fmt.prefix.strip() else self.buffer
-        match = _HEADER.search(body)
-        if match is None:
-            return []
-        out = []
-        if not self.name_sent:
-            self.name_sent = True
-            out.append(("name", match.group(1)))
-        ready = body[match.end():max(match.end(), len(body) - self._holdback)]
-        if len(ready) > self.args_sent:
-            out.append(("arguments", ready[self.args_sent:]))
-            self.args_sent = len(ready)
-        return out
+    def _call_pieces(self) -> list[tuple[str, str, int]]:
+        out: list[tuple[str, str, int]] = []
+        known = {t.name for t in self.tools}
+        while True:
+            if self.calls:
+                out += self._arguments(len(self.calls) - 1)
+                end = _json_end(self.buffer, self.calls[-1].args_at)
+                if end is None:
+                    return out
+                self._scan = end
+            match = _HEADER.search(self.buffer, self._scan)
+            if match is None or match.group(1) not in known:
+                return out
+            self.calls.append(_Streamed(match.group(1), match.end()))
+            out.append(("name", match.group(1), len(self.calls) - 1))
 
-    def finish(self, text: str) -> tuple[list[tuple[str, str]], ToolCall | None]:
-        """The last pieces once the whole `text` is known, and the call it holds (None: plain text or cut off)."""
+    def _arguments(self, i: int) -> list[tuple[str, str, int]]:
+        call = self.calls[i]
+        end = _json_end(self.buffer, call.args_at)
+        ready = self.buffer[call.args_at:end if end is not None else len(self.buffer)]
+        if len(ready) <= call.sent:
+            return []
+        piece, call.sent = ready[call.sent:], len(ready)
+        return [("arguments", piece, i)]
+
+    def finish(self, text: str, cut_off: bool = False) -> tuple[list[tuple[str, str, int]], list[ToolCall] | None]:
+        """The last pieces once the whole `text` is known, and its calls (None: plain text, or cut off after a call
+        began to stream). A call cut off by the token limit after complete ones may have streamed its name and
+        part of its arguments; it is not among the calls."""
         if self.mode == "content" or (self.mode is None and self.buffer):
             out, self.buffer = self.buffer, ""
-            return ([("content", out)] if out else []), None
-        call = parse_tool_call(text, self.fmt, self.tools)
-        if call is None:
-            return [], None
-        out = [] if self.name_sent else [("name", call.name)]
-        if len(call.arguments) > self.args_sent:
-            out.append(("arguments", call.arguments[self.args_sent:]))
-        return out, call
+            return ([("content", out, 0)] if out else []), None
+        calls = parse_tool_calls(text, self.fmt, self.tools, cut_off)
+        if calls is None:   # plain text after all: as content, unless part of a call went out already
+            return ([] if self.calls or not self.buffer else [("content", self.buffer, 0)]), None
+        out: list[tuple[str, str, int]] = []
+        for i, call in enumerate(calls):
+            if i >= len(self.calls):
+                self.calls.append(_Streamed(call.name, 0))
+                out.append(("name", call.name, i))
+            sent = self.calls[i].sent
+            if len(call.arguments) > sent:
+                out.append(("arguments", call.arguments[sent:], i))
+        return out, calls

@@ -105,7 +105,7 @@ def test_the_prefix_cache_never_shares_blocks_between_adapters():
 
     def seq(adapter):
         s = Sequence(adapter, f"r{adapter}", list(tokens), SamplingParams(), max_tokens=64)
-        s.adapter = adapter
+        s.adapter = s.adapter_key = adapter
         return s
 
     first = seq(1)

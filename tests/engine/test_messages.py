@@ -70,7 +70,7 @@ def test_stop_sequences(client):
 @pytest.mark.parametrize("seed", range(3))
 def test_forced_tool_call_validates(client, seed):
     message = client.messages.create(model="tiny", max_tokens=80, tools=[WEATHER], messages=USER,
-                                      tool_choice={"type": "any"}, metadata={"user_id": f"seed-{seed}"})
+                                      tool_choice={"type": "any", "disable_parallel_tool_use": True}, metadata={"user_id": f"seed-{seed}"})
     assert message.stop_reason == "tool_use", message.content
     [block] = message.content
     assert block.type == "tool_use" and block.name == "get_weather" and block.id.startswith("toolu_")
@@ -79,7 +79,8 @@ def test_forced_tool_call_validates(client, seed):
 
 def test_streamed_tool_call(client):
     with client.messages.stream(model="tiny", max_tokens=80, extra_body={"temperature": 0}, tools=[WEATHER],
-                                messages=USER, tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+                                messages=USER, tool_choice={"type": "tool", "name": "get_weather",
+                                                            "disable_parallel_tool_use": True}) as stream:
         deltas = [e.delta.partial_json for e in stream if e.type == "content_block_delta"
                   and e.delta.type == "input_json_delta"]
         final = stream.get_final_message()

@@ -80,7 +80,7 @@ def test_json_schema_validates(client, stream):
 @pytest.mark.parametrize("stream", [False, True])
 def test_function_call_and_its_output_sent_back(client, stream):
     kwargs = dict(model="tiny", input="What is the weather in Paris?", tools=[WEATHER], tool_choice="required",
-                  max_output_tokens=80, temperature=0)
+                  parallel_tool_calls=False, max_output_tokens=80, temperature=0)
     if stream:
         events = list(client.responses.create(**kwargs, stream=True))
         first = events[-1].response

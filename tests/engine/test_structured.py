@@ -146,6 +146,7 @@ def test_bitmask_hostile_shapes():
     (None, "json"), ("{{ messages }}", "json"),
     ("{% if tools %}<tool_call>{{ tools | tojson }}</tool_call>{% endif %}", "hermes"),
     ("{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[TOOL_CALLS]{% endif %}", "mistral"),
+    ("{% if tools %}<tool_call>{% endif %}", "hermes"),
     ('{% if tools %}<|python_tag|>{"name": x, "parameters": y}{% endif %}', "llama3"),
 ])
 def test_detect_format(template, name):
@@ -190,15 +191,15 @@ def test_stream_pieces_concatenate_to_the_arguments(fmt, step):
     pieces = [p for i in range(0, len(text), step) for p in stream.feed(text[i:i + step])]
     last, parsed = stream.finish(text)
     pieces += last
-    assert parsed == call and pieces[0] == ("name", "get_weather")
-    assert [k for k, _ in pieces[1:]] == ["arguments"] * (len(pieces) - 1)
-    assert "".join(t for _, t in pieces[1:]) == call.arguments
+    assert parsed == [call] and pieces[0] == ("name", "get_weather", 0)
+    assert [(k, i) for k, _, i in pieces[1:]] == [("arguments", 0)] * (len(pieces) - 1)
+    assert "".join(t for _, t, _ in pieces[1:]) == call.arguments
 
 
 def test_stream_plain_text_under_auto():
     stream = ToolCallStream(FORMATS["json"], [WEATHER], allow_text=True)
-    assert stream.feed("") == [] and stream.feed("Sun") == [("content", "Sun")] and stream.feed("ny {") == \
-        [("content", "ny {")]
+    assert stream.feed("") == [] and stream.feed("Sun") == [("content", "Sun", 0)] and stream.feed("ny {") == \
+        [("content", "ny {", 0)]
     assert stream.finish("Sunny {") == ([], None)
 
 
