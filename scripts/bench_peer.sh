@@ -22,7 +22,9 @@
 # Environment: PEER_VENV (where vLLM's venv lives; default ~/.cache/tgi-hpc-peer/vllm-<build>-<ver>),
 # PYTHON (ours; default .venv/bin/python, then python3), MODEL (a snapshot dir; default SmolLM2 from
 # scripts/make_models.py), ROWS, KV_GIB (default 1), PORT (default 8791), OUT (results dir; point it at an
-# earlier run's with ENGINES=ours to re-measure one side only), ENGINES (default "vllm ours"),
+# earlier run's with ENGINES=ours to re-measure one side only), ENGINES (default "vllm ours"), REPEAT (default 3:
+# each row is loaded REPEAT times with seeds 1..REPEAT, so no run hits the prompts of another; the tables
+# give the median of the runs per metric),
 # VLLM_ARGS / ENGINE_ARGS (extra server flags), VLLM_CPU_OMP_THREADS_BIND (passed through to vLLM).
 set -euo pipefail
 
@@ -36,6 +38,7 @@ PORT=${PORT:-8791}
 OUT=${OUT:-$ROOT/.cache/bench_peer/$(date -u +%Y%m%dT%H%M%SZ)}
 STARTUP_TIMEOUT_S=${STARTUP_TIMEOUT_S:-900}
 ENGINES=${ENGINES:-"vllm ours"}
+REPEAT=${REPEAT:-3}
 
 die() { echo "bench_peer: error: $*" >&2; exit 1; }
 log() { echo "bench_peer: $*" >&2; }
@@ -111,15 +114,17 @@ load() {  # $1 = engine name; runs every row against the server on $PORT
         IFS=: read -r in out conc num prefix <<< "$row"
         prefix=${prefix:-0}
         name=$(row_name "$row")
-        log "$1: ${in} in (+ $prefix shared) / ${out} out, $conc concurrent, $num requests"
-        VLLM_TARGET_DEVICE=$DEVICE "$PEER_VENV/bin/vllm" bench serve --backend openai --endpoint /v1/completions \
-            --base-url "http://127.0.0.1:$PORT" --model smollm2 --tokenizer "$MODEL" \
-            --dataset-name random --random-input-len "$in" --random-output-len "$out" --ignore-eos \
-            --random-prefix-len "$prefix" \
-            --max-concurrency "$conc" --num-prompts "$num" --num-warmups 2 --seed 0 --disable-tqdm \
-            --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
-            --save-result --result-dir "$OUT" --result-filename "$1-$name.json" > "$OUT/$1-$name.txt" 2>&1 \
-            || { tail -n 30 "$OUT/$1-$name.txt" >&2; die "vllm bench serve failed against $1"; }
+        for rep in $(seq "$REPEAT"); do
+            log "$1: ${in} in (+ $prefix shared) / ${out} out, $conc concurrent, $num requests (run $rep of $REPEAT)"
+            VLLM_TARGET_DEVICE=$DEVICE "$PEER_VENV/bin/vllm" bench serve --backend openai --endpoint /v1/completions \
+                --base-url "http://127.0.0.1:$PORT" --model smollm2 --tokenizer "$MODEL" \
+                --dataset-name random --random-input-len "$in" --random-output-len "$out" --ignore-eos \
+                --random-prefix-len "$prefix" \
+                --max-concurrency "$conc" --num-prompts "$num" --num-warmups 2 --seed "$rep" --disable-tqdm \
+                --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
+                --save-result --result-dir "$OUT" --result-filename "$1-$name-r$rep.json" > "$OUT/$1-$name-r$rep.txt" 2>&1 \
+                || { tail -n 30 "$OUT/$1-$name-r$rep.txt" >&2; die "vllm bench serve failed against $1"; }
+        done
     done
 }
 
@@ -158,21 +163,27 @@ for engine in $ENGINES; do
 done
 
 "$PEER_PY" - "$OUT" $ROWS <<'EOF'
-import json, sys
+import json, statistics, sys
 from pathlib import Path
 
 out, rows = Path(sys.argv[1]), sys.argv[2:]
-print(f"\n| workload | engine | output tok/s | TTFT p50 ms | TPOT p50 ms |")
-print("|---|---|---|---|---|")
+print(f"\n| workload | engine | runs | output tok/s | TTFT p50 ms | TPOT p50 ms |  (medians of the runs)")
+print("|---|---|---|---|---|---|")
 ratios = []
 for row in rows:
     n_in, n_out, conc, num, *prefix = row.split(":")
     part = f"{n_in}-{n_out}-c{conc}" + (f"-p{prefix[0]}" if prefix else "")
-    res = {name: json.loads((out / f"{name}-{part}.json").read_text()) for name in ("ours", "vllm")}
+    res = {}
+    for name in ("ours", "vllm"):   # the median of the runs, metric by metric
+        runs = [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}-{part}-r*.json"))]
+        if not runs:
+            sys.exit(f"bench_peer: no results for {name} {part} in {out}")
+        res[name] = {k: statistics.median(r[k] for r in runs)
+                     for k in ("output_throughput", "median_ttft_ms", "median_tpot_ms")} | {"runs": len(runs)}
     label = f"{num} req, {n_in} in{f' + {prefix[0]} shared' if prefix else ''} / {n_out} out, {conc} conc"
     for name in ("ours", "vllm"):
         r = res[name]
-        print(f"| {label} | {name} | {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} |")
+        print(f"| {label} | {name} | {r['runs']} | {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} |")
     o, v = res["ours"], res["vllm"]
     ratios.append((label, o["output_throughput"] / v["output_throughput"], o["median_ttft_ms"] / v["median_ttft_ms"],
                    o["median_tpot_ms"] / v["median_tpot_ms"]))
