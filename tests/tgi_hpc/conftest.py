@@ -1,9 +1,10 @@
-"""Fixtures shared by the SSH and tunnel tests."""
+"""Fixtures shared by the toolkit tests: the CLI run in-process, and a real sshd for the SSH and tunnel tests."""
 from __future__ import annotations
 
 import pytest
 
 from support.sshd import sshd_available, start_sshd
+from tgi_hpc.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -14,3 +15,14 @@ def sshd(tmp_path_factory):
     server = start_sshd(tmp_path_factory.mktemp("sshd"))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def run(capsys):
+    """The `tgi-hpc` command in-process: run(*args) -> (exit code, stdout, stderr)."""
+    def invoke(*args: str) -> tuple[int, str, str]:
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return invoke

@@ -7,18 +7,6 @@ import sys
 
 import pytest
 
-from tgi_hpc.cli import main
-
-
-@pytest.fixture
-def run(capsys):
-    def invoke(*args: str) -> tuple[int, str, str]:
-        code = main(list(args))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return invoke
-
 
 def test_help_lists_every_command(run):
     code, out, _ = run("--help")

@@ -8,17 +8,6 @@ import httpx
 import pytest
 
 from support.releases import standin_release
-from tgi_hpc.cli import main
-
-
-@pytest.fixture
-def run(capsys):
-    def invoke(*args: str) -> tuple[int, str, str]:
-        code = main(list(args))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return invoke
 
 
 @pytest.fixture

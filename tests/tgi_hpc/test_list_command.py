@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tgi_hpc.cli import main
 from tgi_hpc.data import data_dir
 from tgi_hpc.models.store import model_dir, write_manifest
 from tgi_hpc.profiles.loader import list_profiles, load_profile
@@ -25,16 +24,6 @@ def _names() -> list[str]:
 
 
 PROFILES = _names()
-
-
-@pytest.fixture
-def run(capsys):
-    def invoke(*args: str) -> tuple[int, str, str]:
-        code = main(list(args))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return invoke
 
 
 def _snapshot(folder: Path, *, complete: bool = True) -> Path:
@@ -116,7 +105,6 @@ def test_list_model_says_what_serve_asks_for_and_why(run, where, profile):
     for key in ("partition", "mem"):   # the same job serve would submit
         if key in plan["resources"]:
             assert f"#SBATCH --{key}={plan['resources'][key]}" in dry
-
 
 
 def test_list_on_the_local_profile_and_a_hostile_model(run, tmp_path):

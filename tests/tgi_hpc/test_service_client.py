@@ -8,7 +8,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tgi_hpc.cli import main
 from tgi_hpc.service.client import ReplicaLost, ServiceClient, ServiceUnavailable
 from tgi_hpc.service.state import Replica, ServiceState
 
@@ -121,15 +120,6 @@ def test_client_needs_somewhere_to_go():
 
 
 # --- CLI ---------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def run(capsys):
-    def invoke(*args: str):
-        code = main(list(args))
-        out, err = capsys.readouterr()
-        return code, out, err
-    return invoke
-
 
 def test_service_dry_run_renders_the_handover_job(run):
     code, out, err = run("serve", "--cluster", "mila", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct",

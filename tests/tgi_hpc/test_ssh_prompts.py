@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from support.sshd import TwoFactorServer, _keygen
-from tgi_hpc.cli import main
 from tgi_hpc.errors import SSHError
 from tgi_hpc.remote import ssh
 
@@ -22,16 +21,6 @@ def home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     return home
-
-
-@pytest.fixture
-def run(capsys):
-    def invoke(*args: str) -> tuple[int, str, str]:
-        code = main(list(args))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return invoke
 
 
 def _remote(alias: str, jobs: str) -> list[str]:
