@@ -9,6 +9,7 @@ from engine.block_manager import BlockManager  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
+from test_scheduler import run_step  # noqa: E402  (one engine step without a model)
 
 _ids = iter(range(10**6))
 
@@ -20,17 +21,6 @@ def make_seq(tokens, max_new=3, prefill_logprobs=False):
 
 def make_scheduler(budget=64, prefix=True, num_blocks=64):
     return Scheduler(BlockManager(num_blocks, 4, enable_prefix_caching=prefix), budget)
-
-
-def run_step(sched):
-    batch = sched.schedule()
-    sched.on_run_done(batch)
-    for seq, span in zip(batch.seqs, batch.spans):
-        if span.logits != "none" and seq.num_computed_tokens == seq.num_tokens:
-            seq.append_token(7)
-            if seq.num_tokens >= seq.max_tokens:
-                sched.finish(seq, "length")
-    return batch
 
 
 def spans(batch):
