@@ -5,8 +5,11 @@ costs under load_inline), built at first use by g++ -O3 -march=native -fopenmp, 
 key of its source, flags, compiler and CPU (a shared home is safe across node types), called through
 ctypes. One task is a span (or a range of its context): all its query rows, every head, are scored
 against each of its blocks in turn, read whole where they lie (online softmax, fp32 accumulation), so
-nothing is gathered or padded. Batches with fewer spans than threads split each context in ranges
-merged by log-sum-exp. Reference: engine/kernels/attention_reference.py.
+nothing is gathered or padded. Blocks that lie one after another in the cache (a prompt's blocks, as the
+block manager hands them out) are read as one run of up to 64 tokens, and the rows that share a KV head
+are scored and summed together, so each K and V row is loaded once for all of them. Batches with fewer
+spans than threads split each context in ranges merged by log-sum-exp. Reference:
+engine/kernels/attention_reference.py.
 """
 from __future__ import annotations
 
@@ -103,10 +106,77 @@ inline void accumulate(float* acc, const float* p, const float* v, int64_t n, in
   for (int i = 0; i < SLICES; ++i) *reinterpret_cast<f16x*>(acc + 16 * i) = sum[i];
 }
 
+
+inline float hsum(f16x acc) {
+  acc += __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  acc += __builtin_shufflevector(acc, acc, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  acc += __builtin_shufflevector(acc, acc, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  return acc[0] + acc[1];
+}
+
+// NR rows that read the same kv head, scored together: each K row [DS * 16] is loaded once for all of them
+template <int DS, int NR>
+inline void score_group(const float* q, const int64_t* rows, int64_t D, const float* k, int64_t n, int64_t stride,
+                        float* s, int64_t s_stride) {
+  f16x qv[NR][DS];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < DS; ++i) qv[r][i] = *reinterpret_cast<const f16x*>(q + rows[r] * D + 16 * i);
+  for (int64_t t = 0; t < n; ++t) {
+    f16x kv[DS];
+    for (int i = 0; i < DS; ++i) kv[i] = *reinterpret_cast<const f16x*>(k + t * stride + 16 * i);
+    for (int r = 0; r < NR; ++r) {
+      f16x acc = qv[r][0] * kv[0];
+      for (int i = 1; i < DS; ++i) acc += qv[r][i] * kv[i];
+      s[rows[r] * s_stride + t] = hsum(acc);
+    }
+  }
+}
+
+// acc rows += sum over t of p[row][t] * V row t, NR rows of one kv head: each V row is loaded once
+template <int DS, int NR>
+inline void accumulate_group(float* acc, const int64_t* rows, int64_t D, const float* p, int64_t p_stride,
+                             const float* v, int64_t n, int64_t stride) {
+  f16x sum[NR][DS];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < DS; ++i) sum[r][i] = *reinterpret_cast<const f16x*>(acc + rows[r] * D + 16 * i);
+  for (int64_t t = 0; t < n; ++t) {
+    f16x vv[DS];
+    for (int i = 0; i < DS; ++i) vv[i] = *reinterpret_cast<const f16x*>(v + t * stride + 16 * i);
+    for (int r = 0; r < NR; ++r) {
+      const float pr = p[rows[r] * p_stride + t];
+      for (int i = 0; i < DS; ++i) sum[r][i] += pr * vv[i];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < DS; ++i) *reinterpret_cast<f16x*>(acc + rows[r] * D + 16 * i) = sum[r][i];
+}
+
+template <int DS>
+inline void score_rows(const float* q, const int64_t* rows, int nr, int64_t D, const float* k, int64_t n,
+                       int64_t stride, float* s, int64_t s_stride) {
+  switch (nr) {
+    case 1: score_group<DS, 1>(q, rows, D, k, n, stride, s, s_stride); break;
+    case 2: score_group<DS, 2>(q, rows, D, k, n, stride, s, s_stride); break;
+    case 3: score_group<DS, 3>(q, rows, D, k, n, stride, s, s_stride); break;
+    default: score_group<DS, 4>(q, rows, D, k, n, stride, s, s_stride); break;
+  }
+}
+
+template <int DS>
+inline void accumulate_rows(float* acc, const int64_t* rows, int nr, int64_t D, const float* p, int64_t p_stride,
+                            const float* v, int64_t n, int64_t stride) {
+  switch (nr) {
+    case 1: accumulate_group<DS, 1>(acc, rows, D, p, p_stride, v, n, stride); break;
+    case 2: accumulate_group<DS, 2>(acc, rows, D, p, p_stride, v, n, stride); break;
+    case 3: accumulate_group<DS, 3>(acc, rows, D, p, p_stride, v, n, stride); break;
+    default: accumulate_group<DS, 4>(acc, rows, D, p, p_stride, v, n, stride); break;
+  }
+}
+
 // blocks sit anywhere in the cache, beyond the hardware prefetcher's guess: ask for the next one early
 inline void prefetch(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 1);
 }
 
 template <typename T>
@@ -118,6 +188,9 @@ struct Args {
   int64_t bs, kvh, group, dim;
   float scale; int64_t window; float softcap;
 };
+
+// tokens read at once: a run of blocks lying one after another, up to 64 tokens (one block if larger)
+inline int64_t run_tokens(int64_t bs) { return std::max<int64_t>(bs, 64 / bs * bs); }
 
 // the first and one-past-last block a work item attends to
 template <typename T>
@@ -138,8 +211,9 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
   const int64_t seq = w[0], first = w[1], q_len = w[2], seq_len = w[3];
   const int64_t D = a.dim, BS = a.bs, H = a.kvh * a.group, R = q_len * H, row = a.kvh * D;
   float* qf = work;               // [R, D] queries, scaled
-  float* s = qf + R * D;          // [R, BS] scores, then probabilities
-  float* kbuf = s + R * BS;       // [BS, kvh, D] one block of K, then of V, in float (bf16, fp16)
+  const int64_t L = run_tokens(BS);  // blocks lying one after another in the cache are read as one run
+  float* s = qf + R * D;          // [R, L] scores, then probabilities
+  float* kbuf = s + R * L;        // [L, kvh, D] one run of K, then of V, in float (bf16, fp16)
   for (int64_t r = 0; r < R; ++r) {
     const float* f = as_float(a.q + (first + r / H) * a.q_row + (r % H) * a.q_head, kbuf, D);
     for (int64_t d = 0; d < D; ++d) qf[r * D + d] = f[d] * a.scale;
@@ -147,19 +221,32 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
   for (int64_t r = 0; r < R; ++r) { m[r] = NEG_INF; l[r] = 0.0f; }
   std::fill(acc, acc + R * D, 0.0f);
   const int32_t* table = a.tables + seq * a.table_stride;
-  for (int64_t blk = begin; blk < end; ++blk) {
-    const int64_t base = blk * BS, n = std::min(BS, seq_len - base);
+  for (int64_t blk = begin, run = 1; blk < end; blk += run) {
+    for (run = 1; blk + run < end && (run + 1) * BS <= L && table[blk + run] == table[blk] + run;) ++run;
+    const int64_t base = blk * BS, n = std::min(run * BS, seq_len - base);
     const int64_t slot0 = static_cast<int64_t>(table[blk]) * BS;
-    if (blk + 1 < end) {
-      const int64_t next = static_cast<int64_t>(table[blk + 1]) * BS * row, count = std::min(BS, seq_len - base - BS);
+    if (blk + run < end) {
+      const int64_t next = static_cast<int64_t>(table[blk + run]) * BS * row, count = std::min(BS, seq_len - base - run * BS);
       prefetch(a.k + next, count * row * sizeof(T));
       prefetch(a.v + next, count * row * sizeof(T));
     }
     const float* kf = as_float(a.k + slot0 * row, kbuf, n * row);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t r = 0; r < R; ++r) s[r * BS + t] = dot(qf + r * D, kf + t * row + ((r % H) / a.group) * D, D);
+    if (D == 64 || D == 128) {  // rows grouped by kv head, at most 4 at a time (registers)
+      const int64_t per_head = q_len * a.group;
+      for (int64_t g = 0; g < a.kvh; ++g)
+        for (int64_t x0 = 0; x0 < per_head; x0 += 4) {
+          int64_t rows[4];
+          const int nr = static_cast<int>(std::min<int64_t>(4, per_head - x0));
+          for (int j = 0; j < nr; ++j) rows[j] = ((x0 + j) / a.group) * H + g * a.group + (x0 + j) % a.group;
+          if (D == 64) score_rows<4>(qf, rows, nr, D, kf + g * D, n, row, s, L);
+          else score_rows<8>(qf, rows, nr, D, kf + g * D, n, row, s, L);
+        }
+    } else {
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t r = 0; r < R; ++r) s[r * L + t] = dot(qf + r * D, kf + t * row + ((r % H) / a.group) * D, D);
+    }
     for (int64_t r = 0; r < R; ++r) {
-      float* sr = s + r * BS;
+      float* sr = s + r * L;
       const int64_t pos = seq_len - q_len + r / H;
       const int64_t t0 = std::max<int64_t>(a.window > 0 ? pos - a.window + 1 - base : 0, 0);
       const int64_t t1 = std::min<int64_t>(pos - base + 1, n);
@@ -187,8 +274,20 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
       }
     }
     const float* vf = as_float(a.v + slot0 * row, kbuf, n * row);
+    if (D == 64 || D == 128) {
+      const int64_t per_head = q_len * a.group;
+      for (int64_t g = 0; g < a.kvh; ++g)
+        for (int64_t x0 = 0; x0 < per_head; x0 += 4) {
+          int64_t rows[4];
+          const int nr = static_cast<int>(std::min<int64_t>(4, per_head - x0));
+          for (int j = 0; j < nr; ++j) rows[j] = ((x0 + j) / a.group) * H + g * a.group + (x0 + j) % a.group;
+          if (D == 64) accumulate_rows<4>(acc, rows, nr, D, s, L, vf + g * D, n, row);
+          else accumulate_rows<8>(acc, rows, nr, D, s, L, vf + g * D, n, row);
+        }
+      continue;
+    }
     for (int64_t r = 0; r < R; ++r) {
-      const float* p = s + r * BS;
+      const float* p = s + r * L;
       const float* vr = vf + ((r % H) / a.group) * D;
       float* ar = acc + r * D;
       if (D == 64) {
@@ -229,7 +328,7 @@ void run(const Args<T>& a, T* out, int64_t items, int64_t splits, int threads) {
     max_blocks = std::max(max_blocks, hi - lo);
   }
   const int64_t D = a.dim, width = max_rows * (D + 2);  // one range's acc [R, D], m [R], l [R]
-  const int64_t scratch = max_rows * (D + a.bs) + a.bs * a.kvh * D;
+  const int64_t scratch = max_rows * (D + run_tokens(a.bs)) + run_tokens(a.bs) * a.kvh * D;
   if (splits <= 0)  // enough (span, range) tasks for every thread, at least 4 blocks a range
     splits = items >= 2 * threads ? 1
                                   : std::max<int64_t>(1, std::min((4 * threads + items - 1) / items, max_blocks / 4));

@@ -31,12 +31,23 @@ def spans_batch(rng, num_seqs, block_size, max_query=8, max_context=300):
     return q_lens, contexts
 
 
-def kernel_case(q_lens, contexts, heads, kv_heads, dim, block_size, window, softcap, dtype, seed, splits=0):
-    """(kernel output, reference) for spans of q_lens new tokens after contexts cached ones, shuffled blocks."""
+def kernel_case(q_lens, contexts, heads, kv_heads, dim, block_size, window, softcap, dtype, seed, splits=0,
+                layout="shuffled"):
+    """(kernel output, reference) for spans of q_lens new tokens after contexts cached ones: blocks shuffled one
+    by one, or ("runs") in runs of 1-20 blocks that lie one after another, as a prompt's blocks do (the kernel
+    reads such a run at once, up to 64 tokens)."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(q_lens, contexts)]
     needed = [-(-n // block_size) for n in seq_lens]
     blocks = (torch.randperm(2 * sum(needed), generator=gen) + 1).tolist()
+    if layout == "runs":
+        rng, runs, start = random.Random(seed), [], 1
+        while start <= 2 * sum(needed):
+            length = rng.randint(1, 20)
+            runs.append(list(range(start, min(start + length, 2 * sum(needed) + 1))))
+            start += length
+        rng.shuffle(runs)
+        blocks = [block for run in runs for block in run]
     tables = torch.zeros(len(seq_lens), max(needed) + 2, dtype=torch.int32)  # padded rows, as the engine's
     for b, count in enumerate(needed):
         tables[b, :count] = torch.tensor(blocks[:count])
@@ -64,12 +75,14 @@ def kernel_case(q_lens, contexts, heads, kv_heads, dim, block_size, window, soft
 def test_kernel_matches_the_reference(dtype, heads, kv_heads, dim, window, softcap):
     seed = heads * dim + (window or 0)
     rng = random.Random(seed)
-    for block_size in (16, 4, 32):
+    for block_size, layout in ((16, "shuffled"), (4, "shuffled"), (32, "shuffled"), (16, "runs"), (4, "runs"),
+                               (32, "runs"), (128, "runs")):
         q_lens, contexts = spans_batch(rng, rng.randint(1, 12), block_size)
-        out, expected = kernel_case(q_lens, contexts, heads, kv_heads, dim, block_size, window, softcap, dtype, seed)
+        out, expected = kernel_case(q_lens, contexts, heads, kv_heads, dim, block_size, window, softcap, dtype, seed,
+                                    layout=layout)
         atol, rtol = TOLERANCE[dtype]
-        torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol,
-                                   msg=lambda m: f"{m}\nq_lens {q_lens}, contexts {contexts}, block {block_size}")
+        torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol, msg=lambda m: (
+            f"{m}\nq_lens {q_lens}, contexts {contexts}, block {block_size}, {layout}"))
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 0])
@@ -77,7 +90,7 @@ def test_context_ranges_merge_to_the_same_result(splits):
     """One long sequence and a few short ones, the contexts cut into ranges (some empty, some masked away)."""
     for window in (None, 37):
         out, expected = kernel_case([1, 3, 1, 8], [2047, 600, 0, 31], 9, 3, 64, 16, window, None, torch.float32,
-                                    seed=splits, splits=splits)
+                                    seed=splits, splits=splits, layout="runs" if splits % 2 else "shuffled")
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
