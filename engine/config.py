@@ -54,6 +54,7 @@ class EngineConfig:
     cuda_graphs: list[int] | None = None    # decode batch sizes to capture; None = 1,2,4..256; [] = none
     attention_backend: str = "auto"         # "auto" | "cpu_paged" | "portable" | "triton" | "flash-attn"
     cpu_gemm: str = "auto"                  # "auto" | "onednn" | "aten": linear layers on CPU
+    cpu_elementwise: str = "auto"           # "auto" | "fused" | "aten": norm, RoPE, SiLU-and-mul on CPU
     # server
     hostname: str = "0.0.0.0"
     port: int = 3000

@@ -22,6 +22,7 @@ from engine.batch import SeqSpan
 from engine.config import EngineConfig
 from engine.host_memory import cpu_kv_budget
 from engine.kv_budget import kv_budget
+from engine.kernels import cpu_elementwise
 from engine.layers import cpu_gemm, quantization
 from engine.lora import backend as lora_backend
 from engine.lora.adapter import adaptable_modules, read_adapter
@@ -102,6 +103,9 @@ class RankWorker:
         self.linear_backend = cpu_gemm.choose(config.cpu_gemm, self.device, self.dtype)
         if self.linear_backend == "onednn":
             cpu_gemm.prepack_model(self.model)
+        self.elementwise_backend = cpu_elementwise.choose(config.cpu_elementwise, self.device, self.dtype)
+        if self.elementwise_backend == "fused" and not cpu_elementwise.install(self.model):
+            self.elementwise_backend = "aten"  # a model without the layers the kernels replace
         self.attention_layers = self.model.attention_layers()
         self.windows = {layer.sliding_window for layer in self.attention_layers}
         self.block_tables = BlockTables(self.device)   # kept on the device, updated by what changed

@@ -1,29 +1,22 @@
 """CPU paged attention for decode rows and short spans, reading K/V where they lie in the paged cache.
 
-A small C++ kernel with no torch headers (so it compiles in seconds, not the minute torch/extension.h
-costs under load_inline), built at first use by g++ -O3 -march=native -fopenmp, cached on disk under a
-key of its source, flags, compiler and CPU (a shared home is safe across node types), called through
-ctypes. One task is a span (or a range of its context): all its query rows, every head, are scored
-against each of its blocks in turn, read whole where they lie (online softmax, fp32 accumulation), so
-nothing is gathered or padded. Blocks that lie one after another in the cache (a prompt's blocks, as the
-block manager hands them out) are read as one run of up to 64 tokens, and the rows that share a KV head
-are scored and summed together, so each K and V row is loaded once for all of them. Batches with fewer
-spans than threads split each context in ranges merged by log-sum-exp. Reference:
-engine/kernels/attention_reference.py.
+A small C++ kernel with no torch headers, built at first use and cached on disk by
+engine/kernels/cpp_build.py, called through ctypes. One task is a span (or a range of its context): all
+its query rows, every head, are scored against each of its blocks in turn, read whole where they lie
+(online softmax, fp32 accumulation), so nothing is gathered or padded. Blocks that lie one after another
+in the cache (a prompt's blocks, as the block manager hands them out) are read as one run of up to 64
+tokens, and the rows that share a KV head are scored and summed together, so each K and V row is loaded
+once for all of them. Batches with fewer spans than threads split each context in ranges merged by
+log-sum-exp. Reference: engine/kernels/attention_reference.py.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import time
-from pathlib import Path
 
 import torch
+
+from engine.kernels.cpp_build import build, compiler  # noqa: F401  (compiler: callers check for g++)
 
 logger = logging.getLogger(__name__)
 
@@ -404,31 +397,8 @@ extern "C" int tgi_paged_attention(int dtype, void* out, const void* q, int64_t 
 }
 """
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _library: ctypes.CDLL | None = None
-
-
-def cache_dir() -> Path:
-    """Where compiled kernels live: $TGI_HPC_KERNEL_CACHE, else $XDG_CACHE_HOME or ~/.cache, /tgi-hpc/kernels."""
-    if os.environ.get("TGI_HPC_KERNEL_CACHE"):
-        return Path(os.environ["TGI_HPC_KERNEL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tgi-hpc" / "kernels"
-
-
-def compiler() -> str | None:
-    """The C++ compiler to build with ($CXX, else g++), None when there is none."""
-    return shutil.which(os.environ.get("CXX", "g++"))
-
-
-def _cpu_key() -> str:
-    """The CPU -march=native compiles for: model name and feature flags (a shared cache must not mix them)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
-    except OSError:
-        return platform.processor() or platform.machine()
 
 
 def load() -> ctypes.CDLL:
@@ -436,29 +406,7 @@ def load() -> ctypes.CDLL:
     global _library
     if _library is not None:
         return _library
-    cxx = compiler()
-    if cxx is None:
-        raise RuntimeError(f"no C++ compiler: {os.environ.get('CXX', 'g++')} is not on PATH")
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\n".join([SOURCE, *FLAGS, version, _cpu_key()]).encode()).hexdigest()[:16]
-    path = cache_dir() / f"cpu_attention_{key}.so"
-    start = time.monotonic()
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        source = path.with_suffix(f".{os.getpid()}.cpp")
-        partial = path.with_suffix(f".{os.getpid()}.so")
-        source.write_text(SOURCE)
-        try:
-            built = subprocess.run([cxx, *FLAGS, str(source), "-o", str(partial)], capture_output=True, text=True,
-                                   timeout=300)
-            if built.returncode != 0:
-                raise RuntimeError(f"{cxx} failed ({built.returncode}): {built.stderr.strip()[-2000:]}")
-            os.replace(partial, path)  # atomic: ranks building at once each install a whole library
-        finally:
-            source.unlink(missing_ok=True)
-            partial.unlink(missing_ok=True)
-        logger.info("CPU attention kernel compiled in %.1f s into %s", time.monotonic() - start, path)
-    library = ctypes.CDLL(str(path))
+    library = build("cpu_attention", SOURCE, logger)
     library.tgi_paged_attention.restype = ctypes.c_int
     library.tgi_paged_attention.argtypes = [
         ctypes.c_int, *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 3, ctypes.c_int64,

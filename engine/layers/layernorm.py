@@ -7,10 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, tp_size
+from engine.kernels import cpu_elementwise
 from engine.weights import read_shard
 
 
 class RMSNorm(nn.Module):
+    fused_cpu = False  # set by cpu_elementwise.install: float32 CPU tensors take its one-pass kernel
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -26,6 +29,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with `residual`: (norm(x + residual), x + residual)."""
+        if self.fused_cpu and x.dtype == torch.float32 and x.device.type == "cpu":
+            return cpu_elementwise.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self.norm(x)
         x = x + residual

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.kernels import cpu_elementwise
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -54,6 +56,8 @@ def _longrope_table(rotary_dim: int, max_position: int, theta: float,
 
 
 class RotaryEmbedding(nn.Module):
+    fused_cpu = False  # set by cpu_elementwise.install: float32 CPU q/k are rotated in place by its kernel
+
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None = None, rotary_dim: int | None = None) -> None:
         super().__init__()
@@ -73,6 +77,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] by their token positions."""
         cos, sin = self._tables(positions)
+        if self.fused_cpu and q.dtype == k.dtype == torch.float32 and q.device.type == "cpu" \
+                and q.stride(-1) == k.stride(-1) == 1:  # q, k: fresh projections, rotated where they lie
+            return cpu_elementwise.rope_(q, cos, sin), cpu_elementwise.rope_(k, cos, sin)
         if self.rotary_dim == q.shape[-1]:
             return _rotate(q, cos, sin), _rotate(k, cos, sin)
         d = self.rotary_dim  # partial rotary: the remaining channels pass through

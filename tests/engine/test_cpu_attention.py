@@ -188,7 +188,7 @@ def test_the_build_is_cached_per_cpu_and_loaded_once_per_process(tmp_path, monke
     """A fresh cache compiles once; a new process (here: the module's handle cleared) loads the file."""
     monkeypatch.setenv("TGI_HPC_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_attention, "_library", None)
-    with caplog.at_level("INFO", logger="engine.kernels.cpu_attention"):
+    with caplog.at_level("INFO", logger="engine.kernels"):
         first = cpu_attention.load()
         assert cpu_attention.load() is first
     built = list(tmp_path.iterdir())
@@ -196,7 +196,7 @@ def test_the_build_is_cached_per_cpu_and_loaded_once_per_process(tmp_path, monke
     caplog.clear()
     monkeypatch.setattr(cpu_attention, "_library", None)
     stamp = built[0].stat().st_mtime_ns
-    with caplog.at_level("INFO", logger="engine.kernels.cpu_attention"):
+    with caplog.at_level("INFO", logger="engine.kernels"):
         cpu_attention.load()
     assert "compiled in" not in caplog.text and built[0].stat().st_mtime_ns == stamp
     assert list(tmp_path.iterdir()) == built  # no sources or partial builds left behind

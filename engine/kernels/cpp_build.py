@@ -1,0 +1,71 @@
+"""Build, cache and load the engine's small C++ CPU kernels (no torch headers, called through ctypes).
+
+Each kernel file holds its C++ source as a string; `build` compiles it once per CPU type and compiler
+with g++ -O3 -march=native -fopenmp into a cache keyed by the source, the flags, the compiler and the
+CPU (a shared home is safe across node types), and loads it. Plain C++ and OpenMP compile in a second or
+two, where torch/extension.h costs a minute under load_inline.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC"]
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels live: $TGI_HPC_KERNEL_CACHE, else $XDG_CACHE_HOME or ~/.cache, /tgi-hpc/kernels."""
+    if os.environ.get("TGI_HPC_KERNEL_CACHE"):
+        return Path(os.environ["TGI_HPC_KERNEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tgi-hpc" / "kernels"
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with ($CXX, else g++), None when there is none."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def _cpu_key() -> str:
+    """The CPU -march=native compiles for: model name and feature flags (a shared cache must not mix them)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build(name: str, source: str, log: logging.Logger = logger) -> ctypes.CDLL:
+    """The library compiled from `source`, from the cache when it is there (`name` prefixes the file)."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler: {os.environ.get('CXX', 'g++')} is not on PATH")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256("\n".join([source, *FLAGS, version, _cpu_key()]).encode()).hexdigest()[:16]
+    path = cache_dir() / f"{name}_{key}.so"
+    start = time.monotonic()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cpp = path.with_suffix(f".{os.getpid()}.cpp")
+        partial = path.with_suffix(f".{os.getpid()}.so")
+        cpp.write_text(source)
+        try:
+            built = subprocess.run([cxx, *FLAGS, str(cpp), "-o", str(partial)], capture_output=True, text=True,
+                                   timeout=300)
+            if built.returncode != 0:
+                raise RuntimeError(f"{cxx} failed ({built.returncode}): {built.stderr.strip()[-2000:]}")
+            os.replace(partial, path)  # atomic: ranks building at once each install a whole library
+        finally:
+            cpp.unlink(missing_ok=True)
+            partial.unlink(missing_ok=True)
+        log.info("CPU kernel %s compiled in %.1f s into %s", name, time.monotonic() - start, path)
+    return ctypes.CDLL(str(path))

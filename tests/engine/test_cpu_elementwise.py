@@ -1,0 +1,132 @@
+"""The fused CPU element-wise kernels (engine/kernels/cpu_elementwise.py) against the torch formulas they
+replace, on random shapes, strided views and hostile values; their start-up choice and fallback; and a
+model whose layers use them generating what the same model with torch's ops generates."""
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from engine.kernels import cpu_elementwise  # noqa: E402
+from engine.layers.activation import SiluAndMul  # noqa: E402
+from engine.layers.layernorm import GemmaRMSNorm, RMSNorm  # noqa: E402
+from engine.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.skipif(cpu_elementwise.compiler() is None, reason="no C++ compiler (g++) here")
+
+CLOSE = dict(atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_add_rms_norm_matches_rmsnorm(seed):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    rows, width = rng.choice([1, 2, 7, 300, 1100]), rng.choice([1, 15, 16, 64, 576, 1000])
+    base = torch.randn(rows, width + 5, generator=gen) * rng.choice([1e-3, 1.0, 1e3])
+    x = base[:, 3:3 + width]  # a strided view, as a slice of a projection is
+    residual = torch.randn(rows, width, generator=gen)
+    norm = RMSNorm(width, rng.choice([1e-6, 1e-5]))
+    norm.weight.data.uniform_(-2, 2, generator=gen)
+    want, want_sum = norm(x, residual)
+    norm.fused_cpu = True
+    got, got_sum = norm(x, residual)
+    torch.testing.assert_close(got, want, **CLOSE)
+    assert torch.equal(got_sum, want_sum)  # the residual stream is bit-exact
+    torch.testing.assert_close(norm(x), RMSNorm.norm(norm, x), **CLOSE)
+    assert got.shape == want.shape and got_sum.shape == want_sum.shape
+
+
+def test_rms_norm_of_zero_rows_and_three_dimensional_inputs():
+    norm = RMSNorm(64)
+    x = torch.zeros(2, 3, 64)
+    x[1] = torch.randn(3, 64)
+    want = norm(x)
+    norm.fused_cpu = True
+    got = norm(x)
+    assert got.shape == (2, 3, 64) and torch.equal(got[0], torch.zeros(3, 64))
+    torch.testing.assert_close(got, want, **CLOSE)
+
+
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, None), (128, None), (80, 40), (16, 12)])
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rope_in_place_matches_rotary_embedding(head_dim, rotary_dim, scaling):
+    gen = torch.Generator().manual_seed(head_dim)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, scaling, rotary_dim)
+    for tokens in (1, 5, 700):
+        heads, kv_heads = 9, 3
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+        q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+        k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+        v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+        positions = torch.randint(0, 4096, (tokens,), generator=gen)
+        rope.fused_cpu = False
+        want_q, want_k = rope(positions, q, k)
+        rope.fused_cpu = True
+        got_q, got_k = rope(positions, q, k)
+        assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # rotated where they lie
+        torch.testing.assert_close(got_q, want_q, **CLOSE)
+        torch.testing.assert_close(got_k, want_k, **CLOSE)
+        assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("rows,width", [(1, 1), (3, 15), (16, 1536), (513, 100), (2, 17)])
+def test_silu_and_mul_matches_and_handles_extreme_values(rows, width):
+    gen = torch.Generator().manual_seed(rows * width)
+    x = torch.randn(rows, 2 * width, generator=gen) * 20
+    x[0, 0] = 200.0
+    if width > 1:
+        x[0, 1] = -200.0
+    act = SiluAndMul()
+    want = act(x.clone())
+    act.fused_cpu = True
+    got = act(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=2e-5)
+    assert torch.isfinite(got).all()
+
+
+def test_only_float32_on_cpu_takes_the_kernels():
+    norm = RMSNorm(32)
+    norm.fused_cpu = True
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    norm.weight.data = norm.weight.data.bfloat16()
+    assert norm(x).dtype == torch.bfloat16  # the torch path, not the float32 kernel
+
+
+def test_install_reaches_the_exact_classes_only():
+    model = torch.nn.ModuleList([RMSNorm(8), GemmaRMSNorm(8), SiluAndMul(), RotaryEmbedding(8, 16, 10000.0)])
+    assert cpu_elementwise.install(model) == 3
+    assert model[0].fused_cpu and not model[1].fused_cpu and model[2].fused_cpu and model[3].fused_cpu
+
+
+def test_choice_and_fallbacks(monkeypatch):
+    cpu = torch.device("cpu")
+    assert cpu_elementwise.choose("auto", cpu, torch.float32) == "fused"
+    assert cpu_elementwise.choose("aten", cpu, torch.float32) == "aten"
+    assert cpu_elementwise.choose("auto", cpu, torch.bfloat16) == "aten"
+    assert cpu_elementwise.choose("auto", torch.device("meta"), torch.float32) == "aten"
+    with pytest.raises(ValueError, match="float32"):
+        cpu_elementwise.choose("fused", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown"):
+        cpu_elementwise.choose("fast", cpu, torch.float32)
+    monkeypatch.setattr(cpu_elementwise, "self_check", lambda: "RoPE disagrees with RotaryEmbedding")
+    assert cpu_elementwise.choose("auto", cpu, torch.float32) == "aten"
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert "no C++ compiler" in cpu_elementwise.unusable_reason(cpu, torch.float32)
+
+
+def test_a_model_generates_the_same_tokens_fused_and_not(model_path):
+    """Greedy tokens of a tiny Llama through the engine, --cpu-elementwise fused against aten."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    outputs = {}
+    for backend in ("fused", "aten"):
+        engine = LLMEngine(EngineConfig(model_id=str(model_path("tiny-llama")), device="cpu",
+                                        cpu_elementwise=backend))
+        with engine:
+            assert engine.runner.elementwise_backend == backend
+            params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+            outputs[backend] = [[t.id for t in o.tokens]
+                                for o in engine.generate([[5, 9, 2, 44, 7], [3] * 40], [params, params])]
+    assert outputs["fused"] == outputs["aten"]
