@@ -43,6 +43,7 @@ class _Pooled:
     """The inputs of one embeddings line in flight: one engine request each, the line done when all are."""
     rids: list[str]
     rows: list[Any]
+    left: int
 
 
 @dataclass
@@ -118,7 +119,8 @@ class BatchRunner:
 
     def _add_inputs(self, index: int, pos: int, prep: Prepared, rid: str) -> None:
         assert prep.inputs is not None
-        parts = _Pooled([f"{rid}.{k}" for k in range(len(prep.inputs))], [None] * len(prep.inputs))
+        n = len(prep.inputs)
+        parts = _Pooled([f"{rid}.{k}" for k in range(n)], [None] * n, n)
         for sub, ids in zip(parts.rids, prep.inputs):
             self.llm.add_request(sub, ids, PoolingParams())
             self._in_flight[sub] = (index, pos, prep, parts)
@@ -180,7 +182,8 @@ class BatchRunner:
                          failed=True)
             return
         parts.rows[int(out.request_id.rsplit(".", 1)[1])] = out.data
-        if any(row is None for row in parts.rows):
+        parts.left -= 1
+        if parts.left:
             return
         try:
             line, failed = embedding_line(self.state, prep, parts.rows), False

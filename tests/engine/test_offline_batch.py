@@ -248,3 +248,21 @@ def test_an_embeddings_line_to_a_chat_model_is_an_error_line_naming_the_model_ki
     summary, out = run(llm, batch(tmp_path, "wrong-kind", lines, shard_size=2))
     assert out[0]["error"]["code"] == "invalid_url" and "needs an embedding model" in out[0]["error"]["message"]
     assert "/v1/chat/completions or /v1/completions" in out[0]["error"]["message"] and out[1]["error"] is None
+
+
+def test_a_failed_embedding_forward_is_an_error_line_for_each_line_in_it(embedder, tmp_path, monkeypatch):
+    real = embedder.runner.run
+    calls = [0]
+
+    def failing_once(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("out of memory")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(embedder.runner, "run", failing_once)
+    lines = [json.dumps({"custom_id": f"e{i}", "url": "/v1/embeddings", "body": {"input": ["a", "b c"][: i + 1]}})
+             for i in range(2)]
+    summary, out = run(embedder, batch(tmp_path, "fail", lines, shard_size=1), window=1)   # a step each
+    assert [o["error"] and o["error"]["code"] for o in out] == ["embedding_failed", None]
+    assert "out of memory" in out[0]["error"]["message"] and len(out[1]["response"]["body"]["data"]) == 2
+    assert summary.failed == 1
