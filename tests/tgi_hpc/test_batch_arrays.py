@@ -185,3 +185,20 @@ def test_status_of_an_array_id_is_a_row_per_task_in_task_order_with_the_batch_pr
         ("13", "RUNNING"), ("99", "UNKNOWN")]                      # 120_0 is another array
     assert all(re.fullmatch(r"batch 5/10 done, 1 failed, \d+ tok/s, ETA \d+[sm]", r.detail) for r in rows[:4]), rows
     assert all(r.model == "m" and r.kind == "batch" for r in rows[:4])
+
+
+def test_status_of_a_batch_output_asks_for_every_job_it_submitted(tmp_path, monkeypatch, run, hostile):
+    from tgi_hpc.slurm import jobs
+
+    asked = []
+    monkeypatch.setattr(jobs, "status", lambda cluster, ids, with_probe: asked.append(ids) or [])
+    batch_dir = tmp_path / "out.jsonl.tgi-batch"
+    batch_dir.mkdir()
+    (batch_dir / "manifest.json").write_text("{}")
+    (batch_dir / "jobs.json").write_text(json.dumps(["12", "15"]))
+    common = ["--cluster", str(LOCAL_PROFILE), "--set", f"paths.jobs={tmp_path / 'jobs'}", "--no-probe"]
+    assert run("status", str(tmp_path / "out.jsonl"), "12_1", *common)[0] == 0
+    assert asked == [["12", "15", "12_1"]]
+    for value, marker in hostile:
+        code, _, err = run("status", str(tmp_path / value.lstrip("/")) + ".jsonl", *common)
+        assert code == 2 and "neither a job id" in err and not marker.exists()
