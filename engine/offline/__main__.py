@@ -50,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     from engine.offline.runner import BatchRunner
     if args.cpu_threads is not None:
         torch.set_num_threads(args.cpu_threads)
+    from engine.launcher import _pooling_engine
     try:
-        llm = LLMEngine(config)
+        llm = _pooling_engine(config, None) or LLMEngine(config)   # an embedder: /v1/embeddings lines
     except (ValueError, FileNotFoundError) as exc:
         logger.error("cannot start the engine: %s", exc)
         return 1

@@ -2,9 +2,10 @@
 
 The server's code does the work: the wire models, the chat template, sampling parameters, validation and
 the response bodies of /v1/chat/completions and /v1/completions (engine/server/openai_requests.py, which the
-routes import too). What the batch adds: the line's envelope
-(custom_id, method, url, body), a seed per custom_id (the same answer whatever the sharding) and error
-lines instead of HTTP errors. One choice per request (`n` = 1, one prompt).
+routes import too), and of /v1/embeddings (engine/server/pooling_routes.py: embedding_inputs and
+embedding_response). What the batch adds: the line's envelope (custom_id, method, url, body), a seed per
+custom_id (the same answer whatever the sharding) and error lines instead of HTTP errors. One choice per
+request (`n` = 1, one prompt); an embeddings line may have many inputs (one engine request each).
 """
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ from engine.server.infer import Generation
 from engine.server.openai_common import check_common, parameters
 from engine.server.openai_requests import (COMPLETIONS_MAX_TOKENS, apply_chat_template, chat_choice, check_completion,
                                           completion_choice, validate_prompt)
+from engine.server.pooling_protocol import EmbeddingRequest
+from engine.server.pooling_routes import embedding_inputs, embedding_response
 from engine.server.protocol import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest,
                                     GenerateRequest, dump)
 from engine.server.tools import ToolUse, tool_use
 from engine.server.validation import Limits, ValidRequest, Validator, parse_body
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+URLS = (CHAT, COMPLETIONS, EMBEDDINGS)
 MAX_SEED = 2**63 - 1
 
 
@@ -40,6 +44,13 @@ class RequestError(Exception):
 
 
 @dataclass(slots=True)
+class Driven:
+    """What ServerState.engine (an AsyncEngine) gives the pooling routes: the engine it drives."""
+
+    engine: Any
+
+
+@dataclass(slots=True)
 class OfflineState:
     """What the server's request code reads from its ServerState, for an engine without a server."""
 
@@ -47,10 +58,16 @@ class OfflineState:
     validator: Validator
     config: EngineConfig
     model_name: str
+    engine: Driven
 
     @property
     def system_fingerprint(self) -> str:
         return "tgi-hpc-batch"
+
+    @property
+    def task(self) -> str:
+        """generate, or the pooling engine's task (embed, classify)."""
+        return str(getattr(self.engine.engine, "task", "generate"))
 
     @classmethod
     def of(cls, llm: Any, config: EngineConfig) -> OfflineState:
@@ -59,17 +76,18 @@ class OfflineState:
                         max_total_tokens=llm.max_total_tokens, max_new_tokens_default=config.max_new_tokens_default,
                         vocab_size=getattr(llm, "vocab_size", None))
         name = config.served_model_name or config.model_id
-        return cls(llm.tokenizer, Validator(llm.tokenizer, limits, (), name), config, name)
+        return cls(llm.tokenizer, Validator(llm.tokenizer, limits, (), name), config, name, Driven(llm))
 
 
 @dataclass(slots=True)
 class Prepared:
     custom_id: str
     url: str
-    req: ChatCompletionRequest | CompletionRequest
-    valid: ValidRequest
+    req: ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+    valid: ValidRequest | None              # None for embeddings: their inputs are `inputs`
     use: ToolUse | None = None
     scoring: bool = False
+    inputs: list[list[int]] | None = None   # the token ids of each input of an embeddings line
 
 
 def seed_of(custom_id: str) -> int:
@@ -90,8 +108,8 @@ def envelope(text: str) -> tuple[str, dict]:
         if data.get("method", "POST") != "POST":
             raise RequestError("invalid_request", f"`method` must be POST, got {data.get('method')!r}")
         url = data.get("url")
-        if url not in (CHAT, COMPLETIONS):
-            raise RequestError("invalid_url", f"unsupported `url` {url!r}: use {CHAT} or {COMPLETIONS}")
+        if url not in URLS:
+            raise RequestError("invalid_url", f"unsupported `url` {url!r}: use {CHAT}, {COMPLETIONS} or {EMBEDDINGS}")
         body = data.get("body")
         if not isinstance(body, dict):
             raise RequestError("missing_body", "`body` (the request, a JSON object) is missing")
@@ -108,12 +126,29 @@ def prepare(state: OfflineState, custom_id: str, text: str) -> Prepared:
     """Validate one line as the server validates a request; RequestError says why not."""
     url, body = envelope(text)
     raw = json.dumps(body).encode()
+    _check_task(state, url)
     try:
+        if url == EMBEDDINGS:
+            req = parse_body(EmbeddingRequest, raw)
+            return Prepared(custom_id, url, req, None, inputs=embedding_inputs(state, req))  # type: ignore[arg-type]
         if url == CHAT:
             return _prepare_chat(state, custom_id, parse_body(ChatCompletionRequest, raw))
         return _prepare_completion(state, custom_id, parse_body(CompletionRequest, raw))
     except ServerError as exc:
         raise RequestError("invalid_request", str(exc)) from None
+
+
+TASK_OF_URL = {CHAT: "generate", COMPLETIONS: "generate", EMBEDDINGS: "embed"}
+KINDS = {"generate": "a text-generation", "embed": "an embedding", "classify": "a cross-encoder / classifier"}
+
+
+def _check_task(state: OfflineState, url: str) -> None:
+    """A line for another kind of model than the batch's (an embeddings line to a chat model, or the reverse)."""
+    task = state.task
+    if TASK_OF_URL[url] != task:
+        serves = " or ".join(u for u, t in TASK_OF_URL.items() if t == task) or "no batch url"
+        raise RequestError("invalid_url", f"{url} needs {KINDS[TASK_OF_URL[url]]} model, and {state.model_name!r} "
+                                          f"is {KINDS.get(task, 'a ' + task)} model: it serves {serves}")
 
 
 def _one_choice(req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -169,7 +204,21 @@ def response_line(state: OfflineState, prep: Prepared, gen: Generation) -> str:
         body = Completion(id=f"cmpl-{rid}", created=created, model=model, choices=[choice],
                           usage=fan.usage([[gen]], [[gen]], count_completion=not prep.scoring),
                           system_fingerprint=state.system_fingerprint)
-    return json.dumps({"id": f"batch_req_{rid}", "custom_id": prep.custom_id,
+    return _ok_line(prep.custom_id, rid, body)
+
+
+def embedding_line(state: OfflineState, prep: Prepared, rows: list[Any]) -> str:
+    """The output line of an embeddings line, from the pooled row of each of its inputs, in order."""
+    import torch
+
+    body = embedding_response(state, prep.req, torch.stack(rows), prep.inputs or [])  # type: ignore[arg-type]
+    rid = _line_id(prep.custom_id)
+    body.id = f"embd-{rid}"
+    return _ok_line(prep.custom_id, rid, body)
+
+
+def _ok_line(custom_id: str, rid: str, body: Any) -> str:
+    return json.dumps({"id": f"batch_req_{rid}", "custom_id": custom_id,
                        "response": {"status_code": 200, "request_id": rid, "body": dump(body)}, "error": None})
 
 

@@ -15,7 +15,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.offline.requests import OfflineState, Prepared, RequestError, error_line, prepare, response_line
+from engine.offline.requests import (OfflineState, Prepared, RequestError, embedding_line, error_line, prepare,
+                                     response_line)
+from engine.pooling.engine import PoolingParams
 from engine.server.errors import ServerError
 from engine.server.infer import Collector, Timings
 from tgi_hpc.batch.inputs import Records
@@ -37,11 +39,19 @@ class _OpenShard:
 
 
 @dataclass
+class _Pooled:
+    """The inputs of one embeddings line in flight: one engine request each, the line done when all are."""
+    rids: list[str]
+    rows: list[Any]
+    left: int
+
+
+@dataclass
 class Summary:
     shards_committed: int = 0
     requests: int = 0
     failed: int = 0
-    generated_tokens: int = 0
+    generated_tokens: int = 0     # or embedded (prompt) tokens, for embeddings lines
     seconds: float = 0.0
     stopped: bool = False
     lost_shards: list[int] = field(default_factory=list)   # committed by another holder first
@@ -59,7 +69,7 @@ class BatchRunner:
         self.window, self.poll_s = max(1, window), poll_s
         self._open: dict[int, _OpenShard] = {}
         self._queue: deque[tuple[int, int, Prepared]] = deque()     # (shard, position, request) not yet added
-        self._in_flight: dict[str, tuple[int, int, Prepared, Collector]] = {}
+        self._in_flight: dict[str, tuple[int, int, Prepared, Collector | _Pooled]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._started = time.monotonic()
@@ -96,12 +106,24 @@ class BatchRunner:
                 continue
             index, pos, prep = self._queue.popleft()
             rid = f"{index}.{self._open[index].lease.gen}.{pos}"
+            if prep.inputs is not None:
+                self._add_inputs(index, pos, prep, rid)
+                continue
+            assert prep.valid is not None
             try:
                 self.llm.add_request(rid, prep.valid.prompt_token_ids, prep.valid.params)
             except Exception as exc:  # noqa: BLE001 - the engine's own checks (ValueError) and anything odd
                 self._finish(index, pos, error_line(prep.custom_id, "invalid_request", str(exc)), failed=True)
                 continue
             self._in_flight[rid] = (index, pos, prep, Collector(prep.valid.input_length, Timings(time.monotonic())))
+
+    def _add_inputs(self, index: int, pos: int, prep: Prepared, rid: str) -> None:
+        assert prep.inputs is not None
+        n = len(prep.inputs)
+        parts = _Pooled([f"{rid}.{k}" for k in range(n)], [None] * n, n)
+        for sub, ids in zip(parts.rids, prep.inputs):
+            self.llm.add_request(sub, ids, PoolingParams())
+            self._in_flight[sub] = (index, pos, prep, parts)
 
     def _open_next_shard(self) -> bool:
         if time.monotonic() < self._next_claim:
@@ -134,6 +156,9 @@ class BatchRunner:
             if entry is None:
                 continue
             index, pos, prep, collector = entry
+            if isinstance(collector, _Pooled):
+                self._pooled(out, index, pos, prep, collector)
+                continue
             try:
                 gen = collector.add(out)
             except ServerError:
@@ -146,6 +171,28 @@ class BatchRunner:
                 self.summary.generated_tokens += gen.generated_tokens
                 self._open[index].tokens += gen.generated_tokens
                 self._finish(index, pos, response_line(self.state, prep, gen))
+
+    def _pooled(self, out: Any, index: int, pos: int, prep: Prepared, parts: _Pooled) -> None:
+        del self._in_flight[out.request_id]
+        if out.error is not None or out.data is None:
+            for rid in parts.rids:          # the line fails as a whole: its other inputs are not needed
+                if self._in_flight.pop(rid, None) is not None:
+                    self.llm.abort(rid)
+            self._finish(index, pos, error_line(prep.custom_id, "embedding_failed", out.error or "no vector"),
+                         failed=True)
+            return
+        parts.rows[int(out.request_id.rsplit(".", 1)[1])] = out.data
+        parts.left -= 1
+        if parts.left:
+            return
+        try:
+            line, failed = embedding_line(self.state, prep, parts.rows), False
+        except ServerError as exc:        # e.g. `dimensions` above the model's
+            line, failed = error_line(prep.custom_id, "invalid_request", str(exc)), True
+        tokens = sum(map(len, prep.inputs or []))
+        self.summary.generated_tokens += tokens
+        self._open[index].tokens += tokens
+        self._finish(index, pos, line, failed)
 
     def _finish(self, index: int, pos: int, line: str, failed: bool = False) -> None:
         shard = self._open[index]

@@ -208,26 +208,38 @@ async def _pair_scores(state: ServerState, route: str, queries: list[str], docs:
 
 # --- OpenAI /v1/embeddings -----------------------------------------------------------------------
 
+def embedding_inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
+    """The token ids of each input of an embeddings request (a 422 when the model embeds nothing, or an input
+    is empty, too long or out of the vocabulary). Offline batches call it too (engine/offline/requests.py)."""
+    llm = _need(state, "/v1/embeddings", "embed")
+    limit = _limit(state)
+    if isinstance(req.input, str) or (req.input and isinstance(req.input[0], str)):
+        texts = _with_prompt(state, _texts(req.input, "input", limit), None)  # type: ignore[arg-type]
+        max_length = _prompt_tokens(req.truncate_prompt_tokens, llm.max_input_tokens)
+        seqs, _ = _tokenize(state, "input", texts, truncate=req.truncate and max_length is None,
+                            direction="left" if max_length else "right", max_length=max_length)
+        return seqs
+    return _token_arrays(state, req.input, limit)  # type: ignore[arg-type]
+
+
+def embedding_response(state: ServerState, req: EmbeddingRequest, pooled: torch.Tensor,
+                       seqs: list[list[int]]) -> EmbeddingResponse:
+    """The body of /v1/embeddings from the pooled rows of `embedding_inputs(req)`, in order."""
+    llm = state.engine.engine
+    vectors = _vectors(pooled, llm.spec.normalize or req.dimensions is not None, req.dimensions)
+    data = [EmbeddingData(index=i, embedding=_b64(v) if req.encoding_format == "base64" else v.tolist())
+            for i, v in enumerate(vectors)]
+    tokens = sum(map(len, seqs))
+    return EmbeddingResponse(id=f"embd-{uuid.uuid4().hex}", created=int(time.time()),
+                             model=req.model or state.model_name, data=data,
+                             usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+
 async def embeddings(request: Request) -> Response:
     async def work(state: ServerState) -> Response:
         req = parse_body(EmbeddingRequest, await request.body())
-        llm = _need(state, "/v1/embeddings", "embed")
-        limit = _limit(state)
-        if isinstance(req.input, str) or (req.input and isinstance(req.input[0], str)):
-            texts = _with_prompt(state, _texts(req.input, "input", limit), None)  # type: ignore[arg-type]
-            max_length = _prompt_tokens(req.truncate_prompt_tokens, llm.max_input_tokens)
-            seqs, _ = _tokenize(state, "input", texts, truncate=req.truncate and max_length is None,
-                                direction="left" if max_length else "right", max_length=max_length)
-        else:
-            seqs = _token_arrays(state, req.input, limit)  # type: ignore[arg-type]
-        vectors = _vectors(await _run(state, seqs), llm.spec.normalize or req.dimensions is not None,
-                           req.dimensions)
-        data = [EmbeddingData(index=i, embedding=_b64(v) if req.encoding_format == "base64" else v.tolist())
-                for i, v in enumerate(vectors)]
-        tokens = sum(map(len, seqs))
-        return JSONResponse(dump(EmbeddingResponse(
-            id=f"embd-{uuid.uuid4().hex}", created=int(time.time()), model=req.model or state.model_name, data=data,
-            usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))))
+        seqs = embedding_inputs(state, req)
+        return JSONResponse(dump(embedding_response(state, req, await _run(state, seqs), seqs)))
     return await _admitted(request, work)
 
 

@@ -82,7 +82,7 @@ def test_malformed_lines_become_error_lines_and_the_rest_completes(llm, tmp_path
     ok = json.dumps({"custom_id": "ok", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 3}})
     lines = [
         "{this is not json",
-        json.dumps({"custom_id": "bad-url", "url": "/v1/embeddings", "body": {"input": "x"}}),
+        json.dumps({"custom_id": "bad-url", "url": "/v1/moderations", "body": {"input": "x"}}),
         json.dumps({"custom_id": "no-body", "url": "/v1/chat/completions"}),
         json.dumps({"custom_id": "too-long", "url": "/v1/completions", "body": {"prompt": "word " * 600}}),
         json.dumps({"custom_id": "bad-type", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": "many"}}),
@@ -183,3 +183,86 @@ def test_the_batch_stays_full_across_shards_and_never_exceeds_the_window(llm, tm
     assert max(seen) <= 3                     # never more than the window in the engine
     full = [n for n in seen[:-6] if n == 3]   # requests from the next shard fill the slots of finished ones
     assert len(full) >= len(seen[:-6]) * 0.6, seen
+
+
+@pytest.fixture(scope="module")
+def embedder(model_path):
+    from engine.pooling.engine import PoolingEngine
+    engine = PoolingEngine(EngineConfig(model_id=str(model_path("tiny-bert-embed")), device="cpu"))
+    yield engine
+    engine.close()
+
+
+def test_embeddings_lines_equal_sentence_transformers_and_bad_ones_are_error_lines(embedder, model_path, tmp_path):
+    import base64
+
+    import numpy as np
+    import sentence_transformers as st
+    import torch
+
+    texts = ["a short one", "a somewhat longer sentence about the sea and its waves", "x"]
+    x_ids = embedder.tokenizer("x")["input_ids"]
+    bodies = {"one": {"input": texts[0], "model": "my-embedder"}, "many": {"input": texts},
+              "b64": {"input": texts[1], "encoding_format": "base64"}, "ids": {"input": [x_ids]},
+              "dims": {"input": "x", "dimensions": 8}, "huge-dims": {"input": "x", "dimensions": 100000},
+              "empty": {"input": ""}, "none": {"input": []}, "bad-id": {"input": [[10**9]]},
+              "too-long": {"input": "word " * 600}, "no-input": {"model": "m"}}
+    lines = [json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/embeddings", "body": body})
+             for cid, body in bodies.items()]
+    lines.append(json.dumps({"custom_id": "chat", "url": "/v1/chat/completions",
+                             "body": {"messages": [{"role": "user", "content": "hi"}]}}))
+    lines.append(json.dumps({"prompt": "a plain completion line"}))
+    summary, out = run(embedder, batch(tmp_path, "embed", lines, shard_size=4), window=2)
+    by_id = {o["custom_id"]: o for o in out}
+    assert [o["custom_id"] for o in out] == [*bodies, "chat", str(len(lines))]
+    want = st.SentenceTransformer(str(model_path("tiny-bert-embed")), device="cpu").encode(
+        texts, convert_to_tensor=True).float()
+
+    def vectors(cid):
+        return torch.tensor([d["embedding"] for d in by_id[cid]["response"]["body"]["data"]])
+    one = by_id["one"]["response"]["body"]
+    assert one["object"] == "list" and one["model"] == "my-embedder" and by_id["one"]["error"] is None
+    assert one["usage"]["prompt_tokens"] == len(embedder.tokenizer(texts[0])["input_ids"])
+    assert torch.allclose(vectors("one")[0], want[0], atol=1e-4)
+    assert [d["index"] for d in by_id["many"]["response"]["body"]["data"]] == [0, 1, 2]
+    assert torch.allclose(vectors("many"), want, atol=1e-4)
+    raw = base64.b64decode(by_id["b64"]["response"]["body"]["data"][0]["embedding"])
+    assert torch.allclose(torch.from_numpy(np.frombuffer(raw, dtype="<f4").copy()), want[1], atol=1e-4)
+    assert torch.allclose(vectors("ids")[0], want[2], atol=1e-4)
+    dims = vectors("dims")[0]
+    assert dims.shape == (8,) and abs(float(dims.norm()) - 1) < 1e-5
+    errors = {cid: o["error"] for cid, o in by_id.items() if o["error"]}
+    assert {cid: e["code"] for cid, e in errors.items()} == {
+        "huge-dims": "invalid_request", "empty": "invalid_request", "none": "invalid_request",
+        "bad-id": "invalid_request", "too-long": "invalid_request", "no-input": "invalid_request",
+        "chat": "invalid_url", str(len(lines)): "invalid_url"}
+    assert "dimensions" in errors["huge-dims"]["message"] and "vocabulary" in errors["bad-id"]["message"]
+    assert "tokens" in errors["too-long"]["message"]
+    assert "needs a text-generation model" in errors["chat"]["message"] and "/v1/embeddings" in errors["chat"]["message"]
+    assert summary.failed == len(errors) and summary.generated_tokens > 0   # embedded tokens count as the batch's
+
+
+def test_an_embeddings_line_to_a_chat_model_is_an_error_line_naming_the_model_kind(llm, tmp_path):
+    lines = [json.dumps({"custom_id": "e", "url": "/v1/embeddings", "body": {"input": "x"}}),
+             json.dumps({"custom_id": "ok", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 2}})]
+    summary, out = run(llm, batch(tmp_path, "wrong-kind", lines, shard_size=2))
+    assert out[0]["error"]["code"] == "invalid_url" and "needs an embedding model" in out[0]["error"]["message"]
+    assert "/v1/chat/completions or /v1/completions" in out[0]["error"]["message"] and out[1]["error"] is None
+
+
+def test_a_failed_embedding_forward_is_an_error_line_for_each_line_in_it(embedder, tmp_path, monkeypatch):
+    real = embedder.runner.run
+    calls = [0]
+
+    def failing_once(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("out of memory")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(embedder.runner, "run", failing_once)
+    lines = [json.dumps({"custom_id": f"e{i}", "url": "/v1/embeddings", "body": {"input": ["a", "b c"][: i + 1]}})
+             for i in range(2)]
+    summary, out = run(embedder, batch(tmp_path, "fail", lines, shard_size=1), window=1)   # a step each
+    assert [o["error"] and o["error"]["code"] for o in out] == ["embedding_failed", None]
+    assert "out of memory" in out[0]["error"]["message"] and len(out[1]["response"]["body"]["data"]) == 2
+    assert summary.failed == 1

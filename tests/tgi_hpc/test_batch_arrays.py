@@ -164,3 +164,41 @@ def test_wait_on_a_terminal_draws_a_bar_with_done_total_rate_and_eta(capsys):
     with ProgressView(App(verbosity=-1), stream=quiet) as view:   # -q: no bar, and no lines either
         view(progress(4, 400))
     assert quiet.getvalue() == "" and capsys.readouterr().err == ""
+
+
+def test_status_of_an_array_id_is_a_row_per_task_in_task_order_with_the_batch_progress(tmp_path, monkeypatch):
+    from tgi_hpc.batch.ledger import Ledger
+    from tgi_hpc.batch.status import add_progress
+    from tgi_hpc.slurm import jobs
+
+    cluster = local(tmp_path)
+    monkeypatch.setattr(cluster, "backend", Backend({"12_0": "COMPLETED", "12_10": "RUNNING", "12_1": "RUNNING",
+                                                     "12_[11-13]": "PENDING", "120_0": "RUNNING", "13": "RUNNING"}))
+    Ledger.create(tmp_path / "b", {"num_records": 10, "shard_size": 5})
+    ledger = Ledger(tmp_path / "b")
+    ledger.commit(ledger.claim("12_0@n"), ["{}"] * 5, failed=1, tokens=40)
+    write_logs(tmp_path / "jobs", {"12.sbatch": f"#!/bin/bash\n# Model: m\n# Batch: {tmp_path / 'b'}\n"})
+    rows = jobs.status(cluster, ["12", "13", "99"], with_probe=False)
+    add_progress(cluster, rows)
+    assert [(r.job_id, r.state) for r in rows] == [
+        ("12_0", "COMPLETED"), ("12_1", "RUNNING"), ("12_10", "RUNNING"), ("12_[11-13]", "PENDING"),
+        ("13", "RUNNING"), ("99", "UNKNOWN")]                      # 120_0 is another array
+    assert all(re.fullmatch(r"batch 5/10 done, 1 failed, \d+ tok/s, ETA \d+[sm]", r.detail) for r in rows[:4]), rows
+    assert all(r.model == "m" and r.kind == "batch" for r in rows[:4])
+
+
+def test_status_of_a_batch_output_asks_for_every_job_it_submitted(tmp_path, monkeypatch, run, hostile):
+    from tgi_hpc.slurm import jobs
+
+    asked = []
+    monkeypatch.setattr(jobs, "status", lambda cluster, ids, with_probe: asked.append(ids) or [])
+    batch_dir = tmp_path / "out.jsonl.tgi-batch"
+    batch_dir.mkdir()
+    (batch_dir / "manifest.json").write_text("{}")
+    (batch_dir / "jobs.json").write_text(json.dumps(["12", "15"]))
+    common = ["--cluster", str(LOCAL_PROFILE), "--set", f"paths.jobs={tmp_path / 'jobs'}", "--no-probe"]
+    assert run("status", str(tmp_path / "out.jsonl"), "12_1", *common)[0] == 0
+    assert asked == [["12", "15", "12_1"]]
+    for value, marker in hostile:
+        code, _, err = run("status", str(tmp_path / value.lstrip("/")) + ".jsonl", *common)
+        assert code == 2 and "neither a job id" in err and not marker.exists()

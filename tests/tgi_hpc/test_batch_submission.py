@@ -71,6 +71,22 @@ def test_duplicate_ids_and_empty_or_missing_inputs_are_refused_before_anything_r
         open_batch(tmp_path, tmp_path / "missing.jsonl")
 
 
+def test_a_file_mixing_embeddings_with_generation_is_refused_naming_lines_but_chat_with_completions_is_kept(tmp_path):
+    def line(url, **body):
+        return json.dumps({"custom_id": f"{url}-{len(body)}-{sorted(body)}", "url": url, "body": body}) + "\n"
+    src = tmp_path / "mixed.jsonl"
+    src.write_text(line("/v1/embeddings", input="a") + "{not json\n" + json.dumps({"messages": []}) + "\n"
+                   + line("/v1/nope", x=1) + line("/v1/embeddings", input="b", dimensions=4))
+    with pytest.raises(UsageError, match=r"mixes /v1/embeddings lines \(lines 1, 5\) with chat or completion "
+                                         r"lines \(lines 3\).*one endpoint per file.*split it"):
+        open_batch(tmp_path, src)
+    assert not batch_dir_of(tmp_path / "out.jsonl").exists()
+    src.write_text(line("/v1/embeddings", input="a") + "{not json\n" + line("/v1/nope", x=1))
+    assert open_batch(tmp_path, src).num_records == 3       # bad lines become error lines, as ever
+    src.write_text(line("/v1/chat/completions", messages=[]) + line("/v1/completions", prompt="x"))
+    assert open_batch(tmp_path, src, restart=True).num_records == 2
+
+
 def test_a_half_made_batch_folder_is_made_again(tmp_path):
     batch_dir_of(tmp_path / "out.jsonl").mkdir()          # a prepare that died before its manifest
     (batch_dir_of(tmp_path / "out.jsonl") / "input.jsonl").write_text("junk")

@@ -123,3 +123,41 @@ def test_prefill_and_decode_tables_by_percentile_from_known_times():
 
 def test_prompts_are_distinct_however_many_are_asked():
     assert len(set(make_prompts(50))) == 50 and make_prompts(0) == []
+
+
+def with_tokenize(transport, status=200):
+    """The fake server plus a /tokenize that makes a token of each word (ids from the word and its place)."""
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/tokenize":
+            if status != 200:
+                return httpx.Response(status, json={"error": "not here", "error_type": "not_found"})
+            words = json.loads(request.content)["inputs"].split()
+            return httpx.Response(200, json=[{"id": 3 * i + len(w), "text": w, "start": 0, "stop": 0}
+                                             for i, w in enumerate(words)])
+        return await transport.handler(request)
+    return httpx.MockTransport(handler)
+
+
+def test_sequence_length_sends_prompts_of_exactly_that_many_distinct_tokens():
+    from tgi_hpc.errors import UsageError
+
+    transport, state = fake_server(lambda i: "ok", gap_s=0.0)
+    opts = LoadOptions(concurrency=2, num_requests=20, new_tokens=4, warmup=1, sequence_length=300)
+    records = asyncio.run(run_load("http://x", {}, "m", opts, with_tokenize(transport)))
+    prompts = [b["prompt"] for b, _ in state["bodies"]]
+    assert len(records) == 20 and len(prompts) == 21 and all(len(p) == 300 for p in prompts)
+    assert all(isinstance(t, int) for p in prompts for t in p)
+    assert len({tuple(p[:16]) for p in prompts}) == 21       # no two share a first KV block
+
+    transport, state = fake_server(lambda i: "tgi", gap_s=0.0)
+    opts = LoadOptions(concurrency=1, num_requests=3, new_tokens=3, openai=False, sequence_length=50)
+    asyncio.run(run_load("http://x", {}, "m", opts, transport))
+    bodies = [b for b, _ in state["bodies"]]
+    assert [b["parameters"]["truncate"] for b in bodies] == [50] * 3          # TGI keeps the last 50 tokens
+    assert all(len(b["inputs"].split()) >= 50 for b in bodies)
+    assert len({tuple(b["inputs"].split()[-16:]) for b in bodies}) == 3
+
+    transport, _ = fake_server(lambda i: "ok", gap_s=0.0)
+    with pytest.raises(UsageError, match="needs the server's /tokenize: 404"):
+        asyncio.run(run_load("http://x", {}, "m", LoadOptions(num_requests=1, sequence_length=8),
+                             with_tokenize(transport, status=404)))

@@ -124,6 +124,12 @@ def prepare(batch_dir: Path, src: Path, output: Path, identity: dict, *, shard_s
         shutil.rmtree(tmp)
         shown = "; ".join(f"{cid!r} on lines {', '.join(map(str, lines))}" for cid, lines in scan.duplicates[:5])
         raise UsageError(f"--input {src}: a custom_id must be unique (the output has one line per id): {shown}")
+    if len(scan.kinds) > 1:
+        shutil.rmtree(tmp)
+        raise UsageError(f"--input {src} mixes /v1/embeddings lines (lines {_lines(scan.kinds['embed'])}) with "
+                         f"chat or completion lines (lines {_lines(scan.kinds['generate'])}): one batch file is one "
+                         "kind of request, as OpenAI's Batch API has one endpoint per file (one model answers "
+                         "them all): split it into two batches")
     if not scan.num_records:
         shutil.rmtree(tmp)
         raise UsageError(f"--input {src} has no requests")
@@ -133,6 +139,10 @@ def prepare(batch_dir: Path, src: Path, output: Path, identity: dict, *, shard_s
                         "lease_s": lease_s, "created": time.time()})
     tmp.rename(batch_dir)
     return Ledger(batch_dir, lease_s=lease_s)
+
+
+def _lines(numbers: list[int]) -> str:
+    return ", ".join(map(str, numbers)) + (", ..." if len(numbers) >= 5 else "")
 
 
 def _job_ids(batch_dir: Path) -> list[str]:

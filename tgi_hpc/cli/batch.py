@@ -48,7 +48,8 @@ class ProgressView:
 @click.option("--model", "-m", required=True, help="Hub id in the model store (ORG/NAME) or a local snapshot directory.")
 @click.option("--input", "-i", "input_path", required=True, type=click.Path(dir_okay=False),
               help="Requests, one per line: OpenAI Batch lines (custom_id, method, url, body for /v1/chat/completions "
-                   "or /v1/completions) or plain {\"messages\": ...} / {\"prompt\": ...} lines (id: the line number).")
+                   "or /v1/completions; /v1/embeddings with an embedding model, not mixed with the others) or "
+                   "plain {\"messages\": ...} / {\"prompt\": ...} lines (id: the line number).")
 @click.option("--output", "-o", "output_path", required=True, type=click.Path(dir_okay=False),
               help="Results, OpenAI's Batch output format, one line per request in input order. The batch's "
                    "state lives beside it in OUTPUT.tgi-batch/.")

@@ -26,13 +26,19 @@ def _table(rows) -> None:
     Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240).print(table)
 
 
+def _is_path(target: str) -> bool:
+    return "/" in target or target.endswith((".jsonl", ".tgi-batch"))
+
+
 @click.command()
 @click.argument("job_ids", nargs=-1)
 @click.option("--no-probe", is_flag=True, help="Do not contact running servers (LISTENING instead of READY).")
 @click.option("--generate", is_flag=True, help="Probe with a one-token generation too, not only /health.")
 @with_app
 def status(app: App, job_ids, no_probe, generate) -> None:
-    """State of JOB_IDS, or of all my tgi-hpc jobs (active first, newest first).
+    """State of JOB_IDS, or of all my tgi-hpc jobs (active first, newest first). A job array's id (4148)
+    stands for its tasks; a batch (its --output file) for every job it submitted: each row of a batch job
+    says how far the batch is (done/total, failed, tok/s, ETA).
 
     \b
     PENDING (Slurm's reason), STARTING (loading), LISTENING (endpoint up, not probed: --no-probe),
@@ -43,8 +49,11 @@ def status(app: App, job_ids, no_probe, generate) -> None:
 
     probe = False if no_probe else ("generate" if generate else True)
     cluster = app.cluster()
-    rows = jobs.status(cluster, list(job_ids) or None, with_probe=probe)
+    from tgi_hpc.batch.logs import job_ids_of
     from tgi_hpc.batch.status import add_progress
+
+    ids = [j for target in job_ids for j in (job_ids_of(cluster, target) if _is_path(target) else [target])]
+    rows = jobs.status(cluster, ids or None, with_probe=probe)
 
     add_progress(cluster, rows)       # batch jobs: done/total from their ledger
     if not rows and not app.json_output:

@@ -7,6 +7,7 @@ LISTENING is a server whose endpoint is published but that was not probed (`stat
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -153,12 +154,26 @@ def status(cluster: Cluster, job_ids: list[str] | None = None, *,
     (what `wait` uses for READY), False = no probe."""
     if job_ids:
         known = cluster.backend.states(job_ids)
-        rows = [_status(cluster, j, known.get(j), with_probe) for j in job_ids]
+        rows = [_status(cluster, t, known.get(t), with_probe) for j in job_ids for t in _tasks_of(j, known)]
     else:
         rows = [_status(cluster, job.job_id, job, with_probe) for job in cluster.backend.mine()]
         rows.sort(key=lambda st: (st.state not in ACTIVE, -_id_number(st.job_id)))
     _fill_models(cluster, [st for st in rows if st.kind in ("serve", "batch") and not st.model])
     return rows
+
+
+def _tasks_of(job_id: str, known: dict[str, SlurmJob]) -> list[str]:
+    """A job array's id stands for its tasks (Slurm lists 4148_0, 4148_1, 4148_[2-3] when pending, never 4148
+    itself), in task order; any other id for itself."""
+    if job_id in known or "_" in job_id:
+        return [job_id]
+    tasks = [k for k in known if k.split("_", 1)[0] == job_id and "_" in k]
+    return sorted(tasks, key=_task_number) or [job_id]
+
+
+def _task_number(task_id: str) -> int:
+    digits = re.match(r"\[?(\d+)", task_id.split("_", 1)[1])
+    return int(digits.group(1)) if digits else 0
 
 
 def _id_number(job_id: str) -> int:

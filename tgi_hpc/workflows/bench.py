@@ -45,12 +45,14 @@ QUANTILES = (50, 90, 99)
 @dataclass
 class LoadOptions:
     concurrency: int = 8
-    num_requests: int | None = None     # default: 4 waves of `concurrency`
+    num_requests: int | None = None     # default: `runs` waves of `concurrency`
+    runs: int = 4                       # requests per client when num_requests is None
     new_tokens: int = 64
     timeout_s: float = 600.0            # the whole run, and each request
     openai: bool = True                 # /v1/completions; False: TGI's /generate_stream
     max_duration_s: float | None = None   # no new request after this
     warmup: int = 0                     # requests sent (and not counted) before the measured ones
+    sequence_length: int | None = None  # prompt tokens of every request (None: PROMPTS as they are)
 
 
 @dataclass(slots=True)
@@ -81,13 +83,42 @@ def make_prompts(num: int) -> list[str]:
             for i in range(num)]
 
 
-def request_body(prompt: str, new_tokens: int, model: str, openai: bool) -> tuple[str, dict[str, Any]]:
-    """(path, body) of one greedy streaming request."""
+def long_prompts(prompts: list[str], sequence_length: int) -> list[str]:
+    """Each prompt made at least `sequence_length` tokens long (8 characters a token: twice what English takes),
+    its number at both ends so that no two share a first or last block (the prefix cache would skip prefill)."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        words = [f"Request {i}."]
+        while sum(map(len, words)) < 8 * sequence_length:
+            words.append(PROMPTS[(i + len(words)) % len(PROMPTS)])
+        out.append(" ".join(words) + f" Request {i}.")
+    return out
+
+
+async def exact_prompts(client: Any, url: str, prompts: list[str], sequence_length: int) -> list[list[int]]:
+    """The first `sequence_length` token ids of each long prompt, from the server's own tokenizer (/tokenize)."""
+    async def one(text: str) -> list[int]:
+        resp = await client.post(f"{url.rstrip('/')}/tokenize", json={"inputs": text})
+        if resp.status_code != 200:
+            raise UsageError(f"--sequence-length needs the server's /tokenize: {resp.status_code} {resp.text[:200]}")
+        ids = [int(t["id"]) for t in resp.json()]
+        if len(ids) < sequence_length:
+            raise UsageError(f"--sequence-length {sequence_length}: a prompt made only {len(ids)} tokens")
+        return ids[:sequence_length]
+    return list(await asyncio.gather(*(one(text) for text in long_prompts(prompts, sequence_length))))
+
+
+def request_body(prompt: str | list[int], new_tokens: int, model: str, openai: bool,
+                 truncate: int | None = None) -> tuple[str, dict[str, Any]]:
+    """(path, body) of one greedy streaming request (a token-id prompt on /v1/completions; `truncate` keeps
+    the last tokens of a /generate_stream prompt)."""
     if openai:
         return "/v1/completions", {"model": model or "tgi", "prompt": prompt, "max_tokens": new_tokens,
                                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    return "/generate_stream", {"inputs": prompt, "parameters": {"max_new_tokens": new_tokens, "do_sample": False,
-                                                                  "details": True}}
+    parameters = {"max_new_tokens": new_tokens, "do_sample": False, "details": True}
+    if truncate is not None:
+        parameters["truncate"] = truncate
+    return "/generate_stream", {"inputs": prompt, "parameters": parameters}
 
 
 def read_event(record: Record, event: Any, now: float, openai: bool = True) -> None:
@@ -148,24 +179,33 @@ async def run_load(url: str, headers: dict[str, str], model: str, opts: LoadOpti
     streaming requests to `url`; `warmup` requests go first and are not returned."""
     import httpx
 
-    total = opts.num_requests if opts.num_requests is not None else 4 * opts.concurrency
-    todo = list(prompts if prompts is not None else make_prompts(total))
+    total = opts.num_requests if opts.num_requests is not None else opts.runs * opts.concurrency
+    todo: list[Any] = list(prompts if prompts is not None else make_prompts(total))
+    warm: list[Any] = make_prompts(opts.warmup)
     records: list[Record] = []
     limits = httpx.Limits(max_connections=opts.concurrency, max_keepalive_connections=opts.concurrency)
+    length = opts.sequence_length
 
-    async def clients(client: httpx.AsyncClient, queue: list[str], into: list[Record]) -> None:
+    async def clients(client: httpx.AsyncClient, queue: list[Any], into: list[Record]) -> None:
         deadline = time.perf_counter() + opts.max_duration_s if opts.max_duration_s else None
 
         async def loop() -> None:
             while queue and (deadline is None or time.perf_counter() < deadline):
-                path, body = request_body(queue.pop(0), opts.new_tokens, model, opts.openai)
+                path, body = request_body(queue.pop(0), opts.new_tokens, model, opts.openai,
+                                          None if opts.openai else length)
                 into.append(await one_request(client, f"{url.rstrip('/')}{path}", body, opts.openai))
         await asyncio.gather(*(loop() for _ in range(opts.concurrency)))
 
     async with httpx.AsyncClient(headers=headers, timeout=opts.timeout_s, limits=limits,
                                  transport=transport) as client:
+        if length is not None:          # before any timing: prompts of exactly `length` tokens
+            if opts.openai:
+                warm, todo = (await exact_prompts(client, url, warm + todo, length) if warm + todo else []), []
+                warm, todo = warm[:opts.warmup], warm[opts.warmup:]
+            else:
+                warm, todo = long_prompts(warm, length), long_prompts(todo, length)
         if opts.warmup:
-            await asyncio.wait_for(clients(client, make_prompts(opts.warmup), []), opts.timeout_s)
+            await asyncio.wait_for(clients(client, warm, []), opts.timeout_s)
         await asyncio.wait_for(clients(client, todo, records), opts.timeout_s)
     return records
 
@@ -243,17 +283,22 @@ def bench(cluster: Any, target: str | None, opts: LoadOptions, *, concurrencies:
 
     levels = concurrencies or [opts.concurrency]
     if min(levels) < 1 or opts.new_tokens < 1 or opts.warmup < 0 or (
-            opts.num_requests is not None and opts.num_requests < 1):
-        raise UsageError("--concurrency, --requests and --new-tokens must be >= 1, --warmup >= 0")
+            opts.num_requests is not None and opts.num_requests < 1) or opts.runs < 1 or (
+            opts.sequence_length is not None and opts.sequence_length < 1):
+        raise UsageError("--concurrency, --requests, --runs, --sequence-length and --new-tokens must be >= 1, "
+                         "--warmup >= 0")
     runs = []
     with connect(cluster, target, timeout=timeout, progress=progress) as access:
         for level in levels:
             run_opts = replace(opts, concurrency=level)
-            progress(f"benchmarking {access.url} ({access.via}): {level} clients, {opts.new_tokens} tokens each"
+            progress(f"benchmarking {access.url} ({access.via}): {level} clients, "
+                     + (f"{opts.sequence_length} prompt tokens and " if opts.sequence_length else "")
+                     + f"{opts.new_tokens} new tokens each"
                      + (f", {opts.warmup} warm-up requests first" if opts.warmup else ""))
             records = asyncio.run(run_load(access.url, access.headers, access.model, run_opts))
             runs.append(summarize(records, level))
-    result: dict[str, Any] = {"target": access.job_id, "url": access.url, "new_tokens": opts.new_tokens, "runs": runs}
+    result: dict[str, Any] = {"target": access.job_id, "url": access.url, "new_tokens": opts.new_tokens,
+                              "sequence_length": opts.sequence_length, "runs": runs}
     if cluster.is_local:
         saved = Path(cluster.job_dir) / f"{access.job_id}.bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
         saved.write_text(json.dumps(result, indent=2))

@@ -1,0 +1,136 @@
+"""An uninterrupted offline batch against the same requests through `serve` + the openai client (issue 26).
+
+    python scripts/bench_batch.py [--model-id smollm2] [--requests 128] [--max-tokens 16] \
+        [--concurrency 32,128] [--repeat 3]
+
+Each repeat runs, one after the other on this machine: (a) `python -m engine.offline` over a fresh batch folder
+holding the requests (the engine in-process, fed from the ledger; its own log gives the seconds from the first
+claim to the last commit, model load excluded), then (b) for each concurrency, the same requests as chat
+completions from the `openai` client (AsyncOpenAI, non-streaming, at most C in flight) against one
+`python -m engine` started once (load excluded: timed from the first request to the last answer). Both engines
+get the same flags. It prints generated tok/s per run, the medians, batch / best serve, and how many answers the
+two agree on (greedy: they should all be equal).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from batch_done_when import requests as make_requests, runner_seconds  # noqa: E402
+
+
+def model_dir(name: str) -> str:
+    if Path(name).is_dir():
+        return name
+    return subprocess.run([sys.executable, str(ROOT / "scripts/make_models.py"), name, "--print-path"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def run_batch(model: str, src: Path, work: Path, engine_args: list[str]) -> tuple[float, int, dict[str, str]]:
+    """(seconds from first claim to last commit, generated tokens, {custom_id: answer})."""
+    from tgi_hpc.batch.submission import batch_dir_of, identity_of, prepare
+    out = work / f"batch-{time.monotonic_ns()}.jsonl"
+    batch_dir = batch_dir_of(out)
+    prepare(batch_dir, src, out, identity_of(model, "main", tuple(engine_args)), shard_size=None, jobs_count=1,
+            lease_s=600, restart=True)
+    log = subprocess.run([sys.executable, "-m", "engine.offline", "--batch-dir", str(batch_dir), "--model-id", model,
+                          *engine_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    tokens = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in rows)
+    seconds = runner_seconds(log) or float(re.findall(r"tok/s over ([\d.]+) s", log)[-1])
+    return seconds, tokens, {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in rows}
+
+
+async def run_serve(url: str, model: str, reqs: list[dict], concurrency: int) -> tuple[float, int, dict[str, str]]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600, max_retries=0)
+    gate = asyncio.Semaphore(concurrency)
+    answers: dict[str, str] = {}
+    tokens = 0
+
+    async def one(req: dict) -> None:
+        nonlocal tokens
+        async with gate:
+            body = req["body"]
+            resp = await client.chat.completions.create(model=model, messages=body["messages"],
+                                                        max_tokens=body["max_tokens"], temperature=0)
+        answers[req["custom_id"]] = resp.choices[0].message.content
+        tokens += resp.usage.completion_tokens
+
+    started = time.monotonic()
+    await asyncio.gather(*(one(r) for r in reqs))
+    seconds = time.monotonic() - started
+    await client.close()
+    return seconds, tokens, answers
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-id", default="smollm2")
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", default="32,128")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--engine-args", default="--max-concurrent-requests 128 --max-total-tokens 512 "
+                                                  "--kv-cache-bytes 256MiB")
+    args = parser.parse_args()
+    model = model_dir(args.model_id)
+    engine_args = args.engine_args.split()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    reqs = make_requests(args.requests, args.max_tokens)
+    work = Path(tempfile.mkdtemp(prefix="bench-batch-"))
+    src = work / "requests.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+
+    from bench_http import Server, wait_healthy
+    server = Server(Path(model), argparse.Namespace(load_format="auto", concurrency=max(levels), threads=None,
+                                                    engine_args=args.engine_args), "float32", "cpu")
+    server.cmd = [c for c in server.cmd if c not in ("--load-format", "auto")]
+    i = server.cmd.index("--max-concurrent-requests")
+    del server.cmd[i:i + 2]                               # the same flags as the batch: --engine-args
+    url = server.start(600)
+    asyncio.run(wait_healthy(url, 120))
+    asyncio.run(run_serve(url, "m", reqs[:8], 8))         # warm-up, not counted
+    results: dict[str, list[float]] = {"batch": [], **{f"serve c={c}": [] for c in levels}}
+    agree: list[int] = []
+    try:
+        for rep in range(args.repeat):
+            seconds, tokens, batch_answers = run_batch(model, src, work, engine_args)
+            results["batch"].append(tokens / seconds)
+            print(f"repeat {rep + 1}: batch {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+            for c in levels:
+                seconds, tokens, serve_answers = asyncio.run(run_serve(url, "m", reqs, c))
+                results[f"serve c={c}"].append(tokens / seconds)
+                agree.append(sum(batch_answers[k] == v for k, v in serve_answers.items()))
+                print(f"repeat {rep + 1}: serve c={c} {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} "
+                      f"tok/s (load {os.getloadavg()[0]:.1f})", flush=True)
+    finally:
+        server.stop()
+    medians = {k: statistics.median(v) for k, v in results.items()}
+    best = max((k for k in medians if k.startswith("serve")), key=medians.get)
+    print("\n| run | tok/s per repeat | median |\n|---|---|---|")
+    for k, v in results.items():
+        print(f"| {k} | {', '.join(f'{x:.1f}' for x in v)} | {medians[k]:.1f} |")
+    print(f"\nbatch / best serve ({best}): {medians['batch'] / medians[best]:.2f}x; answers equal in batch and serve: "
+          f"{min(agree)}..{max(agree)} of {len(reqs)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
