@@ -181,10 +181,10 @@ class PoolingEngine:
 
     def stats(self) -> Any:
         from engine.llm_engine import EngineStats
+        backend = "varlen sdpa (transformers)" if self.runner.packed else "sdpa (transformers)"
         return EngineStats(num_waiting=len(self._waiting), num_running=0, num_preempted_total=0, num_free_blocks=0,
                            num_total_blocks=0, block_size=1, batch_size=self._last_batch,
-                           attention_backend="varlen sdpa (transformers)" if self.runner.packed else "sdpa (transformers)",
-                           num_prompt_tokens_total=self._prompt_tokens_total)
+                           attention_backend=backend, num_prompt_tokens_total=self._prompt_tokens_total)
 
     def close(self) -> None:
         self.runner.close()
