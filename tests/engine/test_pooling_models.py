@@ -1,5 +1,5 @@
 """Tiny random pooling checkpoints (scripts/make_models.py) through the engine against transformers plus
-sentence-transformers' own pooling: BERT, XLM-R and ModernBERT encoders, a Qwen3 last-token embedder, a BERT
+sentence-transformers' own pooling: BERT, XLM-R, ModernBERT and NomicBERT encoders, a Qwen3 last-token embedder, a BERT
 cross-encoder; the rerank order against sentence-transformers' CrossEncoder. In-process, no HTTP server."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from engine.pooling.engine import PoolingEngine  # noqa: E402
 from engine.pooling.pooler import normalize  # noqa: E402
 from engine.pooling.spec import detect  # noqa: E402
 
-EMBEDDERS = ["tiny-bert-embed", "tiny-xlmr-embed", "tiny-modernbert-embed", "tiny-qwen3-embed"]
+EMBEDDERS = ["tiny-bert-embed", "tiny-xlmr-embed", "tiny-modernbert-embed", "tiny-nomicbert-embed", "tiny-qwen3-embed"]
 
 
 def mixed_texts(n: int, seed: int = 0) -> list[str]:
@@ -55,7 +55,8 @@ def test_each_recipe_is_detected_as_built(model_path):
     specs = {name: detect(model_path(name)) for name in [*EMBEDDERS, "tiny-bert-cross"]}
     assert {n: (s.task, s.pooling, s.normalize) for n, s in specs.items() if s.task == "embed"} == {
         "tiny-bert-embed": ("embed", "mean", True), "tiny-xlmr-embed": ("embed", "cls", False),
-        "tiny-modernbert-embed": ("embed", "mean", True), "tiny-qwen3-embed": ("embed", "lasttoken", True)}
+        "tiny-modernbert-embed": ("embed", "mean", True), "tiny-nomicbert-embed": ("embed", "mean", True),
+        "tiny-qwen3-embed": ("embed", "lasttoken", True)}
     assert specs["tiny-bert-cross"].task == "classify" and specs["tiny-bert-cross"].num_labels == 1
     assert specs["tiny-qwen3-embed"].prompts == {"query": "Instruct: find it\nQuery: ", "document": ""}
     assert detect(model_path("tiny-llama")) is None  # a causal LM is not a pooling model
