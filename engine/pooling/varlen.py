@@ -7,9 +7,10 @@ linears, norms and activations (most of an encoder's time) see only real tokens.
 attention as the forward kwarg `tgi_varlen` (a list of (start, end)). Without that kwarg the function is plain
 SDPA with SDPA's mask (registered for it too), so a padded batch runs right on the same model.
 
-Whether a model class honours all this (explicit position ids, every attention through the interface, no
-sliding windows it would apply through a mask) is not assumed: `self_check` compares a packed forward with the
-padded SDPA one on random sequences at load, and the runner keeps padded batches when they differ.
+A bidirectional sliding window (ModernBERT's local layers) becomes a band within each sequence; a causal one
+is refused (NotImplementedError). Whether a model class honours all this (explicit position ids, every attention
+through the interface) is not assumed: `self_check` compares a packed forward with the padded SDPA one on random
+sequences at load, and the runner keeps padded batches when they differ or the packed forward raises.
 """
 from __future__ import annotations
 
