@@ -134,3 +134,19 @@ def test_cpu_forward_grows_with_threads_for_one_worker():
         assert forward_tokens(torch.device("meta"), 1) == 1024  # not a CPU: the thread count plays no part
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_model_failing_the_packed_check_runs_padded(model_path, monkeypatch):
+    from engine.pooling import varlen
+    real = varlen.packed_inputs
+
+    def without_positions(*args, **kwargs):  # a model class that would ignore per-sequence positions
+        inputs, lengths = real(*args, **kwargs)
+        inputs.pop("position_ids")
+        return inputs, lengths
+    monkeypatch.setattr(varlen, "packed_inputs", without_positions)
+    engine = engine_for(model_path("tiny-bert-embed"))
+    assert not engine.runner.packed and engine.stats().attention_backend == "sdpa (transformers)"
+    seqs = [[2] + [9 + i % 50] * n + [3] for i, n in enumerate((40, 3, 70, 1))]
+    alone = [engine.runner._forward([s], None, None)[0] for s in seqs]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(alone, engine.embed(seqs)))
