@@ -7,8 +7,7 @@ linears, norms and activations (most of an encoder's time) see only real tokens.
 attention as the forward kwarg `tgi_varlen` (a list of (start, end)). Without that kwarg the function is plain
 SDPA with SDPA's mask (registered for it too), so a padded batch runs right on the same model.
 
-A bidirectional sliding window (ModernBERT's local layers) becomes a band within each sequence; a causal one
-is refused (NotImplementedError). Whether a model class honours all this (explicit position ids, every attention
+A sliding window (ModernBERT's local layers, Mistral's causal one) becomes a band within each sequence. Whether a model class honours all this (explicit position ids, every attention
 through the interface) is not assumed: `self_check` compares a packed forward with the padded SDPA one on random
 sequences at load, and the runner keeps padded batches when they differ or the packed forward raises.
 """
@@ -37,19 +36,18 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                                       **kwargs)
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
-    window = kwargs.get("sliding_window")  # ModernBERT's local layers: flash's inclusive size, |q - k| < window
-    if window is not None and causal:
-        raise NotImplementedError("causal sliding windows are not packed")
+    window = kwargs.get("sliding_window")  # ModernBERT: |q - k| < window; Mistral-style causal: 0 <= q - k < window
     gqa = key.shape[1] != query.shape[1]
     out = torch.empty_like(query)
     for start, end in bounds:
         band = None
         if window is not None and end - start > window - 1:
             pos = torch.arange(end - start, device=query.device)
-            band = (pos[:, None] - pos[None, :]).abs() < window
+            dist = pos[:, None] - pos[None, :]
+            band = (dist >= 0) & (dist < window) if causal else dist.abs() < window
         out[:, :, start:end] = F.scaled_dot_product_attention(
             query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], attn_mask=band,
-            is_causal=causal, scale=scaling, enable_gqa=gqa)
+            is_causal=causal and band is None, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2), None
 
 

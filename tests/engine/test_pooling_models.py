@@ -150,3 +150,21 @@ def test_a_model_failing_the_packed_check_runs_padded(model_path, monkeypatch):
     seqs = [[2] + [9 + i % 50] * n + [3] for i, n in enumerate((40, 3, 70, 1))]
     alone = [engine.runner._forward([s], None, None)[0] for s in seqs]
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(alone, engine.embed(seqs)))
+
+
+def test_sliding_window_is_kept_within_each_packed_sequence(model_path, tmp_path):
+    import json
+    import shutil
+
+    from engine.pooling.runner import PoolingRunner
+    path = tmp_path / "mistral-window-8"
+    shutil.copytree(model_path("tiny-mistral-embed"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "sliding_window": 8}))  # causal, far below the inputs
+    runner = PoolingRunner(str(path), detect(path))
+    assert runner.packed
+    seqs = [[5 + (i * 7 + j) % 90 for j in range(1 + (i * 37) % 120)] for i in range(12)]
+    packed = torch.stack(runner.run(seqs))
+    runner.packed = False  # length-sorted padded batches: SDPA with transformers' own sliding-window mask
+    padded = torch.stack(runner.run(seqs))
+    assert torch.allclose(packed, padded, atol=1e-5), (packed - padded).abs().max()
