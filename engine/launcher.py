@@ -472,8 +472,12 @@ def _pooling_engine(config: EngineConfig, layout: Any) -> Any:
         return None
     if layout is not None or config.num_shard > 1 or config.lora_adapters or config.quantize:
         raise ValueError("pooling models run on one device without --num-shard, pipeline ranks, LoRA or --quantize")
+    import torch
+
     from engine.pooling.engine import PoolingEngine
-    return PoolingEngine(config, spec)
+    from engine.worker import resolve_device
+    cpu = resolve_device(config.device, 0).type == "cpu"  # one single-threaded forward per CPU thread
+    return PoolingEngine(config, spec, workers=torch.get_num_threads() if cpu else 1)
 
 
 def _driven_engine(config: EngineConfig, layout: Any) -> Any:

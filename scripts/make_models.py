@@ -114,6 +114,9 @@ POOLING_MODELS: dict[str, tuple[str, str, dict, dict | None]] = {
     "tiny-modernbert-embed": ("ModernBertConfig", "AutoModel", dict(_ENCODER, global_attn_every_n_layers=2,
                                                                     local_attention=16),
                               dict(pooling="mean", normalize=True)),
+    # nomic-embed-text style: rotary positions and a SwiGLU MLP in a BERT (transformers' own NomicBert class)
+    "tiny-nomicbert-embed": ("NomicBertConfig", "AutoModel", _ENCODER, dict(pooling="mean", normalize=True, prompts={
+        "query": "search_query: ", "document": "search_document: ", "clustering": "clustering: "})),
     "tiny-qwen3-embed": ("Qwen3Config", "AutoModel", dict(_COMMON, rope_theta=1e6, tie_word_embeddings=False),
                          dict(pooling="lasttoken", normalize=True, prompts={"query": "Instruct: find it\nQuery: "})),
     # e5-mistral style: last token of "<s> text </s>", instruction prompts (one of them the default for Llama)

@@ -99,13 +99,16 @@ class Server:
         return summary.to_dict()
 
     def embed(self, texts: str | list[str], *, dimensions: int | None = None, batch_size: int = 256,
-              model: str | None = None) -> list[list[float]]:
+              model: str | None = None, prompt_name: str | None = None,
+              input_type: str | None = None) -> list[list[float]]:
         """Embeddings from a pooling model's server (/v1/embeddings), one vector per text in order, sent
-        `batch_size` texts per request (a service: spread over its READY replicas)."""
+        `batch_size` texts per request (a service: spread over its READY replicas). `input_type` "query" or
+        "document" (or a `prompt_name`) picks the model's prompt, as ServiceClient.embed says."""
         from tgi_hpc.service.client import ServiceClient
 
         with self.endpoint(model=model) as found, ServiceClient(urls=found.urls(), api_key=found.api_key) as client:
-            return client.embed(texts, dimensions=dimensions, batch_size=batch_size)
+            return client.embed(texts, dimensions=dimensions, batch_size=batch_size, prompt_name=prompt_name,
+                                input_type=input_type)
 
     def stop(self) -> None:
         """Cancel the job, or every job of the service (none submits a successor any more); a job that had
@@ -184,8 +187,9 @@ def metrics(target: str | Server, interval: float = 1.0, model: str | None = Non
 
 
 def embed(target: str | Server, texts: str | list[str], *, dimensions: int | None = None, batch_size: int = 256,
-          **where) -> list[list[float]]:
-    return attach(target, **where).embed(texts, dimensions=dimensions, batch_size=batch_size)
+          prompt_name: str | None = None, input_type: str | None = None, **where) -> list[list[float]]:
+    return attach(target, **where).embed(texts, dimensions=dimensions, batch_size=batch_size, prompt_name=prompt_name,
+                                         input_type=input_type)
 
 
 def stop(target: str | Server, **where) -> None:

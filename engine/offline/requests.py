@@ -88,6 +88,7 @@ class Prepared:
     use: ToolUse | None = None
     scoring: bool = False
     inputs: list[list[int]] | None = None   # the token ids of each input of an embeddings line
+    skip: int = 0                           # its leading prompt tokens the pooling leaves out
 
 
 def seed_of(custom_id: str) -> int:
@@ -130,7 +131,8 @@ def prepare(state: OfflineState, custom_id: str, text: str) -> Prepared:
     try:
         if url == EMBEDDINGS:
             req = parse_body(EmbeddingRequest, raw)
-            return Prepared(custom_id, url, req, None, inputs=embedding_inputs(state, req))  # type: ignore[arg-type]
+            inputs, skip = embedding_inputs(state, req)  # type: ignore[arg-type]
+            return Prepared(custom_id, url, req, None, inputs=inputs, skip=skip)
         if url == CHAT:
             return _prepare_chat(state, custom_id, parse_body(ChatCompletionRequest, raw))
         return _prepare_completion(state, custom_id, parse_body(CompletionRequest, raw))

@@ -122,7 +122,7 @@ class BatchRunner:
         n = len(prep.inputs)
         parts = _Pooled([f"{rid}.{k}" for k in range(n)], [None] * n, n)
         for sub, ids in zip(parts.rids, prep.inputs):
-            self.llm.add_request(sub, ids, PoolingParams())
+            self.llm.add_request(sub, ids, PoolingParams(skip=prep.skip))
             self._in_flight[sub] = (index, pos, prep, parts)
 
     def _open_next_shard(self) -> bool:

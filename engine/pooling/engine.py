@@ -1,9 +1,12 @@
 """PoolingEngine: LLMEngine's add_request / abort / step surface over a PoolingRunner.
 
 A request is its token ids (and, for a cross-encoder pair, token type ids); one step takes the waiting
-requests in arrival order up to `max_batch_prefill_tokens` tokens, runs them as length-sorted batches and
-finishes every one of them: one output each, with the pooled vector or the logits. Nothing is kept after
-the step. add_request and abort are thread-safe (the HTTP thread calls them; step runs in the model's).
+requests in arrival order up to `max_batch_prefill_tokens` tokens, runs them as packed (or length-sorted padded)
+batches and finishes every one of them: one output each, with the pooled vector or the logits. Nothing is kept
+after the step. add_request and abort are thread-safe (the HTTP thread calls them; step runs in the model's).
+With `workers` N > 1 on CPU (the launcher passes its torch thread count), the engine runs N single-threaded
+forwards at once instead of one N-thread forward (engine/pooling/runner.py says why): it sets torch to one
+thread, process-wide, and gives the old count back on close().
 """
 from __future__ import annotations
 
@@ -24,15 +27,14 @@ from engine.pooling.spec import PoolingSpec, detect
 logger = logging.getLogger(__name__)
 
 DEFAULT_STEP_TOKENS = 16384     # tokens one step takes (--max-batch-prefill-tokens overrides)
-FORWARD_TOKENS = 1024            # padded tokens of one forward: one thread, or off CPU (see runner.py)
-TEAM_FORWARD_TOKENS = 2048       # per thread, when several CPU threads share a forward
-MAX_FORWARD_TOKENS = 8192
+FORWARD_TOKENS = 1024            # tokens of one forward, each on one CPU thread, or off CPU (see runner.py)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(slots=True)
 class PoolingParams:
     token_type_ids: list[int] | None = None   # segment ids of a (query, document) pair
+    skip: int = 0                             # leading prompt tokens left out of the pooling (include_prompt: false)
     grammar: None = None                      # AsyncEngine reads it on every request (structured output); none here
 
 
@@ -51,16 +53,15 @@ class _Request:
     request_id: str
     token_ids: list[int]
     token_type_ids: list[int] | None
+    skip: int = 0
 
 
-def forward_tokens(device: torch.device) -> int:
-    """Padded tokens of one forward. One CPU thread has no barrier and likes cache-sized batches (1024 was 1.5x
-    faster than 2048-4096); a team of threads stalls at each op's OpenMP barrier, so bigger GEMMs pay off (at 2
-    threads 4096 took 0.60x the CPU time of 1024). Off CPU: 1024, not tuned."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1:
+def forward_tokens(device: torch.device, workers: int) -> int:
+    """Tokens of one forward. On one thread, 1024-token MiniLM forwards were ~1.5x faster than 2048-4096 (they
+    fit the cache); a team of N threads on one forward gets N times that. Off CPU: 1024, not tuned."""
+    if device.type != "cpu" or workers > 1:
         return FORWARD_TOKENS
-    return min(TEAM_FORWARD_TOKENS * threads, MAX_FORWARD_TOKENS)
+    return FORWARD_TOKENS * torch.get_num_threads()
 
 
 class PoolingEngine:
@@ -68,7 +69,8 @@ class PoolingEngine:
 
     task: str
 
-    def __init__(self, config: EngineConfig, spec: PoolingSpec | None = None, *, tokenizer: Any = None) -> None:
+    def __init__(self, config: EngineConfig, spec: PoolingSpec | None = None, *, tokenizer: Any = None,
+                 workers: int = 1) -> None:
         from engine.tokenizer import load_tokenizer
         from engine.worker import resolve_device
 
@@ -92,12 +94,16 @@ class PoolingEngine:
         self.vocab_size = len(self.tokenizer)
         self.eos_token_ids: list[int] = []
         pad = self.tokenizer.pad_token_id
+        workers = workers if self.device.type == "cpu" else 1
+        self._threads_before = torch.get_num_threads() if workers > 1 else None
+        if workers > 1:
+            torch.set_num_threads(1)  # global: each of the workers' ops runs on its own thread
         self.runner = PoolingRunner(
             config.model_id, self.spec, device=self.device, dtype=self.dtype,
             pad_token_id=int(pad) if pad is not None else 0,
-            max_batch_tokens=max(forward_tokens(self.device), self.max_input_tokens),
+            max_batch_tokens=max(forward_tokens(self.device, workers), self.max_input_tokens),
             max_batch_size=config.max_batch_size or 256, trust_remote_code=config.trust_remote_code,
-            load_format=config.load_format, cpu_gemm=config.cpu_gemm)
+            load_format=config.load_format, cpu_gemm=config.cpu_gemm, workers=workers)
         self.hidden_size = self.runner.hidden_size
         self._waiting: deque[_Request] = deque()
         self._aborted: set[str] = set()
@@ -123,8 +129,9 @@ class PoolingEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any = None) -> None:
         """`params` is PoolingParams; anything else (the health probe's SamplingParams) means no token types."""
         types = params.token_type_ids if isinstance(params, PoolingParams) else None
+        skip = params.skip if isinstance(params, PoolingParams) else 0
         with self._lock:
-            self._waiting.append(_Request(request_id, list(prompt_token_ids), types))
+            self._waiting.append(_Request(request_id, list(prompt_token_ids), types, skip))
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -139,7 +146,8 @@ class PoolingEngine:
             return []
         outputs = []
         try:
-            results = self.runner.run([r.token_ids for r in batch], [r.token_type_ids for r in batch])
+            results = self.runner.run([r.token_ids for r in batch], [r.token_type_ids for r in batch],
+                                      [r.skip for r in batch])
         except Exception as exc:  # the batch fails, the engine goes on
             logger.exception("pooling forward failed")
             return [PoolingOutput(r.request_id, None, len(r.token_ids), finish_reason=None,
@@ -173,9 +181,13 @@ class PoolingEngine:
 
     def stats(self) -> Any:
         from engine.llm_engine import EngineStats
+        backend = "varlen sdpa (transformers)" if self.runner.packed else "sdpa (transformers)"
         return EngineStats(num_waiting=len(self._waiting), num_running=0, num_preempted_total=0, num_free_blocks=0,
                            num_total_blocks=0, block_size=1, batch_size=self._last_batch,
-                           attention_backend="sdpa (transformers)", num_prompt_tokens_total=self._prompt_tokens_total)
+                           attention_backend=backend, num_prompt_tokens_total=self._prompt_tokens_total)
 
     def close(self) -> None:
-        pass
+        self.runner.close()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None

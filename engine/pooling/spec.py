@@ -2,8 +2,9 @@
 
 Decided in this order:
 1. modules.json with a `sentence_transformers.models.Pooling` module: an embedder; the pooling mode from its
-   config (mean / CLS / last token / max / mean-sqrt-len), a `Normalize` module, `max_seq_length` from
-   sentence_bert_config.json, prompts from config_sentence_transformers.json.
+   config (mean / CLS / last token / max / mean-sqrt-len, and `include_prompt`), a `Normalize` module,
+   `max_seq_length` from sentence_bert_config.json, prompts from config_sentence_transformers.json over
+   sentence-transformers 6's empty `query` and `document` prompts (so those names always resolve).
 2. config.json's architecture `*ForSequenceClassification`: a cross-encoder / classifier (scores per label).
 3. An encoder architecture (BertModel, XLMRobertaModel, ModernBertModel, ...): an embedder with CLS pooling,
    which is what those checkpoints were trained for when they ship without sentence-transformers files.
@@ -24,6 +25,8 @@ _MODE_KEYS = (("pooling_mode_cls_token", "cls"), ("pooling_mode_lasttoken", "las
 ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel", "NomicBertModel",
                          "DistilBertModel", "MPNetModel", "ElectraModel", "DebertaV2Model", "NewModel")
 _PIPELINE_TAGS = {"embed": "feature-extraction", "classify": "text-classification"}
+ST_DEFAULT_PROMPTS = {"query": "", "document": ""}   # SentenceTransformer._default_prompts (v5+), filled by the saved
+DOCUMENT_PROMPT_NAMES = ("document", "passage", "corpus")  # encode_document's candidates, in its order
 
 
 class PoolingConfigError(ValueError):
@@ -38,8 +41,9 @@ class PoolingSpec:
     normalize: bool = False                     # a Normalize module follows the pooling
     max_seq_length: int | None = None           # sentence_bert_config.json; None = the model's positions
     do_lower_case: bool = False
-    prompts: dict[str, str] = field(default_factory=dict)   # name -> text prepended to the input
+    prompts: dict[str, str] = field(default_factory=lambda: dict(ST_DEFAULT_PROMPTS))  # name -> text put first
     default_prompt_name: str | None = None
+    include_prompt: bool = True                 # False: the prompt's tokens are left out of the pooling (INSTRUCTOR)
     num_labels: int = 1                         # classify
     id2label: dict[int, str] = field(default_factory=dict)
     source: str = "architecture"                # "sentence-transformers" | "architecture"
@@ -81,15 +85,38 @@ def _sentence_transformers(root: Path, arch: str, modules: list[Any], pooling: d
         raise PoolingConfigError(f"{root}: modules.json names a Pooling module without a readable config.json")
     bert_cfg = _json(root / "sentence_bert_config.json") or {}
     st_cfg = _json(root / "config_sentence_transformers.json") or {}
-    prompts = st_cfg.get("prompts") or {}
-    if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+    saved = st_cfg.get("prompts") or {}
+    if not isinstance(saved, dict) or not all(v is None or isinstance(v, str) for v in saved.values()):
         raise PoolingConfigError(f"{root}: `prompts` in config_sentence_transformers.json is not a name -> text map")
+    prompts = {**ST_DEFAULT_PROMPTS, **{k: v or "" for k, v in saved.items()}}
+    default = st_cfg.get("default_prompt_name") or None
+    if default is not None and default not in prompts:  # sentence-transformers refuses to load it too
+        raise PoolingConfigError(f"{root}: default_prompt_name {default!r} is not one of the prompts "
+                                 f"({', '.join(sorted(prompts))})")
     max_len = bert_cfg.get("max_seq_length")
     return PoolingSpec(
         "embed", arch or "unknown", pooling=_mode(pool_cfg, root), normalize=_module(modules, "Normalize") is not None,
         max_seq_length=int(max_len) if isinstance(max_len, int) and max_len > 0 else None,
-        do_lower_case=bool(bert_cfg.get("do_lower_case", False)), prompts=dict(prompts),
-        default_prompt_name=st_cfg.get("default_prompt_name") or None, source="sentence-transformers")
+        do_lower_case=bool(bert_cfg.get("do_lower_case", False)), prompts=prompts, default_prompt_name=default,
+        include_prompt=pool_cfg.get("include_prompt", True) is not False, source="sentence-transformers")
+
+
+def resolve_prompt(spec: PoolingSpec, prompt_name: str | None, input_type: str | None = None) -> str | None:
+    """The text put before each input, as sentence-transformers 6 picks it: `encode(prompt_name=...)` (an unknown
+    name is a ValueError), else for input_type "query" / "document" `encode_query` / `encode_document` (the
+    "query" prompt; the first of "document", "passage", "corpus"), else the default prompt; None when none applies."""
+    if prompt_name is None and input_type == "query" and "query" in spec.prompts:
+        prompt_name = "query"
+    elif prompt_name is None and input_type == "document":
+        prompt_name = next((n for n in DOCUMENT_PROMPT_NAMES if n in spec.prompts), None)
+    if prompt_name is not None:
+        if prompt_name not in spec.prompts:
+            raise ValueError(f"`prompt_name` {prompt_name!r} is not one of this model's prompts "
+                             f"({', '.join(sorted(spec.prompts)) or 'none'})")
+        return spec.prompts[prompt_name]
+    if spec.default_prompt_name is not None:
+        return spec.prompts.get(spec.default_prompt_name)
+    return None
 
 
 def _mode(cfg: dict[str, Any], root: Path) -> str:

@@ -10,6 +10,8 @@ from engine.server.protocol import _Wire
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 Direction = Literal["Left", "Right", "left", "right"]
+# sentence-transformers' encode_query / encode_document (Voyage AI's `input_type` names them the same way)
+InputType = Literal["query", "document"]
 FloatVector = list[float]
 
 
@@ -23,6 +25,8 @@ class EmbeddingRequest(_Wire):
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM: keep the last N tokens; -1 = the most
     truncate: bool = False      # TEI's: cut at the model's limit from the right, as sentence-transformers does
+    prompt_name: str | None = None      # a name in config_sentence_transformers.json's prompts, as TEI's /embed
+    input_type: InputType | None = None
 
 
 class EmbeddingData(_Wire):
@@ -53,6 +57,7 @@ class EmbedRequest(_Wire):
     truncate: bool | None = None
     truncation_direction: Direction = "Right"
     prompt_name: str | None = None
+    input_type: InputType | None = None
     dimensions: int | None = Field(default=None, ge=1)
 
 

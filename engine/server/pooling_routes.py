@@ -22,6 +22,7 @@ from starlette.routing import BaseRoute
 from engine.async_engine import EngineDeadError, RequestFailedError
 from engine.pooling.engine import PoolingParams
 from engine.pooling.pooler import normalize
+from engine.pooling.spec import resolve_prompt
 from engine.server.errors import GenerationError, ValidationError
 from engine.server.infer import _gather_or_cancel
 from engine.server.pooling_protocol import (CohereRerankRequest, CohereRerankResponse, EmbeddingData, EmbeddingRequest,
@@ -126,15 +127,24 @@ def _token_arrays(state: ServerState, value: list[int] | list[list[int]], limit:
     return seqs  # type: ignore[return-value]
 
 
-def _with_prompt(state: ServerState, texts: list[str], prompt_name: str | None) -> list[str]:
+def _with_prompt(state: ServerState, texts: list[str], prompt_name: str | None,
+                 input_type: str | None = None) -> tuple[list[str], int]:
+    """The texts with the prompt sentence-transformers would put first (engine/pooling/spec.resolve_prompt), and
+    how many leading tokens the pooling leaves out (the prompt's, without a trailing special token, when the
+    model's Pooling has include_prompt: false; else 0)."""
     spec = state.engine.engine.spec
-    name = prompt_name if prompt_name is not None else spec.default_prompt_name
-    if name is None:
-        return texts
-    if name not in spec.prompts:
-        known = ", ".join(sorted(spec.prompts)) or "none"
-        raise ValidationError(f"`prompt_name` {name!r} is not one of this model's prompts ({known})")
-    return [spec.prompts[name] + t for t in texts]
+    try:
+        prompt = resolve_prompt(spec, prompt_name, input_type)
+    except ValueError as exc:
+        raise ValidationError(str(exc)) from None
+    if not prompt:
+        return texts, 0
+    skip = 0
+    if not spec.include_prompt:
+        tok = state.tokenizer
+        ids = tok(prompt, add_special_tokens=True)["input_ids"]
+        skip = len(ids) - (1 if ids and ids[-1] in set(tok.all_special_ids) else 0)
+    return [prompt + t for t in texts], skip
 
 
 def _prompt_tokens(n: int | None, limit: int) -> int | None:
@@ -150,10 +160,11 @@ def _prompt_tokens(n: int | None, limit: int) -> int | None:
 
 # --- running ----------------------------------------------------------------------------------------
 
-async def _run(state: ServerState, seqs: list[list[int]], types: list[list[int]] | None = None) -> torch.Tensor:
+async def _run(state: ServerState, seqs: list[list[int]], types: list[list[int]] | None = None,
+               skip: int = 0) -> torch.Tensor:
     """One engine request per sequence, all at once; the rows in order."""
     async def one(ids: list[int], tt: list[int] | None) -> torch.Tensor:
-        async for out in state.engine.generate(f"pool-{uuid.uuid4().hex}", ids, PoolingParams(tt)):
+        async for out in state.engine.generate(f"pool-{uuid.uuid4().hex}", ids, PoolingParams(tt, skip)):
             if out.finished:
                 return out.data
         raise GenerationError("the engine ended the request without a result")
@@ -199,27 +210,34 @@ async def _pair_scores(state: ServerState, route: str, queries: list[str], docs:
                                max_length=max_length)
         logits = await _run(state, ids, types)
         return _scores(logits, raw)[:, 0].tolist(), sum(map(len, ids))
-    uniq = list(dict.fromkeys(queries + docs))
-    ids, _ = _tokenize(state, "documents", uniq, truncate=truncate, direction=direction, max_length=max_length)
-    vectors = dict(zip(uniq, normalize(await _run(state, ids))))
-    scores = [float(vectors[q] @ vectors[d]) for q, d in zip(queries, docs)]
-    return scores, sum(map(len, ids))
+    # an embedder: queries as encode_query, documents as encode_document (their prompts, if the model has them)
+    vectors, tokens = [], 0
+    for kind, texts in (("query", list(dict.fromkeys(queries))), ("document", list(dict.fromkeys(docs)))):
+        prompted, skip = _with_prompt(state, texts, None, kind)
+        ids, _ = _tokenize(state, "documents", prompted, truncate=truncate, direction=direction,
+                           max_length=max_length)
+        vectors.append(dict(zip(texts, normalize(await _run(state, ids, skip=skip)))))
+        tokens += sum(map(len, ids))
+    scores = [float(vectors[0][q] @ vectors[1][d]) for q, d in zip(queries, docs)]
+    return scores, tokens
 
 
 # --- OpenAI /v1/embeddings -----------------------------------------------------------------------
 
-def embedding_inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
-    """The token ids of each input of an embeddings request (a 422 when the model embeds nothing, or an input
-    is empty, too long or out of the vocabulary). Offline batches call it too (engine/offline/requests.py)."""
+def embedding_inputs(state: ServerState, req: EmbeddingRequest) -> tuple[list[list[int]], int]:
+    """The token ids of each input of an embeddings request, and how many leading prompt tokens the pooling
+    leaves out (include_prompt: false); a 422 when the model embeds nothing, or an input is empty, too long or
+    out of the vocabulary. Offline batches call it too (engine/offline/requests.py)."""
     llm = _need(state, "/v1/embeddings", "embed")
     limit = _limit(state)
     if isinstance(req.input, str) or (req.input and isinstance(req.input[0], str)):
-        texts = _with_prompt(state, _texts(req.input, "input", limit), None)  # type: ignore[arg-type]
+        texts, skip = _with_prompt(state, _texts(req.input, "input", limit),  # type: ignore[arg-type]
+                                   req.prompt_name, req.input_type)
         max_length = _prompt_tokens(req.truncate_prompt_tokens, llm.max_input_tokens)
         seqs, _ = _tokenize(state, "input", texts, truncate=req.truncate and max_length is None,
                             direction="left" if max_length else "right", max_length=max_length)
-        return seqs
-    return _token_arrays(state, req.input, limit)  # type: ignore[arg-type]
+        return seqs, skip
+    return _token_arrays(state, req.input, limit), 0  # type: ignore[arg-type]  # token ids: no prompt
 
 
 def embedding_response(state: ServerState, req: EmbeddingRequest, pooled: torch.Tensor,
@@ -238,8 +256,8 @@ def embedding_response(state: ServerState, req: EmbeddingRequest, pooled: torch.
 async def embeddings(request: Request) -> Response:
     async def work(state: ServerState) -> Response:
         req = parse_body(EmbeddingRequest, await request.body())
-        seqs = embedding_inputs(state, req)
-        return JSONResponse(dump(embedding_response(state, req, await _run(state, seqs), seqs)))
+        seqs, skip = embedding_inputs(state, req)
+        return JSONResponse(dump(embedding_response(state, req, await _run(state, seqs, skip=skip), seqs)))
     return await _admitted(request, work)
 
 
@@ -253,9 +271,10 @@ async def embed(request: Request) -> Response:
     async def work(state: ServerState) -> Response:
         req = parse_body(EmbedRequest, await request.body())
         _need(state, "/embed", "embed")
-        texts = _with_prompt(state, _texts(req.inputs, "inputs", _limit(state)), req.prompt_name)
+        texts, skip = _with_prompt(state, _texts(req.inputs, "inputs", _limit(state)), req.prompt_name,
+                                   req.input_type)
         seqs, _ = _tokenize(state, "inputs", texts, truncate=bool(req.truncate), direction=req.truncation_direction)
-        vectors = _vectors(await _run(state, seqs), req.normalize, req.dimensions)
+        vectors = _vectors(await _run(state, seqs, skip=skip), req.normalize, req.dimensions)
         return JSONResponse(vectors.tolist())
     return await _admitted(request, work)
 

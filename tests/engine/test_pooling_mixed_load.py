@@ -1,6 +1,7 @@
 """A served tiny embedder (`python -m engine`, uvicorn) under 64 concurrent embedding clients (the real `openai`
 client, one thread each) while other threads send it generation requests: every generation request gets the 422
-naming the routes served, every embedding comes back to its own client and equals sentence-transformers'."""
+naming the routes served, every embedding comes back to its own client and equals sentence-transformers'. Two CPU
+threads: the server's pooling engine has two single-threaded workers (engine/pooling/runner.py)."""
 from __future__ import annotations
 
 import threading
@@ -27,7 +28,7 @@ SERVED = "/v1/embeddings, /embed"
 @pytest.fixture(scope="module")
 def served(model_path, tmp_path_factory):
     path = model_path("tiny-bert-embed")
-    proc, url, log = start_server(path, tmp_path_factory.mktemp("mixed"), "--cpu-threads", "1",
+    proc, url, log = start_server(path, tmp_path_factory.mktemp("mixed"), "--cpu-threads", "2",
                                   "--served-model-name", "tiny-embed", "--max-concurrent-requests", "512")
     yield url, st.SentenceTransformer(str(path), device="cpu")
     stop_server(proc)

@@ -34,7 +34,8 @@ def test_sentence_transformers_pooling_modes(tmp_path, key, mode):
                            sentence_bert_config={"max_seq_length": 77, "do_lower_case": True},
                            config_sentence_transformers={"prompts": {"query": "q: "}, "default_prompt_name": "query"}))
     assert (spec.task, spec.pooling, spec.normalize, spec.max_seq_length) == ("embed", mode, True, 77)
-    assert spec.do_lower_case and spec.prompts == {"query": "q: "} and spec.default_prompt_name == "query"
+    assert spec.do_lower_case and spec.prompts == {"query": "q: ", "document": ""}  # ST 6's defaults under
+    assert spec.default_prompt_name == "query" and spec.include_prompt
     assert spec.source == "sentence-transformers" and "/v1/embeddings" in spec.routes()
 
 
@@ -75,6 +76,27 @@ def test_bad_prompts_and_lengths(tmp_path):
     spec = detect(snapshot(tmp_path / "b", modules=MODULES, pooling={"pooling_mode_cls_token": True},
                            sentence_bert_config={"max_seq_length": -3}))
     assert spec.max_seq_length is None
+    with pytest.raises(PoolingConfigError, match="default_prompt_name 'search'"):  # sentence-transformers refuses it
+        detect(snapshot(tmp_path / "c", modules=MODULES, pooling={"pooling_mode_cls_token": True},
+                        config_sentence_transformers={"prompts": {"query": "q: "}, "default_prompt_name": "search"}))
+    spec = detect(snapshot(tmp_path / "d", modules=MODULES, pooling={"pooling_mode_mean_tokens": True,
+                                                                    "include_prompt": False},
+                           config_sentence_transformers={"prompts": {"query": None, "doc": "d: "},
+                                                         "default_prompt_name": "query"}))
+    assert spec.prompts == {"query": "", "document": "", "doc": "d: "} and not spec.include_prompt
+
+
+def test_resolve_prompt_is_sentence_transformers_order():
+    from engine.pooling.spec import PoolingSpec, resolve_prompt
+    spec = PoolingSpec("embed", "BertModel", prompts={"query": "q: ", "document": "", "passage": "p: "},
+                       default_prompt_name="passage")
+    assert resolve_prompt(spec, None) == "p: "                       # encode(): the default
+    assert resolve_prompt(spec, None, "query") == "q: "              # encode_query
+    assert resolve_prompt(spec, None, "document") == ""              # encode_document: "document" before "passage"
+    assert resolve_prompt(spec, "passage", "query") == "p: "         # a name wins
+    assert resolve_prompt(PoolingSpec("embed", "BertModel"), None) is None
+    with pytest.raises(ValueError, match="'x' is not one of"):
+        resolve_prompt(spec, "x")
 
 
 def test_hostile_directory_names_are_only_paths(tmp_path, hostile):

@@ -58,3 +58,23 @@ def test_a_failed_run_leaves_no_target(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == [source]  # no target, no partial file
     assert main([str(tmp_path / "missing.jsonl"), str(tmp_path / "o.jsonl"), "--url", "http://127.0.0.1:9"]) == 1
     assert "error:" in capsys.readouterr().err
+
+
+def test_prompt_choice_reaches_each_request(tmp_path):
+    source = tmp_path / "corpus.jsonl"
+    source.write_text("".join(json.dumps({"id": i, "text": f"t{i}"}) + "\n" for i in range(3)))
+    bodies: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        return httpx.Response(200, json={"data": [{"index": i, "embedding": [0.0]} for i in range(len(body["input"]))]})
+    client = ServiceClient(urls=["http://replica:1"], retry_for=0)
+    client._http = httpx.Client(transport=httpx.MockTransport(handler))
+    embed_jsonl(client, source, tmp_path / "docs.jsonl", batch_size=2, progress=False,
+                prompt={"input_type": "document"})
+    embed_jsonl(client, source, tmp_path / "plain.jsonl", batch_size=5, progress=False)
+    assert [(b.get("input_type"), b.get("prompt_name"), len(b["input"])) for b in bodies] == [
+        ("document", None, 2), ("document", None, 1), (None, None, 3)]  # nothing sent when nothing was chosen
+    with pytest.raises(SystemExit):
+        main([str(source), str(tmp_path / "o.jsonl"), "--url", "http://127.0.0.1:9", "--input-type", "passage"])

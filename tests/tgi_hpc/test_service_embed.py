@@ -1,11 +1,13 @@
 """ServiceClient.embed: batches of /v1/embeddings, vectors back in input order, errors raised (no torch)."""
 from __future__ import annotations
 
+import inspect
 import json
 
 import httpx
 import pytest
 
+from tgi_hpc import api
 from tgi_hpc.service.client import ServiceClient
 
 
@@ -36,3 +38,18 @@ def test_embed_raises_the_servers_422():
         client.embed("")
     with pytest.raises(ValueError, match="batch_size"):
         client.embed(["a"], batch_size=0)
+
+
+def test_embed_sends_the_prompt_choice_only_when_made():
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json={"data": [{"index": 0, "embedding": [1.0]}]})
+    client = client_with(handler)
+    client.embed("a", input_type="query")
+    client.embed("a", prompt_name="clustering")
+    client.embed("a")
+    assert [(b.get("input_type"), b.get("prompt_name")) for b in bodies] == [
+        ("query", None), (None, "clustering"), (None, None)]
+    assert {"prompt_name", "input_type"} <= set(inspect.signature(api.embed).parameters)

@@ -132,10 +132,13 @@ class ServiceClient:
         return response.json()
 
     def embed(self, inputs: str | list[str], *, dimensions: int | None = None, batch_size: int = 256,
-              truncate: bool = False) -> list[list[float]]:
+              truncate: bool = False, prompt_name: str | None = None,
+              input_type: str | None = None) -> list[list[float]]:
         """OpenAI's /v1/embeddings on a pooling model (engine/pooling/): one vector per input, in order, sent
         `batch_size` inputs per request (each request may go to another replica). `truncate`: cut inputs longer
-        than the model takes (else the server answers 422)."""
+        than the model takes (else the server answers 422). `prompt_name` (one of the model's sentence-transformers
+        prompts) or `input_type` "query" / "document" (sentence-transformers' encode_query / encode_document)
+        choose the prompt put before each input; neither: the model's default prompt, if it has one."""
         texts = [inputs] if isinstance(inputs, str) else list(inputs)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -146,6 +149,7 @@ class ServiceClient:
                 body["dimensions"] = dimensions
             if truncate:
                 body["truncate"] = True
+            body.update({k: v for k, v in (("prompt_name", prompt_name), ("input_type", input_type)) if v})
             response = self.request("POST", "/v1/embeddings", json=body)
             response.raise_for_status()
             data = sorted(response.json()["data"], key=lambda d: d["index"])

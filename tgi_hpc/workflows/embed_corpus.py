@@ -5,7 +5,9 @@
 
 Each input line is a JSON object with the text under `--field` (default "text"); each output line is
 {"id": the line's "id" or its line number, "embedding": [...]}, in input order. Texts longer than the model
-takes are cut (as sentence-transformers does) unless --no-truncate. Batches of `--batch-size`
+takes are cut (as sentence-transformers does) unless --no-truncate. A corpus to search is embedded with
+`--input-type document` (queries with `query`): the model's sentence-transformers prompts, as encode_document and
+encode_query pick them (`--prompt-name` names one). Batches of `--batch-size`
 texts go to /v1/embeddings (ServiceClient: a service's READY replicas, retried on another one when one
 drains). The output is written beside the target and renamed into place at the end, so a half-finished run
 never looks like a finished one.
@@ -42,7 +44,8 @@ def _records(source: Path, field: str) -> Iterator[tuple[Any, str]]:
 
 
 def embed_jsonl(client: ServiceClient, source: Path, target: Path, *, field: str = "text", batch_size: int = 256,
-                dimensions: int | None = None, progress: bool = True, truncate: bool = True) -> int:
+                dimensions: int | None = None, progress: bool = True, truncate: bool = True,
+                prompt: dict[str, str] | None = None) -> int:
     """Embed every line of `source` into `target`; returns the number of texts."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -50,8 +53,8 @@ def embed_jsonl(client: ServiceClient, source: Path, target: Path, *, field: str
     tmp = target.with_name(f".{target.name}.partial")
     columns = (TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"), TimeRemainingColumn())
     try:
-        done = _write(client, source, field, batch_size, dimensions, truncate, tmp,
-                      Progress(*columns, disable=not progress), total)
+        options = dict(dimensions=dimensions, truncate=truncate, **(prompt or {}))
+        done = _write(client, source, field, batch_size, options, tmp, Progress(*columns, disable=not progress), total)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -59,8 +62,8 @@ def embed_jsonl(client: ServiceClient, source: Path, target: Path, *, field: str
     return done
 
 
-def _write(client: ServiceClient, source: Path, field: str, batch_size: int, dimensions: int | None, truncate: bool,
-           tmp: Path, progress: Any, total: int) -> int:
+def _write(client: ServiceClient, source: Path, field: str, batch_size: int, options: dict[str, Any], tmp: Path,
+           progress: Any, total: int) -> int:
     done = 0
     with tmp.open("w", encoding="utf-8") as out, progress as bar:
         task = bar.add_task("embed", total=total)
@@ -69,8 +72,7 @@ def _write(client: ServiceClient, source: Path, field: str, batch_size: int, dim
             if item is not None:
                 batch.append(item)
             if batch and (item is None or len(batch) == batch_size):
-                vectors = client.embed([text for _, text in batch], dimensions=dimensions, batch_size=batch_size,
-                                       truncate=truncate)
+                vectors = client.embed([text for _, text in batch], batch_size=batch_size, **options)
                 for (key, _), vector in zip(batch, vectors):
                     out.write(json.dumps({"id": key, "embedding": vector}) + "\n")
                 done += len(batch)
@@ -88,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--field", default="text")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--dimensions", type=int, default=None)
+    parser.add_argument("--input-type", choices=("query", "document"), default=None,
+                        help="the model's query or document prompt (sentence-transformers' encode_query / "
+                             "encode_document); default: its default prompt, if any")
+    parser.add_argument("--prompt-name", default=None, help="one of the model's sentence-transformers prompts")
     parser.add_argument("--no-truncate", action="store_true", help="fail on a text longer than the model takes "
                                                                   "(default: cut it, as sentence-transformers does)")
     args = parser.parse_args(argv)
@@ -96,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             else ServiceClient.from_env()
         with client:
             count = embed_jsonl(client, args.source, args.target, field=args.field, batch_size=args.batch_size,
-                                dimensions=args.dimensions, progress=sys.stderr.isatty(), truncate=not args.no_truncate)
+                                dimensions=args.dimensions, progress=sys.stderr.isatty(), truncate=not args.no_truncate,
+                                prompt={k: v for k, v in (("prompt_name", args.prompt_name),
+                                                          ("input_type", args.input_type)) if v})
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
