@@ -76,7 +76,7 @@ def test_kernel_matches_the_reference(dtype, heads, kv_heads, dim, window, softc
     seed = heads * dim + (window or 0)
     rng = random.Random(seed)
     for block_size, layout in ((16, "shuffled"), (4, "shuffled"), (32, "shuffled"), (16, "runs"), (4, "runs"),
-                               (32, "runs"), (128, "runs")):
+                               (128, "runs")):
         q_lens, contexts = spans_batch(rng, rng.randint(1, 12), block_size)
         out, expected = kernel_case(q_lens, contexts, heads, kv_heads, dim, block_size, window, softcap, dtype, seed,
                                     layout=layout)
