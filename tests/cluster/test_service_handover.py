@@ -1,4 +1,4 @@
-"""Services on the real local Slurm cluster, with the real engine (tiny model): a 3-minute job hands over
+"""Services on the real local Slurm cluster, with the real engine (tiny model): a 2-minute job hands over
 to the successor it submitted, and a replica is scancelled, both under a client loop through the laptop's
 balanced tunnel and through `tgi-hpc endpoint` + ServiceClient. No request may be lost, none may be a 5xx.
 """
@@ -104,7 +104,7 @@ def _serve(service_cli, model_path, name: str, *extra: str) -> dict:
 def test_handover_before_the_time_limit_loses_no_request(service_cli, local_cluster, laptop, model_path):  # noqa: F811
     _, popen, _, _ = laptop
     name = "handover"
-    started = _serve(service_cli, model_path, name, "--keep-alive", "--time", "3:00")
+    started = _serve(service_cli, model_path, name, "--keep-alive", "--time", "2:00")
     first = started["job_ids"][0]
     tunnel = loops = None
     try:
@@ -114,7 +114,8 @@ def test_handover_before_the_time_limit_loses_no_request(service_cli, local_clus
         loops = [_tunnel_loop(url, key), _client_loop(endpoint)]
         for loop in loops:
             loop.start()
-        # the first job submits its successor, which becomes READY before the 3-minute limit; the first drains
+        # the first job submits its successor, which becomes READY before the 2-minute limit (lead: the local
+        # profile's 60 s floor); the first drains
         deadline = time.monotonic() + 240
         while True:
             jobs = {j["job_id"]: j for j in service_cli.state(name)["jobs"]}
