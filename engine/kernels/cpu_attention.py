@@ -166,6 +166,20 @@ inline void accumulate_rows(float* acc, const int64_t* rows, int nr, int64_t D, 
   }
 }
 
+// fn(rows, count, kv head) for the rows of each kv head, at most 4 at a time: row r = query * H + head, and
+// kv head g serves heads g * group .. g * group + group - 1 of every query
+template <typename F>
+inline void head_groups(int64_t kvh, int64_t group, int64_t q_len, int64_t H, F&& fn) {
+  const int64_t per_head = q_len * group;
+  for (int64_t g = 0; g < kvh; ++g)
+    for (int64_t x0 = 0; x0 < per_head; x0 += 4) {
+      int64_t rows[4];
+      const int nr = static_cast<int>(std::min<int64_t>(4, per_head - x0));
+      for (int j = 0; j < nr; ++j) rows[j] = ((x0 + j) / group) * H + g * group + (x0 + j) % group;
+      fn(rows, nr, g);
+    }
+}
+
 // blocks sit anywhere in the cache, beyond the hardware prefetcher's guess: ask for the next one early
 inline void prefetch(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
@@ -225,15 +239,10 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
     }
     const float* kf = as_float(a.k + slot0 * row, kbuf, n * row);
     if (D == 64 || D == 128) {  // rows grouped by kv head, at most 4 at a time (registers)
-      const int64_t per_head = q_len * a.group;
-      for (int64_t g = 0; g < a.kvh; ++g)
-        for (int64_t x0 = 0; x0 < per_head; x0 += 4) {
-          int64_t rows[4];
-          const int nr = static_cast<int>(std::min<int64_t>(4, per_head - x0));
-          for (int j = 0; j < nr; ++j) rows[j] = ((x0 + j) / a.group) * H + g * a.group + (x0 + j) % a.group;
-          if (D == 64) score_rows<4>(qf, rows, nr, D, kf + g * D, n, row, s, L);
-          else score_rows<8>(qf, rows, nr, D, kf + g * D, n, row, s, L);
-        }
+      head_groups(a.kvh, a.group, q_len, H, [&](const int64_t* rows, int nr, int64_t g) {
+        if (D == 64) score_rows<4>(qf, rows, nr, D, kf + g * D, n, row, s, L);
+        else score_rows<8>(qf, rows, nr, D, kf + g * D, n, row, s, L);
+      });
     } else {
       for (int64_t t = 0; t < n; ++t)
         for (int64_t r = 0; r < R; ++r) s[r * L + t] = dot(qf + r * D, kf + t * row + ((r % H) / a.group) * D, D);
@@ -268,15 +277,10 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
     }
     const float* vf = as_float(a.v + slot0 * row, kbuf, n * row);
     if (D == 64 || D == 128) {
-      const int64_t per_head = q_len * a.group;
-      for (int64_t g = 0; g < a.kvh; ++g)
-        for (int64_t x0 = 0; x0 < per_head; x0 += 4) {
-          int64_t rows[4];
-          const int nr = static_cast<int>(std::min<int64_t>(4, per_head - x0));
-          for (int j = 0; j < nr; ++j) rows[j] = ((x0 + j) / a.group) * H + g * a.group + (x0 + j) % a.group;
-          if (D == 64) accumulate_rows<4>(acc, rows, nr, D, s, L, vf + g * D, n, row);
-          else accumulate_rows<8>(acc, rows, nr, D, s, L, vf + g * D, n, row);
-        }
+      head_groups(a.kvh, a.group, q_len, H, [&](const int64_t* rows, int nr, int64_t g) {
+        if (D == 64) accumulate_rows<4>(acc, rows, nr, D, s, L, vf + g * D, n, row);
+        else accumulate_rows<8>(acc, rows, nr, D, s, L, vf + g * D, n, row);
+      });
       continue;
     }
     for (int64_t r = 0; r < R; ++r) {

@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from engine.kernels import choice
 from engine.kernels.cpp_build import build, compiler
 
 logger = logging.getLogger(__name__)
@@ -202,23 +203,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*shape[:-1], n)
 
 
-BACKENDS = ("auto", "fused", "aten")
-
-
 def choose(wanted: str, device: torch.device, dtype: torch.dtype) -> str:
     """'fused' or 'aten' for this device and dtype; raises when `wanted` cannot be honoured."""
-    if wanted not in BACKENDS:
-        raise ValueError(f"unknown CPU element-wise backend {wanted!r}; use {', '.join(BACKENDS)}")
-    if wanted == "aten":
-        return "aten"
-    reason = unusable_reason(device, dtype)
-    if reason is None:
-        return "fused"
-    if wanted == "fused":
-        raise ValueError(f"CPU element-wise backend 'fused' is not usable here: {reason}; use auto")
-    if device.type == "cpu":
-        logger.info("fused element-wise kernels not used (%s): aten", reason)
-    return "aten"
+    return choice.choose(wanted, "fused", "aten", lambda: unusable_reason(device, dtype),
+                         what="CPU element-wise backend", flag="--cpu-elementwise", device=device)
 
 
 def unusable_reason(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -12,14 +12,13 @@ falls back to aten when they are missing, raise, or disagree.
 """
 from __future__ import annotations
 
-import logging
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from engine.kernels import choice
 
-BACKENDS = ("auto", "onednn", "aten")
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -42,18 +41,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
 
 def choose(wanted: str, device: torch.device, dtype: torch.dtype) -> str:
     """'onednn' or 'aten' for this device and dtype; raises when `wanted` cannot be honoured."""
-    if wanted not in BACKENDS:
-        raise ValueError(f"unknown CPU GEMM backend {wanted!r}; use {', '.join(BACKENDS)}")
-    if wanted == "aten":
-        return "aten"
-    reason = _unusable(device, dtype)
-    if reason is None:
-        return "onednn"
-    if wanted == "onednn":
-        raise ValueError(f"CPU GEMM backend 'onednn' is not usable here: {reason}; use --cpu-gemm auto")
-    if device.type == "cpu":
-        logger.info("oneDNN linear not used (%s): aten", reason)
-    return "aten"
+    return choice.choose(wanted, "onednn", "aten", lambda: _unusable(device, dtype), what="CPU GEMM backend",
+                         flag="--cpu-gemm", device=device)
 
 
 def _unusable(device: torch.device, dtype: torch.dtype) -> str | None:
