@@ -440,6 +440,7 @@ def compare_greedy(name, speculate_config, base_config=None, count=16, max_new=3
         if not p.do_sample:
             assert_same(results[3][i], results[0][i], i)
     assert stats.num_speculative_accepted_total > 0
+    return stats
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
