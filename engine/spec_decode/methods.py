@@ -68,6 +68,9 @@ def _check_draft(config: EngineConfig, model_config: Any, tokenizer: Any) -> Any
         return HeadsConfig(kind, num_heads, head_params / max(model_config.estimate_num_params(), 1))
     if kind == "eagle3":
         from engine.spec_decode.eagle3 import check_eagle3
+        if config.num_shard > 1:
+            raise ValueError(f"--speculative-model {path!r} is an EAGLE-3 draft: not supported with --num-shard > 1 "
+                             "yet (Medusa heads and draft models are)")
         layer_params = check_eagle3(path, model_config)
         return HeadsConfig(kind, config.speculate, layer_params / max(model_config.estimate_num_params(), 1))
     max_total = config.max_total_tokens or min(model_config.max_position_embeddings, 4096)
