@@ -144,7 +144,7 @@ class Eagle3Draft(nn.Module):
         self.features = HiddenRows()
         self._aux: dict[int, torch.Tensor] = {}
         self.aux_layers = aux_layers(config, model_config.num_hidden_layers)
-        for i in self.aux_layers:   # the input of layer i: the previous layers' hidden states + residual
+        for i in set(self.aux_layers):   # the input of layer i: the previous layers' hidden states + residual
             target.model.layers[i].register_forward_pre_hook(self._capture(i))
 
     def _capture(self, index: int):
@@ -165,7 +165,7 @@ class Eagle3Draft(nn.Module):
     def observe(self, spans: list[SeqSpan], hidden: torch.Tensor, logits_rows: torch.Tensor, **_: Any) -> None:
         """After a target forward: every token's feature (fc of the three captured layer inputs), kept until
         its sequence drafts."""
-        if len(self._aux) != len(self.aux_layers):
+        if set(self._aux) != set(self.aux_layers):
             return
         aux, self._aux = self._aux, {}
         features = self.fc(torch.cat([aux[i] for i in self.aux_layers], dim=-1))

@@ -105,3 +105,71 @@ def test_eagle3_drafts_the_model_cannot_feed_are_refused_before_loading(tmp_path
         real_engine("tiny-llama", speculate=3, speculative_model=str(wrong))
     with pytest.raises(ValueError, match="not supported with --num-shard > 1"):
         real_engine("tiny-llama", speculate=3, num_shard=2, speculative_model=str(make_eagle3(target, tmp_path / "c")))
+
+
+def reference_drafts(target_dir, draft_dir, ids, num_drafts):
+    """EAGLE-3 drafting written out plainly: transformers' model for the target's layer inputs, the draft
+    layer over the whole sequence with causal attention, then one position per further draft."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    config = json.loads((draft_dir / "config.json").read_text())
+    w = load_file(draft_dir / "model.safetensors")
+    aux = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    heads, kv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    eps = config["rms_norm_eps"]
+
+    def rms(x, weight):
+        return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def rope(x, pos):
+        inv = 1.0 / config["rope_theta"] ** (torch.arange(0, d, 2).float() / d)
+        freqs = torch.outer(pos.float(), inv)
+        cos, sin = torch.cat([freqs.cos()] * 2, -1)[:, None], torch.cat([freqs.sin()] * 2, -1)[:, None]
+        x1, x2 = x[..., :d // 2], x[..., d // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+        next_token = int(out.logits[0, -1].argmax())
+        features = torch.cat([out.hidden_states[i][0] for i in aux], -1) @ w["fc.weight"].T
+        tokens, keys, values, drafts = ids[1:] + [next_token], [], [], []
+        positions = torch.arange(len(ids))
+        for _ in range(num_drafts):
+            embeds = rms(model.model.embed_tokens(torch.tensor(tokens)), w["midlayer.input_layernorm.weight"])
+            x = torch.cat([embeds, rms(features, w["midlayer.hidden_norm.weight"])], -1)
+            q = rope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(-1, heads, d), positions)
+            keys.append(rope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(-1, kv, d), positions))
+            values.append((x @ w["midlayer.self_attn.v_proj.weight"].T).view(-1, kv, d))
+            k, v = torch.cat(keys).repeat_interleave(heads // kv, 1), torch.cat(values).repeat_interleave(heads // kv, 1)
+            mask = positions[:, None] >= torch.arange(len(k))[None]
+            attn = torch.softmax((q.transpose(0, 1) @ k.permute(1, 2, 0)) * d ** -0.5 + torch.where(mask, 0, -1e9), -1)
+            h = (attn @ v.transpose(0, 1)).transpose(0, 1).reshape(len(q), -1) @ w["midlayer.self_attn.o_proj.weight"].T
+            h = h + features
+            mlp_in = rms(h, w["midlayer.post_attention_layernorm.weight"])
+            m = (torch.nn.functional.silu(mlp_in @ w["midlayer.mlp.gate_proj.weight"].T)
+                 * (mlp_in @ w["midlayer.mlp.up_proj.weight"].T)) @ w["midlayer.mlp.down_proj.weight"].T
+            prenorm = m + h
+            best = int((rms(prenorm[-1], w["norm.weight"]) @ w["lm_head.weight"].T).argmax())
+            drafts.append(best + int(w["d2t"][best]))
+            tokens, features, positions = [best], prenorm[-1:], positions[-1:] + 1
+    return next_token, drafts
+
+
+def test_eagle3_drafts_equal_a_plain_reference_of_the_layer(drafts, monkeypatch):
+    from engine.spec_decode.head_drafter import HeadDrafter
+    seen = []
+    fill = HeadDrafter.fill
+
+    def recording_fill(self, batch):
+        fill(self, batch)
+        seen.extend((list(seq.token_ids), list(seq.draft_token_ids)) for seq in batch.seqs if seq.draft_token_ids)
+    monkeypatch.setattr(HeadDrafter, "fill", recording_fill)
+    with real_engine("tiny-llama", speculate=3, speculative_model=str(drafts["tiny-llama"])) as engine:
+        ids = engine.tokenizer.encode("Hello world, this is a test of the drafts")
+        engine.generate([ids], SamplingParams(max_new_tokens=8))
+    context, got = seen[0]                              # the first decode: the whole prompt caught up, then a chain
+    next_token, expected = reference_drafts(test_model_path("tiny-llama"), drafts["tiny-llama"], ids, 3)
+    assert context == ids + [next_token]
+    assert got == expected
+    context, got = seen[1]                              # the next: the verified tokens caught up, then a chain
+    assert got == reference_drafts(test_model_path("tiny-llama"), drafts["tiny-llama"], context[:-1], 3)[1]

@@ -91,3 +91,29 @@ def test_medusa_heads_the_model_cannot_use_are_refused_before_loading(heads, tmp
     (other / "config.json").write_text(json.dumps({"medusa_num_heads": "three"}))
     with pytest.raises(ValueError, match="medusa_num_heads='three'"):
         real_engine("tiny-llama", speculate=3, speculative_model=str(other))
+
+
+def test_medusa_drafts_equal_the_heads_on_transformers_last_hidden_state(heads, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from engine.spec_decode.head_drafter import HeadDrafter
+    seen = []
+    fill = HeadDrafter.fill
+
+    def recording_fill(self, batch):
+        fill(self, batch)
+        seen.extend((list(seq.token_ids), list(seq.draft_token_ids)) for seq in batch.seqs if seq.draft_token_ids)
+    monkeypatch.setattr(HeadDrafter, "fill", recording_fill)
+    with real_engine("tiny-llama", speculate=3, speculative_model=str(heads["tiny-llama"])) as engine:
+        engine.generate([engine.tokenizer.encode("Hello world, this is a test of the heads")],
+                        SamplingParams(max_new_tokens=8))
+    model = AutoModelForCausalLM.from_pretrained(test_model_path("tiny-llama"), dtype=torch.float32).eval()
+    w = load_file(heads["tiny-llama"] / "medusa_lm_head.safetensors")
+    for context, got in seen[:2]:
+        with torch.no_grad():
+            h = model(torch.tensor([context[:-1]]), output_hidden_states=True).hidden_states[-1][0, -1]
+        expected = []
+        for i in range(3):
+            x = h + torch.nn.functional.silu(w[f"{i}.0.linear.weight"] @ h + w[f"{i}.0.linear.bias"])
+            expected.append(int((w[f"{i}.1.weight"] @ x).argmax()))
+        assert got == expected
