@@ -121,3 +121,27 @@ def test_metrics_count_drafts_per_method_and_paused_decodes():
     assert 'tgi_speculative_method_paused_decodes_total{method="layers"} 7.0' in text
     stats.speculative_method = ""
     assert "tgi_speculative_method" not in generate_latest(ServerMetrics(lambda: stats).registry).decode()
+
+
+def test_rejected_probes_of_a_costly_drafter_wait_longer_and_an_accepted_one_resets():
+    drafts = AdaptiveDrafts(draft_cost=0.5)
+    for _ in range(20):
+        drafts.record(make_seq(), 2, 0)                      # the method does not pay
+    seq, waits = make_seq(), []
+    for _ in range(6):
+        num_paused = 0
+        while drafts.num_tokens(seq, 4) == 0:
+            num_paused += 1
+        waits.append(num_paused)
+        drafts.record(seq, 1, 0)                             # the probe is rejected
+    assert waits == [16, 32, 64, 128, 256, 512]
+    while drafts.num_tokens(seq, 4) == 0:
+        pass
+    drafts.record(seq, 1, 1)                                 # accepted: probes come back at the first pace
+    assert drafts.retry_after == adaptive.RETRY_AFTER
+    free, seq = AdaptiveDrafts(draft_cost=0.0), make_seq()   # n-gram drafts cost no forward: no backoff
+    for _ in range(3):
+        while free.num_tokens(seq, 4) == 0:
+            pass
+        free.record(seq, 1, 0)
+    assert free.retry_after == adaptive.RETRY_AFTER

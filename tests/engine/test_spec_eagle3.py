@@ -14,10 +14,11 @@ from fakes import test_model_path  # noqa: E402
 from test_spec_decode import chi_square_p, compare_greedy, real_engine  # noqa: E402
 
 
-def make_eagle3(target, path, seed=0, trim_vocab=24, aux=(1, 1, 1)):
+def make_eagle3(target, path, seed=0, trim_vocab=24, aux=(1, 1, 1), draft_tokens=None):
     """A draft in the community EAGLE-3 layout: `midlayer.*` with 2 * hidden q/k/v inputs, `fc` over three
     layer inputs, `lm_head` over a draft vocabulary with `d2t`; random non-zero weights, except that fc passes
-    the third feature through and lm_head is the target's (so some drafts are right)."""
+    the third feature through and lm_head is the target's (so some drafts are right). `draft_tokens`: a draft
+    vocabulary of just these target tokens (random lm_head), e.g. the ones the target samples most."""
     path.mkdir()
     target_config = json.loads((target / "config.json").read_text())
     weights = load_file(target / "model.safetensors")
@@ -45,6 +46,10 @@ def make_eagle3(target, path, seed=0, trim_vocab=24, aux=(1, 1, 1)):
         "lm_head.weight": head[:draft_vocab].clone(), "d2t": torch.zeros(draft_vocab, dtype=torch.int64),
         "t2d": torch.arange(vocab) < draft_vocab,
     }
+    if draft_tokens is not None:
+        draft_vocab = len(draft_tokens)
+        tensors["lm_head.weight"] = rand(draft_vocab, hidden, scale=1.0)
+        tensors["d2t"] = torch.tensor(draft_tokens) - torch.arange(draft_vocab)
     save_file(tensors, path / "model.safetensors")
     config = {key: target_config[key] for key in ("hidden_size", "num_attention_heads", "num_key_value_heads",
                                                   "head_dim", "intermediate_size", "rms_norm_eps", "vocab_size",
@@ -68,13 +73,21 @@ def test_greedy_with_an_eagle3_draft_is_identical(name, drafts):
     assert stats.speculative_method == "eagle3"
 
 
-def test_sampled_token_distribution_is_kept_with_an_eagle3_draft(drafts):
+def test_sampled_token_distribution_is_kept_with_an_eagle3_draft(tmp_path):
     num_draws = 200
     params = [SamplingParams(do_sample=True, seed=seed, temperature=1.0, top_k=2, max_new_tokens=4,
                              ignore_eos=True) for seed in range(num_draws)]
     counts = {}
     for use_draft in (False, True):
-        config = {"speculate": 3, "speculative_model": str(drafts["tiny-llama"])} if use_draft else {}
+        config = {}
+        if use_draft:   # a draft vocabulary of the two tokens the target samples most: both outcomes are common
+            totals = {}
+            for position in counts[False]:
+                for token, n in position.items():
+                    totals[token] = totals.get(token, 0) + n
+            common = sorted(totals, key=totals.get)[-2:]
+            draft = make_eagle3(test_model_path("tiny-llama"), tmp_path / "d", draft_tokens=common)
+            config = {"speculate": 3, "speculative_model": str(draft)}
         with real_engine("tiny-llama", **config) as engine:
             start = engine.tokenizer.encode("one two three")
             ids = start + [t.id for t in engine.generate([start], SamplingParams(max_new_tokens=24))[0].tokens]
