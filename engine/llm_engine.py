@@ -82,7 +82,7 @@ class EngineStats:
     num_prefix_cache_hit_tokens: int = 0        # of those, found there
     num_speculative_proposed_total: int = 0     # draft tokens scored (--speculate)
     num_speculative_accepted_total: int = 0     # of those, accepted
-    speculative_method: str = ""                # "ngram" | "layers" | "draft" ("" = no speculation)
+    speculative_method: str = ""                # "ngram" | "layers" | "draft" | "medusa" | "eagle3" ("" = none)
     num_speculative_paused_total: int = 0       # decodes --speculate auto left undrafted (drafting did not pay)
 
 
