@@ -19,27 +19,33 @@ class HiddenRows:
     def __init__(self, max_seqs: int = 1024, history: bool = True):
         self.max_seqs = max_seqs
         self.history = history      # False: a forward's rows replace the sequence's rows (Medusa: the last one)
-        self.rows: OrderedDict[int, tuple[int, torch.Tensor]] = OrderedDict()   # seq_id -> (start, [n, hidden])
+        # seq_id -> (first position, chunks of consecutive rows): appending never copies what is held
+        self.rows: OrderedDict[int, tuple[int, list[torch.Tensor]]] = OrderedDict()
 
     def put(self, seq_id: int, start: int, rows: torch.Tensor) -> None:
         if not len(rows):
             return
+        rows = rows.clone()         # not a view that keeps the whole forward's activations alive
         held = self.rows.pop(seq_id, None)
-        if self.history and held is not None and held[0] < start <= held[0] + len(held[1]):
-            rows = torch.cat([held[1][:start - held[0]], rows])
-            start = held[0]
+        if self.history and held is not None and held[0] < start <= held[0] + _length(held[1]):
+            self.rows[seq_id] = (held[0], _cut(held[1], start - held[0]) + [rows])
         else:
-            rows = rows.clone()     # not a view that keeps the whole forward's activations alive
-        self.rows[seq_id] = (start, rows)
+            self.rows[seq_id] = (start, [rows])
         while len(self.rows) > self.max_seqs:
             self.rows.popitem(last=False)
 
     def get(self, seq_id: int, start: int, end: int) -> torch.Tensor | None:
         """Rows of positions [start, end), or None when the store does not hold all of them."""
         held = self.rows.get(seq_id)
-        if held is None or start < held[0] or end > held[0] + len(held[1]) or end <= start:
+        if held is None or start < held[0] or end > held[0] + _length(held[1]) or end <= start:
             return None
-        return held[1][start - held[0]:end - held[0]]
+        chunks = _cut(held[1], end - held[0])
+        first = start - held[0]
+        while first >= len(chunks[0]):
+            first -= len(chunks[0])
+            chunks = chunks[1:]
+        chunks[0] = chunks[0][first:]
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
     def first(self, seq_id: int) -> int | None:
         held = self.rows.get(seq_id)
@@ -47,12 +53,13 @@ class HiddenRows:
 
     def drop_before(self, seq_id: int, position: int) -> None:
         held = self.rows.get(seq_id)
-        if held is not None and position > held[0]:
-            rows = held[1][position - held[0]:]
-            if len(rows):
-                self.rows[seq_id] = (position, rows)
-            else:
-                del self.rows[seq_id]
+        if held is None or position <= held[0]:
+            return
+        rest = self.get(seq_id, position, held[0] + _length(held[1]))
+        if rest is None:
+            del self.rows[seq_id]
+        else:
+            self.rows[seq_id] = (position, [rest.clone()])
 
     def put_spans(self, spans: list[SeqSpan], rows: torch.Tensor, every_token: bool = False) -> None:
         """Store a forward's rows: the logits rows of each span (last token, or all for "all"), or with
@@ -69,3 +76,18 @@ class HiddenRows:
             elif span.logits == "last":
                 self.put(span.seq_id, span.start_pos + n - 1, rows[offset:offset + 1])
                 offset += 1
+
+
+def _length(chunks: list[torch.Tensor]) -> int:
+    return sum(len(chunk) for chunk in chunks)
+
+
+def _cut(chunks: list[torch.Tensor], length: int) -> list[torch.Tensor]:
+    """The first `length` rows of `chunks`, as chunks."""
+    kept = []
+    for chunk in chunks:
+        if length <= 0:
+            break
+        kept.append(chunk[:length])
+        length -= len(chunk)
+    return kept
