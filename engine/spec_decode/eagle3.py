@@ -95,6 +95,12 @@ def check_eagle3(path: str, model_config: Any) -> int:
 class Eagle3Draft(nn.Module):
     def __init__(self, path: str, target: Any, model_config: Any, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
+        from engine.models.decoder import DecoderLayer
+        inner = getattr(target, "model", None)
+        if not hasattr(inner, "embed_tokens") or not all(isinstance(inner.layers[i], DecoderLayer)
+                                                         for i in range(len(inner.layers))):
+            raise ValueError(f"--speculative-model {path!r} is an EAGLE-3 draft, which reads the generic decoder's "
+                             f"layers; {type(target).__name__} is not one (try --model-impl native)")
         config, tensors = _read(path)
         hidden = config["hidden_size"]
         num_heads, num_kv = config["num_attention_heads"], config.get("num_key_value_heads",

@@ -99,6 +99,8 @@ def test_eagle3_drafts_the_model_cannot_feed_are_refused_before_loading(tmp_path
         real_engine("tiny-llama", speculate=3, speculative_model=str(wrong))
     with pytest.raises(ValueError, match="not supported with --num-shard > 1"):
         real_engine("tiny-llama", speculate=3, num_shard=2, speculative_model=str(make_eagle3(target, tmp_path / "c")))
+    with pytest.raises(ValueError, match="reads the generic decoder's layers; .* --model-impl native"):
+        real_engine("tiny-llama", speculate=3, model_impl="transformers", speculative_model=str(tmp_path / "c"))
 
 
 def reference_drafts(target_dir, draft_dir, ids, num_drafts):
