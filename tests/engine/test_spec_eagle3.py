@@ -69,7 +69,7 @@ def drafts(tmp_path_factory):
 
 def test_greedy_with_an_eagle3_draft_is_identical(tmp_path):
     draft = make_eagle3(test_model_path("tiny-qwen3"), tmp_path / "q")
-    _, stats = compare_greedy("tiny-qwen3", {"speculative_model": str(draft)})
+    _, stats = compare_greedy("tiny-qwen3", {"speculative_model": str(draft)}, max_new=16)
     assert stats.speculative_method == "eagle3"
 
 

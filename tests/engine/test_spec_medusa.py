@@ -44,7 +44,7 @@ def heads(tmp_path_factory):
 
 
 def test_greedy_with_medusa_heads_is_identical(heads):
-    _, stats = compare_greedy("tiny-llama", {"speculative_model": str(heads["tiny-llama"])})
+    _, stats = compare_greedy("tiny-llama", {"speculative_model": str(heads["tiny-llama"])}, max_new=16)
     assert stats.speculative_method == "medusa"
 
 
