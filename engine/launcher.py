@@ -179,7 +179,8 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
                                            "forward (0 = off); auto = up to 4, per request while drafting pays")),
     (("--speculative-model",), "SPECULATIVE_MODEL",
      dict(default=None, help="draft the --speculate tokens with this smaller model (a snapshot directory with the "
-                             "same tokenizer); its KV cache shares the block budget")),
+                             "same tokenizer; its KV cache shares the block budget), or with the Medusa heads "
+                             "(medusa_lm_head.safetensors) or EAGLE-3 draft layer this directory holds")),
     (("--speculative-layers",), "SPECULATIVE_LAYERS",
      dict(default=0, type=_speculative_layers, help="draft the --speculate tokens with the model's own first K "
                                                    "layers, final norm and LM head (layer skip) instead of n-grams")),

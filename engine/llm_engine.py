@@ -23,7 +23,7 @@ from engine.spec_decode.methods import build_speculation, check_speculation
 from engine.spec_decode.verifier import verify
 from engine.stop import StopMatcher
 from engine.structured.compiler import GrammarCompiler
-from engine.structured.masks import MaskFiller, PendingMasks
+from engine.structured.masks import MaskFiller, PendingMasks, draft_masks
 from engine.tokenizer import TokenTexts, load_eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class EngineStats:
     num_prefix_cache_hit_tokens: int = 0        # of those, found there
     num_speculative_proposed_total: int = 0     # draft tokens scored (--speculate)
     num_speculative_accepted_total: int = 0     # of those, accepted
-    speculative_method: str = ""                # "ngram" | "layers" | "draft" ("" = no speculation)
+    speculative_method: str = ""                # "ngram" | "layers" | "draft" | "medusa" | "eagle3" ("" = none)
     num_speculative_paused_total: int = 0       # decodes --speculate auto left undrafted (drafting did not pay)
 
 
@@ -233,6 +233,8 @@ class LLMEngine:
         try:
             if self.speculation is not None and self.speculation.fill is not None:
                 self.speculation.fill(batch)
+            grammar_drafts = {seq.seq_id: draft_masks(seq.grammar, seq.draft_token_ids, self.vocab_size)
+                              for seq in batch.seqs if seq.grammar is not None and seq.draft_token_ids}
             last_logits, all_logits = self.runner.run(batch.spans)
         except Exception as e:  # noqa: BLE001 - reported per request, the engine keeps serving
             logger.exception("model step failed for %d sequences", len(batch))
@@ -263,7 +265,8 @@ class LLMEngine:
             out = sample(logits, sampled, bitmask, counts=self._penalty_counts)
             outputs += [self._append_run(seq, out, range(j, j + 1)) for j, seq in enumerate(sampled)]
         if drafted:
-            outputs += self._append_verified(drafted, verify(drafted, [all_logits[s.seq_id] for s in drafted]))
+            outputs += self._append_verified(drafted, verify(drafted, [all_logits[s.seq_id] for s in drafted],
+                                                             grammar_drafts))
         return outputs
 
     def _append_verified(self, seqs: list[Sequence], outs: list[SamplerOutput]) -> list[RequestOutput]:

@@ -113,6 +113,11 @@ class ModelRunner:
             if message[0] != state:
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {message[-1]}")
 
+    def draft_heads(self, rows: list) -> list[list[int]]:
+        """Medusa / EAGLE-3 drafts (engine/spec_decode/head_drafter.py): rank 0 alone holds the heads."""
+        self._check_usable()
+        return self._rank0.draft_heads(rows)
+
     def run(self, spans: list[SeqSpan],
             num_layers: int | None = None, draft: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Forward one batch of spans (`num_layers`: through the first layers only, a layer-skip draft;

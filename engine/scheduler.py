@@ -105,10 +105,10 @@ class Scheduler:
 
     def _draft(self, seq: Sequence, budget: int, num_after: int) -> list[int]:
         """Draft tokens for a decode of `seq`: none that could pass max_tokens (all accepted plus the
-        bonus must fit), none past the budget, none for grammar rows (their masks follow one token
-        at a time), and none that need blocks the `num_after` decodes still to come might want."""
+        bonus must fit), none past the budget, and none that need blocks the `num_after` decodes still to
+        come might want. A grammar row's drafts are verified under the grammar's masks (engine/llm_engine.py)."""
         room = min(self.num_speculative_tokens, seq.max_tokens - seq.num_tokens - 1, budget)
-        if room <= 0 or seq.grammar is not None:
+        if room <= 0:
             return []
         draft = self.propose(seq, room)[:room]
         bm = self.block_manager

@@ -34,6 +34,8 @@ from engine.models import model_class
 from engine.parallel_layout import ParallelLayout
 from engine.rank_watch import start_heartbeat
 from engine.spec_decode.draft_model import DraftModel
+from engine.spec_decode.head_drafter import DraftRow
+from engine.spec_decode.heads import load_heads, speculative_kind
 from engine.spec_decode.layer_skip import check_layer_skip, forward_first_layers
 from engine.weights import load_dummy, load_safetensors
 
@@ -98,7 +100,11 @@ class RankWorker:
         self.model = self._load_model()
         if config.speculative_layers:
             check_layer_skip(self.model, config.speculative_layers, model_config.num_hidden_layers)
-        self.draft = DraftModel(config.speculative_model, self.device, self.dtype) if config.speculative_model else None
+        kind = speculative_kind(config.speculative_model)
+        self.draft = DraftModel(config.speculative_model, self.device, self.dtype) if kind == "draft" else None
+        # Medusa / EAGLE-3: rank 0 alone drafts from the target's hidden states
+        self.heads = load_heads(kind, config.speculative_model, self.model, model_config, self.device, self.dtype) \
+            if kind in ("medusa", "eagle3") and self.rank == 0 else None
         self.lora, self.lora_backend, self.lora_report = self._load_adapters()
         self.linear_backend = cpu_gemm.choose(config.cpu_gemm, self.device, self.dtype)
         if self.linear_backend == "onednn":
@@ -187,8 +193,8 @@ class RankWorker:
             reason = "LoRA adapters are loaded (their per-token adapter map is not captured)"
         elif getattr(self.model, "supports_cuda_graphs", True) is False:
             reason = "not captured for models on the transformers backend"
-        elif self.draft is not None:
-            reason = "a draft model runs after the target (--speculative-model)"
+        elif self.draft is not None or self.heads is not None:
+            reason = "a draft model or heads run after the target (--speculative-model)"
         elif not self.attention.supports_cuda_graphs:
             reason = f"the {self.attention.name} attention backend reads host-side lengths"
         elif config.num_shard > 1 or self.layout.pp_size > 1:
@@ -225,6 +231,8 @@ class RankWorker:
                            * self.dtype.itemsize)
         if self.draft is not None:  # the draft's cache: the same blocks, its own layers
             bytes_per_block += self.draft.bytes_per_block(self.block_size)
+        if hasattr(self.heads, "bytes_per_block"):  # EAGLE-3's draft layer, on rank 0
+            bytes_per_block += self.heads.bytes_per_block(self.block_size)
         if self.device.type == "cuda":
             budget = self._gpu_kv_budget()
         elif self.config.cpu_kv_cache_bytes is not None:
@@ -245,6 +253,8 @@ class RankWorker:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         if self.draft is not None:
             self.draft.allocate(num_blocks + scratch, self.block_size, self.attention)
+        if hasattr(self.heads, "allocate"):
+            self.heads.allocate(num_blocks + scratch, self.block_size, self.attention)
         if self.rank == 0:
             logger.info("KV cache: %d blocks of %d tokens (%.1f MiB per rank), attention backend %s",
                         num_blocks, self.block_size, num_blocks * bytes_per_block / 2**20, self.attention_backend)
@@ -303,6 +313,8 @@ class RankWorker:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
                 if self.draft is not None:
                     self.draft.forward(inputs)
+                if self.heads is not None:
+                    self.heads.observe(spans, hidden, inputs.logits_rows)
             else:
                 hidden = forward_first_layers(self.model, inputs.input_ids, inputs.positions, inputs.attention,
                                               num_layers)
@@ -316,8 +328,15 @@ class RankWorker:
             logits = logits[torch.tensor(restore, device=logits.device)]
         return None if logits is None else logits.float()
 
+    @torch.inference_mode()
+    def draft_heads(self, rows: list[DraftRow]) -> list[list[int]]:
+        """Medusa / EAGLE-3 drafts for the step's drafted decode rows (rank 0)."""
+        return self.heads.draft(rows, prepare=lambda spans: prepare_inputs(
+            spans, self.block_size, self.device, self.attention, self.windows, self.block_tables))
+
     def close(self) -> None:
         self.graphs = None
+        self.heads = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = None

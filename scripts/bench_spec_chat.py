@@ -7,8 +7,8 @@ Every --config NAME=FIELD=VALUE,... is one engine (EngineConfig fields; an empty
 all loaded at once; each round runs the same greedy requests through each engine in turn (A B C, then C B A, ...),
 `--concurrency` requests in flight at a time, so every engine sees the same load drift. The prompts are plain
 chat questions whose answers do not quote them (n-gram drafts find little there). Prints per engine the
-generated tok/s of each round, their median, the drafts proposed and accepted, and whether each engine's
-tokens equal the first engine's (greedy: they should).
+generated tok/s of each round (wall time, and per CPU-second of this process), their medians, the drafts
+proposed and accepted, and whether each engine's tokens equal the first engine's (greedy: they should).
 """
 from __future__ import annotations
 
@@ -48,11 +48,13 @@ def drafts(engine) -> tuple[int, int, int]:
             stats.num_speculative_paused_total)
 
 
-def run_round(engine, prompts: list[list[int]], params, concurrency: int) -> tuple[float, list[list[int]]]:
-    start, tokens = time.perf_counter(), []
+def run_round(engine, prompts: list[list[int]], params, concurrency: int) -> tuple[float, float, list[list[int]]]:
+    """Wall seconds, CPU seconds of this process (every thread: on a box shared with other work, the CPU
+    time a round took moves far less with the others' load than its wall time), and the tokens."""
+    start, cpu, tokens = time.perf_counter(), time.process_time(), []
     for i in range(0, len(prompts), concurrency):
         tokens += [[t.id for t in out.tokens] for out in engine.generate(prompts[i:i + concurrency], params)]
-    return time.perf_counter() - start, tokens
+    return time.perf_counter() - start, time.process_time() - cpu, tokens
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_workload(engines, prompts, params, concurrency, args) -> None:
     times: dict[str, list[float]] = {name: [] for name in engines}
+    cpu_rates: dict[str, list[float]] = {name: [] for name in engines}
     outputs: dict[str, list[list[int]]] = {}
     before = {name: drafts(engine) for name, engine in engines.items()}
     print(f"{len(prompts)} chat prompts, concurrency {concurrency}, max_new_tokens "
@@ -101,16 +104,20 @@ def run_workload(engines, prompts, params, concurrency, args) -> None:
     for round_index in range(args.rounds):  # A B C, then C B A, ...: a load trend hits every engine alike
         order = list(engines.items())
         for name, engine in order if round_index % 2 == 0 else order[::-1]:
-            seconds, outputs[name] = run_round(engine, prompts, params, concurrency)
+            seconds, cpu_seconds, outputs[name] = run_round(engine, prompts, params, concurrency)
             times[name].append(sum(map(len, outputs[name])) / seconds)
+            cpu_rates[name].append(sum(map(len, outputs[name])) / cpu_seconds)
             proposed, accepted, paused = (now - then for now, then in zip(drafts(engine), before[name]))
-            print(f"  round {len(times[name])} {name}: {times[name][-1]:.2f} tok/s (drafts so far {proposed} proposed, "
+            print(f"  round {len(times[name])} {name}: {times[name][-1]:.2f} tok/s, {cpu_rates[name][-1]:.2f} tok per "
+                  f"CPU-s (drafts so far {proposed} proposed, "
                   f"{accepted} accepted, {paused} decodes paused); load {os.getloadavg()[0]:.1f}", flush=True)
     reference = next(iter(outputs.values()))
     for name, engine in engines.items():
         proposed, accepted, _ = (now - then for now, then in zip(drafts(engine), before[name]))
         rounds = " / ".join(f"{v:.2f}" for v in times[name])
-        print(f"{name}: tok/s {rounds} (median {statistics.median(times[name]):.2f}); drafts "
+        cpu = " / ".join(f"{v:.2f}" for v in cpu_rates[name])
+        print(f"{name}: tok/s {rounds} (median {statistics.median(times[name]):.2f}); tok per CPU-s {cpu} (median "
+              f"{statistics.median(cpu_rates[name]):.2f}); drafts "
               f"{proposed} proposed, {accepted} accepted ({accepted / max(proposed, 1):.0%}); tokens {sum(map(len, outputs[name]))}, same as the first: {outputs[name] == reference}")
 
 

@@ -1,4 +1,5 @@
-"""Speculation: which drafter a `--speculate` engine uses (n-gram or layer skip), checked before loading."""
+"""Speculation: which drafter a `--speculate` engine uses (n-gram, layer skip, a draft model, Medusa heads or
+EAGLE-3), checked before loading."""
 from __future__ import annotations
 
 import inspect
@@ -9,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 from engine.spec_decode.adaptive import DRAFT_STEP_COST, AdaptiveDrafts
 from engine.spec_decode.batch_drafter import BatchDrafter
 from engine.spec_decode.draft_model import check_draft_model
+from engine.spec_decode.head_drafter import HeadDrafter
+from engine.spec_decode.heads import speculative_kind
 from engine.spec_decode.ngram import NgramProposer
 
 if TYPE_CHECKING:
@@ -19,7 +22,7 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class Speculation:
-    method: str                                             # "ngram" | "layers" | "draft"
+    method: str                                             # "ngram" | "layers" | "draft" | "medusa" | "eagle3"
     propose: Callable[[Sequence, int], list[int]]           # the scheduler's per-row hook
     fill: Callable[[ScheduledBatch], None] | None = None    # model drafters: the batched draft forwards
     adaptive: AdaptiveDrafts | None = None                  # --speculate auto
@@ -57,14 +60,47 @@ def _check_draft(config: EngineConfig, model_config: Any, tokenizer: Any) -> Any
                          "(1 to 16, or auto)")
     if config.pipeline_parallel_size > 1 or config.lora_adapters:
         raise ValueError("--speculative-model with --pipeline-parallel-size > 1 or --lora-adapters is not supported")
+    kind = speculative_kind(path)
+    if kind == "medusa":
+        from engine.spec_decode.medusa import check_medusa
+        num_heads, head_params = check_medusa(path, model_config.hidden_size, model_config.vocab_size,
+                                              config.speculate, config.speculate_auto)
+        return HeadsConfig(kind, num_heads, head_params / max(model_config.estimate_num_params(), 1))
+    if kind == "eagle3":
+        from engine.spec_decode.eagle3 import check_eagle3
+        if config.num_shard > 1:
+            raise ValueError(f"--speculative-model {path!r} is an EAGLE-3 draft: not supported with --num-shard > 1 "
+                             "yet (Medusa heads and draft models are)")
+        layer_params = check_eagle3(path, model_config)
+        return HeadsConfig(kind, config.speculate, layer_params / max(model_config.estimate_num_params(), 1))
     max_total = config.max_total_tokens or min(model_config.max_position_embeddings, 4096)
     return check_draft_model(path, config.model_id, tokenizer, max_total)
+
+
+@dataclass(slots=True)
+class HeadsConfig:
+    """Checked Medusa heads or EAGLE-3 layer: its kind, the drafts per step it can make, and the cost of one
+    draft token in target forwards (Medusa: all drafts from one hidden state, at the cost of its heads)."""
+    kind: str
+    max_drafts: int
+    draft_cost: float
+
+
+def _build_heads(config: EngineConfig, runner: Any, heads: HeadsConfig) -> Speculation:
+    if not hasattr(runner, "draft_heads"):
+        raise ValueError(f"{heads.kind} heads (--speculative-model) are not supported by {type(runner).__name__} "
+                         "(ranks started by srun or torchrun)")
+    adaptive = AdaptiveDrafts(draft_cost=heads.draft_cost + DRAFT_STEP_COST) if config.speculate_auto else None
+    drafter = HeadDrafter(runner.draft_heads, heads.max_drafts, adaptive.num_tokens if adaptive else None)
+    return Speculation(heads.kind, drafter.propose, drafter.fill, adaptive)
 
 
 def build_speculation(config: EngineConfig, runner: Any, model_config: Any,
                       draft_config: Any = None) -> Speculation | None:
     if config.speculate < 1:
         return None
+    if isinstance(draft_config, HeadsConfig):
+        return _build_heads(config, runner, draft_config)
     if draft_config is not None:
         if "draft" not in inspect.signature(runner.run).parameters:
             raise ValueError(f"--speculative-model is not supported by {type(runner).__name__} (ranks started by "

@@ -9,6 +9,7 @@ import torch
 from engine.sampler import SamplerOutput, draw_uniform, process, report
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.acceptance import accept_greedy, accept_sampled
+from engine.structured.masks import TokenBitmask
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
@@ -47,11 +48,22 @@ class DraftPosition:
         self.seq.generator = value
 
 
-def verify(seqs: list[Sequence], logits: list[torch.Tensor]) -> list[SamplerOutput]:
+def verify(seqs: list[Sequence], logits: list[torch.Tensor],
+           masks: dict[int, torch.Tensor] | None = None) -> list[SamplerOutput]:
     """For each drafted sequence and its logits [1 + k, vocab], the tokens it keeps (accepted drafts,
-    then the corrected or bonus token) with their logprobs and alternatives, as `sample` reports them."""
+    then the corrected or bonus token) with their logprobs and alternatives, as `sample` reports them.
+    `masks`: seq_id -> the grammar's bitmask at each of its 1 + k positions (engine.structured.masks)."""
     rows = [DraftPosition(seq, j) for seq in seqs for j in range(len(seq.draft_token_ids) + 1)]
-    processed = process(torch.cat(logits), rows)
+    bitmask = None
+    if masks:
+        masked, bits, start = [], [], 0
+        for seq in seqs:
+            if seq.seq_id in masks:
+                masked += range(start, start + len(seq.draft_token_ids) + 1)
+                bits.append(masks[seq.seq_id])
+            start += len(seq.draft_token_ids) + 1
+        bitmask = TokenBitmask(masked, torch.cat(bits)) if bits else None
+    processed = process(torch.cat(logits), rows, bitmask)
     outputs, start = [], 0
     for seq, row_logits in zip(seqs, logits):
         end = start + len(row_logits)

@@ -79,3 +79,19 @@ class MaskFiller:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def draft_masks(matcher: Any, drafts: list[int], vocab_size: int) -> torch.Tensor:
+    """The grammar's masks at each position of a drafted decode: before each draft token and after the last
+    ([1 + len(drafts), words]). Past the first draft the grammar refuses, every token is allowed: that draft is
+    masked out at its own position, so acceptance never gets further. The matcher is left as it was."""
+    import llguidance.torch
+    bits = torch.full((len(drafts) + 1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    num_valid = matcher.validate_tokens(drafts)
+    for j in range(num_valid + 1):
+        llguidance.torch.fill_next_token_bitmask(matcher, bits, j)
+        if j < num_valid:
+            matcher.consume_token(drafts[j])
+    if num_valid:
+        matcher.rollback(num_valid)
+    return bits

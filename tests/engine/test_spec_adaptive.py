@@ -10,7 +10,7 @@ from engine.sequence import Sequence  # noqa: E402
 from engine.server.metrics import ServerMetrics  # noqa: E402
 from engine.spec_decode import adaptive  # noqa: E402
 from engine.spec_decode.adaptive import AdaptiveDrafts, best_num_drafts  # noqa: E402
-from test_spec_decode import assert_same, mixed_requests, real_engine, summary  # noqa: E402
+from test_spec_decode import compare_greedy  # noqa: E402
 
 
 def make_seq():
@@ -86,22 +86,10 @@ def test_speculate_auto_flag():
         parse_args(["--model-id", "m", "--speculate", "automatic"], environ={})
 
 
-def greedy_run(name, **config):
-    with real_engine(name, **config) as engine:
-        prompts, params = mixed_requests(engine.tokenizer)
-        outs = [summary([o]) for o in engine.generate(prompts, params)]
-        alone = summary([engine.generate(prompts[:1], params[:1])[0]])         # batch 1
-        return outs, alone, params, engine.stats()
-
-
 @pytest.mark.parametrize("layers", [0, 1], ids=["ngram", "layers"])
 def test_greedy_with_speculate_auto_is_identical_and_drafts_only_while_it_pays(layers):
-    base, _, params, _ = greedy_run("tiny-llama")
-    outs, alone, _, stats = greedy_run("tiny-llama", speculate=3, speculate_auto=True, speculative_layers=layers)
-    assert_same(alone, base[0])
-    for i, p in enumerate(params):
-        if not p.do_sample:
-            assert_same(outs[i], base[i], i)
+    _, stats = compare_greedy("tiny-llama", {"speculate_auto": True, "speculative_layers": layers},
+                              require_accepted=False)
     assert stats.speculative_method == ("layers" if layers else "ngram")
     if layers:  # a random tiny model's first layer rarely agrees with both: drafting stops, and is retried
         assert stats.num_speculative_accepted_total < stats.num_speculative_proposed_total / 4, stats
@@ -121,3 +109,27 @@ def test_metrics_count_drafts_per_method_and_paused_decodes():
     assert 'tgi_speculative_method_paused_decodes_total{method="layers"} 7.0' in text
     stats.speculative_method = ""
     assert "tgi_speculative_method" not in generate_latest(ServerMetrics(lambda: stats).registry).decode()
+
+
+def test_rejected_probes_of_a_costly_drafter_wait_longer_and_an_accepted_one_resets():
+    drafts = AdaptiveDrafts(draft_cost=0.5)
+    for _ in range(20):
+        drafts.record(make_seq(), 2, 0)                      # the method does not pay
+    seq, waits = make_seq(), []
+    for _ in range(6):
+        num_paused = 0
+        while drafts.num_tokens(seq, 4) == 0:
+            num_paused += 1
+        waits.append(num_paused)
+        drafts.record(seq, 1, 0)                             # the probe is rejected
+    assert waits == [16, 32, 64, 128, 256, 512]
+    while drafts.num_tokens(seq, 4) == 0:
+        pass
+    drafts.record(seq, 1, 1)                                 # accepted: probes come back at the first pace
+    assert drafts.retry_after == adaptive.RETRY_AFTER
+    free, seq = AdaptiveDrafts(draft_cost=0.0), make_seq()   # n-gram drafts cost no forward: no backoff
+    for _ in range(3):
+        while free.num_tokens(seq, 4) == 0:
+            pass
+        free.record(seq, 1, 0)
+    assert free.retry_after == adaptive.RETRY_AFTER

@@ -2,6 +2,7 @@
 engine runs with --speculate equal to runs without, over a KV-reading fake runner (hostile schedules) and the
 real tiny models and SmolLM2 (greedy token for token, sampling by a chi-square test, TP=2)."""
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -194,7 +195,7 @@ def test_drafts_never_pass_max_tokens_even_when_the_proposer_offers_more():
     assert span.start_pos + len(span.token_ids) <= seq.max_tokens - 1
 
 
-def test_drafts_take_prefill_budget_and_skip_grammar_rows():
+def test_drafts_take_prefill_budget_and_grammar_rows_draft_too():
     sched = make_scheduler(proposal=range(100, 200), budget=8)
     a = decode_ready(sched, make_seq(range(5), max_new=20))
     b = make_seq(range(50, 60))
@@ -204,8 +205,8 @@ def test_drafts_take_prefill_budget_and_skip_grammar_rows():
     assert [len(span.token_ids) for span in batch.spans] == [4, 5]      # b's prefill chunk gets 8 - 3
     sched = make_scheduler(proposal=range(100, 200))
     seq = decode_ready(sched, make_seq(range(5), max_new=20))
-    seq.grammar = object()
-    assert not sched.schedule().num_draft_tokens and seq.draft_token_ids == []
+    seq.grammar = object()     # verified under the grammar's masks (test_grammar_rows_take_drafts_...)
+    assert sched.schedule().num_draft_tokens == 3 and seq.draft_token_ids == [100, 101, 102]
 
 
 def test_drafts_never_take_blocks_a_later_decode_needs():
@@ -425,21 +426,56 @@ def assert_same(got, expected, label=None):
     assert logprobs == pytest.approx(logprobs0, abs=1e-4), label
 
 
-def compare_greedy(name, speculate_config, base_config=None, count=16, max_new=30):
-    results, stats = {}, None
+def compare_greedy(name, speculate_config, base_config=None, count=16, max_new=30, require_accepted=True):
+    """The spec tests' one comparison: `count` mixed requests at once and the first alone, with and without
+    speculation (`speculate_config` adds to speculate=3); every greedy row the same. The engines' stats
+    (without, with speculation)."""
+    results, stats = {}, {}
     for speculate, config in ((0, base_config or {}), (3, speculate_config)):
         with real_engine(name, speculate=speculate, **config) as engine:
             prompts, params = mixed_requests(engine.tokenizer, count, max_new)
             outs = engine.generate(prompts, params)
             results[speculate] = [summary([o]) for o in outs]
-            if speculate:
-                stats = engine.stats()
             alone = engine.generate(prompts[:1], params[:1])[0]              # batch 1
             assert_same(summary([alone]), results[speculate][0])
+            stats[speculate] = engine.stats()
     for i, p in enumerate(params):
         if not p.do_sample:
             assert_same(results[3][i], results[0][i], i)
-    assert stats.num_speculative_accepted_total > 0
+    assert stats[3].num_speculative_accepted_total > 0 or not require_accepted
+    return stats[0], stats[3]
+
+
+_LOOP_COUNTS = {}
+
+
+def loop_sampled_counts(config, num_draws=200, max_new=4):
+    """Seeded top-2 samples of tiny-llama after its own greedy loop (likely tokens there to be drafted):
+    per generated position, token -> count, and the engine's stats. Without speculation computed once."""
+    key = repr(sorted(config.items()))
+    if not config and key in _LOOP_COUNTS:
+        return _LOOP_COUNTS[key]
+    params = [SamplingParams(do_sample=True, seed=seed, temperature=1.0, top_k=2, max_new_tokens=max_new,
+                             ignore_eos=True) for seed in range(num_draws)]
+    with real_engine("tiny-llama", **config) as engine:
+        start = engine.tokenizer.encode("one two three")
+        ids = start + [t.id for t in engine.generate([start], SamplingParams(max_new_tokens=24))[0].tokens]
+        outs = engine.generate([ids] * num_draws, params)
+        stats = engine.stats()
+    counts = [{} for _ in range(max_new)]
+    for out in outs:
+        for position, token in enumerate(out.tokens):
+            counts[position][token.id] = counts[position].get(token.id, 0) + 1
+    _LOOP_COUNTS[key] = counts, stats
+    return counts, stats
+
+
+def assert_same_distribution(base, drafted, stats):
+    """Drafts were both accepted and rejected (both branches of the rule shaped the sample), and each position's
+    marginal is the same by chi-square (Bonferroni over the positions)."""
+    assert 0.05 < stats.num_speculative_accepted_total / stats.num_speculative_proposed_total < 0.95, stats
+    p_values = [chi_square_p(a, b) for a, b in zip(base, drafted)]
+    assert min(p_values) > 1e-3 / len(p_values), p_values
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
@@ -498,3 +534,25 @@ def test_drafted_rows_keep_their_lora_adapter(model_path, tmp_path):
             stats = engine.stats()
     assert stats.num_speculative_accepted_total > 0
     assert results[3] == results[0] and results[0][0] != results[0][1]
+
+
+def test_grammar_rows_take_drafts_verified_under_the_grammar():
+    # n-gram drafts from a repetitive prompt: the grammar's masks at every drafted position keep greedy output
+    # the same, refuse drafts the grammar does not allow (the digits row drafts words), and sampled rows valid
+    from engine.structured.spec import regex_spec
+    words, digits = r"(one two three ){1,2}four", r"[0-9]{3}-[0-9]{4}"
+    specs = [regex_spec(words, "w"), regex_spec(digits, "d")]
+    results, stats = {}, None
+    for speculate in (0, 3):
+        with real_engine("tiny-llama", speculate=speculate) as engine:
+            prompt = engine.tokenizer.encode("one two three one two three one two three one two")
+            params = [SamplingParams(max_new_tokens=32, grammar=specs[i % 2], do_sample=i >= 4, seed=i)
+                      for i in range(6)]
+            outs = engine.generate([prompt] * 6, params)
+            results[speculate] = [(o.text, [t.id for t in o.tokens]) for o in outs]
+            stats = engine.stats()
+    assert results[3][:4] == results[0][:4]                                 # greedy rows
+    for i, (text, _) in enumerate(results[3]):
+        assert re.fullmatch(words if i % 2 == 0 else digits, text), (i, text)
+    assert stats.num_speculative_accepted_total > 0
+    assert stats.num_speculative_accepted_total < stats.num_speculative_proposed_total   # the digits rows refuse

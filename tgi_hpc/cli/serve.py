@@ -25,6 +25,10 @@ def _limit_options(func):
 @click.option("--lora", "loras", multiple=True, metavar="NAME=ORG/ADAPTER",
               help="Serve a PEFT LoRA adapter (from the model store, or NAME=FOLDER) beside its base model; "
                    "requests choose it by NAME (adapter_id, or OpenAI's model). Repeatable.")
+@click.option("--speculative-model", metavar="ORG/NAME|FOLDER",
+              help="Draft tokens with this (from the model store, or a folder): a smaller model with the same "
+                   "tokenizer, Medusa heads or an EAGLE-3 draft; staged beside the weights. Needs "
+                   "--engine-arg --speculate=N (or auto).")
 @click.option("--cuda-memory-fraction", "memory_fractions", multiple=True, type=float, metavar="F",
               help="Share of each GPU's memory for the engine, once per --model (default with several models "
                    "on fewer GPUs than models: from the models' sizes).")
@@ -67,7 +71,7 @@ def _limit_options(func):
 @click.option("--stop-on-exit", is_flag=True, help="With --tunnel: stop the job when the tunnel closes.")
 @click.option("--dry-run", is_flag=True, help="Print the job script; submit nothing.")
 @with_app
-def serve(app: App, models, loras, memory_fractions, revision, gpus, gpu_type, nodes, time_, partition, dtype, quantize, env,
+def serve(app: App, models, loras, speculative_model, memory_fractions, revision, gpus, gpu_type, nodes, time_, partition, dtype, quantize, env,
           engine_args, release, keep_alive, no_api_key, wait_ready, timeout, open_tunnel, local_port, stop_on_exit, dry_run,
           no_shared_weights, replicas, service_name, handover_lead, requeue, **limits) -> None:
     """Submit a server job for MODEL (or several: one engine each) and print its job id and endpoint."""
@@ -79,7 +83,7 @@ def serve(app: App, models, loras, memory_fractions, revision, gpus, gpu_type, n
                         gpu_type=gpu_type if gpu_type is not None else gpu_type_from_overrides(app.overrides),
                         partition=partition, limits=limits,
                         env=list(env), engine_args=list(engine_args), keep_alive=requeue, api_key=not no_api_key,
-                        shared_weights=not no_shared_weights)
+                        shared_weights=not no_shared_weights, speculative_model=speculative_model)
     cluster = app.cluster(strict_paths=not dry_run)
     if replicas > 1 or service_name or handover_lead or keep_alive:
         if len(models) > 1:

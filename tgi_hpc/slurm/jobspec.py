@@ -69,6 +69,8 @@ class ServeSpec(JobSpec):
     service_key_file: str = ""
     nodes: int = 1                     # > 1: one engine rank per GPU on every node (srun), pipeline stages
     sizing: tuple[str, ...] = ()       # how the GPUs and nodes were picked, as comments in the script
+    speculative_model: str = ""        # --speculative-model as the user gave it ("" = none)
+    speculative_dir: ShellPath = ShellPath()   # its folder where the job runs, staged beside the weights
 
 
 @dataclass(frozen=True)

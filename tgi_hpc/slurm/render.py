@@ -172,6 +172,8 @@ def render_job(profile: Profile, spec: JobSpec, *, job_dir: str, release_dir: Sh
             requeue_signal=sh(slurm.requeue_signal) if slurm else "",
             max_requeues=int(slurm.max_requeues) if slurm else 0,
             loras=_loras(profile, spec.loras),
+            speculative_dir=path_word(spec.speculative_dir) if spec.speculative_model else "",
+            speculative_stage_dir=path_word(ShellPath(profile.paths.node_local, "tgi-hpc-draft")),
             engines=[_engine(profile, spec, i, e) for i, e in enumerate(spec.engines)],
             service=sh_comment(spec.service) if spec.service else "",
             # under the job dir as the job sees it (profile $VARS expand on the node)

@@ -18,7 +18,7 @@ SWITCH_FLAGS = {"--json-output"}
 RESERVED = {"--model-id", "--port", "--port-attempts", "--hostname", "--master-port", "--master-addr", "--num-shard",
             "--api-key", "--pipeline-parallel-size"}
 # Serve options: checked against the snapshot and used to size the job, so never passed around them.
-SERVE_OPTIONS = {"--quantize"}
+SERVE_OPTIONS = {"--quantize", "--speculative-model"}
 
 
 def engine_args(pairs: list[str]) -> list[str]:

@@ -23,6 +23,7 @@ from tgi_hpc.workflows.checks import check_release, check_snapshot, find_shared_
 from tgi_hpc.workflows.engine_flags import engine_args
 from tgi_hpc.workflows.engines import ModelPlan, check_models, fraction_args, plan_engines, total_size
 from tgi_hpc.workflows.lora import attach, check_adapters, resolve_adapters
+from tgi_hpc.workflows.speculative import check_speculative, check_speculative_flags, resolve_speculative
 from tgi_hpc.workflows.placement import place
 
 # serve option -> engine (TGI launcher) flag
@@ -52,6 +53,7 @@ class ServeOptions:
     other_models: list[str] = field(default_factory=list)     # --model A --model B: B..., one engine each
     loras: list[str] = field(default_factory=list)            # NAME=ORG/ADAPTER or NAME=FOLDER
     memory_fractions: list[float] = field(default_factory=list)   # --cuda-memory-fraction, one per model
+    speculative_model: str | None = None   # a draft (model, Medusa heads, EAGLE-3) in the store or a folder
 
 
 def gpu_type_from_overrides(overrides: Sequence[str]) -> str | None:
@@ -139,6 +141,8 @@ def check_before_submit(cluster: Cluster, spec: ServeSpec, release: ShellPath, e
         in_store = engine.model_dir.base == cluster.profile.paths.models
         check_snapshot(cluster, cluster.expand(str(engine.model_dir)), engine.model, in_store)
     check_adapters(cluster, tuple(a for e in spec.engines for a in e.loras) if spec.engines else spec.loras)
+    if spec.speculative_model:
+        check_speculative(cluster, spec.speculative_model, spec.speculative_dir)
     check_release(cluster, cluster.expand(str(release)), explicit_release)
 
 
@@ -184,6 +188,10 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions, *, offline: bool = Fa
         model=opts.model, model_dir=where, num_shard=num_shard, engine_args=tuple(argv),
         api_key=opts.api_key, stage_model=cluster.uses_slurm, nodes=placement.nodes, sizing=placement.notes,
     )
+    if opts.speculative_model:
+        check_speculative_flags(opts.speculative_model, opts.engine_args, 1 + len(others), placement.nodes)
+        spec = replace(spec, speculative_model=opts.speculative_model,
+                       speculative_dir=resolve_speculative(cluster, opts.speculative_model, cluster_path))
     return _with_models_and_adapters(cluster, spec, opts, [first, *others], offline)
 
 
