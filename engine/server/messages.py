@@ -5,7 +5,9 @@ chat messages for the model's template, its `tools` and `tool_choice` into the s
 (engine.server.tools), `stop_sequences` into stop sequences. The answer comes back as content blocks (`text`,
 `tool_use` with its `input` object) with Anthropic's stop reasons, and a stream as Anthropic's typed events
 (message_start, content_block_start, content_block_delta, content_block_stop, message_delta, message_stop). A
-reasoning model's `<think>` span (engine.server.reasoning) comes back as a `thinking` block before the text.
+reasoning model's `<think>` span (engine.server.reasoning) comes back as a `thinking` block before the text or
+the tool calls; `thinking.budget_tokens` bounds it and `{"type": "disabled"}` turns it off
+(engine.server.reasoning_request).
 
 Errors use Anthropic's body, `{"type": "error", "error": {"type", "message"}}`, which its clients read, with the
 server's usual status codes (422 for a refused request); a stream that fails once open ends with an `error` event.
@@ -32,6 +34,7 @@ from engine.server.openai_requests import apply_chat_template
 from engine.server.protocol import ChatCompletionRequest, GenerateRequest, dump
 from engine.server.answer_text import AnswerStream, read_answer
 from engine.server.reasoning import ReasoningFormat, reasoning_format
+from engine.server.reasoning_request import anthropic_thinking, request_grammar
 from engine.server.state import ServerState
 from engine.server.streaming import EventStream, admit, stream_error, unless_disconnected
 from engine.server.tools import ToolUse, tool_use
@@ -50,8 +53,9 @@ async def messages(request: Request) -> Response:
             req = parse_body(MessagesRequest, await request.body())
             chat, use = _chat_request(req, state)
             prompt = apply_chat_template(state, chat, use)
-            await prepare_spec(use.grammar if use is not None else None, state.engine)
-            params = parameters(chat, req.max_tokens, 0, use.grammar if use is not None else None)
+            grammar = request_grammar(chat, _thinks(state), use, None)     # tools after the thinking
+            await prepare_spec(grammar, state.engine)
+            params = parameters(chat, req.max_tokens, 0, grammar)
             params.top_k = req.top_k or None
             generate = GenerateRequest(inputs=prompt, parameters=params)
             if req.stream:
@@ -88,9 +92,7 @@ def _error_body(exc: ServerError) -> AnthropicErrorResponse:
 # --- request -> chat request ---------------------------------------------------------------------
 
 def _chat_request(req: CountTokensRequest, state: ServerState) -> tuple[ChatCompletionRequest, ToolUse | None]:
-    if req.thinking and req.thinking.get("type") not in (None, "disabled") and _thinks(state) is None:
-        raise ValidationError("`thinking` is not supported for this model (no reasoning parser: see "
-                              "--reasoning-parser)")
+    thinking = anthropic_thinking(req.thinking, _thinks(state))
     messages: list[dict[str, Any]] = []
     system = _system_text(req.system)
     if system:
@@ -100,7 +102,8 @@ def _chat_request(req: CountTokensRequest, state: ServerState) -> tuple[ChatComp
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}} for t in req.tools or []]
     body: dict[str, Any] = {"messages": messages, "tools": tools or None, "tool_choice": _tool_choice(req),
-                            "parallel_tool_calls": not (req.tool_choice or {}).get("disable_parallel_tool_use")}
+                            "parallel_tool_calls": not (req.tool_choice or {}).get("disable_parallel_tool_use"),
+                            **thinking}
     if isinstance(req, MessagesRequest):
         body.update(model=req.model, temperature=req.temperature, top_p=req.top_p, stop=req.stop_sequences)
     chat = chat_request(body)
@@ -193,7 +196,7 @@ def _thinks(state: ServerState) -> ReasoningFormat | None:
 # --- answer --------------------------------------------------------------------------------------
 
 def _response(state: ServerState, req: MessagesRequest, use: ToolUse | None, gen: Generation) -> MessagesResponse:
-    answer = read_answer(gen.text, use, _thinks(state) if use is None else None, gen.finish_reason == "length")
+    answer = read_answer(gen.text, use, _thinks(state), gen.finish_reason == "length")
     content = [_tool_block(call) for call in answer.calls] or [{"type": "text", "text": answer.content}]
     if answer.reasoning is not None:
         content.insert(0, {"type": "thinking", "thinking": answer.reasoning, "signature": ""})
@@ -282,7 +285,7 @@ async def _events(state: ServerState, req: MessagesRequest, use: ToolUse | None,
                "content": [], "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": valid.input_length, "output_tokens": 0}}
     yield _event({"type": "message_start", "message": message})
-    pieces = AnswerStream(use, _thinks(state) if use is None else None)   # its tool grammar starts at once
+    pieces = AnswerStream(use, _thinks(state))
     blocks = _Blocks()
     try:
         async with contextlib.aclosing(state.infer.stream(valid, arrival)) as events:
