@@ -33,7 +33,7 @@ from engine.server.openai_common import parameters
 from engine.server.openai_requests import apply_chat_template
 from engine.server.protocol import ChatCompletionRequest, GenerateRequest, dump
 from engine.server.answer_text import AnswerStream, read_answer
-from engine.server.reasoning import ReasoningFormat, reasoning_format
+from engine.server.reasoning import ReasoningFormat, for_prompt, reasoning_format
 from engine.server.reasoning_request import anthropic_thinking, request_grammar
 from engine.server.state import ServerState
 from engine.server.streaming import EventStream, admit, stream_error, unless_disconnected
@@ -53,17 +53,18 @@ async def messages(request: Request) -> Response:
             req = parse_body(MessagesRequest, await request.body())
             chat, use = _chat_request(req, state)
             prompt = apply_chat_template(state, chat, use)
-            grammar = request_grammar(chat, _thinks(state), use, None)     # tools after the thinking
+            grammar = request_grammar(chat, _thinks(state), use, None, prompt)     # tools after the thinking
+            thinks = for_prompt(_thinks(state), prompt)
             await prepare_spec(grammar, state.engine)
             params = parameters(chat, req.max_tokens, 0, grammar)
             params.top_k = req.top_k or None
             generate = GenerateRequest(inputs=prompt, parameters=params)
             if req.stream:
-                return _stream(state, req, use, generate, arrival)
+                return _stream(state, req, use, thinks, generate, arrival)
             with state.infer.permit():
                 valid = state.validator.validate(generate, add_special_tokens=False)
                 gen, _ = await unless_disconnected(request, state.infer.generate(valid, arrival))
-            return JSONResponse(dump(_response(state, req, use, gen)))
+            return JSONResponse(dump(_response(req, use, thinks, gen)))
     except ServerError as exc:
         return error_response(exc)
 
@@ -195,8 +196,9 @@ def _thinks(state: ServerState) -> ReasoningFormat | None:
 
 # --- answer --------------------------------------------------------------------------------------
 
-def _response(state: ServerState, req: MessagesRequest, use: ToolUse | None, gen: Generation) -> MessagesResponse:
-    answer = read_answer(gen.text, use, _thinks(state), gen.finish_reason == "length")
+def _response(req: MessagesRequest, use: ToolUse | None, thinks: ReasoningFormat | None,
+              gen: Generation) -> MessagesResponse:
+    answer = read_answer(gen.text, use, thinks, gen.finish_reason == "length")
     content = [_tool_block(call) for call in answer.calls] or [{"type": "text", "text": answer.content}]
     if answer.reasoning is not None:
         content.insert(0, {"type": "thinking", "thinking": answer.reasoning, "signature": ""})
@@ -230,11 +232,11 @@ def _tool_id() -> str:
 
 # --- stream --------------------------------------------------------------------------------------
 
-def _stream(state: ServerState, req: MessagesRequest, use: ToolUse | None, generate: GenerateRequest,
-            arrival: float) -> EventStream:
+def _stream(state: ServerState, req: MessagesRequest, use: ToolUse | None, thinks: ReasoningFormat | None,
+            generate: GenerateRequest, arrival: float) -> EventStream:
     """Admitted and validated now (a real 429/422), then Anthropic's events; a failure is the last event."""
     valid, release = admit(state, lambda: state.validator.validate(generate, stream=True, add_special_tokens=False))
-    return EventStream(_events(state, req, use, valid, arrival), on_close=release)
+    return EventStream(_events(state, req, use, thinks, valid, arrival), on_close=release)
 
 
 def _event(data: dict[str, Any]) -> bytes:
@@ -279,13 +281,13 @@ class _Blocks:
         return [_event({"type": "content_block_stop", "index": self.index})]
 
 
-async def _events(state: ServerState, req: MessagesRequest, use: ToolUse | None, valid: ValidRequest,
-                  arrival: float) -> AsyncIterator[bytes]:
+async def _events(state: ServerState, req: MessagesRequest, use: ToolUse | None, thinks: ReasoningFormat | None,
+                  valid: ValidRequest, arrival: float) -> AsyncIterator[bytes]:
     message = {"id": _message_id(), "type": "message", "role": "assistant", "model": req.model or state.model_name,
                "content": [], "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": valid.input_length, "output_tokens": 0}}
     yield _event({"type": "message_start", "message": message})
-    pieces = AnswerStream(use, _thinks(state))
+    pieces = AnswerStream(use, thinks)
     blocks = _Blocks()
     try:
         async with contextlib.aclosing(state.infer.stream(valid, arrival)) as events:

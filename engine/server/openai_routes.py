@@ -26,7 +26,7 @@ from engine.server.openai_common import (adapter_id, check_common, finish, model
 from engine.server.openai_requests import apply_chat_template, chat_choice, chat_logprobs
 from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatDelta, GenerateRequest, ModelCard, ModelList, Usage, dump)
-from engine.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format
+from engine.server.reasoning import ReasoningFormat, ReasoningStream, for_prompt, reasoning_format
 from engine.server.reasoning_request import request_grammar
 from engine.server.routing import ExactRoute
 from engine.server.state import ServerState
@@ -57,7 +57,8 @@ async def chat_completions(request: Request) -> Response:
         prompt = apply_chat_template(state, req, use)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         thinks = reasoning_format(state.config.reasoning_parser, getattr(state.tokenizer, "chat_template", None))
-        grammar = request_grammar(req, thinks, use, grammar)
+        grammar = request_grammar(req, thinks, use, grammar, prompt)
+        thinks = for_prompt(thinks, prompt)
         params = parameters(req, max_tokens, top_n, grammar)
         params.adapter_id = adapter_id(state, req)
         created, rid, logprobs = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", bool(req.logprobs)

@@ -7,7 +7,8 @@ chat completions (streamed and not), chosen by `--reasoning-parser auto|qwen3|de
 | deepseek_r1 | `…</think>answer`: the R1 distills' template opens `<think>` in the prompt | all before `</think>` (all of a text cut off before it) |
 
 `auto` reads the chat template: one that writes `<think>` into the generation prompt is deepseek_r1, one that
-otherwise mentions `<think>` is qwen3, any other has no reasoning parser.
+otherwise mentions `<think>` is qwen3, any other has no reasoning parser. Each answer then follows its prompt
+(`for_prompt`): a prompt ending in `</think>` (thinking off) has no span to read, one ending in `<think>` is inside it.
 
 `after_reasoning` wraps a request's grammar (tool calls, response_format) so that it applies only after the span
 ends, and a reasoning budget (`max_reasoning_tokens`) ends the span: past that many tokens the grammar allows
@@ -42,6 +43,19 @@ def reasoning_format(parser: str, chat_template: str | None) -> ReasoningFormat 
     opened = any(f"{START}\\n'" in part or f"{START}\n'" in part
                  for part in chat_template.split("add_generation_prompt")[1:])
     return ReasoningFormat("deepseek_r1" if opened else "qwen3", opened)
+
+
+def for_prompt(fmt: ReasoningFormat | None, prompt: str) -> ReasoningFormat | None:
+    """The format of one answer, from where its rendered prompt ends: a prompt that closed the span (Qwen3's and
+    DeepSeek-V3.1's thinking off: `…</think>`) gets no reasoning, one that opened it (`…<think>`) starts inside it."""
+    if fmt is None:
+        return None
+    tail = prompt.rstrip()
+    if tail.endswith(END):
+        return None
+    if tail.endswith(START) and not fmt.opened_in_prompt:
+        return ReasoningFormat(fmt.name, True)
+    return fmt
 
 
 def split_reasoning(text: str, fmt: ReasoningFormat) -> tuple[str | None, str]:

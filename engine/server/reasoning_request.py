@@ -18,7 +18,7 @@ from typing import Any
 from engine.server.errors import ValidationError
 from engine.server.grammar import response_format_schema
 from engine.server.protocol import ChatCompletionRequest
-from engine.server.reasoning import ReasoningFormat, after_reasoning, answer_rules
+from engine.server.reasoning import ReasoningFormat, after_reasoning, answer_rules, for_prompt
 from engine.server.tools import ToolUse
 from engine.structured.spec import GrammarError, GrammarSpec
 
@@ -27,13 +27,15 @@ _NO_PARSER = "this model has no reasoning parser (see --reasoning-parser)"
 
 
 def request_grammar(req: ChatCompletionRequest, thinks: ReasoningFormat | None, use: ToolUse | None,
-                    response_format: GrammarSpec | None) -> GrammarSpec | None:
+                    response_format: GrammarSpec | None, prompt: str | None = None) -> GrammarSpec | None:
     """The request's grammar (tool calls, else response_format); for a reasoning model it starts after the
-    reasoning span, which `max_reasoning_tokens` bounds."""
+    reasoning span, which `max_reasoning_tokens` bounds (none where the rendered `prompt` closed the span)."""
     grammar = use.grammar if use is not None else response_format
     budget = req.max_reasoning_tokens
     if budget is not None and thinks is None:
         raise ValidationError(f"`max_reasoning_tokens` needs a reasoning model; {_NO_PARSER}")
+    if prompt is not None:
+        thinks = for_prompt(thinks, prompt)
     if thinks is None or (budget is None and grammar is None):
         return grammar
     answer = answer_rules(use.grammar if use is not None else None, response_format_schema(req.response_format))

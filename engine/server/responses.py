@@ -28,7 +28,7 @@ from engine.server.openai_common import parameters
 from engine.server.openai_requests import apply_chat_template
 from engine.server.protocol import GenerateRequest, dump
 from engine.server.answer_text import AnswerStream, read_answer
-from engine.server.reasoning import ReasoningFormat, reasoning_format
+from engine.server.reasoning import ReasoningFormat, for_prompt, reasoning_format
 from engine.server.reasoning_request import request_grammar, responses_reasoning
 from engine.server.response_store import ResponseStore
 from engine.server.responses_protocol import InputTokensDetails, ResponseObject, ResponsesRequest, ResponseUsage
@@ -65,7 +65,8 @@ async def create_response(request: Request) -> Response:
         if use is not None and grammar is not None:
             raise ValidationError('`text.format` cannot be combined with `tools` unless `tool_choice` is "none"')
         prompt = apply_chat_template(state, chat, use)
-        grammar = request_grammar(chat, thinks, use, grammar)     # after the reasoning span
+        grammar = request_grammar(chat, thinks, use, grammar, prompt)     # after the reasoning span
+        thinks = for_prompt(thinks, prompt)
         await prepare_spec(grammar, state.engine)
         params = parameters(chat, req.max_output_tokens, 0, grammar)
         generate = GenerateRequest(inputs=prompt, parameters=params)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine.server.reasoning import ReasoningStream, reasoning_format, split_reasoning
+from engine.server.reasoning import ReasoningStream, for_prompt, reasoning_format, split_reasoning
 
 QWEN3 = reasoning_format("qwen3", None)
 R1 = reasoning_format("deepseek_r1", None)
@@ -120,3 +120,12 @@ def test_responses_reasoning_item_streamed_and_not(monkeypatch):
     added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
     assert added == [(0, "reasoning"), (1, "message")]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_each_answer_follows_where_its_prompt_ends():
+    assert for_prompt(QWEN3, "<|im_start|>assistant\n") is QWEN3
+    assert for_prompt(QWEN3, "<|im_start|>assistant\n<think>\n\n</think>\n\n") is None      # thinking off
+    assert for_prompt(R1, "<｜Assistant｜></think>") is None                                    # DeepSeek-V3.1 off
+    opened = for_prompt(QWEN3, "<｜Assistant｜><think>")                                         # and on
+    assert opened.opened_in_prompt and split_reasoning("why</think>so", opened) == ("why", "so")
+    assert for_prompt(R1, "<｜Assistant｜><think>\n") is R1 and for_prompt(None, "<think>") is None
