@@ -26,7 +26,7 @@ from engine.server.openai_common import (adapter_id, check_common, finish, model
 from engine.server.openai_requests import apply_chat_template, chat_choice, chat_logprobs
 from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatDelta, GenerateRequest, ModelCard, ModelList, Usage, dump)
-from engine.server.reasoning import ReasoningFormat, ReasoningStream, for_prompt, reasoning_format
+from engine.server.reasoning import ReasoningFormat, for_prompt, reasoning_format, reasoning_stream
 from engine.server.reasoning_request import request_grammar
 from engine.server.routing import ExactRoute
 from engine.server.state import ServerState
@@ -67,7 +67,7 @@ async def chat_completions(request: Request) -> Response:
                                _tool_renderer(state, req, use, thinks, rid, created), openai=True,
                                add_special_tokens=False)
         if req.stream:
-            reasoning_streams: dict[int, ReasoningStream] = {}
+            reasoning_streams: dict[int, Any] = {}
 
             def chunk(ev: StreamEvent | None, usage: Usage | None, index: int = 0) -> dict[str, Any]:
                 choices = [] if ev is None else [ChatChunkChoice(
@@ -93,11 +93,11 @@ async def chat_completions(request: Request) -> Response:
         return JSONResponse(dump(body))
 
 
-def _delta(ev: StreamEvent, thinks: ReasoningFormat | None, streams: dict[int, ReasoningStream],
+def _delta(ev: StreamEvent, thinks: ReasoningFormat | None, streams: dict[int, Any],
            index: int) -> ChatDelta:
     if thinks is None:
         return ChatDelta(content=ev.text)
-    stream = streams.setdefault(index, ReasoningStream(thinks))
+    stream = streams.setdefault(index, reasoning_stream(thinks))
     pieces = stream.feed(ev.text) + (stream.finish() if ev.end is not None else [])
     content = "".join(text for kind, text in pieces if kind == "content")
     reasoning = "".join(text for kind, text in pieces if kind == "reasoning")

@@ -1,5 +1,6 @@
 """Reasoning output: a reasoning model's `<think>…</think>` span split from its answer, as `reasoning_content` on
-chat completions (streamed and not), chosen by `--reasoning-parser auto|qwen3|deepseek_r1|none`.
+chat completions, Messages and Responses (streamed and not), chosen by
+`--reasoning-parser auto|qwen3|deepseek_r1|gpt_oss|none` (gpt_oss: harmony channels, engine.server.harmony).
 
 | parser | the model writes | reasoning is |
 |---|---|---|
@@ -22,7 +23,7 @@ from typing import Any
 
 from engine.structured.spec import GrammarSpec, lark_spec
 
-PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
+PARSERS = ("auto", "qwen3", "deepseek_r1", "gpt_oss", "none")
 START, END = "<think>", "</think>"
 
 
@@ -37,6 +38,8 @@ def reasoning_format(parser: str, chat_template: str | None) -> ReasoningFormat 
         return ReasoningFormat("qwen3", False)
     if parser == "deepseek_r1":
         return ReasoningFormat("deepseek_r1", True)
+    if parser == "gpt_oss" or (parser == "auto" and chat_template and "<|channel|>" in chat_template):
+        return ReasoningFormat("gpt_oss", False)
     if parser != "auto" or not chat_template or START not in chat_template:
         return None
     # R1 distills: {% if add_generation_prompt %}{{'<｜Assistant｜><think>\n'}}{% endif %}
@@ -60,11 +63,19 @@ def for_prompt(fmt: ReasoningFormat | None, prompt: str) -> ReasoningFormat | No
 
 def split_reasoning(text: str, fmt: ReasoningFormat) -> tuple[str | None, str]:
     """(reasoning or None, content) of a whole answer."""
-    stream = ReasoningStream(fmt)
+    stream = reasoning_stream(fmt)
     pieces = stream.feed(text) + stream.finish()
     reasoning = "".join(t for kind, t in pieces if kind == "reasoning")
     content = "".join(t for kind, t in pieces if kind == "content")
     return (reasoning if stream.saw_reasoning else None), content
+
+
+def reasoning_stream(fmt: ReasoningFormat) -> Any:
+    """A ReasoningStream, or for gpt_oss a HarmonyStream (the same feed/finish)."""
+    if fmt.name == "gpt_oss":
+        from engine.server.harmony import HarmonyStream     # (it imports this module)
+        return HarmonyStream()
+    return ReasoningStream(fmt)
 
 
 class ReasoningStream:

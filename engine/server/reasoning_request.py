@@ -34,6 +34,10 @@ def request_grammar(req: ChatCompletionRequest, thinks: ReasoningFormat | None, 
     budget = req.max_reasoning_tokens
     if budget is not None and thinks is None:
         raise ValidationError(f"`max_reasoning_tokens` needs a reasoning model; {_NO_PARSER}")
+    if thinks is not None and thinks.name == "gpt_oss":
+        if budget is not None:
+            raise ValidationError("a reasoning budget is not supported for gpt-oss (harmony) yet")
+        return grammar      # from the first token, as without reasoning
     if prompt is not None:
         thinks = for_prompt(thinks, prompt)
     if thinks is None or (budget is None and grammar is None):
