@@ -64,7 +64,7 @@ async def messages(request: Request) -> Response:
             with state.infer.permit():
                 valid = state.validator.validate(generate, add_special_tokens=False)
                 gen, _ = await unless_disconnected(request, state.infer.generate(valid, arrival))
-            return JSONResponse(dump(_response(req, use, thinks, gen)))
+            return JSONResponse(dump(_response(state, req, use, thinks, gen)))
     except ServerError as exc:
         return error_response(exc)
 
@@ -196,7 +196,7 @@ def _thinks(state: ServerState) -> ReasoningFormat | None:
 
 # --- answer --------------------------------------------------------------------------------------
 
-def _response(req: MessagesRequest, use: ToolUse | None, thinks: ReasoningFormat | None,
+def _response(state: ServerState, req: MessagesRequest, use: ToolUse | None, thinks: ReasoningFormat | None,
               gen: Generation) -> MessagesResponse:
     answer = read_answer(gen.text, use, thinks, gen.finish_reason == "length")
     content = [_tool_block(call) for call in answer.calls] or [{"type": "text", "text": answer.content}]
