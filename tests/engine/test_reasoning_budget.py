@@ -178,3 +178,16 @@ def test_reasoning_fields_refused_by_name(server, route, body, message):
     key = "messages" if route == "/v1/messages" else "input"
     reply = httpx.post(f"{server}{route}", json={"model": "tiny", key: ASK, **body}, timeout=60)
     assert reply.status_code == 422 and message in reply.text, reply.text
+
+
+def test_thinking_off_on_messages_and_responses_reaches_the_template_and_reads_no_span(server, client):
+    anthropic = pytest.importorskip("anthropic")
+    claude = anthropic.Anthropic(base_url=server, api_key="none", timeout=120, max_retries=0)
+    kwargs = dict(model="tiny", max_tokens=6, messages=ASK)
+    on = claude.messages.create(**kwargs)
+    off = claude.messages.create(**kwargs, thinking={"type": "disabled"})
+    assert [b.type for b in on.content][0] == "thinking" and [b.type for b in off.content] == ["text"]
+    assert off.usage.input_tokens > on.usage.input_tokens       # the template's `<think>\n\n</think>\n\n`
+    output = client.responses.create(model="tiny", input=ASK[0]["content"], max_output_tokens=6,
+                                     reasoning={"effort": "none"}).output
+    assert [item.type for item in output] == ["message"]
