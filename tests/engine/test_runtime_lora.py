@@ -180,7 +180,7 @@ def test_off_by_default_with_the_way_to_turn_it_on(tiny, tmp_path):
 
 def test_sixteen_streams_while_adapters_are_loaded_unloaded_and_reloaded(tiny, tmp_path):
     """8 clients stream on the base model and a steady adapter the whole time; 8 more stream on `a2`, which is
-    unloaded while they are mid-stream and reloaded with other weights (a3's), three rounds. No request fails,
+    unloaded while they are mid-stream, reloaded with other weights (a3's) and unloaded again. No request fails,
     every greedy text equals the same request's text alone: an unload emptying the slot under a running stream
     would change its text, and a load disturbing another slot would change the steady ones."""
     root = tiny["root"]
@@ -246,7 +246,7 @@ async def _churn(url, root):
 
     steady_tasks = [asyncio.create_task(steady(i)) for i in range(8)]
     try:
-        for round_, weights in enumerate(("a2", "a3", "a2")):
+        for round_, weights in enumerate(("a2", "a3")):
             if round_:      # the first round's a2 is already loaded
                 await adapter("load", lora_name="a2", lora_path=str(root / weights))
             runs = [await on_a2() for _ in range(8)]
