@@ -63,5 +63,5 @@ class EngineConfig:
     json_output: bool = False
     served_model_name: str | None = None
     max_client_batch_size: int = 2048   # inputs per pooling request (embeddings, rerank, score)
-    reasoning_parser: str = "auto"          # "auto" | "qwen3" | "deepseek_r1" | "none" (engine/server/reasoning.py)
+    reasoning_parser: str = "auto"          # "auto" | "qwen3" | "deepseek_r1" | "gpt_oss" | "none" (engine/server/reasoning.py)
     tool_call_parser: str = "auto"          # "auto" | "hermes" | "mistral" | "llama3" | "json" (structured/tool_calls.py)

@@ -190,12 +190,14 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
                                        "max_completion_tokens), cut to the room the prompt leaves; 0 = all that "
                                        "room, TGI's behaviour. /v1/completions keeps OpenAI's default of 16")),
     (("--reasoning-parser",), "REASONING_PARSER",
-     dict(default="auto", choices=("auto", "qwen3", "deepseek_r1", "none"),
-          help="split <think>...</think> into reasoning_content on chat completions; auto reads the chat template")),
+     dict(default="auto", choices=("auto", "qwen3", "deepseek_r1", "gpt_oss", "none"),
+          help="split the reasoning (<think>...</think>, or gpt-oss harmony's analysis channel) from the answer: "
+               "reasoning_content, thinking blocks, reasoning items; auto reads the chat template")),
     (("--tool-call-parser",), "TOOL_CALL_PARSER",
-     dict(default="auto", choices=("auto", "hermes", "mistral", "llama3", "json"),
+     dict(default="auto", choices=("auto", "hermes", "mistral", "llama3", "deepseek_v3", "json"),
           help="how the model writes tool calls (hermes: Hermes/Qwen <tool_call>, mistral: [TOOL_CALLS], llama3: "
-               "Llama 3.x JSON, json: tools described in the prompt); auto reads the chat template")),
+               "Llama 3.x JSON, deepseek_v3: DeepSeek-V3.1 <｜tool▁call▁begin｜>, json: tools described in the "
+               "prompt); auto reads the chat template")),
     (("--prefix-caching",), "PREFIX_CACHING",
      dict(default=True, type=_bool, help="share the KV blocks of equal prompt prefixes between requests "
                                          "(true|false); the hits show as usage.prompt_tokens_details.cached_tokens")),

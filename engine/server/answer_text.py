@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.server.infer import Generation
-from engine.server.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
+from engine.server.reasoning import ReasoningFormat, reasoning_stream, split_reasoning
 from engine.server.tools import ToolUse
 from engine.structured.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
@@ -35,7 +35,7 @@ class AnswerStream:
 
     def __init__(self, use: ToolUse | None, thinks: ReasoningFormat | None):
         self.tools = ToolCallStream(use.fmt, use.tools, use.allow_text) if use is not None else None
-        self.reasoning = ReasoningStream(thinks) if thinks is not None else None
+        self.reasoning = reasoning_stream(thinks) if thinks is not None else None
         self.content = ""           # the text after the reasoning span, which the tool calls are read from
         self.calls: list[ToolCall] = []
 

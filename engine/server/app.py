@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.server import lora_routes, messages, openai_routes, openapi, pooling_routes, responses, sse
+from engine.server.reasoning import reasoning_format
 from engine.server.response_store import ResponseStore
 from engine.server.routing import ExactRoute
 from engine.server.auth import ApiKeyMiddleware
@@ -84,6 +85,8 @@ def _build_state(engine: AsyncEngine, config: EngineConfig) -> ServerState:
     metrics = ServerMetrics(engine.stats)
     validator = Validator(llm.tokenizer, limits, tuple(name for name, _ in config.lora_adapters),
                           config.served_model_name or config.model_id)
+    thinks = reasoning_format(config.reasoning_parser, getattr(llm.tokenizer, "chat_template", None))
+    validator.skip_special_tokens = thinks is None or thinks.name != "gpt_oss"   # harmony's markers are special
     grammars = getattr(llm, "grammars", None)
     if grammars is not None:    # the token table is checked (and a refusal logged) at start-up
         grammars.prepare_in_background()

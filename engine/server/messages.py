@@ -5,7 +5,9 @@ chat messages for the model's template, its `tools` and `tool_choice` into the s
 (engine.server.tools), `stop_sequences` into stop sequences. The answer comes back as content blocks (`text`,
 `tool_use` with its `input` object) with Anthropic's stop reasons, and a stream as Anthropic's typed events
 (message_start, content_block_start, content_block_delta, content_block_stop, message_delta, message_stop). A
-reasoning model's `<think>` span (engine.server.reasoning) comes back as a `thinking` block before the text.
+reasoning model's `<think>` span (engine.server.reasoning) comes back as a `thinking` block before the text or
+the tool calls; `thinking.budget_tokens` bounds it and `{"type": "disabled"}` turns it off
+(engine.server.reasoning_request).
 
 Errors use Anthropic's body, `{"type": "error", "error": {"type", "message"}}`, which its clients read, with the
 server's usual status codes (422 for a refused request); a stream that fails once open ends with an `error` event.
@@ -31,7 +33,8 @@ from engine.server.openai_common import parameters
 from engine.server.openai_requests import apply_chat_template
 from engine.server.protocol import ChatCompletionRequest, GenerateRequest, dump
 from engine.server.answer_text import AnswerStream, read_answer
-from engine.server.reasoning import ReasoningFormat, reasoning_format
+from engine.server.reasoning import ReasoningFormat, for_prompt, reasoning_format
+from engine.server.reasoning_request import anthropic_thinking, request_grammar
 from engine.server.state import ServerState
 from engine.server.streaming import EventStream, admit, stream_error, unless_disconnected
 from engine.server.tools import ToolUse, tool_use
@@ -50,16 +53,18 @@ async def messages(request: Request) -> Response:
             req = parse_body(MessagesRequest, await request.body())
             chat, use = _chat_request(req, state)
             prompt = apply_chat_template(state, chat, use)
-            await prepare_spec(use.grammar if use is not None else None, state.engine)
-            params = parameters(chat, req.max_tokens, 0, use.grammar if use is not None else None)
+            grammar = request_grammar(chat, _thinks(state), use, None, prompt)     # tools after the thinking
+            thinks = for_prompt(_thinks(state), prompt)
+            await prepare_spec(grammar, state.engine)
+            params = parameters(chat, req.max_tokens, 0, grammar)
             params.top_k = req.top_k or None
             generate = GenerateRequest(inputs=prompt, parameters=params)
             if req.stream:
-                return _stream(state, req, use, generate, arrival)
+                return _stream(state, req, use, thinks, generate, arrival)
             with state.infer.permit():
                 valid = state.validator.validate(generate, add_special_tokens=False)
                 gen, _ = await unless_disconnected(request, state.infer.generate(valid, arrival))
-            return JSONResponse(dump(_response(state, req, use, gen)))
+            return JSONResponse(dump(_response(state, req, use, thinks, gen)))
     except ServerError as exc:
         return error_response(exc)
 
@@ -88,9 +93,7 @@ def _error_body(exc: ServerError) -> AnthropicErrorResponse:
 # --- request -> chat request ---------------------------------------------------------------------
 
 def _chat_request(req: CountTokensRequest, state: ServerState) -> tuple[ChatCompletionRequest, ToolUse | None]:
-    if req.thinking and req.thinking.get("type") not in (None, "disabled") and _thinks(state) is None:
-        raise ValidationError("`thinking` is not supported for this model (no reasoning parser: see "
-                              "--reasoning-parser)")
+    thinking = anthropic_thinking(req.thinking, _thinks(state))
     messages: list[dict[str, Any]] = []
     system = _system_text(req.system)
     if system:
@@ -100,7 +103,8 @@ def _chat_request(req: CountTokensRequest, state: ServerState) -> tuple[ChatComp
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}} for t in req.tools or []]
     body: dict[str, Any] = {"messages": messages, "tools": tools or None, "tool_choice": _tool_choice(req),
-                            "parallel_tool_calls": not (req.tool_choice or {}).get("disable_parallel_tool_use")}
+                            "parallel_tool_calls": not (req.tool_choice or {}).get("disable_parallel_tool_use"),
+                            **thinking}
     if isinstance(req, MessagesRequest):
         body.update(model=req.model, temperature=req.temperature, top_p=req.top_p, stop=req.stop_sequences)
     chat = chat_request(body)
@@ -192,8 +196,9 @@ def _thinks(state: ServerState) -> ReasoningFormat | None:
 
 # --- answer --------------------------------------------------------------------------------------
 
-def _response(state: ServerState, req: MessagesRequest, use: ToolUse | None, gen: Generation) -> MessagesResponse:
-    answer = read_answer(gen.text, use, _thinks(state) if use is None else None, gen.finish_reason == "length")
+def _response(state: ServerState, req: MessagesRequest, use: ToolUse | None, thinks: ReasoningFormat | None,
+              gen: Generation) -> MessagesResponse:
+    answer = read_answer(gen.text, use, thinks, gen.finish_reason == "length")
     content = [_tool_block(call) for call in answer.calls] or [{"type": "text", "text": answer.content}]
     if answer.reasoning is not None:
         content.insert(0, {"type": "thinking", "thinking": answer.reasoning, "signature": ""})
@@ -227,11 +232,11 @@ def _tool_id() -> str:
 
 # --- stream --------------------------------------------------------------------------------------
 
-def _stream(state: ServerState, req: MessagesRequest, use: ToolUse | None, generate: GenerateRequest,
-            arrival: float) -> EventStream:
+def _stream(state: ServerState, req: MessagesRequest, use: ToolUse | None, thinks: ReasoningFormat | None,
+            generate: GenerateRequest, arrival: float) -> EventStream:
     """Admitted and validated now (a real 429/422), then Anthropic's events; a failure is the last event."""
     valid, release = admit(state, lambda: state.validator.validate(generate, stream=True, add_special_tokens=False))
-    return EventStream(_events(state, req, use, valid, arrival), on_close=release)
+    return EventStream(_events(state, req, use, thinks, valid, arrival), on_close=release)
 
 
 def _event(data: dict[str, Any]) -> bytes:
@@ -276,13 +281,13 @@ class _Blocks:
         return [_event({"type": "content_block_stop", "index": self.index})]
 
 
-async def _events(state: ServerState, req: MessagesRequest, use: ToolUse | None, valid: ValidRequest,
-                  arrival: float) -> AsyncIterator[bytes]:
+async def _events(state: ServerState, req: MessagesRequest, use: ToolUse | None, thinks: ReasoningFormat | None,
+                  valid: ValidRequest, arrival: float) -> AsyncIterator[bytes]:
     message = {"id": _message_id(), "type": "message", "role": "assistant", "model": req.model or state.model_name,
                "content": [], "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": valid.input_length, "output_tokens": 0}}
     yield _event({"type": "message_start", "message": message})
-    pieces = AnswerStream(use, _thinks(state) if use is None else None)   # its tool grammar starts at once
+    pieces = AnswerStream(use, thinks)
     blocks = _Blocks()
     try:
         async with contextlib.aclosing(state.infer.stream(valid, arrival)) as events:

@@ -19,16 +19,15 @@ from engine.server import sse
 from engine.server.answer_text import AnswerStream
 from engine.server.completions import completions
 from engine.server.errors import ValidationError
-from engine.server.grammar import prepare_grammars, response_format_grammar, response_format_schema
+from engine.server.grammar import prepare_grammars, response_format_grammar
 from engine.server.infer import StreamEvent
 from engine.server.openai_common import (adapter_id, check_common, finish, model_name, parameters, renderer,
                                          stream_choices, usage_of)
 from engine.server.openai_requests import apply_chat_template, chat_choice, chat_logprobs
 from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatDelta, GenerateRequest, ModelCard, ModelList, Usage, dump)
-from engine.server.reasoning import (ReasoningFormat, ReasoningStream, after_reasoning, answer_rules,
-                                     reasoning_format)
-from engine.structured.spec import GrammarError, GrammarSpec
+from engine.server.reasoning import ReasoningFormat, for_prompt, reasoning_format, reasoning_stream
+from engine.server.reasoning_request import request_grammar
 from engine.server.routing import ExactRoute
 from engine.server.state import ServerState
 from engine.server.streaming import Renderer, open_stream, unless_disconnected
@@ -58,7 +57,8 @@ async def chat_completions(request: Request) -> Response:
         prompt = apply_chat_template(state, req, use)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         thinks = reasoning_format(state.config.reasoning_parser, getattr(state.tokenizer, "chat_template", None))
-        grammar = _grammar(req, thinks, use, grammar)
+        grammar = request_grammar(req, thinks, use, grammar, prompt)
+        thinks = for_prompt(thinks, prompt)
         params = parameters(req, max_tokens, top_n, grammar)
         params.adapter_id = adapter_id(state, req)
         created, rid, logprobs = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", bool(req.logprobs)
@@ -67,7 +67,7 @@ async def chat_completions(request: Request) -> Response:
                                _tool_renderer(state, req, use, thinks, rid, created), openai=True,
                                add_special_tokens=False)
         if req.stream:
-            reasoning_streams: dict[int, ReasoningStream] = {}
+            reasoning_streams: dict[int, Any] = {}
 
             def chunk(ev: StreamEvent | None, usage: Usage | None, index: int = 0) -> dict[str, Any]:
                 choices = [] if ev is None else [ChatChunkChoice(
@@ -93,31 +93,11 @@ async def chat_completions(request: Request) -> Response:
         return JSONResponse(dump(body))
 
 
-def _grammar(req: ChatCompletionRequest, thinks: ReasoningFormat | None, use: ToolUse | None,
-             response_format: GrammarSpec | None) -> GrammarSpec | None:
-    """The request's grammar; for a reasoning model it starts after the reasoning span, which
-    `max_reasoning_tokens` bounds."""
-    grammar = use.grammar if use is not None else response_format
-    budget = req.max_reasoning_tokens
-    if budget is not None and thinks is None:
-        raise ValidationError("`max_reasoning_tokens` needs a reasoning model; this one has no reasoning parser "
-                              "(see --reasoning-parser)")
-    if thinks is None or (budget is None and grammar is None):
-        return grammar
-    answer = answer_rules(use.grammar if use is not None else None, response_format_schema(req.response_format))
-    if answer is None and grammar is not None:
-        return grammar      # a regex: from the first token, as without reasoning
-    try:
-        return after_reasoning(thinks, answer, budget, "response_format" if use is None else "tools")
-    except GrammarError as exc:
-        raise ValidationError(str(exc)) from None
-
-
-def _delta(ev: StreamEvent, thinks: ReasoningFormat | None, streams: dict[int, ReasoningStream],
+def _delta(ev: StreamEvent, thinks: ReasoningFormat | None, streams: dict[int, Any],
            index: int) -> ChatDelta:
     if thinks is None:
         return ChatDelta(content=ev.text)
-    stream = streams.setdefault(index, ReasoningStream(thinks))
+    stream = streams.setdefault(index, reasoning_stream(thinks))
     pieces = stream.feed(ev.text) + (stream.finish() if ev.end is not None else [])
     content = "".join(text for kind, text in pieces if kind == "content")
     reasoning = "".join(text for kind, text in pieces if kind == "reasoning")

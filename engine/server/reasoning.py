@@ -1,5 +1,6 @@
 """Reasoning output: a reasoning model's `<think>…</think>` span split from its answer, as `reasoning_content` on
-chat completions (streamed and not), chosen by `--reasoning-parser auto|qwen3|deepseek_r1|none`.
+chat completions, Messages and Responses (streamed and not), chosen by
+`--reasoning-parser auto|qwen3|deepseek_r1|gpt_oss|none` (gpt_oss: harmony channels, engine.server.harmony).
 
 | parser | the model writes | reasoning is |
 |---|---|---|
@@ -7,7 +8,8 @@ chat completions (streamed and not), chosen by `--reasoning-parser auto|qwen3|de
 | deepseek_r1 | `…</think>answer`: the R1 distills' template opens `<think>` in the prompt | all before `</think>` (all of a text cut off before it) |
 
 `auto` reads the chat template: one that writes `<think>` into the generation prompt is deepseek_r1, one that
-otherwise mentions `<think>` is qwen3, any other has no reasoning parser.
+otherwise mentions `<think>` is qwen3, any other has no reasoning parser. Each answer then follows its prompt
+(`for_prompt`): a prompt ending in `</think>` (thinking off) has no span to read, one ending in `<think>` is inside it.
 
 `after_reasoning` wraps a request's grammar (tool calls, response_format) so that it applies only after the span
 ends, and a reasoning budget (`max_reasoning_tokens`) ends the span: past that many tokens the grammar allows
@@ -21,7 +23,7 @@ from typing import Any
 
 from engine.structured.spec import GrammarSpec, lark_spec
 
-PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
+PARSERS = ("auto", "qwen3", "deepseek_r1", "gpt_oss", "none")
 START, END = "<think>", "</think>"
 
 
@@ -36,6 +38,8 @@ def reasoning_format(parser: str, chat_template: str | None) -> ReasoningFormat 
         return ReasoningFormat("qwen3", False)
     if parser == "deepseek_r1":
         return ReasoningFormat("deepseek_r1", True)
+    if parser == "gpt_oss" or (parser == "auto" and chat_template and "<|channel|>" in chat_template):
+        return ReasoningFormat("gpt_oss", False)
     if parser != "auto" or not chat_template or START not in chat_template:
         return None
     # R1 distills: {% if add_generation_prompt %}{{'<｜Assistant｜><think>\n'}}{% endif %}
@@ -44,13 +48,34 @@ def reasoning_format(parser: str, chat_template: str | None) -> ReasoningFormat 
     return ReasoningFormat("deepseek_r1" if opened else "qwen3", opened)
 
 
+def for_prompt(fmt: ReasoningFormat | None, prompt: str) -> ReasoningFormat | None:
+    """The format of one answer, from where its rendered prompt ends: a prompt that closed the span (Qwen3's and
+    DeepSeek-V3.1's thinking off: `…</think>`) gets no reasoning, one that opened it (`…<think>`) starts inside it."""
+    if fmt is None:
+        return None
+    tail = prompt.rstrip()
+    if tail.endswith(END):
+        return None
+    if tail.endswith(START) and not fmt.opened_in_prompt:
+        return ReasoningFormat(fmt.name, True)
+    return fmt
+
+
 def split_reasoning(text: str, fmt: ReasoningFormat) -> tuple[str | None, str]:
     """(reasoning or None, content) of a whole answer."""
-    stream = ReasoningStream(fmt)
+    stream = reasoning_stream(fmt)
     pieces = stream.feed(text) + stream.finish()
     reasoning = "".join(t for kind, t in pieces if kind == "reasoning")
     content = "".join(t for kind, t in pieces if kind == "content")
     return (reasoning if stream.saw_reasoning else None), content
+
+
+def reasoning_stream(fmt: ReasoningFormat) -> Any:
+    """A ReasoningStream, or for gpt_oss a HarmonyStream (the same feed/finish)."""
+    if fmt.name == "gpt_oss":
+        from engine.server.harmony import HarmonyStream     # (it imports this module)
+        return HarmonyStream()
+    return ReasoningStream(fmt)
 
 
 class ReasoningStream:

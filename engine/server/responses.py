@@ -4,8 +4,9 @@ response through `previous_response_id` (engine.server.response_store).
 A request becomes the chat route's pieces: `instructions` a system message, input items chat messages
 (`function_call` an assistant turn's tool call, `function_call_output` a `tool` turn), `text.format` the
 response_format grammar, function `tools` and `tool_choice` the tool grammar (engine.server.tools). The answer
-is a `message` item with `output_text` (after a `reasoning` item for a reasoning model's `<think>` span), or a
-`function_call` item. Whatever this server does not do is a 422
+is a `message` item with `output_text`, or `function_call` items, after a `reasoning` item for a reasoning model's
+`<think>` span, which `reasoning.effort` (or `reasoning.max_tokens`) bounds or turns off
+(engine.server.reasoning_request). Whatever this server does not do is a 422
 naming the field: built-in tools, image and file inputs, background mode, conversations, prompt templates.
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ from engine.server.openai_common import parameters
 from engine.server.openai_requests import apply_chat_template
 from engine.server.protocol import GenerateRequest, dump
 from engine.server.answer_text import AnswerStream, read_answer
-from engine.server.reasoning import reasoning_format
+from engine.server.reasoning import ReasoningFormat, for_prompt, reasoning_format
+from engine.server.reasoning_request import request_grammar, responses_reasoning
 from engine.server.response_store import ResponseStore
 from engine.server.responses_protocol import InputTokensDetails, ResponseObject, ResponsesRequest, ResponseUsage
 from engine.server.state import ServerState
@@ -52,20 +54,23 @@ async def create_response(request: Request) -> Response:
         if not messages:
             raise ValidationError("`input` must hold at least one item")
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        thinks = reasoning_format(state.config.reasoning_parser, getattr(state.tokenizer, "chat_template", None))
         chat = chat_request({
             "model": req.model, "messages": system + messages, "temperature": req.temperature, "top_p": req.top_p,
             "seed": req.seed, "tools": _tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),
             "parallel_tool_calls": req.parallel_tool_calls,
-            "response_format": _response_format(req.text)})
+            "response_format": _response_format(req.text), **responses_reasoning(req.reasoning, thinks)})
         use = tool_use(chat, state.tokenizer, state.config.tool_call_parser)
         grammar = response_format_grammar(chat.response_format)
         if use is not None and grammar is not None:
             raise ValidationError('`text.format` cannot be combined with `tools` unless `tool_choice` is "none"')
         prompt = apply_chat_template(state, chat, use)
-        await prepare_spec(use.grammar if use is not None else grammar, state.engine)
-        params = parameters(chat, req.max_output_tokens, 0, use.grammar if use is not None else grammar)
+        grammar = request_grammar(chat, thinks, use, grammar, prompt)     # after the reasoning span
+        thinks = for_prompt(thinks, prompt)
+        await prepare_spec(grammar, state.engine)
+        params = parameters(chat, req.max_output_tokens, 0, grammar)
         generate = GenerateRequest(inputs=prompt, parameters=params)
-        answer = _Answer(state, req, use, messages)
+        answer = _Answer(state, req, use, messages, thinks)
         if req.stream:
             return _stream(state, store, answer, generate, arrival)
         with state.infer.permit():
@@ -82,8 +87,6 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
     for field, what in _REFUSED.items():
         if getattr(req, field):
             raise ValidationError(f"`{field}`: {what} is not supported by this server")
-    if req.reasoning and req.reasoning.get("effort") not in (None, "none", "minimal"):
-        raise ValidationError("`reasoning` is not supported by this server (it has no reasoning parser)")
 
 
 def _history(store: ResponseStore, req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -186,15 +189,14 @@ class _Answer:
     """The response being built: its ids, its output items, and the conversation it continues."""
 
     def __init__(self, state: ServerState, req: ResponsesRequest, use: ToolUse | None,
-                 messages: list[dict[str, Any]]):
+                 messages: list[dict[str, Any]], thinks: ReasoningFormat | None):
         self.state, self.req, self.use, self.messages = state, req, use, messages
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.item_id = f"msg_{uuid.uuid4().hex}"
         self.call_ids: list[tuple[str, str]] = []       # (call_id, item id) of each function call
         self.rs_id = f"rs_{uuid.uuid4().hex}"
-        self.thinks = reasoning_format(state.config.reasoning_parser, getattr(state.tokenizer, "chat_template", None)) \
-            if use is None else None
+        self.thinks = thinks
         self.turn: dict[str, Any] | None = None
 
     def ids(self, index: int) -> tuple[str, str]:
@@ -234,6 +236,8 @@ class _Answer:
         calls = answer.calls
         if calls:
             output = [self.call_item(i, c.name, c.arguments) for i, c in enumerate(calls)]
+            if answer.reasoning is not None:
+                output.insert(0, self.reasoning_item(answer.reasoning))
             self.turn = {"role": "assistant", "content": "", "tool_calls": [
                 {"id": self.ids(i)[0], "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for i, c in enumerate(calls)]}

@@ -58,11 +58,11 @@ def tool_use(req: ChatCompletionRequest, tokenizer: Any, parser: str = "auto") -
 
 
 def _parallel(req: ChatCompletionRequest, fmt: ToolCallFormat) -> bool:
-    """Several calls per turn: OpenAI's default, except for a model whose template knows no tools (json format),
+    """Several calls per turn: OpenAI's default, except for a model whose template knows no tool format (json),
     which gets one unless the request asks (SmolLM2 left free wrote call after call up to max_tokens)."""
     if req.parallel_tool_calls is not None:
         return req.parallel_tool_calls
-    return not fmt.describe_in_prompt
+    return fmt.parallel_by_default
 
 
 def _tool(item: Any, i: int) -> Tool:

@@ -78,6 +78,7 @@ class Validator:
         self.base_name = base_name      # this name (or "tgi", or none) means the base model
         # why grammars are refused on this model (its token table cannot be built), or None
         self.grammar_unavailable: Callable[[], str | None] = lambda: None
+        self.skip_special_tokens = True     # off for gpt-oss: its harmony channel markers are special tokens
 
     def adapter(self, adapter_id: str | None) -> str | None:
         """The LoRA adapter a request names (None = the base model); 422 naming the loaded ones if unknown."""
@@ -124,7 +125,7 @@ class Validator:
             top_k=p.top_k, top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
             frequency_penalty=p.frequency_penalty, seed=p.seed, max_new_tokens=max_new_tokens,
             stop=list(p.stop), top_n_tokens=top_n, prefill_logprobs=p.decoder_input_details, grammar=grammar,
-            adapter_id=adapter)
+            adapter_id=adapter, skip_special_tokens=self.skip_special_tokens)
         return ValidRequest(inputs=req.inputs, prompt_token_ids=ids, params=params, best_of=best_of,
                             details=p.details or p.decoder_input_details,
                             decoder_input_details=p.decoder_input_details,

@@ -1,14 +1,16 @@
 """Tool calls: how each model family writes them, the grammar that forces (`required`, named) or allows (`auto`)
 them, one or several per turn, and reading them back from the generated text, whole or streamed.
 
-Every call is generated as one JSON object with a fixed header, `{"name": "<tool>", "<args key>": <arguments>}`;
-the family's markers go around each call or around the list:
+Every call is generated as one JSON object with a fixed header, `{"name": "<tool>", "<args key>": <arguments>}`,
+or, for a family that writes the name outside the JSON (`name_sep`), as `NAME<name_sep><arguments>`; the family's
+markers go around each call or around the list:
 
 | parser | template mentions | text the model writes for two calls |
 |---|---|---|
 | hermes (Hermes, Qwen2.5, Qwen3) | `<tool_call>` | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>\\n<tool_call>\\n...</tool_call>` |
 | mistral | `[TOOL_CALLS]` | `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, {...}]` |
 | llama3 (Llama 3.1/3.2 JSON) | `<|python_tag|>` or `"parameters"` | `{"name": ..., "parameters": {...}}; {...}` (`<|python_tag|>` first is read too) |
+| deepseek_v3 (DeepSeek-V3.1) | `<｜tool▁call▁begin｜>` | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`; tools described in a system message (its template does not render them) |
 | json (SmolLM2, any template without tools) | none of these | `{"name": ..., "arguments": {...}}\\n{...}`; tools described in a system message |
 
 `--tool-call-parser` forces one; `auto` reads the chat template. A marker that is one special token of the
@@ -43,6 +45,8 @@ class ToolCallFormat:
     args_key: str = "arguments"
     describe_in_prompt: bool = False     # the template ignores `tools`: we add them as a system message
     aliases: tuple[str, ...] = ()        # other openers the family writes (Llama's <|python_tag|>)
+    name_sep: str = ""          # set: a call is NAME + name_sep + arguments (DeepSeek), not a JSON header
+    parallel_by_default: bool = True     # without `parallel_tool_calls`, several calls per turn
 
     def markers(self) -> list[str]:
         """Marker texts the reader skips, longest first."""
@@ -54,7 +58,10 @@ FORMATS = {
     "hermes": ToolCallFormat("hermes", call_open="<tool_call>\n", call_close="\n</tool_call>", separator="\n"),
     "mistral": ToolCallFormat("mistral", open="[TOOL_CALLS] [", close="]", separator=", ", aliases=("[TOOL_CALLS]",)),
     "llama3": ToolCallFormat("llama3", args_key="parameters", separator="; ", aliases=("<|python_tag|>",)),
-    "json": ToolCallFormat("json", separator="\n", describe_in_prompt=True),
+    "deepseek_v3": ToolCallFormat("deepseek_v3", open="<｜tool▁calls▁begin｜>", close="<｜tool▁calls▁end｜>",
+                                  call_open="<｜tool▁call▁begin｜>", call_close="<｜tool▁call▁end｜>",
+                                  name_sep="<｜tool▁sep｜>", describe_in_prompt=True),
+    "json": ToolCallFormat("json", separator="\n", describe_in_prompt=True, parallel_by_default=False),
 }
 PARSERS = ("auto", *FORMATS)
 
@@ -77,6 +84,8 @@ def detect_format(chat_template: str | None, parser: str = "auto") -> ToolCallFo
     if parser != "auto":
         return FORMATS[parser]
     template = chat_template or ""
+    if "<｜tool▁call▁begin｜>" in template:     # before the check for `tools`: this template never renders them
+        return FORMATS["deepseek_v3"]
     if "tools" not in template:
         return FORMATS["json"]
     if "<tool_call>" in template:
@@ -89,19 +98,37 @@ def detect_format(chat_template: str | None, parser: str = "auto") -> ToolCallFo
 
 
 def header(fmt: ToolCallFormat, name: str) -> str:
+    if fmt.name_sep:
+        return f"{name}{fmt.name_sep}"
     return f'{{"name": "{name}", "{fmt.args_key}": '
+
+
+def trailer(fmt: ToolCallFormat) -> str:
+    """What closes a call's JSON header after its arguments."""
+    return "" if fmt.name_sep else "}"
+
+
+def header_pattern(fmt: ToolCallFormat) -> re.Pattern[str]:
+    """A call's header in streamed text; group 1 is the tool's name, the arguments start at its end."""
+    if fmt.name_sep:
+        return re.compile(rf"([\w.\-]+){re.escape(fmt.name_sep)}\s*(?=\S)")
+    return _HEADER
 
 
 def tool_call_grammar(tools: list[Tool], fmt: ToolCallFormat, *, allow_text: bool, tokenizer: Any = None,
                       parallel: bool = True, field: str = "tools") -> GrammarSpec:
     """Calls to `tools`: one, or with `parallel` up to MAX_CALLS (or, with `allow_text`, free text instead)."""
-    more = f" ({_marker(fmt.separator, tokenizer)} call){{0,{MAX_CALLS - 1}}}" if parallel and fmt.separator else ""
+    more = f" ({_marker(fmt.separator, tokenizer)} call){{0,{MAX_CALLS - 1}}}" \
+        if parallel and (fmt.separator or fmt.call_open) else ""
     rules = [f"calls: {_marker(fmt.open, tokenizer)} call{more} {_marker(fmt.close, tokenizer)}",
              f"call: {_marker(fmt.call_open, tokenizer)} ({' | '.join(f'call_{i}' for i in range(len(tools)))}) "
              f"{_marker(fmt.call_close, tokenizer)}"]
     for i, tool in enumerate(tools):
         schema = {**closed(tool.parameters), "x-guidance": _LAYOUT}
-        rules.append(f"call_{i}: {json.dumps(header(fmt, tool.name))} args_{i} \"}}\"")
+        if fmt.name_sep:
+            rules.append(f"call_{i}: {json.dumps(tool.name)} {_marker(fmt.name_sep, tokenizer)} args_{i}")
+        else:
+            rules.append(f"call_{i}: {json.dumps(header(fmt, tool.name))} args_{i} \"}}\"")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
     if allow_text:
         opener = (fmt.open or fmt.call_open).strip()
@@ -156,6 +183,8 @@ def parse_tool_calls(text: str, fmt: ToolCallFormat, tools: list[Tool], cut_off:
     `cut_off` (the answer hit its token limit) the complete calls before a cut-off one are the answer's calls."""
     known = {t.name for t in tools}
     markers = fmt.markers()
+    if fmt.name_sep:
+        return _parse_named(text, fmt, known, markers, cut_off)
     calls: list[ToolCall] = []
     decoder = json.JSONDecoder()
     at, n = 0, len(text)
@@ -182,6 +211,32 @@ def parse_tool_calls(text: str, fmt: ToolCallFormat, tools: list[Tool], cut_off:
         if call is None:
             return None
         calls.append(call)
+        at = end
+    return calls or None
+
+
+def _parse_named(text: str, fmt: ToolCallFormat, known: set[str], markers: list[str],
+                 cut_off: bool) -> list[ToolCall] | None:
+    """parse_tool_calls for NAME<name_sep>{...} calls (the separator may be gone, dropped as a special token)."""
+    name_at = re.compile(rf"([\w.\-]+)\s*(?:{re.escape(fmt.name_sep)})?\s*(?=\{{)")
+    calls: list[ToolCall] = []
+    at, n = 0, len(text)
+    while at < n:
+        if text[at].isspace():
+            at += 1
+            continue
+        marker = next((m for m in markers if text.startswith(m, at)), None)
+        if marker is not None:
+            at += len(marker)
+            continue
+        match = name_at.match(text, at)
+        end = _json_end(text, match.end()) if match else None
+        if match is None or end is None:
+            return calls if cut_off and calls else None
+        name, args = match.group(1), text[match.end():end]
+        if name not in known or not _is_object(args):
+            return None
+        calls.append(ToolCall(name, args))
         at = end
     return calls or None
 
@@ -246,6 +301,9 @@ def describe_tools(tools: list[Tool], fmt: ToolCallFormat, *, required: bool) ->
                           for t in tools])
     how = (f'To call a function, answer with only a JSON object: {header(fmt, "<function name>")}'
            f'<arguments object>}}.')
+    if fmt.name_sep:
+        how = f"To call a function, answer with only {calls_text([ToolCall('<name>', '<arguments object>')], fmt)}."
+
     choose = "You must call one of them." if required else "If none of them is needed, answer normally."
     return f"You can call these functions:\n{listing}\n{how} {choose}"
 
@@ -256,7 +314,8 @@ def call_text(call: ToolCall, fmt: ToolCallFormat) -> str:
 
 
 def calls_text(calls: list[ToolCall], fmt: ToolCallFormat) -> str:
-    body = fmt.separator.join(f"{fmt.call_open}{header(fmt, c.name)}{c.arguments}}}{fmt.call_close}" for c in calls)
+    body = fmt.separator.join(f"{fmt.call_open}{header(fmt, c.name)}{c.arguments}{trailer(fmt)}{fmt.call_close}"
+                              for c in calls)
     return f"{fmt.open}{body}{fmt.close}"
 
 
@@ -311,7 +370,7 @@ class ToolCallStream:
                 if end is None:
                     return out
                 self._scan = end
-            match = _HEADER.search(self.buffer, self._scan)
+            match = header_pattern(self.fmt).search(self.buffer, self._scan)
             if match is None or match.group(1) not in known:
                 return out
             self.calls.append(_Streamed(match.group(1), match.end()))

@@ -2,7 +2,8 @@
 response (status, media type, body) as declared, schema-invalid requests refused, undeclared methods 405.
 
 Bounded: a fixed number of derandomized examples per operation, a 64-token context and a 4-token default
-answer, so the run takes about a minute on 2 cores."""
+answer, so the run takes about a minute on 2 cores. Runtime LoRA is on, so that the adapter routes' own checks
+are fuzzed (not only the 404 a server without it answers)."""
 from __future__ import annotations
 
 import os
@@ -30,7 +31,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 def fuzz_server(model_path, tmp_path_factory):
     proc, url, log = start_server(model_path("tiny-llama"), tmp_path_factory.mktemp("fuzz"), "--max-total-tokens",
                                   "64", "--max-new-tokens-default", "4", "--max-concurrent-requests", "8",
-                                  "--cpu-threads", "1")
+                                  "--cpu-threads", "1", "--enable-runtime-lora", "--max-loras", "1")
     yield url
     stop_server(proc)
     assert "Traceback" not in log.read_text()

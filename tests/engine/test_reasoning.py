@@ -7,10 +7,14 @@ import json
 
 import pytest
 
-from engine.server.reasoning import ReasoningStream, reasoning_format, split_reasoning
+from engine.server.reasoning import for_prompt, reasoning_format, reasoning_stream, split_reasoning
 
 QWEN3 = reasoning_format("qwen3", None)
 R1 = reasoning_format("deepseek_r1", None)
+GPT_OSS = reasoning_format("gpt_oss", None)
+HARMONY = ("<|channel|>analysis<|message|>Let me see.<|end|><|start|>assistant<|channel|>final<|message|>"
+           "Paris.<|return|>")
+GPT_OSS_TEMPLATE = "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}<|channel|>final"
 QWEN3_TEMPLATE = ("{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
                   "{%- endif %}{{- '<|im_start|>assistant\\n' }}")      # the part of Qwen3's template that matters
 R1_TEMPLATE = "{% if add_generation_prompt %}{{'<｜Assistant｜><think>\\n'}}{% endif %}"
@@ -26,12 +30,21 @@ R1_TEMPLATE = "{% if add_generation_prompt %}{{'<｜Assistant｜><think>\\n'}}{%
     (R1, "Hmm, 2+2.</think>\n\n4", "Hmm, 2+2.", "4"),
     (R1, "<think>Hmm</think>4", "Hmm", "4"),
     (R1, "still thinking", "still thinking", ""),
+    (GPT_OSS, HARMONY, "Let me see.", "Paris."),
+    (GPT_OSS, "Paris.", None, "Paris."),                                # an answer under a grammar: no header
+    (GPT_OSS, "<|channel|>final<|message|>Paris.<|return|>", None, "Paris."),
+    (GPT_OSS, "<|channel|>analysis<|message|>cut off bef", "cut off bef", ""),
+    (GPT_OSS, "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>commentary<|message|>b<|end|>"
+              "<|start|>assistant<|channel|>final<|message|>c", "a", "bc"),
+    (GPT_OSS, "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|chan", "x", ""),     # a header cut off
+    (GPT_OSS, "<|channel|>analys", None, ""),
+    (GPT_OSS, "<|channel|>final<|message|>a <|end of nothing|> b", None, "a <|end of nothing|> b"),
 ])
 def test_split_whole_and_streamed_in_every_cut(fmt, text, reasoning, content):
     assert split_reasoning(text, fmt) == (reasoning, content)
     for cut in range(len(text) + 1):
         for step in (1, 3):
-            stream = ReasoningStream(fmt)
+            stream = reasoning_stream(fmt)
             pieces = stream.feed(text[:cut])
             pieces += [p for i in range(cut, len(text), step) for p in stream.feed(text[i:i + step])]
             pieces += stream.finish()
@@ -44,6 +57,7 @@ def test_auto_reads_the_template():
     assert reasoning_format("auto", R1_TEMPLATE).name == "deepseek_r1"
     assert reasoning_format("auto", "{{ messages }}") is None and reasoning_format("auto", None) is None
     assert reasoning_format("none", QWEN3_TEMPLATE) is None
+    assert reasoning_format("auto", GPT_OSS_TEMPLATE) == GPT_OSS
 
 
 @pytest.mark.parametrize("parser, split", [("auto", True), ("qwen3", True), ("none", False)])
@@ -120,3 +134,40 @@ def test_responses_reasoning_item_streamed_and_not(monkeypatch):
     added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
     assert added == [(0, "reasoning"), (1, "message")]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_each_answer_follows_where_its_prompt_ends():
+    assert for_prompt(QWEN3, "<|im_start|>assistant\n") is QWEN3
+    assert for_prompt(QWEN3, "<|im_start|>assistant\n<think>\n\n</think>\n\n") is None      # thinking off
+    assert for_prompt(R1, "<｜Assistant｜></think>") is None                                    # DeepSeek-V3.1 off
+    opened = for_prompt(QWEN3, "<｜Assistant｜><think>")                                         # and on
+    assert opened.opened_in_prompt and split_reasoning("why</think>so", opened) == ("why", "so")
+    assert for_prompt(R1, "<｜Assistant｜><think>\n") is R1 and for_prompt(None, "<think>") is None
+
+
+def test_harmony_channels_on_the_chat_and_responses_routes(monkeypatch):
+    """gpt-oss: the analysis channel is the reasoning, streamed and not; special tokens stay in the decoded text."""
+    pytest.importorskip("torch")
+    import test_server
+    from starlette.testclient import TestClient
+    monkeypatch.setattr(test_server, "SCRIPT", HARMONY)
+    monkeypatch.setattr(test_server.CharTokenizer, "chat_template", GPT_OSS_TEMPLATE)
+    app, engine, _ = test_server.make_app()
+    body = {"messages": [{"role": "user", "content": "why?"}], "max_tokens": len(HARMONY)}
+    try:
+        with TestClient(app) as client:
+            assert app.state.server.validator.skip_special_tokens is False
+            message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+            with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                          if line.startswith("data: {")]
+            output = client.post("/v1/responses", json={"input": "why?", "max_output_tokens": len(HARMONY)}).json()
+            refused = client.post("/v1/chat/completions", json={**body, "max_reasoning_tokens": 4})
+    finally:
+        engine.close()
+    assert (message["reasoning_content"], message["content"]) == ("Let me see.", "Paris.")
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Let me see."
+    assert "".join(d.get("content") or "" for d in deltas) == "Paris."
+    reasoning, answer = output["output"]
+    assert reasoning["content"][0]["text"] == "Let me see." and answer["content"][0]["text"] == "Paris."
+    assert refused.status_code == 422 and "gpt-oss" in refused.json()["error"]

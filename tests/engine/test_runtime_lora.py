@@ -2,7 +2,8 @@
 engine's slots while it serves. Greedy tokens of a loaded adapter equal the merged PEFT model's, also after a
 slot is reused (no prefix-cache blocks of the slot's earlier adapter); each refused load names its reason; and
 through the launcher and the real `openai` client: /v1/models follows, a stream on an adapter being unloaded
-finishes first, requests for it are refused after, and a server without the flag says how to turn it on."""
+finishes first, requests for it are refused after, 16 clients stream through loads, unloads and reloads, and a
+server without the flag says how to turn it on."""
 from __future__ import annotations
 
 import asyncio
@@ -175,3 +176,90 @@ def test_off_by_default_with_the_way_to_turn_it_on(tiny, tmp_path):
         assert reply.json()["error_type"] == "not_found"
     finally:
         stop_server(proc)
+
+
+def test_sixteen_streams_while_adapters_are_loaded_unloaded_and_reloaded(tiny, tmp_path):
+    """8 clients stream on the base model and a steady adapter the whole time; 8 more stream on `a2`, which is
+    unloaded while they are mid-stream, reloaded with other weights (a3's) and unloaded again. No request fails,
+    every greedy text equals the same request's text alone: an unload emptying the slot under a running stream
+    would change its text, and a load disturbing another slot would change the steady ones."""
+    root = tiny["root"]
+    proc, url, log = start_server(tiny["base"], tmp_path, "--enable-runtime-lora", "--max-loras", "3",
+                                  "--max-lora-rank", "8", "--dtype", "float32")
+    try:
+        asyncio.run(_churn(url, root))
+        assert_all_blocks_free(url)
+    finally:
+        stop_server(proc)
+    assert "Traceback" not in log.read_text()
+
+
+async def _churn(url, root):
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
+    http = httpx.AsyncClient(base_url=url, timeout=120)
+    messages = [{"role": "user", "content": TEXT}]
+
+    async def stream(model):
+        """(text, number of chunks) of one greedy stream; `started` is set at its first piece of text."""
+        pieces = []
+        async for chunk in await client.chat.completions.create(
+                model=model, messages=messages, max_tokens=16, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}):
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+                yield "".join(pieces)
+
+    async def text_of(model):
+        text = ""
+        async for text in stream(model):
+            pass
+        return text
+
+    async def adapter(action, **body):
+        reply = await http.post(f"/v1/{action}_lora_adapter", json=body)
+        assert reply.status_code == 200, reply.text
+
+    for name in ("a1", "a2", "a3"):
+        await adapter("load", lora_name=name, lora_path=str(root / name))
+    base_model = (await client.models.list()).data[0].id
+    expected = {m: await text_of(m) for m in (base_model, "a1", "a2", "a3")}
+    assert len(set(expected.values())) == 4, expected
+    await adapter("unload", lora_name="a3")
+
+    stop, done = asyncio.Event(), []
+
+    async def steady(i):
+        while not stop.is_set():
+            model = (base_model, "a1")[i % 2]
+            assert await text_of(model) == expected[model]
+            done.append(model)
+
+    async def on_a2():
+        started = asyncio.Event()
+
+        async def one():
+            text = ""
+            async for text in stream("a2"):
+                started.set()
+            return text
+        return started, asyncio.create_task(one())
+
+    steady_tasks = [asyncio.create_task(steady(i)) for i in range(8)]
+    try:
+        for round_, weights in enumerate(("a2", "a3")):
+            if round_:      # the first round's a2 is already loaded
+                await adapter("load", lora_name="a2", lora_path=str(root / weights))
+            runs = [await on_a2() for _ in range(8)]
+            for started, _ in runs:
+                await started.wait()
+            assert not all(task.done() for _, task in runs)
+            await adapter("unload", lora_name="a2")
+            # all of every stream came, with a2's weights of this round to the end
+            assert [await task for _, task in runs] == [expected[weights]] * 8
+            reply = await http.post("/v1/chat/completions", json={"model": "a2", "messages": messages})
+            assert reply.status_code == 422 and "unknown adapter 'a2'" in reply.json()["error"]
+    finally:
+        stop.set()
+        await asyncio.gather(*steady_tasks)
+    assert done.count(base_model) >= 4 and done.count("a1") >= 4
+    await http.aclose()

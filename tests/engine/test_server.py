@@ -762,6 +762,10 @@ def test_docs_and_openapi(client):
     assert {"/generate", "/generate_stream", "/v1/chat/completions", "/health"} <= set(spec["paths"])
     assert "GenerateRequest" in spec["components"]["schemas"]
     assert "swagger" in client.get("/docs").text.lower()
+    # every route the app serves, with each of its methods, is in the document, and nothing else is
+    served = {(method.lower(), route.path) for route in client.app.routes for method in route.methods}
+    declared = {(method, path) for path, operations in spec["paths"].items() for method in operations}
+    assert served == declared
 
 
 # --- metrics and health -------------------------------------------------------------------------

@@ -83,6 +83,37 @@ HOSTILE = {
 }
 
 
+def test_named_calls_with_their_markers_dropped_as_special_tokens():
+    # under `auto` such text starts like prose; `required` and named calls still stream
+    want = [ToolCall("add", '{"a": 1, "b": 2}'), ToolCall("add", '{"a": 3, "b": 4}')]
+    text = 'add{"a": 1, "b": 2}add{"a": 3, "b": 4}'
+    assert parse_tool_calls(text, FORMATS["deepseek_v3"], TOOLS) == want
+    pieces, calls = streamed(text, FORMATS["deepseek_v3"], 2, allow_text=False)
+    assert calls == want and [i for k, _, i in pieces if k == "name"] == [0, 1]
+
+
+NAMED_HOSTILE = {
+    "cut-off JSON": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": 1, \"b\"",
+    "unknown tool": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>rm_rf<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
+    "arguments a list": "<｜tool▁call▁begin｜>add<｜tool▁sep｜>[1, 2]<｜tool▁call▁end｜>",
+    "prose before": "Sure! <｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": 1, \"b\": 2}<｜tool▁call▁end｜>",
+    "prose after": "<｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": 1, \"b\": 2}<｜tool▁call▁end｜> done.",
+    "name with a space": "<｜tool▁call▁begin｜>a dd<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
+    "bare marker": "<｜tool▁calls▁begin｜>",
+}
+
+
+@pytest.mark.parametrize("name", list(NAMED_HOSTILE))
+def test_hostile_outputs_are_plain_text_when_the_name_is_outside_the_json(name):
+    text, fmt = NAMED_HOSTILE[name], FORMATS["deepseek_v3"]
+    assert parse_tool_calls(text, fmt, TOOLS) is None
+    for allow_text in (True, False):
+        pieces, calls = streamed(text, fmt, 3, allow_text)
+        content = "".join(t for k, t, _ in pieces if k == "content")
+        called = [p for p in pieces if p[0] == "name"]
+        assert calls is None and (content == text or (called and not content)), (pieces, allow_text)
+
+
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_outputs_are_plain_text(name):
     text = HOSTILE[name]
@@ -105,6 +136,7 @@ def test_unknown_name_is_never_streamed_as_a_call():
     ("{% if tools %}[TOOL_CALLS] [{% endif %}", "mistral"),
     ('{% if tools %}{"name": function name, "parameters": dictionary}{% endif %}', "llama3"),
     ("{{ messages }}", "json"),
+    ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>'}}", "deepseek_v3"),
 ])
 def test_parser_chosen_from_the_template_or_forced(template, name):
     assert detect_format(template).name == name

@@ -12,8 +12,9 @@ VALUE_FLAGS = {
     "--served-model-name", "--kv-cache-bytes", "--cuda-graphs", "--cpu-gemm", "--cpu-elementwise", "--attention-backend", "--block-size",
     "--cpu-threads", "--drain-timeout", "--max-new-tokens-default", "--prefix-caching", "--lora-adapters",
     "--rank-timeout", "--speculate", "--speculative-layers", "--max-client-batch-size", "--reasoning-parser",
+    "--tool-call-parser", "--max-loras", "--max-lora-rank",
 }
-SWITCH_FLAGS = {"--json-output"}
+SWITCH_FLAGS = {"--json-output", "--enable-runtime-lora"}
 # Set by the job itself; --api-key in particular must never be on a command line.
 RESERVED = {"--model-id", "--port", "--port-attempts", "--hostname", "--master-port", "--master-addr", "--num-shard",
             "--api-key", "--pipeline-parallel-size"}
