@@ -266,3 +266,70 @@ def test_a_failed_embedding_forward_is_an_error_line_for_each_line_in_it(embedde
     assert [o["error"] and o["error"]["code"] for o in out] == ["embedding_failed", None]
     assert "out of memory" in out[0]["error"]["message"] and len(out[1]["response"]["body"]["data"]) == 2
     assert summary.failed == 1
+
+
+SLOW_CHILD = """
+import sys, time
+from engine.llm_engine import LLMEngine
+from engine.offline.__main__ import main
+step = LLMEngine.step
+LLMEngine.step = lambda self: (time.sleep(0.02), step(self))[1]   # at least 2.5 s of work: the kill lands mid-shard
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_runner_killed_mid_shard_keeps_its_finished_lines_and_the_rerun_does_only_the_rest(llm, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    lines = [json.dumps({"custom_id": f"k{i}", "url": "/v1/completions",
+                         "body": {"prompt": PROMPTS[i % 6], "max_tokens": 16, "temperature": 0}}) for i in range(16)]
+    ledger = batch(tmp_path, "kill", lines, shard_size=16)            # one shard: the whole batch
+    journal = ledger.root / "journal" / "0.0.jsonl"
+    child = subprocess.Popen(
+        [sys.executable, "-c", SLOW_CHILD, "--batch-dir", str(ledger.root), "--holder", "killed", "--window", "2",
+         "--model-id", str(llm.config.model_id), "--device", "cpu", "--dtype", "float32", "--kv-cache-bytes", "32MiB",
+         "--max-total-tokens", "256"], cwd=Path(__file__).parents[2], stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (journal.exists() and journal.read_bytes().count(b"\n") >= 2):
+            assert child.poll() is None, child.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the child wrote no journal"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert ledger.progress().shards_done == 0                        # killed mid-shard: nothing committed
+    kept = [json.loads(raw) for raw in journal.read_bytes().splitlines()]
+    done = {e["pos"]: e["line"] for e in kept}
+    assert 2 <= len(done) < 16
+    torn = json.dumps({"pos": 15, "failed": False, "tokens": 1, "line": "x"})[:30].encode()
+    with open(journal, "ab") as fh:                                   # as if the kill had landed mid-write
+        fh.write(torn)
+
+    later = Ledger(ledger.root, lease_s=60, clock=lambda: time.time() + 3600)   # the dead holder's lease expired
+    added: list[int] = []
+    add = llm.add_request
+
+    def counting_add(rid, *args, **kwargs):
+        added.append(int(rid.rsplit(".", 1)[1]))
+        return add(rid, *args, **kwargs)
+    llm.add_request = counting_add
+    try:
+        summary, out = run(llm, later, holder="rerun")
+    finally:
+        del llm.add_request
+    assert sorted(added) == sorted(set(range(16)) - set(done))        # only the lines the journal lacked, once
+    assert summary.resumed == len(done) and summary.requests == 16 - len(done)
+    assert [o["custom_id"] for o in out] == [f"k{i}" for i in range(16)]
+    out_lines = (tmp_path / "kill.out.jsonl").read_text().splitlines()
+    assert all(out_lines[pos] == line for pos, line in done.items())  # the killed run's lines, as they were
+    expected = llm.generate([PROMPTS[i % 6] for i in range(16)], SamplingParams(max_new_tokens=16))
+    assert [o["response"]["body"]["choices"][0]["text"] for o in out] == [e.text for e in expected]
+    assert later.commit_record(0)["lines"] == 16 and not list((ledger.root / "journal").iterdir())
