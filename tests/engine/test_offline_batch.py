@@ -273,7 +273,7 @@ import sys, time
 from engine.llm_engine import LLMEngine
 from engine.offline.__main__ import main
 step = LLMEngine.step
-LLMEngine.step = lambda self: (time.sleep(0.02), step(self))[1]   # at least 2.5 s of work: the kill lands mid-shard
+LLMEngine.step = lambda self: (time.sleep(0.04), step(self))[1]   # at least 2.8 s of work: the kill lands mid-shard
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -287,7 +287,7 @@ def test_a_runner_killed_mid_shard_keeps_its_finished_lines_and_the_rerun_does_o
     from pathlib import Path
 
     lines = [json.dumps({"custom_id": f"k{i}", "url": "/v1/completions",
-                         "body": {"prompt": PROMPTS[i % 6], "max_tokens": 16, "temperature": 0}}) for i in range(16)]
+                         "body": {"prompt": PROMPTS[i % 6], "max_tokens": 8, "temperature": 0}}) for i in range(16)]
     ledger = batch(tmp_path, "kill", lines, shard_size=16)            # one shard: the whole batch
     journal = ledger.root / "journal" / "0.0.jsonl"
     child = subprocess.Popen(
@@ -330,6 +330,38 @@ def test_a_runner_killed_mid_shard_keeps_its_finished_lines_and_the_rerun_does_o
     assert [o["custom_id"] for o in out] == [f"k{i}" for i in range(16)]
     out_lines = (tmp_path / "kill.out.jsonl").read_text().splitlines()
     assert all(out_lines[pos] == line for pos, line in done.items())  # the killed run's lines, as they were
-    expected = llm.generate([PROMPTS[i % 6] for i in range(16)], SamplingParams(max_new_tokens=16))
+    expected = llm.generate([PROMPTS[i % 6] for i in range(16)], SamplingParams(max_new_tokens=8))
     assert [o["response"]["body"]["choices"][0]["text"] for o in out] == [e.text for e in expected]
     assert later.commit_record(0)["lines"] == 16 and not list((ledger.root / "journal").iterdir())
+
+
+def test_a_shard_longer_than_every_run_still_ends_over_several_runs(llm, tmp_path):
+    """The colleague's case: each run (a job's time limit, then SIGTERM) is shorter than the one shard."""
+    lines = [json.dumps({"custom_id": f"t{i}", "url": "/v1/completions",
+                         "body": {"prompt": PROMPTS[i % 6], "max_tokens": 8, "temperature": 0}}) for i in range(8)]
+    ledger = batch(tmp_path, "limit", lines, shard_size=8)
+    step, resumed = llm.step, []
+    for attempt in range(10):
+        runner = BatchRunner(llm, OfflineState.of(llm, llm.config), ledger, f"run{attempt}", window=2)
+        calls = [0]
+
+        def limited_step():
+            calls[0] += 1
+            if calls[0] == 10:                # the time limit: far less than the shard takes
+                runner.stop()
+            return step()
+        llm.step = limited_step
+        try:
+            summary = runner.run()
+        finally:
+            del llm.step
+        for _ in range(3):                    # aborted requests end on the engine's next steps
+            llm.step()
+        resumed.append(summary.resumed)
+        if ledger.progress().complete:
+            break
+    assert len(resumed) > 2 and resumed == sorted(resumed) and resumed[-1] < 8    # never back, several runs
+    out = tmp_path / "limit.out.jsonl"
+    assert assemble(ledger, out)
+    texts = [json.loads(x)["response"]["body"]["choices"][0]["text"] for x in out.read_text().splitlines()]
+    assert texts == [e.text for e in llm.generate([PROMPTS[i % 6] for i in range(8)], SamplingParams(max_new_tokens=8))]
