@@ -5,6 +5,9 @@ batch with the next shard's first requests. The next shard is claimed only when 
 flight. A background thread renews the leases of the shards this holder has open. When no shard is free but
 others hold some, the runner waits for them to commit or for their leases to expire (a dead holder's shard
 is then taken over). `stop()` (SIGTERM: time limit, scancel, preemption) gives the open shards back at once.
+Every finished line is also appended to the shard's journal (tgi_hpc/batch/journal.py; one fsync'ed write per
+`journal_s` at most, and at a stop), and a shard taken over starts from the lines its journals hold: the work
+done inside a shard survives a requeue or a kill, so a shard longer than a job's run still ends.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from engine.pooling.engine import PoolingParams
 from engine.server.errors import ServerError
 from engine.server.infer import Collector, Timings
 from tgi_hpc.batch.inputs import Records
+from tgi_hpc.batch.journal import Entry, JournalWriter
 from tgi_hpc.batch.ledger import Lease, Ledger
 
 logger = logging.getLogger(__name__)
@@ -30,8 +34,10 @@ logger = logging.getLogger(__name__)
 class _OpenShard:
     lease: Lease
     lines: list[str | None]
+    journal: JournalWriter
     failed: int = 0
     tokens: int = 0
+    unjournaled: list[Entry] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -51,6 +57,7 @@ class Summary:
     shards_committed: int = 0
     requests: int = 0
     failed: int = 0
+    resumed: int = 0              # lines taken from the journals of shards taken over (not in requests)
     generated_tokens: int = 0     # or embedded (prompt) tokens, for embeddings lines
     seconds: float = 0.0
     stopped: bool = False
@@ -63,10 +70,11 @@ class Summary:
 
 class BatchRunner:
     def __init__(self, llm: Any, state: OfflineState, ledger: Ledger, holder: str, *, window: int = 128,
-                 poll_s: float = 5.0):
+                 poll_s: float = 5.0, journal_s: float = 1.0):
         self.llm, self.state, self.ledger, self.holder = llm, state, ledger, holder
         self.records = Records(ledger.root)
-        self.window, self.poll_s = max(1, window), poll_s
+        self.window, self.poll_s, self.journal_s = max(1, window), poll_s, journal_s
+        self._journaled = 0.0
         self._open: dict[int, _OpenShard] = {}
         self._queue: deque[tuple[int, int, Prepared]] = deque()     # (shard, position, request) not yet added
         self._in_flight: dict[str, tuple[int, int, Prepared, Collector | _Pooled]] = {}
@@ -91,8 +99,11 @@ class BatchRunner:
                         break
                     continue
                 self._collect(self.llm.step())
+                if time.monotonic() - self._journaled >= self.journal_s:
+                    self._write_journals()
         finally:
             self._stop.set()
+            self._write_journals()
             self._give_back()
             self.summary.seconds = time.monotonic() - started
         return self.summary
@@ -133,11 +144,24 @@ class BatchRunner:
             self._next_claim = time.monotonic() + self.poll_s
             return False
         shard = lease.shard
-        open_shard = _OpenShard(lease, [None] * len(shard))
+        records = self.records.read(shard.start, shard.stop)
+        open_shard = _OpenShard(lease, [None] * len(shard), self.ledger.journal(lease))
+        for pos, entry in self.ledger.resumed(lease, [r.custom_id for r in records]).items():
+            open_shard.lines[pos] = entry.line
+            open_shard.failed += entry.failed
+            open_shard.tokens += entry.tokens
+        resumed = len(shard) - open_shard.lines.count(None)
+        self.summary.resumed += resumed
         with self._lock:
             self._open[shard.index] = open_shard
-        logger.info("shard %d (records %d-%d) taken, lease %d", shard.index, shard.start, shard.stop - 1, lease.gen)
-        for pos, record in enumerate(self.records.read(shard.start, shard.stop)):
+        logger.info("shard %d (records %d-%d) taken, lease %d%s", shard.index, shard.start, shard.stop - 1, lease.gen,
+                    f"; {resumed} line(s) done already (its journals)" if resumed else "")
+        if open_shard.finished:           # its last holder died between its last line and the commit
+            self._commit(open_shard)
+            return True
+        for pos, record in enumerate(records):
+            if open_shard.lines[pos] is not None:
+                continue
             try:
                 self._queue.append((shard.index, pos, prepare(self.state, record.custom_id, record.text)))
             except RequestError as exc:
@@ -169,8 +193,7 @@ class BatchRunner:
             if gen is not None:
                 del self._in_flight[out.request_id]
                 self.summary.generated_tokens += gen.generated_tokens
-                self._open[index].tokens += gen.generated_tokens
-                self._finish(index, pos, response_line(self.state, prep, gen))
+                self._finish(index, pos, response_line(self.state, prep, gen), tokens=gen.generated_tokens)
 
     def _pooled(self, out: Any, index: int, pos: int, prep: Prepared, parts: _Pooled) -> None:
         del self._in_flight[out.request_id]
@@ -191,17 +214,25 @@ class BatchRunner:
             line, failed = error_line(prep.custom_id, "invalid_request", str(exc)), True
         tokens = sum(map(len, prep.inputs or []))
         self.summary.generated_tokens += tokens
-        self._open[index].tokens += tokens
-        self._finish(index, pos, line, failed)
+        self._finish(index, pos, line, failed, tokens)
 
-    def _finish(self, index: int, pos: int, line: str, failed: bool = False) -> None:
+    def _finish(self, index: int, pos: int, line: str, failed: bool = False, tokens: int = 0) -> None:
         shard = self._open[index]
         shard.lines[pos] = line
         shard.failed += failed
+        shard.tokens += tokens
         self.summary.requests += 1
         self.summary.failed += failed
         if shard.finished:
             self._commit(shard)
+        else:
+            shard.unjournaled.append(Entry(pos, line, failed, tokens))
+
+    def _write_journals(self) -> None:
+        self._journaled = time.monotonic()
+        for shard in list(self._open.values()):
+            shard.journal.append(shard.unjournaled)
+            shard.unjournaled.clear()
 
     def _commit(self, shard: _OpenShard) -> None:
         lease = shard.lease
@@ -209,6 +240,8 @@ class BatchRunner:
                                        shard.tokens)
         with self._lock:
             del self._open[lease.shard.index]
+        shard.journal.close()
+        self.ledger.drop_journals(lease.shard.index)
         if committed:
             self.summary.shards_committed += 1
             logger.info("shard %d committed (%d/%d shards done); this worker: %d requests, %d failed, %.1f tok/s",
@@ -250,6 +283,8 @@ class BatchRunner:
         for lease in leases:
             self.ledger.release(lease)
             logger.info("shard %d given back unfinished", lease.shard.index)
+        for shard in list(self._open.values()):
+            shard.journal.close()
         for rid in list(self._in_flight):
             self.llm.abort(rid)
         self.summary.stopped = bool(leases)

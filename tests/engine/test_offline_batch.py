@@ -266,3 +266,102 @@ def test_a_failed_embedding_forward_is_an_error_line_for_each_line_in_it(embedde
     assert [o["error"] and o["error"]["code"] for o in out] == ["embedding_failed", None]
     assert "out of memory" in out[0]["error"]["message"] and len(out[1]["response"]["body"]["data"]) == 2
     assert summary.failed == 1
+
+
+SLOW_CHILD = """
+import sys, time
+from engine.llm_engine import LLMEngine
+from engine.offline.__main__ import main
+step = LLMEngine.step
+LLMEngine.step = lambda self: (time.sleep(0.04), step(self))[1]   # at least 2.8 s of work: the kill lands mid-shard
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_runner_killed_mid_shard_keeps_its_finished_lines_and_the_rerun_does_only_the_rest(llm, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    lines = [json.dumps({"custom_id": f"k{i}", "url": "/v1/completions",
+                         "body": {"prompt": PROMPTS[i % 6], "max_tokens": 8, "temperature": 0}}) for i in range(16)]
+    ledger = batch(tmp_path, "kill", lines, shard_size=16)            # one shard: the whole batch
+    journal = ledger.root / "journal" / "0.0.jsonl"
+    child = subprocess.Popen(
+        [sys.executable, "-c", SLOW_CHILD, "--batch-dir", str(ledger.root), "--holder", "killed", "--window", "2",
+         "--model-id", str(llm.config.model_id), "--device", "cpu", "--dtype", "float32", "--kv-cache-bytes", "32MiB",
+         "--max-total-tokens", "256"], cwd=Path(__file__).parents[2], stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (journal.exists() and journal.read_bytes().count(b"\n") >= 2):
+            assert child.poll() is None, child.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the child wrote no journal"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert ledger.progress().shards_done == 0                        # killed mid-shard: nothing committed
+    kept = [json.loads(raw) for raw in journal.read_bytes().splitlines()]
+    done = {e["pos"]: e["line"] for e in kept}
+    assert 2 <= len(done) < 16
+    torn = json.dumps({"pos": 15, "failed": False, "tokens": 1, "line": "x"})[:30].encode()
+    with open(journal, "ab") as fh:                                   # as if the kill had landed mid-write
+        fh.write(torn)
+
+    later = Ledger(ledger.root, lease_s=60, clock=lambda: time.time() + 3600)   # the dead holder's lease expired
+    added: list[int] = []
+    add = llm.add_request
+
+    def counting_add(rid, *args, **kwargs):
+        added.append(int(rid.rsplit(".", 1)[1]))
+        return add(rid, *args, **kwargs)
+    llm.add_request = counting_add
+    try:
+        summary, out = run(llm, later, holder="rerun")
+    finally:
+        del llm.add_request
+    assert sorted(added) == sorted(set(range(16)) - set(done))        # only the lines the journal lacked, once
+    assert summary.resumed == len(done) and summary.requests == 16 - len(done)
+    assert [o["custom_id"] for o in out] == [f"k{i}" for i in range(16)]
+    out_lines = (tmp_path / "kill.out.jsonl").read_text().splitlines()
+    assert all(out_lines[pos] == line for pos, line in done.items())  # the killed run's lines, as they were
+    expected = llm.generate([PROMPTS[i % 6] for i in range(16)], SamplingParams(max_new_tokens=8))
+    assert [o["response"]["body"]["choices"][0]["text"] for o in out] == [e.text for e in expected]
+    assert later.commit_record(0)["lines"] == 16 and not list((ledger.root / "journal").iterdir())
+
+
+def test_a_shard_longer_than_every_run_still_ends_over_several_runs(llm, tmp_path):
+    """The colleague's case: each run (a job's time limit, then SIGTERM) is shorter than the one shard."""
+    lines = [json.dumps({"custom_id": f"t{i}", "url": "/v1/completions",
+                         "body": {"prompt": PROMPTS[i % 6], "max_tokens": 8, "temperature": 0}}) for i in range(8)]
+    ledger = batch(tmp_path, "limit", lines, shard_size=8)
+    step, resumed = llm.step, []
+    for attempt in range(10):
+        runner = BatchRunner(llm, OfflineState.of(llm, llm.config), ledger, f"run{attempt}", window=2)
+        calls = [0]
+
+        def limited_step():
+            calls[0] += 1
+            if calls[0] == 10:                # the time limit: far less than the shard takes
+                runner.stop()
+            return step()
+        llm.step = limited_step
+        try:
+            summary = runner.run()
+        finally:
+            del llm.step
+        for _ in range(3):                    # aborted requests end on the engine's next steps
+            llm.step()
+        resumed.append(summary.resumed)
+        if ledger.progress().complete:
+            break
+    assert len(resumed) > 2 and resumed == sorted(resumed) and resumed[-1] < 8    # never back, several runs
+    out = tmp_path / "limit.out.jsonl"
+    assert assemble(ledger, out)
+    texts = [json.loads(x)["response"]["body"]["choices"][0]["text"] for x in out.read_text().splitlines()]
+    assert texts == [e.text for e in llm.generate([PROMPTS[i % 6] for i in range(8)], SamplingParams(max_new_tokens=8))]

@@ -7,6 +7,8 @@ A batch folder, on a filesystem every node of the cluster sees:
                                 expires; a reclaimer takes generation <gen>+1, so two reclaimers cannot both win
     parts/<shard>.<gen>.jsonl   the output lines of one shard, by the holder of lease <gen>, written before ...
     done/<shard>.json           ... the commit, which names that part; created exclusively: one commit per shard
+    journal/<shard>.<gen>.jsonl the lines the holder of lease <gen> finished so far (journal.py): a holder that
+                                takes the shard over runs only the others; deleted once the shard is committed
 
 A part without a commit (the holder died between the two) is never read; the shard is done again under a
 new lease. Two holders of one shard (a lease that expired while its holder still worked) both may write a
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tgi_hpc.batch.durable import create_exclusive, write_durable
+from tgi_hpc.batch.journal import Entry, JournalWriter, read_entries
 from tgi_hpc.errors import TgiHpcError
 
 DEFAULT_LEASE_S = 120.0
@@ -118,7 +121,7 @@ class Ledger:
     def create(root: Path | str, manifest: dict) -> None:
         """Write the manifest (with num_records and shard_size) of a new batch folder; the folders under it."""
         root = Path(root)
-        for sub in ("leases", "parts", "done"):
+        for sub in ("leases", "parts", "done", "journal"):
             (root / sub).mkdir(parents=True, exist_ok=True)
         if not create_exclusive(root / MANIFEST, _json(manifest)):
             raise LedgerError(f"{root / MANIFEST} exists already")
@@ -132,6 +135,15 @@ class Ledger:
 
     def _done_path(self, index: int) -> Path:
         return self.root / "done" / f"{index}.json"
+
+    def _journals(self, index: int) -> list[Path]:
+        """Shard `index`'s journals, oldest lease first (none in a folder made before journals existed)."""
+        found = []
+        for path in (self.root / "journal").glob(f"{index}.*.jsonl"):
+            gen = path.name[len(f"{index}."):-len(".jsonl")]
+            if gen.isdigit():
+                found.append((int(gen), path))
+        return [path for _, path in sorted(found)]
 
     # reading the state
     def _latest_gens(self) -> dict[int, int]:
@@ -230,6 +242,22 @@ class Ledger:
         if self.holds(lease):
             write_durable(self._lease_path(lease.shard.index, lease.gen),
                           self._lease_bytes(lease.holder, lease.shard.index, lease.gen, 0.0))
+
+    # the work inside an open shard
+    def journal(self, lease: Lease) -> JournalWriter:
+        """Where this lease's holder appends the lines it finishes before the commit."""
+        return JournalWriter(self.root / "journal" / f"{lease.shard.index}.{lease.gen}.jsonl")
+
+    def resumed(self, lease: Lease, custom_ids: Sequence[str]) -> dict[int, Entry]:
+        """The lines earlier holders of this shard finished (their journals), by position in the shard."""
+        if len(custom_ids) != len(lease.shard):
+            raise LedgerError(f"shard {lease.shard.index} has {len(lease.shard)} records, got {len(custom_ids)} ids")
+        return read_entries(self._journals(lease.shard.index), custom_ids)
+
+    def drop_journals(self, index: int) -> None:
+        """Once shard `index` is committed its journals are not needed."""
+        for path in self._journals(index):
+            path.unlink(missing_ok=True)
 
     # committing
     def write_part(self, lease: Lease, lines: Sequence[str]) -> None:

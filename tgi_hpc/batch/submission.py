@@ -34,7 +34,9 @@ class BatchOptions:
     input: str
     output: str
     jobs: int = 1
-    shard_size: int | None = None     # records per shard; default: about 8 shards per job, 4 to 256 records
+    # records per shard; default: about 8 shards per job, 4 to 256 records. Not sized to the time limit: the
+    # shard's journal keeps its finished lines across requeues and kills, so any size ends (journal.py)
+    shard_size: int | None = None
     lease_s: float = DEFAULT_LEASE_S
     restart: bool = False
     requeue: bool = True              # requeue before the time limit (Slurm profiles)

@@ -66,8 +66,9 @@ class ProgressView:
 @click.option("--env", "env", multiple=True, metavar="NAME=VALUE", help="Extra environment variable for the jobs.")
 @click.option("--engine-arg", "engine_args", multiple=True, metavar="FLAG=VALUE", help="Other engine flag, checked.")
 @click.option("--release", help="Engine release directory. Default: the profile's current release.")
-@click.option("--shard-size", type=click.IntRange(min=1), help="Requests per shard (the unit of commit and of work "
-                                                              "stealing). Default: about 8 shards per job.")
+@click.option("--shard-size", type=click.IntRange(min=1),
+              help="Requests per shard (the unit of commit and of work stealing; the requests finished inside a "
+                   "shard survive a requeue or a kill whatever its size). Default: about 8 shards per job.")
 @click.option("--lease", "lease_s", type=click.FloatRange(min=1), default=120.0, show_default=True,
               help="Seconds before the shard of a job that died without a word goes to another job.")
 @click.option("--restart", is_flag=True, help="Start over when the input or model changed since the batch began "
