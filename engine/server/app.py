@@ -84,6 +84,8 @@ def _build_state(engine: AsyncEngine, config: EngineConfig) -> ServerState:
     metrics = ServerMetrics(engine.stats)
     validator = Validator(llm.tokenizer, limits, tuple(name for name, _ in config.lora_adapters),
                           config.served_model_name or config.model_id)
+    if getattr(getattr(llm, "model_config", None), "image_token_id", None) is not None:
+        validator.vision = vision_processor(llm.model_config, config)
     grammars = getattr(llm, "grammars", None)
     if grammars is not None:    # the token table is checked (and a refusal logged) at start-up
         grammars.prepare_in_background()
@@ -91,6 +93,15 @@ def _build_state(engine: AsyncEngine, config: EngineConfig) -> ServerState:
     return ServerState(engine=engine, config=config, tokenizer=llm.tokenizer, validator=validator,
                        infer=Infer(engine, metrics, config.max_concurrent_requests),
                        metrics=metrics, info=_build_info(llm, config))
+
+
+def vision_processor(model_config: Any, config: EngineConfig) -> Any:
+    """The model's own processor under the server's image limits (a vision-language model)."""
+    from engine.multimodal.image_source import ImageLimits
+    from engine.multimodal.processor import VisionProcessor
+
+    limits = ImageLimits(max_bytes=config.max_image_bytes, fetch_timeout_s=config.image_fetch_timeout_s)
+    return VisionProcessor(model_config.source, model_config.image_token_id, limits, config.max_images_per_request)
 
 
 def _build_info(llm: Any, config: EngineConfig) -> Info:

@@ -33,6 +33,7 @@ class ValidRequest:
     details: bool
     decoder_input_details: bool
     return_full_text: bool
+    images: Any = None      # engine.multimodal.MultiModalPrompt: the prompt's images, its image tokens in the ids
 
     @property
     def input_length(self) -> int:
@@ -78,6 +79,7 @@ class Validator:
         self.base_name = base_name      # this name (or "tgi", or none) means the base model
         # why grammars are refused on this model (its token table cannot be built), or None
         self.grammar_unavailable: Callable[[], str | None] = lambda: None
+        self.vision: Any = None     # engine.multimodal.VisionProcessor of a vision-language model
 
     def adapter(self, adapter_id: str | None) -> str | None:
         """The LoRA adapter a request names (None = the base model); 422 naming the loaded ones if unknown."""
@@ -112,10 +114,13 @@ class Validator:
         adapter = self.adapter(p.adapter_id)
         if stream and p.decoder_input_details:
             raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
+        images = None
         if prompt_token_ids is not None:
             ids = self.check_token_ids(prompt_token_ids)
         elif not req.inputs:
             raise ValidationError("`inputs` cannot be empty")
+        elif self.vision is not None and self.vision.has_images(req.inputs):
+            ids, images = self._with_images(req.inputs, p.truncate, add_special_tokens)
         else:
             ids = self._tokenize(req.inputs, p.truncate, add_special_tokens)
         max_new_tokens = self._check_lengths(len(ids), p.max_new_tokens, max_new_tokens_default)
@@ -128,7 +133,18 @@ class Validator:
         return ValidRequest(inputs=req.inputs, prompt_token_ids=ids, params=params, best_of=best_of,
                             details=p.details or p.decoder_input_details,
                             decoder_input_details=p.decoder_input_details,
-                            return_full_text=bool(p.return_full_text))
+                            return_full_text=bool(p.return_full_text), images=images)
+
+    def _with_images(self, inputs: str, truncate: int | None, add_special_tokens: bool) -> tuple[list[int], Any]:
+        """Markdown images `![](URL)` loaded, processed and expanded into image tokens (they count as input)."""
+        from engine.multimodal.image_source import ImageError
+
+        if truncate is not None:
+            raise ValidationError("`truncate` cannot be used with images (it could cut an image's tokens)")
+        try:
+            return self.vision.prepare(inputs, add_special_tokens)
+        except ImageError as exc:
+            raise ValidationError(str(exc)) from None
 
     def _check_sampling(self, p: GenerateParameters, stream: bool) -> int:
         best_of = p.best_of or 1
