@@ -17,7 +17,11 @@ MARKDOWN_IMAGE = re.compile(r"!\[[^\]\n]*\]\(([^)\s]+)\)")
 
 
 def markdown_image(url: str) -> str:
-    return f"![]({url})"
+    """`url` as TGI's markdown image; a URL that the markdown could not hold whole is refused (ValueError)."""
+    text = f"![]({url})"
+    if MARKDOWN_IMAGE.fullmatch(text) is None:
+        raise ImageError("an image URL cannot contain whitespace or ')' (percent-encode them)")
+    return text
 
 
 class VisionProcessor:

@@ -65,7 +65,10 @@ def images_as_markdown(state: Any, req: ChatCompletionRequest) -> ChatCompletion
                     raise ValidationError("this model is text-only: it takes no images (image_url parts)")
                 if part.image_url is None:
                     raise ValidationError("an `image_url` part needs `image_url.url`")
-                part = ChatContentPart(type="text", text=markdown_image(part.image_url.url))
+                try:
+                    part = ChatContentPart(type="text", text=markdown_image(part.image_url.url))
+                except ValueError as exc:
+                    raise ValidationError(str(exc)) from None
             elif part.type != "text":
                 raise ValidationError(f"content parts of type {part.type!r} are not supported (text, image_url)")
             parts.append(part)
