@@ -88,6 +88,16 @@ def test_http_image_and_markdown_on_generate(server, image_host):
     assert answer.json()["generated_text"]
 
 
+def test_anthropic_client_sends_an_image_block(server):
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=server, api_key="none")
+    answer = client.messages.create(model="tiny-llava", max_tokens=3, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(png(6)).decode()}}]}])
+    assert answer.content[0].text and answer.usage.input_tokens > 16
+
+
 def closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
