@@ -49,7 +49,7 @@ def test_greedy_tokens_equal_transformers_with_one_and_two_images(name):
         one = vision.process(f"Describe {vision.placeholder} please", pictures[:1])
         two = vision.process(f"First {vision.placeholder} then {vision.placeholder}: compare", pictures)
         text = (engine.tokenizer.encode("just some text, no image at all"), None)
-        requests = [one, two, text]
+        requests = [one, two, text]  # one's prefill chunk ends inside its image (budget of 7 tokens)
         outputs = engine.generate([ids for ids, _ in requests], SamplingParams(max_new_tokens=NEW_TOKENS),
                                   [images for _, images in requests])
         assert engine.runner._rank0.encoder_cache.num_encoded == 2  # once per request with images
@@ -75,6 +75,14 @@ def test_prefix_cache_shares_a_repeated_image_not_a_different_one():
         other, ids_other, _ = run(2)
         assert ids_other == ids  # the same tokens: only the image's hash tells the blocks apart
         assert other.num_cached_tokens < 16  # the block holding the image's first token is not shared
+        encoder = engine.runner._rank0.encoder_cache
+        calls, encoded = encoder.num_calls, encoder.num_encoded
+        both = [vision.process(f"Two: {vision.placeholder}", [decode(png(seed), ImageLimits())]) for seed in (5, 6)]
+        together = engine.generate([ids for ids, _ in both], SamplingParams(max_new_tokens=3),
+                                   [images for _, images in both])
+        assert (encoder.num_calls, encoder.num_encoded) == (calls + 1, encoded + 2)  # [1, 3, 32, 32] each: batched
+        alone = [engine.generate([ids], SamplingParams(max_new_tokens=3), [images])[0] for ids, images in both]
+        assert token_ids(together) == token_ids(alone)
 
 
 def test_text_only_model_refuses_images():
