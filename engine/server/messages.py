@@ -70,7 +70,11 @@ async def count_tokens(request: Request) -> Response:
         req = parse_body(CountTokensRequest, await request.body())
         chat, use = _chat_request(req, state)
         prompt = apply_chat_template(state, chat, use)
-        ids = state.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        vision = state.validator.vision
+        if vision is not None and vision.has_images(prompt):  # the images' tokens, as the processor expands them
+            ids = state.validator.validate(GenerateRequest(inputs=prompt), add_special_tokens=False).prompt_token_ids
+        else:
+            ids = state.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         return JSONResponse(dump(CountTokensResponse(input_tokens=len(ids))))
     except ServerError as exc:
         return error_response(exc)

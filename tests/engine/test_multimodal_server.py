@@ -86,16 +86,22 @@ def test_http_image_and_markdown_on_generate(server, image_host):
         "inputs": f"Look ![]({data_url(png(4))}) here", "parameters": {"max_new_tokens": 3}})
     assert answer.status_code == 200, answer.text
     assert answer.json()["generated_text"]
+    answer = httpx.post(f"{server}/v1/completions", timeout=60, json={
+        "prompt": f"Look ![]({data_url(png(4))}) here", "max_tokens": 3})
+    assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] > 16, answer.text
 
 
 def test_anthropic_client_sends_an_image_block(server):
     anthropic = pytest.importorskip("anthropic")
     client = anthropic.Anthropic(base_url=server, api_key="none")
-    answer = client.messages.create(model="tiny-llava", max_tokens=3, messages=[{"role": "user", "content": [
+    messages = [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"},
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                     "data": base64.b64encode(png(6)).decode()}}]}])
+                                     "data": base64.b64encode(png(6)).decode()}}]}]
+    answer = client.messages.create(model="tiny-llava", max_tokens=3, messages=messages)
     assert answer.content[0].text and answer.usage.input_tokens > 16
+    assert client.messages.count_tokens(model="tiny-llava", messages=messages).input_tokens == \
+        answer.usage.input_tokens
 
 
 def closed_port() -> int:
