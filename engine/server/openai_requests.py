@@ -17,8 +17,8 @@ from engine.server.legacy_logprobs import completion_logprobs
 from engine.server.openai_common import check_common, finish
 from engine.multimodal.processor import markdown_image
 from engine.server.protocol import (ChatCompletionChoice, ChatCompletionMessage, ChatCompletionRequest,
-                                    ChatContentPart, ChatLogprob, ChatLogprobs, ChatToolCall, CompletionChoice, CompletionRequest, FunctionCall,
-                                    GenerateParameters, GenerateRequest, TopLogprob)
+                                    ChatContentPart, ChatLogprob, ChatLogprobs, ChatToolCall, CompletionChoice,
+                                    CompletionRequest, FunctionCall, GenerateParameters, GenerateRequest, TopLogprob)
 from engine.server.answer_text import read_answer
 from engine.server.reasoning import ReasoningFormat
 from engine.server.tools import ToolUse, new_call_id, template_inputs
