@@ -123,6 +123,9 @@ class Validator:
             ids, images = self._with_images(req.inputs, p.truncate, add_special_tokens)
         else:
             ids = self._tokenize(req.inputs, p.truncate, add_special_tokens)
+        if images is None and self.vision is not None and self.vision.image_token_id in ids:
+            raise ValidationError(f"the prompt has the image token {self.vision.placeholder!r} but no image: send "
+                                  "images as image_url parts or markdown ![](URL)")
         max_new_tokens = self._check_lengths(len(ids), p.max_new_tokens, max_new_tokens_default)
         params = SamplingParams(
             do_sample=best_of > 1 or _is_sampling(p), temperature=p.temperature if p.temperature is not None else 1.0,

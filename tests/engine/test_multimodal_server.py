@@ -53,8 +53,8 @@ def server(tmp_path_factory):
     stop_server(proc)
 
 
-def chat(url, *parts, max_tokens=4):
-    content = [{"type": "text", "text": "Describe"}] + [
+def chat(url, *parts, max_tokens=4, text="Describe"):
+    content = [{"type": "text", "text": text}] + [
         {"type": "image_url", "image_url": {"url": part}} for part in parts]
     return httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens})
@@ -121,9 +121,12 @@ def closed_port() -> int:
     ("http page", ["{host}/page.html"], "not an image type"),
     ("missing http image", ["{host}/nothing.png"], "HTTP 404"),
     ("other scheme", ["file:///etc/passwd"], "neither a data: URL nor http"),
+    ("placeholder in the text", [], "image token '<image>' but no image"),
+    ("placeholder beside an image", [data_url(png(1))], "contains the image placeholder"),
 ])
 def test_hostile_images_are_422_and_the_server_keeps_serving(server, image_host, case, parts, message):
-    answer = chat(server, *(part.format(host=image_host) for part in parts))
+    text = "Describe <image>" if "placeholder" in case else "Describe"
+    answer = chat(server, *(part.format(host=image_host) for part in parts), text=text)
     assert answer.status_code == 422, (case, answer.text)
     assert answer.json()["error_type"] == "validation" and message in answer.json()["error"], case
     assert chat(server, data_url(png(5))).status_code == 200
