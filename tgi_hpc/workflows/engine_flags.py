@@ -12,6 +12,7 @@ VALUE_FLAGS = {
     "--served-model-name", "--kv-cache-bytes", "--cuda-graphs", "--cpu-gemm", "--attention-backend", "--block-size",
     "--cpu-threads", "--drain-timeout", "--max-new-tokens-default", "--prefix-caching", "--lora-adapters",
     "--rank-timeout", "--speculate", "--speculative-layers", "--max-client-batch-size", "--reasoning-parser",
+    "--max-images-per-request", "--max-image-bytes", "--image-fetch-timeout",
 }
 SWITCH_FLAGS = {"--json-output"}
 # Set by the job itself; --api-key in particular must never be on a command line.
