@@ -7,6 +7,8 @@ model's image tokens (their number depends on the image for some families).
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,8 @@ class VisionProcessor:
         self.image_token_id = image_token_id
         self.limits = limits
         self.max_images = max_images
+        self._fetched: OrderedDict[str, ImageData | ImageError] = OrderedDict()  # by prefetch, taken by prepare
+        self._lock = threading.Lock()
 
     def has_images(self, text: str) -> bool:
         return MARKDOWN_IMAGE.search(text) is not None
@@ -47,8 +51,29 @@ class VisionProcessor:
                              f"{self.max_images}")
         if self.placeholder in MARKDOWN_IMAGE.sub("", text):
             raise ImageError(f"the text itself contains the image placeholder {self.placeholder!r}")
-        images = [load_image(url, self.limits) for url in urls]
+        images = [self._take(url) for url in urls]
         return self.process(MARKDOWN_IMAGE.sub(lambda _: self.placeholder, text), images, add_special_tokens)
+
+    def prefetch(self, text: str) -> None:
+        """Fetch the http(s) images of `text` now, off the event loop (the routes run this in a thread before
+        validating); `prepare` takes them, or their errors, from here instead of fetching on the loop."""
+        for url in MARKDOWN_IMAGE.findall(text)[:self.max_images]:
+            if url.startswith(("http://", "https://")):
+                try:
+                    result: ImageData | ImageError = load_image(url, self.limits)
+                except ImageError as exc:
+                    result = exc
+                with self._lock:
+                    self._fetched[url] = result
+                    while len(self._fetched) > 4 * self.max_images:  # a request refused before prepare
+                        self._fetched.popitem(last=False)
+
+    def _take(self, url: str) -> ImageData:
+        with self._lock:
+            result = self._fetched.pop(url, None)
+        if isinstance(result, ImageError):
+            raise result
+        return result if result is not None else load_image(url, self.limits)
 
     def process(self, text: str, images: list[ImageData],
                 add_special_tokens: bool = True) -> tuple[list[int], MultiModalPrompt]:

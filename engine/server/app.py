@@ -22,6 +22,7 @@ from engine.server.grammar import prepare_grammars
 from engine.structured import spec
 from engine.server.infer import Generation, Infer, StreamEvent
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
+from engine.server.openai_requests import prefetch_images
 from engine.server.protocol import (BestOfSequence, CompatGenerateRequest, Details, GenerateRequest,
                                     GenerateResponse, Info, PrefillToken, SimpleToken, StreamDetails,
                                     StreamResponse, Token, TokenizeRequest, dump)
@@ -153,6 +154,7 @@ async def generate(request: Request) -> Response:
         body = await request.body()
         await prepare_grammars(body, state.engine)   # before parsing: a huge schema is refused unparsed
         req = parse_body(GenerateRequest, body)
+        await prefetch_images(state, req.inputs)
         return await unless_disconnected(request, _generate(state, req, arrival, wrap_in_list=False))
 
 
@@ -162,6 +164,7 @@ async def generate_stream(request: Request) -> Response:
         body = await request.body()
         await prepare_grammars(body, state.engine)   # before parsing: a huge schema is refused unparsed
         req = parse_body(GenerateRequest, body)
+        await prefetch_images(state, req.inputs)
         return _generate_stream(state, req, arrival)
 
 
@@ -171,6 +174,7 @@ async def compat_generate(request: Request) -> Response:
         body = await request.body()
         await prepare_grammars(body, state.engine)   # before parsing: a huge schema is refused unparsed
         req = parse_body(CompatGenerateRequest, body)
+        await prefetch_images(state, req.inputs)
         if req.stream:
             return _generate_stream(state, req, arrival)
         with state.infer.permit():

@@ -28,7 +28,7 @@ from engine.server.errors import GenerationError, ServerError, ValidationError
 from engine.server.grammar import prepare_spec
 from engine.server.infer import Generation
 from engine.server.openai_common import parameters
-from engine.server.openai_requests import apply_chat_template
+from engine.server.openai_requests import apply_chat_template, prefetch_images
 from engine.server.protocol import ChatCompletionRequest, GenerateRequest, dump
 from engine.server.answer_text import AnswerStream, read_answer
 from engine.server.reasoning import ReasoningFormat, reasoning_format
@@ -50,6 +50,7 @@ async def messages(request: Request) -> Response:
             req = parse_body(MessagesRequest, await request.body())
             chat, use = _chat_request(req, state)
             prompt = apply_chat_template(state, chat, use)
+            await prefetch_images(state, prompt)
             await prepare_spec(use.grammar if use is not None else None, state.engine)
             params = parameters(chat, req.max_tokens, 0, use.grammar if use is not None else None)
             params.top_k = req.top_k or None

@@ -8,6 +8,7 @@ state it is given (a ServerState, or the batch's OfflineState).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -47,6 +48,14 @@ def apply_chat_template(state: Any, req: ChatCompletionRequest, use: ToolUse | N
         return str(state.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra))
     except Exception as exc:  # jinja errors (e.g. "roles must alternate") are the caller's to fix
         raise ValidationError(f"chat template error: {exc}") from None
+
+
+async def prefetch_images(state: Any, prompt: str) -> None:
+    """A vision-language model's http(s) images are fetched in a thread before the (synchronous) validation,
+    which then finds them fetched: a slow image server does not stall the other requests' streams."""
+    vision = getattr(state.validator, "vision", None)
+    if vision is not None and vision.has_images(prompt):
+        await asyncio.to_thread(vision.prefetch, prompt)
 
 
 def images_as_markdown(state: Any, req: ChatCompletionRequest) -> ChatCompletionRequest:

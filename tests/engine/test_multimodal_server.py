@@ -22,7 +22,10 @@ MAX_BYTES = 8 * 1024
 
 
 class Images(http.server.BaseHTTPRequestHandler):
+    fetches: list[str] = []
+
     def do_GET(self):
+        self.fetches.append(self.path)
         body, kind = {"/cat.png": (png(3), "image/png"), "/page.html": (b"<html></html>", "text/html")}.get(
             self.path, (b"missing", "text/plain"))
         self.send_response(200 if self.path in ("/cat.png", "/page.html") else 404)
@@ -82,6 +85,10 @@ def test_openai_client_sends_an_image_and_the_prefix_cache_keys_it(server):
 def test_http_image_and_markdown_on_generate(server, image_host):
     answer = chat(server, f"{image_host}/cat.png")
     assert answer.status_code == 200, answer.text
+    answer = httpx.post(f"{server}/generate", timeout=60, json={
+        "inputs": f"Look ![]({image_host}/cat.png) here", "parameters": {"max_new_tokens": 3}})
+    assert answer.status_code == 200, answer.text
+    assert Images.fetches.count("/cat.png") == 2  # fetched off the event loop before validation, and only then
     answer = httpx.post(f"{server}/generate", timeout=60, json={
         "inputs": f"Look ![]({data_url(png(4))}) here", "parameters": {"max_new_tokens": 3}})
     assert answer.status_code == 200, answer.text
