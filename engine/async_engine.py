@@ -90,9 +90,10 @@ class AsyncEngine:
 
     # --- requests ---------------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yield the engine's incremental outputs for one request until the finished one."""
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       images: Any = None) -> AsyncIterator[RequestOutput]:
+        """Yield the engine's incremental outputs for one request until the finished one; `images`: the
+        prompt's engine.multimodal.MultiModalPrompt, if any."""
         if not self.is_alive:
             raise EngineDeadError(self._dead_reason())
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -104,7 +105,10 @@ class AsyncEngine:
         try:
             if params.grammar is not None:   # compiled off the event loop (the server prepared most already)
                 await prepare_matcher(getattr(self.engine, "grammars", None), params.grammar)
-            self.engine.add_request(request_id, prompt_token_ids, params)
+            if images is None:
+                self.engine.add_request(request_id, prompt_token_ids, params)
+            else:
+                self.engine.add_request(request_id, prompt_token_ids, params, images)
             self._wakeup.set()
             while not finished:
                 item = await stream.queue.get()

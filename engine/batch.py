@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass(slots=True)
@@ -22,3 +22,4 @@ class SeqSpan:
     logits: Literal["none", "last", "all"] = "last"
     adapter: int = 0            # LoRA adapter index (engine/lora), 0 = the base model
     table_version: int = -1     # Sequence.block_table_version; -1: unknown (engine/attention/block_tables.py)
+    images: Any = None          # engine.multimodal.MultiModalPrompt while the span's prefill has image tokens left

@@ -11,7 +11,8 @@ class BlockManager:
 
     Prefix cache: a full, computed block is registered under a hash chained over every token
     before it, so equal hashes mean equal prefixes (token ids are compared too, against
-    collisions). The chain starts from the sequence's LoRA adapter, so adapters never share KV.
+    collisions). The chain starts from the sequence's LoRA adapter, so adapters never share KV; the block
+    holding an image's first token mixes in the image's content hash, so different images never share KV.
     A freed block keeps its hash and stays revivable until it is handed out again; free blocks
     are reused least recently freed first.
     """
@@ -43,7 +44,8 @@ class BlockManager:
         hashes, bs = seq.block_hashes, self.block_size
         for i in range(len(hashes), num_full_blocks):
             prev = hashes[-1] if hashes else seq.adapter_key  # the chain starts at the adapter: none shares KV
-            hashes.append(hash((prev, *seq.token_ids[i * bs:(i + 1) * bs])))
+            images = seq.images.keys_in(i * bs, (i + 1) * bs) if seq.images is not None else ()  # image content
+            hashes.append(hash((prev, *seq.token_ids[i * bs:(i + 1) * bs], *images)))
         return hashes
 
     def prefix_key(self, seq: Sequence, index: int) -> int:

@@ -64,4 +64,8 @@ class EngineConfig:
     served_model_name: str | None = None
     max_client_batch_size: int = 2048   # inputs per pooling request (embeddings, rerank, score)
     reasoning_parser: str = "auto"          # "auto" | "qwen3" | "deepseek_r1" | "gpt_oss" | "none" (engine/server/reasoning.py)
+    # images (vision-language models, engine/multimodal)
+    max_images_per_request: int = 8
+    max_image_bytes: int = 20 * 2**20       # one image, encoded (a data: URL decoded, or an http(s) body)
+    image_fetch_timeout_s: float = 10.0     # an http(s) image: connect + whole body
     tool_call_parser: str = "auto"          # "auto" | "hermes" | "mistral" | "llama3" | "json" (structured/tool_calls.py)

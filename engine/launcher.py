@@ -233,6 +233,12 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
      dict(default=25.0, type=float, help="seconds requests in flight get to finish after SIGTERM (new connections "
                                          "are refused, /health answers 503 draining); keep it below Slurm's "
                                          "KillWait (30 s by default), after which Slurm kills the job")),
+    (("--max-images-per-request",), "MAX_IMAGES_PER_REQUEST",
+     dict(default=8, type=int, help="images one request may carry to a vision-language model (more: 422)")),
+    (("--max-image-bytes",), "MAX_IMAGE_BYTES",
+     dict(default=20 * 2**20, type=_size, help="largest image, encoded (data: URL or http(s) body), e.g. 20MiB")),
+    (("--image-fetch-timeout",), "IMAGE_FETCH_TIMEOUT",
+     dict(default=10.0, type=float, help="seconds to fetch one http(s) image; a slower or unreachable one is a 422")),
     (("--max-client-batch-size",), "MAX_CLIENT_BATCH_SIZE",
      dict(default=2048, type=int, help="inputs per request to a pooling model (/v1/embeddings, /embed, rerank, "
                                        "score), as TEI's flag")),
@@ -316,6 +322,9 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     if args.kv_cache_bytes is not None:
         config.cpu_kv_cache_bytes = args.kv_cache_bytes
     config.max_client_batch_size = int(args.max_client_batch_size)
+    config.max_images_per_request = args.max_images_per_request
+    config.max_image_bytes = args.max_image_bytes
+    config.image_fetch_timeout_s = args.image_fetch_timeout
     return config
 
 

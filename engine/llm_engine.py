@@ -13,6 +13,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.multimodal.prompt import MultiModalPrompt
 from engine.outputs import FinishReason, RequestOutput, TokenInfo
 from engine.penalty_counts import PenaltyCounts
 from engine.sampler import SamplerOutput, pick_seed, sample
@@ -157,12 +158,17 @@ class LLMEngine:
                     runner.block_size, limits)
 
     # requests (any thread)
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    images: MultiModalPrompt | None = None) -> None:
+        """`images`: the prompt's images as the model's processor prepared them (engine/multimodal)."""
         self._validate(prompt_token_ids, params)
+        if images is not None and self.model_config.image_token_id is None:
+            raise ValueError(f"{self.model_config.architecture} is a text-only model: it takes no images")
         num_prompt = len(prompt_token_ids)
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params,
                        max_tokens=min(num_prompt + params.max_new_tokens, self.max_total_tokens))
         seq.seed = pick_seed(params)
+        seq.images = images
         seq.adapter = self.adapter_names.index(params.adapter_id) + 1 if params.adapter_id is not None else 0
         seq.adapter_key = self.adapter_keys[seq.adapter - 1] if seq.adapter else 0
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, num_prompt, params.skip_special_tokens)
@@ -389,8 +395,10 @@ class LLMEngine:
 
     # offline use
     def generate(self, prompts: list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run `prompts` to completion; one RequestOutput per prompt, in order, with every token."""
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 images: list[MultiModalPrompt | None] | None = None) -> list[RequestOutput]:
+        """Run `prompts` to completion; one RequestOutput per prompt, in order, with every token.
+        `images`: per prompt, its images as the model's processor prepared them (engine/multimodal), or None."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
@@ -401,8 +409,8 @@ class LLMEngine:
         token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         for ids, p in zip(token_ids, params_list):
             self._validate(ids, p)      # all or nothing: no half-added batch on a bad prompt
-        for rid, ids, p in zip(request_ids, token_ids, params_list):
-            self.add_request(rid, ids, p)
+        for rid, ids, p, mm in zip(request_ids, token_ids, params_list, images or [None] * len(prompts)):
+            self.add_request(rid, ids, p, mm)
         while len(finals) < len(request_ids):
             outputs = self.step()
             if not outputs and not self._batch_size and not self.scheduler.running:

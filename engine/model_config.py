@@ -79,6 +79,7 @@ class ModelConfig:
     quantization_config: dict[str, Any] | None = None  # as in the checkpoint; engine.layers.quantization reads it
     impl: str = "native"                          # "native" (engine/models/) | "transformers" (its backend)
     source: str = ""                              # the snapshot directory (the transformers backend reads it)
+    image_token_id: int | None = None             # vision-language models (engine/multimodal): the image token
 
     @classmethod
     def from_pretrained(cls, path: str | Path, impl: str = "auto") -> ModelConfig:

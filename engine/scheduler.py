@@ -172,8 +172,9 @@ class Scheduler:
         else:
             logits = "last" if end == seq.num_tokens else "none"
         batch.seqs.append(seq)
+        images = seq.images if seq.images is not None and start < seq.images.end else None
         batch.spans.append(SeqSpan(seq.seq_id, seq.token_ids[start:end] + seq.draft_token_ids, start,
-                                   seq.block_table, logits, seq.adapter, seq.block_table_version))
+                                   seq.block_table, logits, seq.adapter, seq.block_table_version, images))
         batch.num_draft_tokens += len(seq.draft_token_ids)
         if end - start == 1 and start >= seq.num_prompt_tokens:
             batch.num_decode_tokens += 1

@@ -53,6 +53,7 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens scheduled this step
     ngram_index: Any = None                                   # engine.spec_decode.ngram.NgramIndex
     draft_history: Any = None                                 # engine.spec_decode.adaptive.DraftHistory (auto)
+    images: Any = None      # engine.multimodal.MultiModalPrompt: the prompt's images (vision-language models)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -30,6 +30,7 @@ from engine.lora.batch import order_by_adapter
 from engine.lora.stack import AdapterSet
 from engine.model_config import ModelConfig
 from engine.model_inputs import prepare_inputs
+from engine.multimodal.encoder_cache import EncoderCache
 from engine.models import model_class
 from engine.parallel_layout import ParallelLayout
 from engine.rank_watch import start_heartbeat
@@ -98,6 +99,8 @@ class RankWorker:
         distributed.init_parallel(self.layout, store, self.device,
                                   timeout_s=LAUNCHED_GROUP_TIMEOUT_S if layout else 300.0)
         self.model = self._load_model()
+        self.encoder_cache = EncoderCache(self.model.encode_images) if getattr(self.model, "is_multimodal", False) \
+            else None
         if config.speculative_layers:
             check_layer_skip(self.model, config.speculative_layers, model_config.num_hidden_layers)
         kind = speculative_kind(config.speculative_model)
@@ -309,6 +312,9 @@ class RankWorker:
                 self.lora.set_batch(spans, self.device)
             if draft:
                 hidden = self.draft.forward(inputs)
+            elif self.encoder_cache is not None and num_layers is None:
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention,
+                                    self.encoder_cache.embeddings(spans))
             elif num_layers is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
                 if self.draft is not None:

@@ -131,7 +131,11 @@ POOLING_MODELS: dict[str, tuple[str, str, dict, dict | None]] = {
     "tiny-bert-cross": ("BertConfig", "AutoModelForSequenceClassification", dict(_ENCODER, num_labels=1), None),
 }
 POOLING_RECIPE = 2  # 2: no chat template (sentence-transformers 6 would feed pairs to a cross-encoder as chat)
-MODEL_NAMES = ["smollm2", *TINY_MODELS, *POOLING_MODELS]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_vlms import VLM_MODELS, build_vlm  # noqa: E402
+
+VLM_RECIPE = 1
+MODEL_NAMES = ["smollm2", *TINY_MODELS, *POOLING_MODELS, *VLM_MODELS]
 
 
 def cache_dir(cache_root: str | Path | None = None) -> Path:
@@ -177,6 +181,9 @@ def _build(name: str, root: Path, target: Path) -> Path:
             build_smollm2(tmp)
         elif name in POOLING_MODELS:
             build_pooling(name, tmp)
+        elif name in VLM_MODELS:
+            build_vlm(name, tmp, train_tokenizer)
+            _clean_tokenizer_config(tmp)
         else:
             build_tiny(name, tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any other
@@ -196,6 +203,8 @@ def recipe_hash(name: str) -> str:
     if name == "smollm2":
         gguf = smollm2_gguf_path()
         recipe["gguf"] = [gguf.name, gguf.stat().st_size]
+    elif name in VLM_MODELS:
+        recipe["vlm"] = [VLM_MODELS[name], VLM_RECIPE, TINY_VOCAB, (Path(__file__).parent / "tiny_vlms.py").read_text()]
     else:
         recipe["tiny"] = [TINY_MODELS.get(name) or [POOLING_MODELS[name], POOLING_RECIPE], _COMMON, TINY_VOCAB]
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RELEASE = ROOT / "tgi_hpc" / "release" / "constraints.txt"
 TEST = ROOT / "scripts" / "constraints-test.txt"
 ENGINE_ROOTS = ("transformers", "tokenizers", "safetensors", "starlette", "uvicorn", "prometheus-client", "jinja2",
-                "llguidance", "jsonschema", "pydantic", "huggingface-hub")
+                "llguidance", "jsonschema", "pydantic", "huggingface-hub", "pillow")
 NEVER = {"torch", "tgi-hpc", "pip", "setuptools", "wheel"}
 NEVER_IN_RELEASE = {"numpy", "typing-extensions"}
 

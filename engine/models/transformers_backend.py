@@ -12,6 +12,11 @@ attention sinks (gpt-oss) take this file's own torch path over the same cache.
 A probe forward of two tokens after loading records every attention call (KV heads, head size, scale, window,
 soft-cap, sinks) and gives each one an `Attention` that owns its slice of the cache. Models this cannot serve
 fail in one line: attention that bypasses the interface, layers whose cache is not key/value, encoder-decoders.
+
+Vision-language models (`AutoModelForImageTextToText`: LLaVA, LLaVA-NeXT, Idefics2/3, ...): only the language
+model's attention is ours (the vision tower and other sub-models keep SDPA); `encode_images` runs the model's own
+`get_image_features` on the processor's tensors, and `forward` takes those outputs placed at rows of the step
+(engine/multimodal/encoder_cache.py) into the language model's input embeddings, as the model's own forward does.
 """
 from __future__ import annotations
 
@@ -38,15 +43,36 @@ def load_hf_config(path: str | Path) -> Any:
     return AutoConfig.from_pretrained(str(path))
 
 
+def auto_class(hf_config: Any) -> Any:
+    """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model that has no causal-LM class."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if AutoModelForCausalLM._model_mapping.get(type(hf_config), None) is None and \
+            AutoModelForImageTextToText._model_mapping.get(type(hf_config), None) is not None:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+def image_token_id(hf_config: Any) -> int | None:
+    """The image placeholder token of a vision-language model, None for a text model."""
+    from transformers import AutoModelForImageTextToText
+
+    if auto_class(hf_config) is not AutoModelForImageTextToText:
+        return None
+    token = getattr(hf_config, "image_token_id", None)
+    return token if token is not None else getattr(hf_config, "image_token_index", None)
+
+
 def unsupported_reason(hf_config: Any) -> str | None:
     """Why the backend cannot serve this model (checked before any weight loads), or None."""
-    from transformers import AutoModelForCausalLM
-
     if getattr(hf_config, "is_encoder_decoder", False):
         return "it is an encoder-decoder (the paged decoder path serves decoder-only models)"
-    model_cls = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    auto = auto_class(hf_config)
+    model_cls = auto._model_mapping.get(type(hf_config), None)
     if model_cls is None:
         return f"transformers has no AutoModelForCausalLM class for model_type {hf_config.model_type!r}"
+    if auto.__name__ != "AutoModelForCausalLM" and image_token_id(hf_config) is None:
+        return "it is an image-text model without an image token id in its config"
     text = hf_config.get_text_config()
     other = sorted(set(getattr(text, "layer_types", None) or ()) - KV_LAYER_TYPES)
     if other:
@@ -82,7 +108,7 @@ def model_config(path: str | Path, raw: dict[str, Any]) -> ModelConfig:
         torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch."),
         bos_token_id=raw.get("bos_token_id"), eos_token_id=list(eos) if isinstance(eos, list) else
         ([] if eos is None else [eos]), quantization_config=raw.get("quantization_config"),
-        impl="transformers", source=str(path))
+        impl="transformers", source=str(path), image_token_id=image_token_id(hf_config))
 
 
 def check_engine_options(num_shard: int, lora_adapters: list, quantize: str | None,
@@ -206,8 +232,12 @@ class TransformersForCausalLM(nn.Module):
         self.config = config
         hf_config = load_hf_config(config.source)
         device, dtype = torch.get_default_device(), torch.get_default_dtype()
+        auto = auto_class(hf_config)
+        attn: Any = ATTN_IMPLEMENTATION
+        if auto is not AutoModelForCausalLM:  # a vision tower (or resampler) keeps SDPA: only the text is paged
+            attn = {name: "sdpa" for name in ("", *hf_config.sub_configs)} | {"text_config": ATTN_IMPLEMENTATION}
         with _parameters_on_meta():
-            hf = AutoModelForCausalLM.from_config(hf_config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+            hf = auto.from_config(hf_config, attn_implementation=attn, dtype=dtype)
         materialized: dict[int, nn.Parameter] = {}
         for module in hf.modules():
             for name, param in module._parameters.items():
@@ -220,6 +250,9 @@ class TransformersForCausalLM(nn.Module):
         self.lm_head = hf.get_output_embeddings()
         trunk = [module for module in hf.children() if module is not self.lm_head]  # the body under the LM head
         self.base = trunk[0] if len(trunk) == 1 else hf.base_model
+        self.is_multimodal = auto is not AutoModelForCausalLM
+        if self.is_multimodal:  # the language model under the multimodal trunk: it takes placed embeddings
+            self.base = getattr(self.base, "language_model", None) or getattr(self.base, "text_model")
         self.buffers_by_name = dict(hf.named_buffers())
         self.renamings: list | None = None
         self.layers: list[Attention] | None = None
@@ -285,11 +318,27 @@ class TransformersForCausalLM(nn.Module):
             layers.append(layer)
         return layers
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None,
+                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`image_embeds`: (rows, vectors) that replace those rows' token embeddings (engine/multimodal)."""
         self.attention_layers()
-        out = self.base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False, tgi_meta=meta)
+        if image_embeds is None:
+            out = self.base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False, tgi_meta=meta)
+        else:
+            rows, vectors = image_embeds
+            embeds = self.base.get_input_embeddings()(input_ids)
+            embeds = embeds.index_copy(0, rows, vectors.to(embeds.dtype))
+            out = self.base(inputs_embeds=embeds[None], position_ids=positions[None], use_cache=False, tgi_meta=meta)
         return out.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def encode_images(self, encoder_inputs: dict[str, Any]) -> torch.Tensor:
+        """The vision encoder (+ projector) on the processor's tensors: [image tokens, hidden], in token order."""
+        device = self.lm_head.weight.device
+        dtype = self.lm_head.weight.dtype
+        inputs = {k: v.to(device, dtype if v.is_floating_point() else None) for k, v in encoder_inputs.items()}
+        features = self.hf.model.get_image_features(**inputs, return_dict=True).pooler_output
+        return torch.cat([f.reshape(-1, f.shape[-1]) for f in features]).to(dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden_states)

@@ -23,6 +23,7 @@ from engine.server.grammar import prepare_grammars
 from engine.structured import spec
 from engine.server.infer import Generation, Infer, StreamEvent
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
+from engine.server.openai_requests import prefetch_images
 from engine.server.protocol import (BestOfSequence, CompatGenerateRequest, Details, GenerateRequest,
                                     GenerateResponse, Info, PrefillToken, SimpleToken, StreamDetails,
                                     StreamResponse, Token, TokenizeRequest, dump)
@@ -87,6 +88,8 @@ def _build_state(engine: AsyncEngine, config: EngineConfig) -> ServerState:
                           config.served_model_name or config.model_id)
     thinks = reasoning_format(config.reasoning_parser, getattr(llm.tokenizer, "chat_template", None))
     validator.skip_special_tokens = thinks is None or thinks.name != "gpt_oss"   # harmony's markers are special
+    if getattr(getattr(llm, "model_config", None), "image_token_id", None) is not None:
+        validator.vision = vision_processor(llm.model_config, config)
     grammars = getattr(llm, "grammars", None)
     if grammars is not None:    # the token table is checked (and a refusal logged) at start-up
         grammars.prepare_in_background()
@@ -94,6 +97,15 @@ def _build_state(engine: AsyncEngine, config: EngineConfig) -> ServerState:
     return ServerState(engine=engine, config=config, tokenizer=llm.tokenizer, validator=validator,
                        infer=Infer(engine, metrics, config.max_concurrent_requests),
                        metrics=metrics, info=_build_info(llm, config))
+
+
+def vision_processor(model_config: Any, config: EngineConfig) -> Any:
+    """The model's own processor under the server's image limits (a vision-language model)."""
+    from engine.multimodal.image_source import ImageLimits
+    from engine.multimodal.processor import VisionProcessor
+
+    limits = ImageLimits(max_bytes=config.max_image_bytes, fetch_timeout_s=config.image_fetch_timeout_s)
+    return VisionProcessor(model_config.source, model_config.image_token_id, limits, config.max_images_per_request)
 
 
 def _build_info(llm: Any, config: EngineConfig) -> Info:
@@ -146,6 +158,7 @@ async def generate(request: Request) -> Response:
         body = await request.body()
         await prepare_grammars(body, state.engine)   # before parsing: a huge schema is refused unparsed
         req = parse_body(GenerateRequest, body)
+        await prefetch_images(state, req.inputs)
         return await unless_disconnected(request, _generate(state, req, arrival, wrap_in_list=False))
 
 
@@ -155,6 +168,7 @@ async def generate_stream(request: Request) -> Response:
         body = await request.body()
         await prepare_grammars(body, state.engine)   # before parsing: a huge schema is refused unparsed
         req = parse_body(GenerateRequest, body)
+        await prefetch_images(state, req.inputs)
         return _generate_stream(state, req, arrival)
 
 
@@ -164,6 +178,7 @@ async def compat_generate(request: Request) -> Response:
         body = await request.body()
         await prepare_grammars(body, state.engine)   # before parsing: a huge schema is refused unparsed
         req = parse_body(CompatGenerateRequest, body)
+        await prefetch_images(state, req.inputs)
         if req.stream:
             return _generate_stream(state, req, arrival)
         with state.infer.permit():

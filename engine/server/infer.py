@@ -223,7 +223,8 @@ class Infer:
         timings.queued = time.monotonic()
         params = replace(valid.params, stop=list(valid.params.stop))
         try:
-            async with contextlib.aclosing(self.engine.generate(request_id, valid.prompt_token_ids, params)) as outs:
+            async with contextlib.aclosing(self.engine.generate(request_id, valid.prompt_token_ids, params,
+                                                                   valid.images)) as outs:
                 async for out in outs:
                     yield out
         except (RequestFailedError, EngineDeadError) as exc:

@@ -30,7 +30,7 @@ from engine.server.errors import GenerationError, ServerError, ValidationError
 from engine.server.grammar import prepare_spec
 from engine.server.infer import Generation
 from engine.server.openai_common import parameters
-from engine.server.openai_requests import apply_chat_template
+from engine.server.openai_requests import apply_chat_template, prefetch_images
 from engine.server.protocol import ChatCompletionRequest, GenerateRequest, dump
 from engine.server.answer_text import AnswerStream, read_answer
 from engine.server.reasoning import ReasoningFormat, for_prompt, reasoning_format
@@ -53,6 +53,7 @@ async def messages(request: Request) -> Response:
             req = parse_body(MessagesRequest, await request.body())
             chat, use = _chat_request(req, state)
             prompt = apply_chat_template(state, chat, use)
+            await prefetch_images(state, prompt)
             grammar = request_grammar(chat, _thinks(state), use, None, prompt)     # tools after the thinking
             thinks = for_prompt(_thinks(state), prompt)
             await prepare_spec(grammar, state.engine)
@@ -75,7 +76,11 @@ async def count_tokens(request: Request) -> Response:
         req = parse_body(CountTokensRequest, await request.body())
         chat, use = _chat_request(req, state)
         prompt = apply_chat_template(state, chat, use)
-        ids = state.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        vision = state.validator.vision
+        if vision is not None and vision.has_images(prompt):  # the images' tokens, as the processor expands them
+            ids = state.validator.validate(GenerateRequest(inputs=prompt), add_special_tokens=False).prompt_token_ids
+        else:
+            ids = state.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         return JSONResponse(dump(CountTokensResponse(input_tokens=len(ids))))
     except ServerError as exc:
         return error_response(exc)
@@ -128,6 +133,7 @@ def _turn(role: str, content: str | ContentBlocks, i: int) -> list[dict[str, Any
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     texts: list[str] = []
+    parts: list[dict[str, Any]] = []   # text and image_url parts, in order, when the turn has images
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, block in enumerate(content):
@@ -135,6 +141,9 @@ def _turn(role: str, content: str | ContentBlocks, i: int) -> list[dict[str, Any
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             texts.append(_text_of(block, where))
+            parts.append({"type": "text", "text": texts[-1]})
+        elif kind == "image" and role == "user":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, where)}})
         elif kind == "tool_use" and role == "assistant":
             calls.append(_past_call(block, where))
         elif kind == "tool_result" and role == "user":
@@ -143,14 +152,28 @@ def _turn(role: str, content: str | ContentBlocks, i: int) -> list[dict[str, Any
             continue        # earlier reasoning is not shown to the model again
         else:
             raise ValidationError(f"`{where}.type` {kind!r} is not supported in a {role} message: this server "
-                                  "takes text, tool_use (assistant) and tool_result (user) blocks")
+                                  "takes text, image (user), tool_use (assistant) and tool_result (user) blocks")
     turn: list[dict[str, Any]] = list(results)
-    if texts or calls:
+    if len(parts) > len(texts):  # images: the chat route loads them (or refuses them on a text-only model)
+        turn.append({"role": role, "content": parts})
+    elif texts or calls:
         message: dict[str, Any] = {"role": role, "content": "".join(texts)}
         if calls:
             message["tool_calls"] = calls
         turn.append(message)
     return turn
+
+
+def _image_url(block: dict[str, Any], where: str) -> str:
+    """An image block's source as a URL: base64 data becomes a data: URL, a url source stays as it is."""
+    source = block.get("source")
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str) \
+            and isinstance(source.get("media_type"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise ValidationError(f"`{where}.source` must be {{\"type\": \"base64\", \"media_type\", \"data\"}} or "
+                          f"{{\"type\": \"url\", \"url\"}}")
 
 
 def _past_call(block: dict[str, Any], where: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ state it is given (a ServerState, or the batch's OfflineState).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -15,9 +16,10 @@ from engine.server.errors import ValidationError
 from engine.server.infer import Generation
 from engine.server.legacy_logprobs import completion_logprobs
 from engine.server.openai_common import check_common, finish
-from engine.server.protocol import (ChatCompletionChoice, ChatCompletionMessage, ChatCompletionRequest, ChatLogprob,
-                                    ChatLogprobs, ChatToolCall, CompletionChoice, CompletionRequest, FunctionCall,
-                                    GenerateParameters, GenerateRequest, TopLogprob)
+from engine.multimodal.processor import markdown_image
+from engine.server.protocol import (ChatCompletionChoice, ChatCompletionMessage, ChatCompletionRequest,
+                                    ChatContentPart, ChatLogprob, ChatLogprobs, ChatToolCall, CompletionChoice,
+                                    CompletionRequest, FunctionCall, GenerateParameters, GenerateRequest, TopLogprob)
 from engine.server.answer_text import read_answer
 from engine.server.reasoning import ReasoningFormat
 from engine.server.tools import ToolUse, new_call_id, template_inputs
@@ -33,9 +35,7 @@ COMPLETIONS_MAX_TOKENS = 16     # OpenAI's documented default for /v1/completion
 def apply_chat_template(state: Any, req: ChatCompletionRequest, use: ToolUse | None) -> str:
     if not getattr(state.tokenizer, "chat_template", None):
         raise ValidationError("this model has no chat template; use /v1/completions or /generate")
-    for message in req.messages:
-        if isinstance(message.content, list) and any(p.type != "text" for p in message.content):
-            raise ValidationError("only text content parts are supported")
+    req = images_as_markdown(state, req)
     messages, tools = template_inputs(req, state.tokenizer, use, state.config.tool_call_parser)
     extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
     reserved = sorted(set(extra) & {"messages", "conversation", "tools", "tokenize", "add_generation_prompt",
@@ -48,6 +48,41 @@ def apply_chat_template(state: Any, req: ChatCompletionRequest, use: ToolUse | N
         return str(state.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra))
     except Exception as exc:  # jinja errors (e.g. "roles must alternate") are the caller's to fix
         raise ValidationError(f"chat template error: {exc}") from None
+
+
+async def prefetch_images(state: Any, prompt: str) -> None:
+    """A vision-language model's http(s) images are fetched in a thread before the (synchronous) validation,
+    which then finds them fetched: a slow image server does not stall the other requests' streams."""
+    vision = getattr(state.validator, "vision", None)
+    if vision is not None and vision.has_images(prompt):
+        await asyncio.to_thread(vision.prefetch, prompt)
+
+
+def images_as_markdown(state: Any, req: ChatCompletionRequest) -> ChatCompletionRequest:
+    """`image_url` parts become TGI's markdown images `![](URL)` in the text, which validation loads and expands
+    (engine/multimodal); a model without a vision processor gets a 422, as does any other part type."""
+    vision = getattr(state.validator, "vision", None)
+    messages = []
+    for message in req.messages:
+        if not isinstance(message.content, list) or all(p.type == "text" for p in message.content):
+            messages.append(message)
+            continue
+        parts = []
+        for part in message.content:
+            if part.type == "image_url":
+                if vision is None:
+                    raise ValidationError("this model is text-only: it takes no images (image_url parts)")
+                if part.image_url is None:
+                    raise ValidationError("an `image_url` part needs `image_url.url`")
+                try:
+                    part = ChatContentPart(type="text", text=markdown_image(part.image_url.url))
+                except ValueError as exc:
+                    raise ValidationError(str(exc)) from None
+            elif part.type != "text":
+                raise ValidationError(f"content parts of type {part.type!r} are not supported (text, image_url)")
+            parts.append(part)
+        messages.append(message.model_copy(update={"content": parts}))
+    return req.model_copy(update={"messages": messages})
 
 
 def chat_logprobs(tokens: list[Any]) -> ChatLogprobs:

@@ -23,7 +23,7 @@ from engine.server.grammar import prepare_grammars, response_format_grammar
 from engine.server.infer import StreamEvent
 from engine.server.openai_common import (adapter_id, check_common, finish, model_name, parameters, renderer,
                                          stream_choices, usage_of)
-from engine.server.openai_requests import apply_chat_template, chat_choice, chat_logprobs
+from engine.server.openai_requests import apply_chat_template, chat_choice, chat_logprobs, prefetch_images
 from engine.server.protocol import (ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatDelta, GenerateRequest, ModelCard, ModelList, Usage, dump)
 from engine.server.reasoning import ReasoningFormat, for_prompt, reasoning_format, reasoning_stream
@@ -55,6 +55,7 @@ async def chat_completions(request: Request) -> Response:
         if top_n > state.config.max_top_n_tokens:
             raise ValidationError(f"`top_logprobs` must be <= {state.config.max_top_n_tokens}. Given: {top_n}")
         prompt = apply_chat_template(state, req, use)
+        await prefetch_images(state, prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         thinks = reasoning_format(state.config.reasoning_parser, getattr(state.tokenizer, "chat_template", None))
         grammar = request_grammar(req, thinks, use, grammar, prompt)

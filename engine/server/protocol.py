@@ -203,9 +203,15 @@ class StreamOptions(_Wire):
     include_usage: bool = False
 
 
+class ImageURL(_Wire):
+    url: str                        # data:image/...;base64,... or http(s)://...
+    detail: str | None = None       # accepted, unused: the model's processor decides the resolution
+
+
 class ChatContentPart(_Wire):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None   # type "image_url" (vision-language models)
 
 
 class ChatMessage(_Wire):
@@ -216,7 +222,7 @@ class ChatMessage(_Wire):
     tool_call_id: str | None = None                     # a `tool` turn: the result of that call
 
     def text(self) -> str:
-        """Plain text of the message; list content keeps its `text` parts (images are rejected upstream)."""
+        """Plain text of the message; list content keeps its `text` parts (images became markdown upstream)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(part.text or "" for part in self.content)

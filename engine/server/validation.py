@@ -33,6 +33,7 @@ class ValidRequest:
     details: bool
     decoder_input_details: bool
     return_full_text: bool
+    images: Any = None      # engine.multimodal.MultiModalPrompt: the prompt's images, its image tokens in the ids
 
     @property
     def input_length(self) -> int:
@@ -79,6 +80,7 @@ class Validator:
         # why grammars are refused on this model (its token table cannot be built), or None
         self.grammar_unavailable: Callable[[], str | None] = lambda: None
         self.skip_special_tokens = True     # off for gpt-oss: its harmony channel markers are special tokens
+        self.vision: Any = None     # engine.multimodal.VisionProcessor of a vision-language model
 
     def adapter(self, adapter_id: str | None) -> str | None:
         """The LoRA adapter a request names (None = the base model); 422 naming the loaded ones if unknown."""
@@ -113,12 +115,18 @@ class Validator:
         adapter = self.adapter(p.adapter_id)
         if stream and p.decoder_input_details:
             raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
+        images = None
         if prompt_token_ids is not None:
             ids = self.check_token_ids(prompt_token_ids)
         elif not req.inputs:
             raise ValidationError("`inputs` cannot be empty")
+        elif self.vision is not None and self.vision.has_images(req.inputs):
+            ids, images = self._with_images(req.inputs, p.truncate, add_special_tokens)
         else:
             ids = self._tokenize(req.inputs, p.truncate, add_special_tokens)
+        if images is None and self.vision is not None and self.vision.image_token_id in ids:
+            raise ValidationError(f"the prompt has the image token {self.vision.placeholder!r} but no image: send "
+                                  "images as image_url parts or markdown ![](URL)")
         max_new_tokens = self._check_lengths(len(ids), p.max_new_tokens, max_new_tokens_default)
         params = SamplingParams(
             do_sample=best_of > 1 or _is_sampling(p), temperature=p.temperature if p.temperature is not None else 1.0,
@@ -129,7 +137,18 @@ class Validator:
         return ValidRequest(inputs=req.inputs, prompt_token_ids=ids, params=params, best_of=best_of,
                             details=p.details or p.decoder_input_details,
                             decoder_input_details=p.decoder_input_details,
-                            return_full_text=bool(p.return_full_text))
+                            return_full_text=bool(p.return_full_text), images=images)
+
+    def _with_images(self, inputs: str, truncate: int | None, add_special_tokens: bool) -> tuple[list[int], Any]:
+        """Markdown images `![](URL)` loaded, processed and expanded into image tokens (they count as input)."""
+        from engine.multimodal.image_source import ImageError
+
+        if truncate is not None:
+            raise ValidationError("`truncate` cannot be used with images (it could cut an image's tokens)")
+        try:
+            return self.vision.prepare(inputs, add_special_tokens)
+        except ImageError as exc:
+            raise ValidationError(str(exc)) from None
 
     def _check_sampling(self, p: GenerateParameters, stream: bool) -> int:
         best_of = p.best_of or 1

@@ -144,3 +144,24 @@ def test_double_free_is_caught():
     a.block_table = table
     with pytest.raises(AssertionError):
         bm.free(a)
+
+
+def test_image_hashes_key_the_block_of_an_images_first_token_and_every_later_one():
+    from engine.multimodal.prompt import MultiModalPrompt
+
+    tokens = list(range(100, 148))  # 3 blocks of 16; an image's tokens at 20..27
+
+    def with_image(key):
+        seq = make_seq(tokens)
+        seq.images = MultiModalPrompt({}, list(range(20, 28)), [(20, key)], 1)
+        return seq
+
+    bm = BlockManager(num_blocks=16, block_size=16)
+    plain, cat, cat_again, dog = make_seq(tokens), with_image(7), with_image(7), with_image(8)
+    keys = {name: [bm.prefix_key(seq, i) for i in range(3)]
+            for name, seq in [("plain", plain), ("cat", cat), ("cat_again", cat_again), ("dog", dog)]}
+    assert keys["cat"] == keys["cat_again"]
+    assert keys["cat"][0] == keys["dog"][0] == keys["plain"][0]  # block 0 holds no image token
+    assert all(keys["cat"][i] != keys["dog"][i] != keys["plain"][i] for i in (1, 2))
+    compute(bm, cat)
+    assert bm.num_cached_tokens(cat_again) == 32 and bm.num_cached_tokens(dog) == 16

@@ -15,7 +15,8 @@ from test_transformers_backend import BACKEND_MODELS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-from make_models import _COMMON, _SIZES, TINY_MODELS  # noqa: E402
+from make_models import _COMMON, _SIZES, TINY_MODELS, VLM_MODELS  # noqa: E402
+from test_multimodal_models import VLMS  # noqa: E402
 
 
 def table_rows():
@@ -61,4 +62,11 @@ def test_refused_rows_give_the_backends_reason():
 
 def test_every_row_names_a_known_checkpoint():
     for _, architecture, _, checkpoint in table_rows():
-        assert checkpoint == "-" or checkpoint in TINY_MODELS, architecture
+        assert checkpoint == "-" or checkpoint in TINY_MODELS or checkpoint in VLM_MODELS, architecture
+
+
+def test_image_rows_are_the_tested_vision_language_models():
+    rows = [row for row in table_rows() if row[2] == "transformers, images"]
+    assert sorted(row[3] for row in rows) == sorted(VLMS)
+    for _, architecture, _, checkpoint in rows:
+        assert architecture not in MODEL_REGISTRY and VLM_MODELS[checkpoint][0] == architecture

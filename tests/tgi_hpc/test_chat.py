@@ -155,3 +155,29 @@ def test_a_service_turn_skips_a_refusing_or_draining_replica_for_the_next():
     assert asked == ["gone", "draining", "ready"] and len(conversation.history) == 2
     with pytest.raises(ChatError, match="draining"):
         list(_client(handler, lambda: ["http://gone:1", "http://draining:2"]).turn(conversation, "hi"))
+
+
+def test_an_attached_image_goes_with_the_next_message_only(tmp_path):
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, text=_sse({"choices": [{"delta": {"content": "A cat"}}]}, "[DONE]"),
+                              headers={"content-type": "text/event-stream"})
+
+    assert command("/image ~/cat.png") == ("image", "~/cat.png")
+    picture = tmp_path / "cat 1.png"
+    picture.write_bytes(b"\x89PNG fake")
+    conversation, client = Conversation(), _client(handler)
+    conversation.attach(str(picture))
+    assert list(client.turn(conversation, "What is it?")) == ["A cat"]
+    list(client.turn(conversation, "Sure?"))
+    first, second = seen
+    parts = first["messages"][-1]["content"]
+    assert parts[0] == {"type": "text", "text": "What is it?"}
+    assert parts[1]["image_url"]["url"] == "data:image/png;base64,iVBORyBmYWtl"
+    assert second["messages"][0]["content"] == parts and second["messages"][-1] == {"role": "user", "content": "Sure?"}
+    for bad, message in [("", "needs a file"), (str(tmp_path / "notes.txt"), "not an image file"),
+                         (str(tmp_path / "missing.png"), "No such file")]:
+        with pytest.raises(UsageError, match=message):
+            conversation.attach(bad)

@@ -76,6 +76,12 @@ def _loop(app: App, client, conversation) -> None:
         elif cmd[0] == "reset":
             conversation.reset()
             app.info("(conversation cleared)")
+        elif cmd[0] == "image":
+            try:
+                conversation.attach(cmd[1])
+                app.info(f"(image attached to the next message: {len(conversation.images)} so far)")
+            except UsageError as exc:
+                app.info(str(exc))
         elif cmd[0] == "system":
             conversation.system = cmd[1] or None
             app.info(f"(system prompt {'set' if cmd[1] else 'removed'})")

@@ -11,7 +11,8 @@ _NAME_SIZE = re.compile(r"(?<![0-9.])(\d+(?:\.\d+)?)\s*([bBmM])(?![a-zA-Z])")
 
 
 def param_split(config: dict) -> tuple[float, float]:
-    """(decoder linear layers, embeddings + LM head) in billions: only the first are ever quantized."""
+    """(decoder linear layers, embeddings + LM head + any vision tower) in billions: only the first are ever
+    quantized."""
     text = config.get("text_config", config)
     hidden = int(text["hidden_size"])
     layers = int(text["num_hidden_layers"])
@@ -23,7 +24,23 @@ def param_split(config: dict) -> tuple[float, float]:
     attn = hidden * head_dim * (heads * 2 + kv_heads * 2)
     mlp = moe_mlp_params(text)[0] if num_experts(text) else 3 * hidden * inter
     embed = vocab * hidden * (1 if text.get("tie_word_embeddings") else 2)
-    return layers * (attn + mlp) / 1e9, embed / 1e9
+    return layers * (attn + mlp) / 1e9, (embed + vision_params(config)) / 1e9
+
+
+def vision_params(config: dict) -> int:
+    """A vision-language model's vision tower (a ViT: attention 4h² and MLP 2·h·intermediate per layer, the patch
+    embedding) and its projector into the text model (about h·H + H²); 0 without a vision_config."""
+    vision = config.get("vision_config")
+    if not isinstance(vision, dict):
+        return 0
+    hidden = int(vision.get("hidden_size") or vision.get("embed_dim") or 0)
+    layers = int(vision.get("num_hidden_layers") or vision.get("depth") or 0)
+    inter = int(vision.get("intermediate_size") or 4 * hidden)
+    patch = int(vision.get("patch_size") or 14)
+    text_hidden = int(config.get("text_config", {}).get("hidden_size") or hidden)
+    patches = int(vision.get("num_channels") or 3) * patch ** 2 * hidden
+    tower = layers * (4 * hidden * hidden + 2 * hidden * inter) + patches
+    return tower + hidden * text_hidden + text_hidden * text_hidden if tower else 0
 
 
 def num_experts(text: dict) -> int:

@@ -5,7 +5,9 @@ The server applies the model's chat template; only messages travel. `--json-sche
 """
 from __future__ import annotations
 
+import base64
 import json
+import mimetypes
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,10 +17,14 @@ import httpx
 from tgi_hpc.errors import TgiHpcError, UsageError
 
 HELP = ("/system TEXT  set the system prompt (the conversation goes on)\n"
+        "/image PATH   attach an image to the next message (a vision-language model)\n"
         "/reset        forget the conversation (the system prompt stays)\n"
         "/exit         leave (Ctrl-D too)\n"
         "A line ending in \\ continues on the next line; a line of \"\"\" starts and ends a block; "
         "a pasted block is one message.")
+
+
+MAX_IMAGE_BYTES = 20 * 2**20  # the engine's --max-image-bytes default
 
 
 class ChatError(TgiHpcError):
@@ -48,12 +54,37 @@ class Conversation:
     max_tokens: int | None = None
     temperature: float | None = None
     response_format: dict | None = None
+    images: list[str] = field(default_factory=list)     # data: URLs attached to the next message (/image)
+
+    def attach(self, path: str) -> None:
+        """/image PATH: the file as a data: URL, sent with the next message."""
+        if not path:
+            raise UsageError("/image needs a file: /image PATH")
+        file = Path(path).expanduser()
+        kind = mimetypes.guess_type(file.name)[0] or ""
+        if not kind.startswith("image/"):
+            raise UsageError(f"/image {path}: not an image file by its name (.png, .jpg, .webp, .gif)")
+        try:
+            data = file.read_bytes()
+        except OSError as exc:
+            raise UsageError(f"/image {path}: {exc.strerror or exc}") from None
+        if len(data) > MAX_IMAGE_BYTES:
+            raise UsageError(f"/image {path}: {len(data)} bytes, more than the server's default limit of "
+                             f"{MAX_IMAGE_BYTES}")
+        self.images.append(f"data:{kind};base64,{base64.b64encode(data).decode()}")
+
+    def user_message(self, text: str) -> dict:
+        if not self.images:
+            return {"role": "user", "content": text}
+        return {"role": "user", "content": [{"type": "text", "text": text}] + [
+            {"type": "image_url", "image_url": {"url": url}} for url in self.images]}
 
     def messages(self) -> list[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
 
     def reset(self) -> None:
         self.history.clear()
+        self.images.clear()
 
     def request(self, model: str) -> dict:
         body = {"model": model or "tgi", "messages": self.messages(), "stream": True}
@@ -63,12 +94,13 @@ class Conversation:
 
 
 def command(line: str) -> tuple[str, str] | None:
-    """("system", text), ("reset", ""), ("exit", ""), ("help", "") for a slash command, else None (a message).
+    """("system", text), ("image", path), ("reset", ""), ("exit", ""), ("help", "") for a slash command, else None
+    (a message).
     `//text` sends "/text"."""
     if not line.startswith("/") or line.startswith("//"):
         return None
     name, _, rest = line[1:].partition(" ")
-    if name in ("system", "reset", "exit", "quit", "help"):
+    if name in ("system", "reset", "exit", "quit", "help", "image"):
         return ("exit" if name == "quit" else name), rest.strip()
     raise UsageError(f"unknown command /{name}; /help lists them (start with // to send a line beginning with /)")
 
@@ -116,12 +148,14 @@ class ChatClient:
         """Send `text`, yield the answer's pieces as they arrive; the full answer joins the history at the end
         (a turn that fails or is interrupted leaves the history as it was)."""
         body = conversation.request(self.model)
-        body["messages"] = body["messages"] + [{"role": "user", "content": text}]
+        message = conversation.user_message(text)
+        body["messages"] = body["messages"] + [message]
         pieces: list[str] = []
         for piece in self._stream(body):
             pieces.append(piece)
             yield piece
-        conversation.history += [{"role": "user", "content": text}, {"role": "assistant", "content": "".join(pieces)}]
+        conversation.history += [message, {"role": "assistant", "content": "".join(pieces)}]
+        conversation.images = []    # sent: they stay in the history, not attached again
 
     def _stream(self, body: dict) -> Iterator[str]:
         skipped = []

@@ -9,10 +9,12 @@ VALUE_FLAGS = {
     "--max-top-n-tokens", "--max-input-tokens", "--max-input-length", "--max-total-tokens",
     "--max-batch-prefill-tokens", "--max-batch-total-tokens", "--max-batch-size",
     "--waiting-served-ratio", "--cuda-memory-fraction", "--cors-allow-origin", "--load-format",
-    "--served-model-name", "--kv-cache-bytes", "--cuda-graphs", "--cpu-gemm", "--cpu-elementwise", "--attention-backend", "--block-size",
+    "--served-model-name", "--kv-cache-bytes", "--cuda-graphs", "--cpu-gemm", "--cpu-elementwise", "--attention-backend",
+    "--block-size",
     "--cpu-threads", "--drain-timeout", "--max-new-tokens-default", "--prefix-caching", "--lora-adapters",
     "--rank-timeout", "--speculate", "--speculative-layers", "--max-client-batch-size", "--reasoning-parser",
     "--tool-call-parser", "--max-loras", "--max-lora-rank",
+    "--max-images-per-request", "--max-image-bytes", "--image-fetch-timeout",
 }
 SWITCH_FLAGS = {"--json-output", "--enable-runtime-lora"}
 # Set by the job itself; --api-key in particular must never be on a command line.

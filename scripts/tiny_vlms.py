@@ -1,0 +1,78 @@
+"""Tiny random vision-language models with their real processor classes (offline, for scripts/make_models.py).
+
+Each recipe: the text model (a tiny Llama or Mistral), a tiny vision tower, the family's processor over the tiny
+BPE tokenizer with the family's image special tokens added. Families whose processors need torchvision
+(Qwen2-VL, Pixtral/Mistral3) or num2words (SmolVLM) are left out: the engine does not install them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+_TEXT = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1,
+             tie_word_embeddings=False)
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+               patch_size=8)
+_PINPOINTS = [[32, 32], [32, 64], [64, 32]]
+_IDEFICS_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
+# name -> (model class, special tokens added, image token)
+VLM_MODELS: dict[str, tuple[str, list[str], str]] = {
+    "tiny-llava": ("LlavaForConditionalGeneration", ["<image>"], "<image>"),
+    "tiny-llava-next": ("LlavaNextForConditionalGeneration", ["<image>"], "<image>"),
+    "tiny-idefics3": ("Idefics3ForConditionalGeneration", _IDEFICS_TOKENS, "<image>"),
+    "tiny-idefics2": ("Idefics2ForConditionalGeneration", _IDEFICS_TOKENS[:2] + _IDEFICS_TOKENS[3:], "<image>"),
+}
+
+
+def _config_and_processor(name: str, tok, image_id: int):
+    import transformers as T
+
+    text = T.LlamaConfig(**_TEXT, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    if name == "tiny-llava":
+        config = T.LlavaConfig(vision_config=T.CLIPVisionConfig(**_VISION), text_config=text,
+                               image_token_index=image_id)
+        images = T.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+        return config, T.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=8,
+                                        vision_feature_select_strategy="default", image_token="<image>",
+                                        num_additional_image_tokens=1)
+    if name == "tiny-llava-next":  # any-resolution tiles + a newline per row
+        config = T.LlavaNextConfig(vision_config=T.CLIPVisionConfig(**_VISION), text_config=text,
+                                   image_token_index=image_id, image_grid_pinpoints=_PINPOINTS)
+        images = T.LlavaNextImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                           image_grid_pinpoints=_PINPOINTS)
+        return config, T.LlavaNextProcessor(image_processor=images, tokenizer=tok, patch_size=8,
+                                            vision_feature_select_strategy="default", image_token="<image>",
+                                            num_additional_image_tokens=1)
+    if name == "tiny-idefics3":  # pixel shuffle; SmolVLM's architecture
+        config = T.Idefics3Config(vision_config=T.Idefics3VisionConfig(**_VISION), text_config=text,
+                                  image_token_id=image_id, scale_factor=2)
+        images = T.Idefics3ImageProcessor(do_image_splitting=False, size={"longest_edge": 32},
+                                          max_image_size={"longest_edge": 32})
+        return config, T.Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4)
+    # tiny-idefics2: a perceiver resampler on a Mistral text model
+    mistral = T.MistralConfig(**_TEXT, vocab_size=len(tok), sliding_window=None, bos_token_id=tok.bos_token_id,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = T.Idefics2Config(vision_config=dict(_VISION), text_config=mistral, image_token_id=image_id,
+                              perceiver_config=dict(hidden_size=64, resampler_n_latents=4, resampler_depth=1,
+                                                    resampler_n_heads=2, resampler_head_dim=8, num_key_value_heads=1))
+    images = T.Idefics2ImageProcessor(do_image_splitting=False, size={"longest_edge": 32, "shortest_edge": 16})
+    return config, T.Idefics2Processor(image_processor=images, tokenizer=tok, image_seq_len=4)
+
+
+def build_vlm(name: str, out: Path, train_tokenizer) -> None:
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+
+    model_cls, specials, image_token = VLM_MODELS[name]
+    tok = train_tokenizer(out)
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    config, processor = _config_and_processor(name, tok, tok.convert_tokens_to_ids(image_token))
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    eos_ids = sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")})
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=eos_ids, pad_token_id=tok.pad_token_id,
+                     do_sample=False, max_new_tokens=32).save_pretrained(out)
