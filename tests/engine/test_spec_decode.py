@@ -426,6 +426,20 @@ def assert_same(got, expected, label=None):
     assert logprobs == pytest.approx(logprobs0, abs=1e-4), label
 
 
+def record_head_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """(token ids, drafts) of every drafted row HeadDrafter fills from now on (Medusa, EAGLE-3), in order."""
+    from engine.spec_decode.head_drafter import HeadDrafter
+
+    seen: list[tuple[list[int], list[int]]] = []
+    fill = HeadDrafter.fill
+
+    def recording_fill(self, batch):
+        fill(self, batch)
+        seen.extend((list(seq.token_ids), list(seq.draft_token_ids)) for seq in batch.seqs if seq.draft_token_ids)
+    monkeypatch.setattr(HeadDrafter, "fill", recording_fill)
+    return seen
+
+
 def compare_greedy(name, speculate_config, base_config=None, count=16, max_new=30, require_accepted=True):
     """The spec tests' one comparison: `count` mixed requests at once and the first alone, with and without
     speculation (`speculate_config` adds to speculate=3); every greedy row the same. The engines' stats

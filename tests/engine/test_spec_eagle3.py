@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from engine.sampling_params import SamplingParams  # noqa: E402
 from fakes import test_model_path  # noqa: E402
-from test_spec_decode import assert_same_distribution, compare_greedy, loop_sampled_counts, real_engine  # noqa: E402
+from test_spec_decode import (assert_same_distribution, compare_greedy, loop_sampled_counts, real_engine,  # noqa: E402
+                              record_head_drafts)
 
 
 def make_eagle3(target, path, seed=0, trim_vocab=24, aux=(1, 1, 1), draft_tokens=None):
@@ -152,14 +153,7 @@ def reference_drafts(target_dir, draft_dir, ids, num_drafts):
 
 
 def test_eagle3_drafts_equal_a_plain_reference_of_the_layer(drafts, monkeypatch):
-    from engine.spec_decode.head_drafter import HeadDrafter
-    seen = []
-    fill = HeadDrafter.fill
-
-    def recording_fill(self, batch):
-        fill(self, batch)
-        seen.extend((list(seq.token_ids), list(seq.draft_token_ids)) for seq in batch.seqs if seq.draft_token_ids)
-    monkeypatch.setattr(HeadDrafter, "fill", recording_fill)
+    seen = record_head_drafts(monkeypatch)
     with real_engine("tiny-llama", speculate=3, speculative_model=str(drafts["tiny-llama"])) as engine:
         ids = engine.tokenizer.encode("Hello world, this is a test of the drafts")
         engine.generate([ids], SamplingParams(max_new_tokens=8))

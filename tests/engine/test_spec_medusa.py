@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from engine.sampling_params import SamplingParams  # noqa: E402
 from fakes import test_model_path  # noqa: E402
-from test_spec_decode import assert_same_distribution, compare_greedy, loop_sampled_counts, real_engine  # noqa: E402
+from test_spec_decode import (assert_same_distribution, compare_greedy, loop_sampled_counts, real_engine,  # noqa: E402
+                              record_head_drafts)
 
 
 def make_medusa(target, path, num_heads=4, num_layers=1, seed=0, lm_head=True):
@@ -81,14 +82,7 @@ def test_medusa_heads_the_model_cannot_use_are_refused_before_loading(heads, tmp
 def test_medusa_drafts_equal_the_heads_on_transformers_last_hidden_state(heads, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from engine.spec_decode.head_drafter import HeadDrafter
-    seen = []
-    fill = HeadDrafter.fill
-
-    def recording_fill(self, batch):
-        fill(self, batch)
-        seen.extend((list(seq.token_ids), list(seq.draft_token_ids)) for seq in batch.seqs if seq.draft_token_ids)
-    monkeypatch.setattr(HeadDrafter, "fill", recording_fill)
+    seen = record_head_drafts(monkeypatch)
     with real_engine("tiny-llama", speculate=3, speculative_model=str(heads["tiny-llama"])) as engine:
         engine.generate([engine.tokenizer.encode("Hello world, this is a test of the heads")],
                         SamplingParams(max_new_tokens=8))
