@@ -55,6 +55,7 @@ class EngineConfig:
     attention_backend: str = "auto"         # "auto" | "cpu_paged" | "portable" | "triton" | "flash-attn"
     cpu_gemm: str = "auto"                  # "auto" | "onednn" | "aten": linear layers on CPU
     cpu_elementwise: str = "auto"           # "auto" | "fused" | "aten": norm, RoPE, SiLU-and-mul on CPU
+    gpu_elementwise: str = "auto"           # "auto" | "triton" | "aten": the same on CUDA
     # server
     hostname: str = "0.0.0.0"
     port: int = 3000

@@ -229,6 +229,10 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
      dict(default="auto", choices=["auto", "fused", "aten"],
           help="RMSNorm (+ residual), RoPE and SiLU-and-mul on CPU in float32: one-pass C++ kernels, or torch's "
                "ops; auto = fused when g++ builds them and they pass a self-check")),
+    (("--gpu-elementwise",), "GPU_ELEMENTWISE",
+     dict(default="auto", choices=["auto", "triton", "aten"],
+          help="RMSNorm (+ residual), RoPE and SiLU-and-mul on CUDA: one Triton kernel each, or torch's ops; "
+               "auto = triton when they pass a self-check")),
     (("--drain-timeout",), "DRAIN_TIMEOUT",
      dict(default=25.0, type=float, help="seconds requests in flight get to finish after SIGTERM (new connections "
                                          "are refused, /health answers 503 draining); keep it below Slurm's "
@@ -312,6 +316,7 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         hostname=args.hostname, port=args.port, api_key=args.api_key or None,
         cors_allow_origin=list(args.cors_allow_origin or []), json_output=args.json_output,
         served_model_name=args.served_model_name or args.model_id, cpu_gemm=args.cpu_gemm, cpu_elementwise=args.cpu_elementwise,
+        gpu_elementwise=args.gpu_elementwise,
         cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend, block_size=args.block_size,
         speculate=AUTO_MAX_DRAFTS if args.speculate == "auto" else args.speculate,
         speculate_auto=args.speculate == "auto", speculative_layers=args.speculative_layers,

@@ -112,9 +112,7 @@ class RankWorker:
         self.linear_backend = cpu_gemm.choose(config.cpu_gemm, self.device, self.dtype)
         if self.linear_backend == "onednn":
             cpu_gemm.prepack_model(self.model)
-        self.elementwise_backend = cpu_elementwise.choose(config.cpu_elementwise, self.device, self.dtype)
-        if self.elementwise_backend == "fused" and not cpu_elementwise.install(self.model):
-            self.elementwise_backend = "aten"  # a model without the layers the kernels replace
+        self.elementwise_backend = self._choose_elementwise()
         self.attention_layers = self.model.attention_layers()
         self.windows = {layer.sliding_window for layer in self.attention_layers}
         self.block_tables = BlockTables(self.device)   # kept on the device, updated by what changed
@@ -125,6 +123,19 @@ class RankWorker:
         self.graph_sizes = self._graph_sizes()
         self.num_kv_blocks = self._allocate_kv_cache()
         self.graphs = self._capture_graphs() if self.graph_sizes else None
+
+    def _choose_elementwise(self) -> str:
+        """Fused norm / RoPE / SiLU-and-mul kernels for this device ("fused" C++ on CPU, "triton" on CUDA),
+        installed in the model's layers, or "aten" (torch's ops)."""
+        if self.device.type == "cuda":
+            from engine.kernels import triton_elementwise  # imported late: TRITON_INTERPRET is read at import
+            kernels, wanted = triton_elementwise, self.config.gpu_elementwise
+        else:
+            kernels, wanted = cpu_elementwise, self.config.cpu_elementwise
+        backend = kernels.choose(wanted, self.device, self.dtype)
+        if backend != "aten" and not kernels.install(self.model):
+            return "aten"  # a model without the layers the kernels replace
+        return backend
 
     def _load_model(self) -> torch.nn.Module:
         quant = quantization.resolve(self.model_config.quantization_config, self.config.quantize)

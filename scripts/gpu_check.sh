@@ -4,6 +4,7 @@
 #   scripts/gpu_check.sh --prepare [DIR]      here: collect what the GPU machine lacks into DIR (default
 #                                             .gpu-bundle, ignored by git, < 40 MiB): wheels + SmolLM2 tokenizer
 #   scripts/gpu_check.sh --call kernels|bench|all [--out DIR] [--bundle DIR] [--budget S] [--only/--skip STAGE,...]
+#                        [-k EXPR]                  (pytest -k for the kernels and gpu-tests stages)
 #   scripts/gpu_check.sh --dry-run --out DIR  both calls on this CPU, Triton interpreted, small shapes
 #
 # On the device (the bundle travels as a carried path):
@@ -21,6 +22,8 @@
 #   attention   scripts/bench_attention.py: our Triton kernels vs SDPA (and flash-attn when importable)
 #   bench-8b    scripts/bench_engine.py, Llama-3.1-8B shape, random weights: batch-1 decode ms/token against
 #               weight bytes / copy bandwidth, batch sizes up to 256, 256 requests against HF `generate`
+#   profile     scripts/profile_step.py: the 8B shape's decode step at batch 1, 64 and 256 under torch.profiler,
+#               kernels per step by kind and by name (where the time above the bandwidth floor goes)
 #   quant       scripts/bench_quant.py: W4A16/W8A16 Triton GEMM and FP8 against bf16 on 8B shapes
 #   moe         scripts/bench_moe.py: the Triton grouped expert GEMM against transformers' MoE forward
 # Every stage gets what is left of --budget (default 540 s) at most, so a call ends inside the device's
@@ -37,6 +40,7 @@ BUDGET=540
 ONLY=""
 SKIP=""
 PREPARE=""
+KEXPR=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --prepare) PREPARE=${2:-.gpu-bundle}; [ $# -gt 1 ] && shift; shift ;;
@@ -48,6 +52,7 @@ while [ $# -gt 0 ]; do
     --python) PY=$2; shift 2 ;;
     --only) ONLY=",$2,"; shift 2 ;;
     --skip) SKIP=",$2,"; shift 2 ;;
+    -k) KEXPR=(-k "$2"); shift 2 ;;
     -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -113,7 +118,10 @@ stage() {  # stage NAME SECONDS COMMAND...: run within min(SECONDS, budget left)
   report
 }
 
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs)
+# -v names each test as it starts (a stage cut off by its limit shows which test it was in); a per-test
+# limit, where pytest-timeout is installed, turns a hung test into a failure with its stack, not a lost stage
+PYTEST=("$PY" -m pytest -v -p no:cacheprovider -o addopts= -rs --tb=short --durations=10 ${KEXPR[@]+"${KEXPR[@]}"})
+"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout=75 --timeout-method=thread)
 KERNEL_TESTS=$(ls tests/engine/test_*triton*.py tests/engine/test_*kernel*.py tests/engine/test_quant_gemm.py \
   2>/dev/null | sort -u | tr '\n' ' ')
 GPU_TESTS=$(grep -l "pytest.mark.gpu" tests/engine/test_*.py | tr '\n' ' ')
@@ -149,11 +157,16 @@ call_bench() {
     stage quant 150 "$PY" scripts/bench_quant.py --smoke --json "$LOGS/bench-quant.json"
     stage moe 150 "$PY" scripts/bench_moe.py --device cpu --sizes tiny --tokens 1,16 --repeats 1 --batch 2 \
       --prompt-len 8 --new-tokens 4
+    stage profile 120 "$PY" scripts/profile_step.py --model-id tiny-llama --device cpu --dtype float32 \
+      --batch-sizes 1,4 --prompt-len 16 --profile-steps 2 --top 10 --json-out "$LOGS/profile.json"
   else
     stage attention 60 "$PY" scripts/bench_attention.py --json "$LOGS/attention.json"
     stage bench-8b 240 "$PY" scripts/bench_engine.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
       --load-format dummy --device cuda --dtype bfloat16 --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 64 \
       --runs 1 --hf-prompts 256 --hf-serial-max 2 --json-out "$LOGS/bench-8b.json"
+    stage profile 90 "$PY" scripts/profile_step.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
+      --load-format dummy --device cuda --dtype bfloat16 --batch-sizes 1,64,256 --prompt-len 128 --profile-steps 8 \
+      --json-out "$LOGS/profile.json"
     stage quant 90 "$PY" scripts/bench_quant.py --json "$LOGS/bench-quant.json"
     stage moe 90 "$PY" scripts/bench_moe.py --device "$DEVICE" --dtype bfloat16 --sizes mid
   fi

@@ -41,7 +41,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])  # the token count: no compiled variant per value
     def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K,
                       stride_xm, stride_qk, stride_sg, stride_ym,
-                      BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                      BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, IEEE_DOT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -72,7 +72,10 @@ if triton is not None:
                 z = tl.load(z_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=k_ok[:, None] & n_ok[None, :],
                             other=0.0).to(tl.float32)
             w = ((q - z) * s).to(x.dtype)
-            acc += tl.dot(x, w)
+            if IEEE_DOT:  # float32 activations: full-precision products, not TF32's 10-bit mantissas
+                acc += tl.dot(x, w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w)
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
@@ -98,5 +101,5 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     grid = (triton.cdiv(m, _block_m(m)), triton.cdiv(n, block_n))
     _wna16_kernel[grid](x, qweight, scales, zeros, g_idx, y, m, n, k,
                         x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-                        BITS=bits, GROUP_SIZE=group_size, BLOCK_M=_block_m(m), BLOCK_N=block_n, BLOCK_K=block_k)
+                        BITS=bits, GROUP_SIZE=group_size, IEEE_DOT=x.dtype == torch.float32, BLOCK_M=_block_m(m), BLOCK_N=block_n, BLOCK_K=block_k)
     return y

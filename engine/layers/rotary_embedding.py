@@ -57,6 +57,7 @@ def _longrope_table(rotary_dim: int, max_position: int, theta: float,
 
 class RotaryEmbedding(nn.Module):
     fused_cpu = False  # set by cpu_elementwise.install: float32 CPU q/k are rotated in place by its kernel
+    fused_gpu = False  # set by triton_elementwise.install: CUDA q/k are rotated in place, tables read in-kernel
 
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None = None, rotary_dim: int | None = None) -> None:
@@ -76,6 +77,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] by their token positions."""
+        if self.fused_gpu and q.is_cuda and q.stride(-1) == k.stride(-1) == 1 and positions.stride(0) == 1:
+            from engine.kernels import triton_elementwise  # imported late: TRITON_INTERPRET is read at import
+            return triton_elementwise.rope_(q, k, positions, self.cos, self.sin)
         cos, sin = self._tables(positions)
         if self.fused_cpu and q.dtype == k.dtype == torch.float32 and q.device.type == "cpu" \
                 and q.stride(-1) == k.stride(-1) == 1:  # q, k: fresh projections, rotated where they lie

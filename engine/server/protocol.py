@@ -157,7 +157,7 @@ class Info(_Wire):
     attention_backend: str
     attention_checks: dict[str, str] = Field(default_factory=dict)  # each candidate tried: "ok" or why not
     linear_backend: str = "unknown"
-    elementwise_backend: str = "unknown"  # "fused" (engine/kernels/cpu_elementwise.py) | "aten"
+    elementwise_backend: str = "unknown"  # "fused" (kernels/cpu_elementwise.py) | "triton" (kernels/triton_elementwise.py) | "aten"
     model_impl: str = "native"      # "native" (engine/models/) | "transformers" (--model-impl)
     cuda_graphs: list[int] = []
     block_size: int

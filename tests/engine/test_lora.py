@@ -52,9 +52,9 @@ def tiny(model_path, tmp_path_factory):
 
 
 def engine_with(base, adapters, **config):
-    config.setdefault("cpu_kv_cache_bytes", 16 * 1024**2)
-    return LLMEngine(EngineConfig(model_id=str(base), device="cpu", dtype="float32", block_size=4,
-                                  lora_adapters=[(name, str(path)) for name, path in adapters], **config))
+    config = {"device": "cpu", "dtype": "float32", "block_size": 4, "cpu_kv_cache_bytes": 16 * 1024**2, **config}
+    return LLMEngine(EngineConfig(model_id=str(base), lora_adapters=[(name, str(path)) for name, path in adapters],
+                                  **config))
 
 
 def greedy(adapter, n=12):

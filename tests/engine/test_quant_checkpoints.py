@@ -238,8 +238,35 @@ def test_cuda_kernels_give_the_cpu_logits(base_llama, tmp_path, case):
         expected = engine_logits(runner)
     with make_runner(quant, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.05) as runner:
         got = engine_logits(runner)
+    # FP8 W8A8 rounds the activations to e4m3 (3 mantissa bits) per token: a bfloat16 input rounds to a
+    # neighbouring e4m3 value where the float32 one did not, so the two runs drift further apart than the
+    # weight-only kernels do (8.8% measured on an H200). The kernel itself is held to 1% below.
+    bound = 0.15 if case == "ct-fp8-w8a8" else 0.05
     for g, e in zip(got, expected):
-        assert (g.float().cpu() - e).norm() < 0.05 * e.norm()
+        assert (g.float().cpu() - e).norm() < bound * e.norm()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="rowwise FP8 torch._scaled_mm needs CUDA compute capability 9.0+")
+@pytest.mark.parametrize("tokens", [1, 33])
+def test_fp8_scaled_mm_layer_gives_the_product_of_its_dequantized_operands(tokens):
+    """Fp8LinearMethod.apply on Hopper (torch._scaled_mm, per-token x per-channel scales) against the float32
+    product of the same e4m3 operands times their scales: only the bfloat16 output rounding differs."""
+    from torch import nn
+
+    from engine.layers.quantization.fp8 import Fp8LinearMethod, quantize_rows, quantize_tokens
+    gen = torch.Generator().manual_seed(tokens)
+    layer = nn.Module()
+    layer.weight, layer.weight_scale = quantize_rows((torch.randn(272, 512, generator=gen) * 0.05).cuda())
+    layer.fp8_scaled_mm = True
+    x = (torch.randn(tokens, 512, generator=gen) * 3).cuda().bfloat16()
+    bias = torch.randn(272, generator=gen).cuda().bfloat16()
+    got = Fp8LinearMethod(quantize_at_load=False).apply(layer, x, bias)
+    xq, x_scale = quantize_tokens(x)
+    want = (xq.float() * x_scale) @ (layer.weight.float() * layer.weight_scale[:, None]).t() + bias.float()
+    assert got.shape == (tokens, 272) and got.dtype == torch.bfloat16
+    assert (got.float() - want).norm() < 0.01 * want.norm()
 
 
 @pytest.mark.parametrize("case", ["gptq-int4-act-order-asym", "awq-g64"])

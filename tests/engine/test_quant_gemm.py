@@ -1,5 +1,5 @@
-"""The W4A16/W8A16 Triton kernel (under TRITON_INTERPRET=1 without CUDA) against its torch reference on
-random shapes, group sizes and act-order, and the reference against the format spec (the test packer)."""
+"""The W4A16/W8A16 Triton kernel (on CUDA compiled, else under TRITON_INTERPRET=1) against its torch reference
+on random shapes, group sizes and act-order, and the reference against the format spec (the test packer)."""
 import random
 
 import pytest
@@ -9,6 +9,12 @@ pytest.importorskip("triton")
 
 from engine.kernels.quant_gemm import dequantize, gemm_reference, wna16_gemm  # noqa: E402
 from quant_packers import pack_along_rows  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_device(*tensors):
+    return [t.to(DEVICE) for t in tensors]
 
 
 def random_layer(generator, bits, k, n, group_size, act_order, dtype):
@@ -47,7 +53,7 @@ def test_kernel_matches_the_reference_on_random_shapes(bits, group_size, act_ord
         _, packed, scales, zeros, g_idx = random_layer(generator, bits, k, n, group_size, act_order, dtype)
         x = torch.randn(m, k, generator=generator).to(dtype)
         kernel_group = 0 if act_order else (k if group_size == -1 else group_size)
-        got = wna16_gemm(x, packed, scales, zeros, g_idx, bits, kernel_group)
+        got = wna16_gemm(*on_device(x, packed, scales, zeros, g_idx), bits, kernel_group).cpu()
         want = gemm_reference(x.float(), packed, scales.float(), zeros.float(), g_idx, bits)
         assert got.shape == (m, n) and got.dtype == dtype
         tolerance = 1e-4 if dtype == torch.float32 else 2e-2
@@ -58,7 +64,7 @@ def test_a_group_size_that_is_not_a_tile_multiple_takes_the_gather_path():
     generator = torch.Generator().manual_seed(3)
     _, packed, scales, zeros, g_idx = random_layer(generator, 4, 144, 40, 48, False, torch.float32)
     x = torch.randn(5, 144, generator=generator)
-    torch.testing.assert_close(wna16_gemm(x, packed, scales, zeros, g_idx, 4, 48),
+    torch.testing.assert_close(wna16_gemm(*on_device(x, packed, scales, zeros, g_idx), 4, 48).cpu(),
                                gemm_reference(x, packed, scales, zeros, g_idx, 4), atol=1e-4, rtol=0)
 
 
