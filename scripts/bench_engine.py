@@ -181,11 +181,17 @@ def prepare_model_dir(args: argparse.Namespace, device: torch.device) -> tuple[P
 
 
 def make_prompts(tokenizer: Any, num: int, length: int, vocab_size: int) -> list[list[int]]:
-    """`num` different prompts of exactly `length` token ids (windows into CORPUS at shifted offsets)."""
+    """`num` different prompts of exactly `length` token ids: a numbered header ("[17] "), then a window into
+    CORPUS at a shifted offset. The header keeps the first KV block of every prompt distinct: windows alone
+    repeat past a few hundred prompts, and the prefix cache would then admit the repeats a step later."""
     ids = [i for i in tokenizer.encode(CORPUS, add_special_tokens=False) if i < vocab_size]
     while len(ids) < length + num:
         ids = ids + ids
-    return [ids[(i * 7) % (len(ids) - length):][:length] for i in range(num)]
+    prompts = []
+    for i in range(num):
+        head = [t for t in tokenizer.encode(f"[{i}] ", add_special_tokens=False) if t < vocab_size][:length // 2]
+        prompts.append(head + ids[(i * 7) % (len(ids) - length):][:length - len(head)])
+    return prompts
 
 
 # --- the engine -----------------------------------------------------------------------------------
