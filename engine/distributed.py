@@ -64,8 +64,12 @@ def init_parallel(parallel: ParallelLayout, store: dist.Store | None, device: to
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process: run one "
                            "tensor-parallel engine per process, or close() the previous one first")
+    # NCCL bound to this rank's GPU up front: communicators are created eagerly on the right device (not
+    # guessed from the current device at the first collective), and none is made for a device it never uses
+    bound = {"device_id": torch.device("cuda", device.index if device.index is not None
+                                       else torch.cuda.current_device())} if device.type == "cuda" else {}
     dist.init_process_group(backend_for(device), store=store, rank=parallel.rank, world_size=parallel.world_size,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=timeout_s), **bound)
     _group_initialised, _layout = True, parallel
     _tp_ranks = parallel.stage_ranks(parallel.stage)
     if parallel.pp_size == 1:
