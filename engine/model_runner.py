@@ -66,6 +66,7 @@ class ModelRunner:
         self.elementwise_backend: str = self._rank0.elementwise_backend
         self.lora_backend: str = self._rank0.lora_backend            # "none" without adapters
         self.lora_checks: dict[str, str] = self._rank0.lora_report
+        self.quant_checks: dict[str, str] = self._rank0.quant_report
         graphs = self._rank0.graphs
         self.cuda_graph_sizes: list[int] = graphs.batch_sizes if graphs is not None else []
         logger.info("model runner ready: %s on %s x%d, %s, attention %s, linear %s, element-wise %s, decode CUDA "

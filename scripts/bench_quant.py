@@ -9,6 +9,8 @@ Rows per (layer, batch):
 - w4a16:     engine.kernels.quant_gemm.wna16_gemm, int4 with group 128 (GPTQ/AWQ/compressed-tensors layout);
 - w4a16-act: the same with act-order (scales gathered through g_idx);
 - w8a16:     int8, group 128;
+- w4a16-gemv / w8a16-gemv: quant_gemm.wna16_gemv, the split-K GEMV the engine takes at decode (batch <= 4)
+  on layers where it times faster at load ("-" at larger batches);
 - fp8:       what the FP8 method runs: per-token activation quantization + torch._scaled_mm, per-channel scales.
 Each quantized result is checked against the bf16 GEMM on its dequantized weight before timing.
 Ratios are bf16 time / method time (above 1 = faster than bf16).
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `engine` importable from a checkout
 
-from engine.kernels.quant_gemm import dequantize, wna16_gemm  # noqa: E402
+from engine.kernels.quant_gemm import GEMV_MAX_ROWS, dequantize, wna16_gemm, wna16_gemv  # noqa: E402
 from engine.layers.quantization.fp8 import quantize_rows, quantize_tokens, scaled_mm_usable  # noqa: E402
 
 # Llama-3-8B: hidden 4096, 32 heads / 8 kv heads of 128, MLP 14336 (fused as the engine fuses them)
@@ -91,6 +93,14 @@ def bench(shapes: dict[str, tuple[int, int]], batches: list[int], device: torch.
                 if error > 2e-2:
                     raise SystemExit(f"{name} {layer} batch {m}: relative error {error:.3g} against the reference")
                 row[f"{name}_ms"] = measure(fn)
+                if name in ("w4a16", "w8a16"):
+                    row[f"{name}-gemv_ms"] = float("nan")
+                    if m <= GEMV_MAX_ROWS:
+                        gemv = lambda: wna16_gemv(x, qweight, scales, zeros, g_idx, bits, group)  # noqa: E731
+                        error = (gemv().float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+                        if error > 2e-2:
+                            raise SystemExit(f"{name}-gemv {layer} batch {m}: relative error {error:.3g}")
+                        row[f"{name}-gemv_ms"] = measure(gemv)
             if fp8:
                 def fp8_gemm():
                     xq, x_scale = quantize_tokens(x)
@@ -128,7 +138,8 @@ def report(rows: list[dict]) -> None:
     print(f"{'layer':<13}{'K x N':>13}{'batch':>6}{'bf16 ms':>9}" +
           "".join(f"{m + ' x':>{w}}" for m, w in zip(methods, widths)))
     for row in rows:
-        ratios = "".join(f"{row['bf16_ms'] / row[m + '_ms']:>{w}.3f}" for m, w in zip(methods, widths))
+        ratios = "".join(f"{row['bf16_ms'] / row[m + '_ms']:>{w}.3f}" if row[m + "_ms"] == row[m + "_ms"]
+                         else f"{'-':>{w}}" for m, w in zip(methods, widths))
         print(f"{row['layer']:<13}{row['k']:>6} x{row['n']:>6}{row['batch']:>6}{row['bf16_ms']:>9.4f}{ratios}")
     print("x = bf16 time / method time (>1: faster than bf16)")
 

@@ -127,6 +127,7 @@ def _build_info(llm: Any, config: EngineConfig) -> Info:
         attention_checks=dict(getattr(runner, "attention_checks", {})),
         linear_backend=str(getattr(runner, "linear_backend", "unknown")),
         elementwise_backend=str(getattr(runner, "elementwise_backend", "unknown")),
+        quant_kernels=dict(getattr(runner, "quant_checks", {})),
         model_impl=str(getattr(getattr(llm, "model_config", None), "impl", "native")),
         cuda_graphs=list(getattr(runner, "cuda_graph_sizes", [])), block_size=stats.block_size,
         lora_adapters=[name for name, _ in config.lora_adapters],

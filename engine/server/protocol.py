@@ -158,6 +158,8 @@ class Info(_Wire):
     attention_checks: dict[str, str] = Field(default_factory=dict)  # each candidate tried: "ok" or why not
     linear_backend: str = "unknown"
     elementwise_backend: str = "unknown"  # "fused" (kernels/cpu_elementwise.py) | "triton" (kernels/triton_elementwise.py) | "aten"
+    # W4A16/W8A16 Triton kernels on CUDA: "gemm"/"gemv" -> "ok" or why not, "gemv_layers" -> "N of M"
+    quant_kernels: dict[str, str] = Field(default_factory=dict)
     model_impl: str = "native"      # "native" (engine/models/) | "transformers" (--model-impl)
     cuda_graphs: list[int] = []
     block_size: int

@@ -7,7 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from engine.kernels.quant_gemm import dequantize, gemm_reference, wna16_gemm  # noqa: E402
+from engine.kernels import quant_gemm  # noqa: E402
+from engine.kernels.quant_gemm import dequantize, gemm_reference, wna16_gemm, wna16_gemv  # noqa: E402
 from quant_packers import pack_along_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,6 +59,43 @@ def test_kernel_matches_the_reference_on_random_shapes(bits, group_size, act_ord
         assert got.shape == (m, n) and got.dtype == dtype
         tolerance = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), want, atol=tolerance * max(1.0, want.abs().max().item()), rtol=0)
+
+
+@pytest.mark.parametrize("bits,group_size,act_order", [(4, 32, False), (4, 128, True), (8, 64, False),
+                                                      (8, -1, False), (4, 64, True)])
+def test_gemv_matches_the_reference_at_decode_sizes_and_any_split(bits, group_size, act_order):
+    """The split-K GEMV (M <= 4): every split count, including ones that leave the last split short or empty
+    of whole groups, sums to the reference."""
+    rng = random.Random(f"gemv-{bits}-{group_size}-{act_order}")
+    generator = torch.Generator().manual_seed(rng.randrange(1000))
+    for splits in (None, 1, 3, 64):
+        m = rng.choice([1, 2, 3, 4])
+        k = rng.choice([128, 256, 384]) if group_size == 128 else rng.choice([64, 96, 128, 192, 256])
+        n = rng.choice([8, 40, 136, 200])
+        _, packed, scales, zeros, g_idx = random_layer(generator, bits, k, n, group_size, act_order, torch.float32)
+        x = torch.randn(m, k, generator=generator)
+        kernel_group = 0 if act_order else (k if group_size == -1 else group_size)
+        got = wna16_gemv(*on_device(x, packed, scales, zeros, g_idx), bits, kernel_group, splits=splits).cpu()
+        want = gemm_reference(x, packed, scales, zeros, g_idx, bits)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=1e-4 * max(1.0, want.abs().max().item()), rtol=0)
+
+
+def test_gemv_refuses_more_rows_than_it_unrolls():
+    generator = torch.Generator().manual_seed(5)
+    _, packed, scales, zeros, g_idx = random_layer(generator, 4, 64, 8, 32, False, torch.float32)
+    with pytest.raises(ValueError, match="at most 4 rows, got 5"):
+        wna16_gemv(*on_device(torch.randn(5, 64), packed, scales, zeros, g_idx), 4, 32)
+
+
+def test_the_self_check_passes_and_names_a_kernel_that_is_wrong(monkeypatch):
+    device = torch.device(DEVICE)
+    assert quant_gemm.self_check(device, torch.float32) == {"gemm": "ok", "gemv": "ok"}
+    monkeypatch.setattr(quant_gemm, "wna16_gemv", lambda x, *a, **k: wna16_gemm(x, *a, **k) * 1.01)
+    report = quant_gemm.self_check(device, torch.float32)
+    assert report["gemm"] == "ok" and report["gemv"].startswith("differs from the reference by")
+    monkeypatch.setattr(quant_gemm, "wna16_gemm", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no PTX")))
+    assert quant_gemm.self_check(device, torch.float32)["gemm"] == "raised RuntimeError: no PTX"
 
 
 def test_a_group_size_that_is_not_a_tile_multiple_takes_the_gather_path():

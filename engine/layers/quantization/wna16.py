@@ -101,8 +101,14 @@ class WNA16LinearMethod(LinearMethod):
 
     def finish_loading(self, layer: nn.Module) -> None:
         tensors = self._tensors(layer)
+        geometry = layer.quant_geometry
         if tensors[0].is_cuda and quant_gemm.triton is not None:
-            return
+            checks = kernel_checks(tensors[0].device, layer.act_dtype)
+            if checks["gemm"] == "ok":
+                layer.use_gemv = checks["gemv"] == "ok" and quant_gemm.gemv_is_faster(
+                    layer.act_dtype, *tensors, geometry.bits, geometry.kernel_group_size)
+                _gemv_layers[layer.use_gemv] += 1
+                return
         dense = quant_gemm.dequantize(*tensors, layer.quant_geometry.bits, layer.act_dtype).t().contiguous()
         layer.dense_weight = dense
         for tensor in tensors[:3]:
@@ -121,10 +127,45 @@ class WNA16LinearMethod(LinearMethod):
         qweight, scales, zeros, g_idx = self._tensors(layer)
         geometry = layer.quant_geometry
         flat = x.reshape(-1, x.shape[-1])
-        y = quant_gemm.wna16_gemm(flat, qweight, scales, zeros, g_idx, geometry.bits, geometry.kernel_group_size)
+        kernel = quant_gemm.wna16_gemv if getattr(layer, "use_gemv", False) and flat.shape[0] <= quant_gemm.GEMV_MAX_ROWS \
+            else quant_gemm.wna16_gemm
+        y = kernel(flat, qweight, scales, zeros, g_idx, geometry.bits, geometry.kernel_group_size)
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+_checks: dict[tuple[torch.device, torch.dtype], dict[str, str]] = {}
+_gemv_layers = {True: 0, False: 0}
+
+
+def kernel_checks(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
+    """The Triton kernels' start-up self-check on this device and dtype, once per process (logged). A tiled
+    kernel that fails it leaves the layers dequantized (memory, not wrong tokens); a GEMV that fails is not used."""
+    key = (device, dtype)
+    if key not in _checks:
+        _checks[key] = quant_gemm.self_check(device, dtype)
+        level = logging.INFO if all(v == "ok" for v in _checks[key].values()) else logging.WARNING
+        logger.log(level, "W4A16/W8A16 Triton kernels on %s (%s): %s", device, dtype,
+                   ", ".join(f"{name} {verdict}" for name, verdict in _checks[key].items()))
+        if _checks[key]["gemm"] != "ok":
+            logger.warning("the tiled W4A16/W8A16 kernel failed its self-check: quantized layers are dequantized "
+                           "to %s at load (the memory of an unquantized model)", dtype)
+    return _checks[key]
+
+
+def reset_report() -> None:
+    """Before a model loads: the GEMV layer counts are per model (the self-check verdicts stay cached)."""
+    _gemv_layers[True] = _gemv_layers[False] = 0
+
+
+def kernel_report() -> dict[str, str]:
+    """For /info: each kernel's self-check verdict, and how many layers take the GEMV at decode (chosen per
+    layer shape by timing both kernels at load). Empty without quantized layers on CUDA."""
+    report = {name: verdict for checks in _checks.values() for name, verdict in checks.items()}
+    if _gemv_layers[True] or _gemv_layers[False]:
+        report["gemv_layers"] = f"{_gemv_layers[True]} of {_gemv_layers[True] + _gemv_layers[False]}"
+    return report
 
 
 def check_geometry(label: str, geometry: Geometry, tp: int) -> None:
