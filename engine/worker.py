@@ -24,7 +24,7 @@ from engine.host_memory import cpu_kv_budget
 from engine.kv_budget import kv_budget
 from engine.kernels import cpu_elementwise
 from engine.layers import cpu_gemm, quantization
-from engine.layers.quantization import wna16
+from engine.layers.quantization import fp8, wna16
 from engine.lora import backend as lora_backend
 from engine.lora.adapter import adaptable_modules, read_adapter
 from engine.lora.batch import order_by_adapter
@@ -115,7 +115,7 @@ class RankWorker:
         if self.linear_backend == "onednn":
             cpu_gemm.prepack_model(self.model)
         self.elementwise_backend = self._choose_elementwise()
-        self.quant_report = wna16.kernel_report()  # W4A16/W8A16 kernels' self-checks (CUDA), for /info
+        self.quant_report = {**wna16.kernel_report(), **fp8.kernel_report()}  # quantized kernels' self-checks
         self.attention_layers = self.model.attention_layers()
         self.windows = {layer.sliding_window for layer in self.attention_layers}
         self.block_tables = BlockTables(self.device)   # kept on the device, updated by what changed

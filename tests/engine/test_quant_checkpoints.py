@@ -279,3 +279,22 @@ def test_a_bfloat16_model_gives_the_float32_logits_within_bfloat16_error(base_ll
         got = engine_logits(runner)
     for g, e in zip(got, expected):
         assert (g.float() - e).norm() < 0.03 * e.norm()
+
+
+def test_the_fp8_gemm_self_check_accepts_a_right_gemm_and_refuses_a_wrong_one(monkeypatch):
+    """The start-up check of torch._scaled_mm (run where it exists: Hopper), with the GEMM stood in for on CPU."""
+    from engine.layers.quantization import fp8
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype, skew=1.0):
+        return ((a.float() * scale_a) @ (b.float() * scale_b) * skew).to(out_dtype)
+
+    device = torch.device("cpu")
+    monkeypatch.setattr(fp8, "_checks", {})
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm, raising=False)
+    assert fp8.scaled_mm_check(device) == "ok" and fp8.kernel_report() == {"fp8_scaled_mm": "ok"}
+    monkeypatch.setattr(fp8, "_checks", {})
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: scaled_mm(*a, **k, skew=1.05), raising=False)
+    assert fp8.scaled_mm_check(device).startswith("differs from the dequantized product by 0.05")
+    monkeypatch.setattr(fp8, "_checks", {})
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("sm_80")), raising=False)
+    assert fp8.scaled_mm_check(device) == "raised RuntimeError: sm_80"

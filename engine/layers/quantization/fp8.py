@@ -46,6 +46,42 @@ def scaled_mm_usable(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
+_checks: dict[torch.device, str] = {}
+
+
+def scaled_mm_check(device: torch.device) -> str:
+    """Start-up self-check of the rowwise-scaled FP8 GEMM on this device, once per process: "ok", or why the
+    layers fall back to dequantized weights (same numerics, slower). The GEMM of e4m3 operands with per-row and
+    per-column scales against the float32 product of the same operands times their scales, at 1 and 33 rows."""
+    if device not in _checks:
+        generator = torch.Generator().manual_seed(0)
+        verdict = "ok"
+        try:
+            weight, weight_scale = quantize_rows((torch.randn(272, 512, generator=generator) * 0.05).to(device))
+            for rows in (1, 33):
+                x = (torch.randn(rows, 512, generator=generator) * 3).to(device, torch.bfloat16)
+                xq, x_scale = quantize_tokens(x)
+                got = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                                       out_dtype=torch.bfloat16).float()
+                want = (xq.float() * x_scale) @ (weight.float() * weight_scale[:, None]).t()
+                error = ((got - want).norm() / want.norm()).item()
+                if not error < 0.01:
+                    verdict = f"differs from the dequantized product by {error:.3g} (relative, {rows} rows)"
+                    break
+        except Exception as error:  # a GEMM that does not run here must not take the engine down
+            verdict = f"raised {type(error).__name__}: {error}"
+        if verdict != "ok":
+            logger.warning("FP8 torch._scaled_mm failed its self-check on %s (%s): FP8 layers run dequantized",
+                           device, verdict)
+        _checks[device] = verdict
+    return _checks[device]
+
+
+def kernel_report() -> dict[str, str]:
+    """For /info: {"fp8_scaled_mm": "ok" or why not} once an FP8 layer was loaded where it can run."""
+    return {"fp8_scaled_mm": verdict for verdict in _checks.values()}
+
+
 class Fp8LinearMethod(LinearMethod):
     """`weight` e4m3 [N, K] and `weight_scale` fp32 [N]; `quantize_at_load` reads a float checkpoint."""
 
@@ -95,7 +131,7 @@ class Fp8LinearMethod(LinearMethod):
     def finish_loading(self, layer: nn.Module) -> None:
         device = layer.weight.device
         layer.fp8_scaled_mm = scaled_mm_usable(device) and layer.weight.shape[0] % 16 == 0 \
-            and layer.weight.shape[1] % 16 == 0
+            and layer.weight.shape[1] % 16 == 0 and scaled_mm_check(device) == "ok"
         if device.type == "cpu":  # as engine.layers.quantization.wna16: dequantize once, at load, on CPU
             layer.dense_weight = self._dequantized(layer, layer.act_dtype)
             layer.weight.data = layer.weight.data.new_empty(0)
