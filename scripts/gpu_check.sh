@@ -27,6 +27,8 @@
 #   bench-8b-aten  the same engine with torch's element-wise ops (--gpu-elementwise aten): the fused kernels' A/B
 #   profile     scripts/profile_step.py: the 8B shape's decode step at batch 1, 64 and 256 under torch.profiler,
 #               kernels per step by kind and by name (where the time above the bandwidth floor goes)
+#   serve-8b    scripts/bench_http.py: the same 8B shape served over HTTP (python -m engine), 256 streaming
+#               clients x 128 tokens: TTFT, TPOT, ITL and output tok/s through the server
 #   quant       scripts/bench_quant.py: W4A16/W8A16 Triton GEMM and FP8 against bf16 on 8B shapes
 #   moe         scripts/bench_moe.py: the Triton grouped expert GEMM against transformers' MoE forward
 # Every stage gets what is left of --budget (default 540 s) at most, so a call ends inside the device's
@@ -160,6 +162,8 @@ call_bench() {
     stage quant 150 "$PY" scripts/bench_quant.py --smoke --json "$LOGS/bench-quant.json"
     stage moe 150 "$PY" scripts/bench_moe.py --device cpu --sizes tiny --tokens 1,16 --repeats 1 --batch 2 \
       --prompt-len 8 --new-tokens 4
+    stage serve-8b 120 "$PY" scripts/bench_http.py --model-id tiny-llama --device cpu --concurrency 4 \
+      --new-tokens 4 --no-hf --json-out "$LOGS/serve-8b.json"
     stage profile 120 "$PY" scripts/profile_step.py --model-id tiny-llama --device cpu --dtype float32 \
       --batch-sizes 1,4 --prompt-len 16 --profile-steps 2 --top 10 --json-out "$LOGS/profile.json"
   else
@@ -173,6 +177,9 @@ call_bench() {
     stage profile 90 "$PY" scripts/profile_step.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
       --load-format dummy --device cuda --dtype bfloat16 --batch-sizes 1,64,256 --prompt-len 128 --profile-steps 8 \
       --json-out "$LOGS/profile.json"
+    stage serve-8b 150 "$PY" scripts/bench_http.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
+      --load-format dummy --device cuda --dtype bfloat16 --concurrency 256 --new-tokens 128 --no-hf \
+      --json-out "$LOGS/serve-8b.json"
     stage quant 90 "$PY" scripts/bench_quant.py --json "$LOGS/bench-quant.json"
     stage moe 90 "$PY" scripts/bench_moe.py --device "$DEVICE" --dtype bfloat16 --sizes mid
   fi
