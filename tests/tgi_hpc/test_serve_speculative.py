@@ -212,3 +212,11 @@ def test_hostile_draft_weights_are_refused_in_one_line(weights, message, tmp_pat
     with pytest.raises(UsageError, match=f"medusa_lm_head.safetensors.*{message}"):
         build_serve_spec(cluster, ServeOptions(model=str(model_path("tiny-llama")), speculative_model=str(draft),
                                                engine_args=SPECULATE))
+
+
+def test_a_draft_not_read_here_is_said_to_be_uncounted(tmp_path):
+    """A dry run from a laptop reads nothing over SSH: the script's sizing notes say the draft is not in them."""
+    cluster = open_cluster("mila", [f"paths.jobs={tmp_path / 'jobs'}", f"paths.models={tmp_path / 'store'}"])
+    spec = build_serve_spec(cluster, ServeOptions(model="meta-llama/Llama-3.1-8B-Instruct", engine_args=SPECULATE,
+                                                  speculative_model="acme/medusa", gpus=1))
+    assert spec.sizing[-1] == "the draft acme/medusa is not counted: its files were not read here"

@@ -108,7 +108,8 @@ def tokenizer_vocab(raw: str) -> tuple | None:
         model = data["model"]
         vocab = model.get("vocab")
         vocab = sorted(vocab.items()) if isinstance(vocab, dict) else [tuple(v) for v in vocab or []]
-        added = sorted((int(t["id"]), str(t["content"]), bool(t.get("special"))) for t in data.get("added_tokens") or [])
+        added = sorted((int(t["id"]), str(t["content"]), bool(t.get("special")))
+                       for t in data.get("added_tokens") or [])
         return model.get("type"), tuple(vocab), tuple(added)
     except (ValueError, TypeError, KeyError, AttributeError):
         return None

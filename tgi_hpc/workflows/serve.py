@@ -166,11 +166,12 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions, *, offline: bool = Fa
     size = total_size([first.size_b, *(p.size_b for p in others)])
     if fp is not None and config is None:
         size = fp.weight_gb / 2          # a known model's card, where only its name was available
-    draft_dir = ShellPath()
+    draft_dir, uncounted = ShellPath(), ()
     if opts.speculative_model:
         check_speculative_flags(opts.speculative_model, opts.engine_args, 1 + len(others), opts.nodes or 1)
         draft_dir = resolve_speculative(cluster, opts.speculative_model, cluster_path)
-        fp, size = _with_draft(cluster, opts, profile, fp, size, draft_dir, where, config, offline, dtype_bytes)
+        fp, size, uncounted = _with_draft(cluster, opts, profile, fp, size, draft_dir, where, config, offline,
+                                          dtype_bytes)
     text = (config or {}).get("text_config", config or {})
     placement = place(profile, fp, size, opts.gpus, opts.nodes, num_heads=text.get("num_attention_heads"),
                       context_tokens=opts.limits.get("max_total_tokens"), gpu_type=opts.gpu_type)
@@ -193,7 +194,8 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions, *, offline: bool = Fa
     spec = ServeSpec(
         kind="serve", resources=resources, keep_alive=opts.keep_alive, env=parse_env(opts.env),
         model=opts.model, model_dir=where, num_shard=num_shard, engine_args=tuple(argv),
-        api_key=opts.api_key, stage_model=cluster.uses_slurm, nodes=placement.nodes, sizing=placement.notes,
+        api_key=opts.api_key, stage_model=cluster.uses_slurm, nodes=placement.nodes,
+        sizing=placement.notes + uncounted,
     )
     if opts.speculative_model:
         check_speculative_flags(opts.speculative_model, opts.engine_args, 1 + len(others), placement.nodes)
@@ -203,14 +205,13 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions, *, offline: bool = Fa
 
 def _with_draft(cluster: Cluster, opts: ServeOptions, profile: Profile, fp: Footprint | None, size: float | None,
                 draft_dir: ShellPath, where: ShellPath, config: dict | None, offline: bool,
-                dtype_bytes: int) -> tuple[Footprint | None, float | None]:
+                dtype_bytes: int) -> tuple[Footprint | None, float | None, tuple[str, ...]]:
     """The job sized for the model and its draft (weights + the draft's own KV cache over the same planned
     tokens), the draft's vocabulary checked against the model's; as before where the draft cannot be read here."""
-    if offline and not cluster.is_local:
-        return fp, size
-    draft = read_draft(cluster, opts.speculative_model, draft_dir, where, config, dtype_bytes)
+    readable = not offline or cluster.is_local
+    draft = read_draft(cluster, opts.speculative_model, draft_dir, where, config, dtype_bytes) if readable else None
     if draft is None:
-        return fp, size
+        return fp, size, (f"the draft {opts.speculative_model} is not counted: its files were not read here",)
     plan = profile.serving_plan
     tokens = (opts.limits.get("max_total_tokens") or plan.context_tokens) * plan.concurrent_requests
     # the catalog counts bf16 parameters with the target's KV cache planned: the draft as the bf16 parameters
@@ -220,7 +221,7 @@ def _with_draft(cluster: Cluster, opts: ServeOptions, profile: Profile, fp: Foot
         fp = replace(fp, weight_gb=fp.weight_gb + draft.weight_gb,
                      kv_bytes_per_token=fp.kv_bytes_per_token + draft.kv_bytes_per_token,
                      draft=draft.describe(opts.speculative_model))
-    return fp, size
+    return fp, size, ()
 
 
 def _plan_model(cluster: Cluster, opts: ServeOptions, offline: bool) -> ModelPlan:

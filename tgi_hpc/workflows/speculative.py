@@ -124,8 +124,9 @@ def _check_tokenizer(cluster: Cluster, source: str, draft: str, target: str) -> 
     except (OSError, UnicodeDecodeError):
         return       # one of them has no tokenizer.json: the engine compares the loaded tokenizers at start-up
     if draft_vocab is not None and target_vocab is not None and draft_vocab != target_vocab:
-        raise UsageError(f"--speculative-model {source} has another tokenizer than the model ({_difference(draft_vocab, target_vocab)}): "
-                         "its drafts would be other tokens; use a draft trained with the model's tokenizer")
+        raise UsageError(f"--speculative-model {source} has another tokenizer than the model "
+                         f"({_difference(draft_vocab, target_vocab)}): its drafts would be other tokens; use a "
+                         "draft trained with the model's tokenizer")
 
 
 def _difference(draft: tuple, target: tuple) -> str:
