@@ -4,6 +4,7 @@ shell is data."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -220,3 +221,15 @@ def test_a_draft_not_read_here_is_said_to_be_uncounted(tmp_path):
     spec = build_serve_spec(cluster, ServeOptions(model="meta-llama/Llama-3.1-8B-Instruct", engine_args=SPECULATE,
                                                   speculative_model="acme/medusa", gpus=1))
     assert spec.sizing[-1] == "the draft acme/medusa is not counted: its files were not read here"
+
+
+def test_a_draft_whose_headers_cannot_be_read_is_left_uncounted_not_refused(tmp_path, model_path):
+    draft = _medusa(tmp_path / "medusa", vocab=1024, hidden=64)
+    (draft / "medusa_lm_head.safetensors").chmod(0)
+    cluster = open_cluster("local", [f"paths.jobs={tmp_path / 'jobs'}"])
+    if os.access(draft / "medusa_lm_head.safetensors", os.R_OK):
+        (draft / "medusa_lm_head.safetensors").unlink()    # root reads anything: a dangling link instead
+        (draft / "medusa_lm_head.safetensors").symlink_to(tmp_path / "gone")
+    spec = build_serve_spec(cluster, ServeOptions(model=str(model_path("tiny-llama")), speculative_model=str(draft),
+                                                  engine_args=SPECULATE))
+    assert spec.sizing[-1].endswith("is not counted: its files were not read here")

@@ -82,7 +82,13 @@ def read_draft(cluster: Cluster, source: str, where: ShellPath, target: ShellPat
     names = sorted(n for n in listing.stdout.split("\n") if n.endswith(".safetensors"))
     headers = {}
     for name in names:
-        headers.update(_header(cluster, f"{path}/{name}", f"--speculative-model {source}: {name}"))
+        try:
+            header = _header(cluster, f"{path}/{name}", f"--speculative-model {source}: {name}")
+        except SlurmError:     # no od or dd there
+            return None
+        if header is None:
+            return None
+        headers.update(header)
     footprint = draft_footprint(config, headers, dtype_bytes)
     if target_config is not None:
         check_heads_fit(config, headers, target_config, source)
@@ -99,16 +105,19 @@ def _json(cluster: Cluster, path: str) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
-def _header(cluster: Cluster, path: str, name: str) -> dict:
-    """A safetensors header, read with od and dd where the file is (a few KB, never the weights)."""
+def _header(cluster: Cluster, path: str, name: str) -> dict | None:
+    """A safetensors header, read with od and GNU dd where the file is (a few KB, never the weights); None where
+    those tools fail (the engine reads the file itself at start-up)."""
     size = cluster.runner.run(["od", "-An", "-tu8", "-N8", path])
-    length = int(size.stdout.strip()) if size.returncode == 0 and size.stdout.strip().isdigit() else -1
+    if size.returncode != 0:
+        return None
+    length = int(size.stdout.strip()) if size.stdout.strip().isdigit() else -1
     if not 2 <= length <= MAX_HEADER_BYTES:
         raise UsageError(f"{name} is not a safetensors file (no header length)")
     raw = cluster.runner.run(["dd", f"if={path}", "bs=65536", "iflag=skip_bytes,count_bytes", "skip=8",
                               f"count={length}", "status=none"])
     if raw.returncode != 0:
-        raise UsageError(f"{name}: cannot read its header ({raw.stderr.strip()[:200]})")
+        return None
     return parse_header(raw.stdout, name)
 
 
