@@ -1,12 +1,14 @@
-"""Speculation methods on an ordinary chat workload, in process: tok/s and acceptance, interleaved A/B.
+"""Speculation methods on a chat, random-token or repetitive workload, in process: tok/s and acceptance, A/B.
 
     python scripts/bench_spec_chat.py --model-id smollm2 --concurrency 1 --num-requests 4 --new-tokens 64 \\
         --config off= --config layers12=speculate=3,speculative_layers=12 --rounds 3
 
 Every --config NAME=FIELD=VALUE,... is one engine (EngineConfig fields; an empty list is no speculation),
 all loaded at once; each round runs the same greedy requests through each engine in turn (A B C, then C B A, ...),
-`--concurrency` requests in flight at a time, so every engine sees the same load drift. The prompts are plain
-chat questions whose answers do not quote them (n-gram drafts find little there). Prints per engine the
+`--concurrency` requests in flight at a time, so every engine sees the same load drift. `--workload` picks the
+prompts: `chat`, plain chat questions whose answers do not quote them (n-gram drafts find little there);
+`random`, random token ids (seeded), where any draft is a guess the target rejects; `repeat`, chat requests to
+copy a passage word for word, where drafting from the prompt pays. Prints per engine the
 generated tok/s of each round (wall time, and per CPU-second of this process), their medians, the drafts
 proposed and accepted, and whether each engine's tokens equal the first engine's (greedy: they should).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -33,6 +36,24 @@ QUESTIONS = [
 ]
 
 
+PASSAGE = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion, "
+           "the members agreed to fund the library, the swimming pool and the new bicycle lanes, and to postpone "
+           "the renovation of the town hall until the spring.")
+RANDOM_PROMPT_TOKENS = 64
+
+
+def workload_prompts(tokenizer, workload: str, count: int) -> list[list[int]]:
+    from engine.tokenizer import apply_chat_template
+    if workload == "random":   # ids past the special tokens, the same for every run
+        rng = random.Random(0)
+        return [[rng.randrange(256, tokenizer.vocab_size) for _ in range(RANDOM_PROMPT_TOKENS)] for _ in range(count)]
+    if workload == "repeat":
+        questions = [f"Repeat this text word for word, and nothing else:\n\n{PASSAGE}"] * count
+    else:
+        questions = (QUESTIONS * 8)[:count]
+    return [tokenizer.encode(apply_chat_template(tokenizer, [{"role": "user", "content": q}])) for q in questions]
+
+
 def parse_config(text: str) -> tuple[str, dict[str, int]]:
     name, _, fields = text.partition("=")
     values = {}
@@ -40,6 +61,23 @@ def parse_config(text: str) -> tuple[str, dict[str, int]]:
         key, _, value = item.partition("=")
         values[key] = int(value) if value.lstrip("-").isdigit() else value
     return name, values
+
+
+class ForwardCount:
+    """The model work an engine did, counted at its runner (no clock, so no noise): forwards in units of one
+    full target forward (a layer-skip draft forward of K of L layers counts K / L) and draft-model forwards."""
+
+    def __init__(self, engine) -> None:
+        self.target, self.draft = 0.0, 0
+        self.run, num_layers = engine.runner.run, engine.model_config.num_hidden_layers
+
+        def counted(spans, *args, **kwargs):
+            if kwargs.get("draft"):
+                self.draft += 1
+            else:
+                self.target += (kwargs.get("num_layers") or num_layers) / num_layers
+            return self.run(spans, *args, **kwargs)
+        engine.runner.run = counted
 
 
 def drafts(engine) -> tuple[int, int, int]:
@@ -65,12 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=0, help="per workload; 0 = its concurrency")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workload", choices=("chat", "random", "repeat"), default=["chat"], nargs="+",
+                        help="one or more, run in turn (each at every --concurrency)")
     parser.add_argument("--kv-cache-mib", type=int, default=256)
     args = parser.parse_args(argv)
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
-    from engine.tokenizer import apply_chat_template
     model_dir = args.model_id
     if not Path(model_dir).is_dir():
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
@@ -81,13 +120,16 @@ def main(argv: list[str] | None = None) -> int:
         name, fields = parse_config(text)
         engines[name] = LLMEngine(EngineConfig(model_id=model_dir, device="cpu", dtype="float32",
                                                cpu_kv_cache_bytes=args.kv_cache_mib * 2**20, **fields))
+    for engine in engines.values():
+        engine.forward_count = ForwardCount(engine)
     first = next(iter(engines.values()))
-    prompts = [first.tokenizer.encode(apply_chat_template(first.tokenizer, [{"role": "user", "content": q}]))
-               for q in (QUESTIONS * 8)[:max(args.num_requests, *args.concurrency)]]
     params = SamplingParams(max_new_tokens=args.new_tokens)
     print(f"model {model_dir}", flush=True)
-    for concurrency in args.concurrency:  # --num-requests 0: `concurrency` requests, one batch of them
-        run_workload(engines, prompts[:args.num_requests or concurrency], params, concurrency, args)
+    for workload in args.workload:
+        prompts = workload_prompts(first.tokenizer, workload, max(args.num_requests, *args.concurrency))
+        for concurrency in args.concurrency:  # --num-requests 0: `concurrency` requests, one batch of them
+            print(f"workload {workload}", flush=True)
+            run_workload(engines, prompts[:args.num_requests or concurrency], params, concurrency, args)
     for engine in engines.values():
         engine.close()
     print(f"load average after: {os.getloadavg()}")
@@ -99,7 +141,8 @@ def run_workload(engines, prompts, params, concurrency, args) -> None:
     cpu_rates: dict[str, list[float]] = {name: [] for name in engines}
     outputs: dict[str, list[list[int]]] = {}
     before = {name: drafts(engine) for name, engine in engines.items()}
-    print(f"{len(prompts)} chat prompts, concurrency {concurrency}, max_new_tokens "
+    work_before = {name: (e.forward_count.target, e.forward_count.draft) for name, e in engines.items()}
+    print(f"{len(prompts)} prompts, concurrency {concurrency}, max_new_tokens "
           f"{args.new_tokens}, greedy, {args.rounds} interleaved rounds; load average {os.getloadavg()}", flush=True)
     for round_index in range(args.rounds):  # A B C, then C B A, ...: a load trend hits every engine alike
         order = list(engines.items())
@@ -114,11 +157,17 @@ def run_workload(engines, prompts, params, concurrency, args) -> None:
     reference = next(iter(outputs.values()))
     for name, engine in engines.items():
         proposed, accepted, _ = (now - then for now, then in zip(drafts(engine), before[name]))
+        target = engine.forward_count.target - work_before[name][0]
+        draft = engine.forward_count.draft - work_before[name][1]
+        num_tokens = sum(map(len, outputs[name])) * args.rounds
+        work = f"; work: {target:.1f} target forwards ({target / num_tokens:.3f} per token)" + (
+            f", {draft} draft-model forwards" if draft else "")
         rounds = " / ".join(f"{v:.2f}" for v in times[name])
         cpu = " / ".join(f"{v:.2f}" for v in cpu_rates[name])
         print(f"{name}: tok/s {rounds} (median {statistics.median(times[name]):.2f}); tok per CPU-s {cpu} (median "
               f"{statistics.median(cpu_rates[name]):.2f}); drafts "
-              f"{proposed} proposed, {accepted} accepted ({accepted / max(proposed, 1):.0%}); tokens {sum(map(len, outputs[name]))}, same as the first: {outputs[name] == reference}")
+              f"{proposed} proposed, {accepted} accepted ({accepted / max(proposed, 1):.0%}); tokens "
+              f"{sum(map(len, outputs[name]))}, same as the first: {outputs[name] == reference}{work}")
 
 
 if __name__ == "__main__":

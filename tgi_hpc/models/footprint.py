@@ -17,6 +17,7 @@ class Footprint:
     kv_bytes_per_token: int
     source: str                    # "config.json" or the model card the sizes come from
     pooling: bool = False          # an embedder or cross-encoder: prefill only, no KV cache kept
+    draft: str = ""                # with a speculative draft: its description (its bytes are in the figures)
 
     def kv_gb(self, tokens: int) -> float:
         return self.kv_bytes_per_token * tokens / 1e9
@@ -26,7 +27,8 @@ class Footprint:
         if self.pooling:
             return (f"{self.total_b:.2f}B parameters: {self.weight_gb:.1f} GB of weights, a pooling model (no KV "
                     f"cache) (source: {self.source})")
-        return (f"{self.total_b:.1f}B parameters{moe}: {self.weight_gb:.0f} GB of weights, "
+        with_draft = f", with the {self.draft}" if self.draft else ""
+        return (f"{self.total_b:.1f}B parameters{moe}{with_draft}: {self.weight_gb:.0f} GB of weights, "
                 f"KV cache {self.kv_bytes_per_token / 1024:.0f} KiB per token (source: {self.source})")
 
 

@@ -8,13 +8,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tgi_hpc.errors import SlurmError, UsageError
-from tgi_hpc.models.footprint import footprint
+from tgi_hpc.models.footprint import Footprint, footprint
 from tgi_hpc.models.quantization import LEGACY_FILE, check_quantize, with_legacy_config
 from tgi_hpc.models.size import catalog_size_b
 from tgi_hpc.models.store import model_dir, validate_model_id
 from tgi_hpc.profiles.loader import require_account
 from tgi_hpc.profiles.merge import parse_set
 from tgi_hpc.profiles.rules import fit_partition
+from tgi_hpc.profiles.schema import Profile
 from tgi_hpc.quoting import sh
 from tgi_hpc.remote.runner import LocalRunner
 from tgi_hpc.slurm.cluster import Cluster
@@ -23,7 +24,8 @@ from tgi_hpc.workflows.checks import check_release, check_snapshot, find_shared_
 from tgi_hpc.workflows.engine_flags import engine_args
 from tgi_hpc.workflows.engines import ModelPlan, check_models, fraction_args, plan_engines, total_size
 from tgi_hpc.workflows.lora import attach, check_adapters, resolve_adapters
-from tgi_hpc.workflows.speculative import check_speculative, check_speculative_flags, resolve_speculative
+from tgi_hpc.workflows.speculative import (check_speculative, check_speculative_flags, read_draft,
+                                           resolve_speculative)
 from tgi_hpc.workflows.placement import place
 
 # serve option -> engine (TGI launcher) flag
@@ -159,11 +161,17 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions, *, offline: bool = Fa
     if others and (opts.nodes or 1) > 1:
         raise UsageError("--nodes with several --model is not supported: one model spans the nodes")
     # one model: sized by its weights + KV cache (the catalog, or several nodes: tgi_hpc/workflows/placement.py)
-    fp = None if others else footprint(opts.model, config, quantize,
-                                       dtype_bytes=4 if opts.limits.get("dtype") == "float32" else 2)
+    dtype_bytes = 4 if opts.limits.get("dtype") == "float32" else 2
+    fp = None if others else footprint(opts.model, config, quantize, dtype_bytes=dtype_bytes)
     size = total_size([first.size_b, *(p.size_b for p in others)])
     if fp is not None and config is None:
         size = fp.weight_gb / 2          # a known model's card, where only its name was available
+    draft_dir, uncounted = ShellPath(), ()
+    if opts.speculative_model:
+        check_speculative_flags(opts.speculative_model, opts.engine_args, 1 + len(others), opts.nodes or 1)
+        draft_dir = resolve_speculative(cluster, opts.speculative_model, cluster_path)
+        fp, size, uncounted = _with_draft(cluster, opts, profile, fp, size, draft_dir, where, config, offline,
+                                          dtype_bytes)
     text = (config or {}).get("text_config", config or {})
     placement = place(profile, fp, size, opts.gpus, opts.nodes, num_heads=text.get("num_attention_heads"),
                       context_tokens=opts.limits.get("max_total_tokens"), gpu_type=opts.gpu_type)
@@ -186,13 +194,34 @@ def build_serve_spec(cluster: Cluster, opts: ServeOptions, *, offline: bool = Fa
     spec = ServeSpec(
         kind="serve", resources=resources, keep_alive=opts.keep_alive, env=parse_env(opts.env),
         model=opts.model, model_dir=where, num_shard=num_shard, engine_args=tuple(argv),
-        api_key=opts.api_key, stage_model=cluster.uses_slurm, nodes=placement.nodes, sizing=placement.notes,
+        api_key=opts.api_key, stage_model=cluster.uses_slurm, nodes=placement.nodes,
+        sizing=placement.notes + uncounted,
     )
     if opts.speculative_model:
         check_speculative_flags(opts.speculative_model, opts.engine_args, 1 + len(others), placement.nodes)
-        spec = replace(spec, speculative_model=opts.speculative_model,
-                       speculative_dir=resolve_speculative(cluster, opts.speculative_model, cluster_path))
+        spec = replace(spec, speculative_model=opts.speculative_model, speculative_dir=draft_dir)
     return _with_models_and_adapters(cluster, spec, opts, [first, *others], offline)
+
+
+def _with_draft(cluster: Cluster, opts: ServeOptions, profile: Profile, fp: Footprint | None, size: float | None,
+                draft_dir: ShellPath, where: ShellPath, config: dict | None, offline: bool,
+                dtype_bytes: int) -> tuple[Footprint | None, float | None, tuple[str, ...]]:
+    """The job sized for the model and its draft (weights + the draft's own KV cache over the same planned
+    tokens), the draft's vocabulary checked against the model's; as before where the draft cannot be read here."""
+    readable = not offline or cluster.is_local
+    draft = read_draft(cluster, opts.speculative_model, draft_dir, where, config, dtype_bytes) if readable else None
+    if draft is None:
+        return fp, size, (f"the draft {opts.speculative_model} is not counted: its files were not read here",)
+    plan = profile.serving_plan
+    tokens = (opts.limits.get("max_total_tokens") or plan.context_tokens) * plan.concurrent_requests
+    # the catalog counts bf16 parameters with the target's KV cache planned: the draft as the bf16 parameters
+    # its weights and KV cache would fill
+    size = None if size is None else size + (draft.weight_gb + draft.kv_bytes_per_token * tokens / 1e9) / 2
+    if fp is not None:
+        fp = replace(fp, weight_gb=fp.weight_gb + draft.weight_gb,
+                     kv_bytes_per_token=fp.kv_bytes_per_token + draft.kv_bytes_per_token,
+                     draft=draft.describe(opts.speculative_model))
+    return fp, size, ()
 
 
 def _plan_model(cluster: Cluster, opts: ServeOptions, offline: bool) -> ModelPlan:

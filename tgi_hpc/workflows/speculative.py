@@ -1,12 +1,17 @@
 """`serve --speculative-model ORG/NAME|FOLDER`: the draft the engine's `--speculative-model` reads (a smaller
 model with the same tokenizer, Medusa heads or an EAGLE-3 layer), resolved where the jobs run, its engine flags
-checked, and its folder checked complete before anything is submitted; the job stages it beside the weights."""
+checked, its folder checked complete and its vocabulary checked against the model's before anything is submitted,
+and its weights and KV cache added to the job's sizing (tgi_hpc/models/draft.py); the job stages it beside the
+weights."""
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
-from tgi_hpc.errors import ModelNotFoundError, UsageError
+from tgi_hpc.errors import ModelNotFoundError, SlurmError, UsageError
+from tgi_hpc.models.draft import (MAX_HEADER_BYTES, DraftFootprint, check_heads_fit, draft_footprint, parse_header,
+                                  tokenizer_vocab)
 from tgi_hpc.models.store import model_dir, validate_model_id
 from tgi_hpc.quoting import sh
 from tgi_hpc.remote.runner import LocalRunner
@@ -59,3 +64,85 @@ def check_speculative(cluster: Cluster, source: str, where: ShellPath) -> None:
         hint = f"; run `tgi-hpc download --model {sh(source)}` again" if in_store else ""
         raise ModelNotFoundError(f"--speculative-model {source} at {path} is incomplete: no "
                                  f"{' and no '.join(missing)}{hint}")
+
+
+def read_draft(cluster: Cluster, source: str, where: ShellPath, target: ShellPath, target_config: dict | None,
+               dtype_bytes: int = 2) -> DraftFootprint | None:
+    """The draft's footprint, read where the jobs run, once its vocabulary is checked against the target's
+    (UsageError naming the difference); None while its folder or config.json is not there yet
+    (check_speculative then refuses it before submitting)."""
+    try:
+        path = cluster.expand(str(where))
+        listing = cluster.runner.run(["ls", "-1A", path])
+    except SlurmError:
+        return None
+    config = _json(cluster, f"{path}/config.json")
+    if listing.returncode != 0 or config is None:
+        return None
+    names = sorted(n for n in listing.stdout.split("\n") if n.endswith(".safetensors"))
+    headers = {}
+    for name in names:
+        try:
+            header = _header(cluster, f"{path}/{name}", f"--speculative-model {source}: {name}")
+        except SlurmError:     # no od or dd there
+            return None
+        if header is None:
+            return None
+        headers.update(header)
+    footprint = draft_footprint(config, headers, dtype_bytes)
+    if target_config is not None:
+        check_heads_fit(config, headers, target_config, source)
+        if footprint.kind == "draft":
+            _check_tokenizer(cluster, source, path, cluster.expand(str(target)))
+    return footprint
+
+
+def _json(cluster: Cluster, path: str) -> dict | None:
+    try:
+        found = json.loads(cluster.runner.read_file(path))
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _header(cluster: Cluster, path: str, name: str) -> dict | None:
+    """A safetensors header, read with od and GNU dd where the file is (a few KB, never the weights); None where
+    those tools fail (the engine reads the file itself at start-up)."""
+    size = cluster.runner.run(["od", "-An", "-tu8", "-N8", path])
+    if size.returncode != 0:
+        return None
+    length = int(size.stdout.strip()) if size.stdout.strip().isdigit() else -1
+    if not 2 <= length <= MAX_HEADER_BYTES:
+        raise UsageError(f"{name} is not a safetensors file (no header length)")
+    raw = cluster.runner.run(["dd", f"if={path}", "bs=65536", "iflag=skip_bytes,count_bytes", "skip=8",
+                              f"count={length}", "status=none"])
+    if raw.returncode != 0:
+        return None
+    return parse_header(raw.stdout, name)
+
+
+def _check_tokenizer(cluster: Cluster, source: str, draft: str, target: str) -> None:
+    """A draft model must map tokens as the target does: equal tokenizer.json files, else equal vocabularies."""
+    files = [f"{draft}/tokenizer.json", f"{target}/tokenizer.json"]
+    sums = cluster.runner.run(["sha256sum", *files])
+    digests = [line.split()[0] for line in sums.stdout.splitlines() if line.strip()]
+    if sums.returncode == 0 and len(digests) == 2 and digests[0] == digests[1]:
+        return
+    try:
+        draft_vocab, target_vocab = (tokenizer_vocab(cluster.runner.read_file(f)) for f in files)
+    except (OSError, UnicodeDecodeError):
+        return       # one of them has no tokenizer.json: the engine compares the loaded tokenizers at start-up
+    if draft_vocab is not None and target_vocab is not None and draft_vocab != target_vocab:
+        raise UsageError(f"--speculative-model {source} has another tokenizer than the model "
+                         f"({_difference(draft_vocab, target_vocab)}): its drafts would be other tokens; use a "
+                         "draft trained with the model's tokenizer")
+
+
+def _difference(draft: tuple, target: tuple) -> str:
+    if draft[0] != target[0]:
+        return f"a {draft[0]} tokenizer, the model's is {target[0]}"
+    if len(draft[1]) != len(target[1]):
+        return f"{len(draft[1])} tokens in its vocabulary, the model has {len(target[1])}"
+    if draft[1] != target[1]:
+        return "the same number of tokens with other ids"
+    return "other added or special tokens"
