@@ -22,6 +22,8 @@ class ImageError(ValueError):
 class ImageLimits:
     max_bytes: int = 20 * 2**20         # encoded size
     max_pixels: int = 4096 * 4096       # decoded width x height (decompression bombs)
+    max_aspect_ratio: float = 200.0     # long side / short side: processors that resize the short side to a fixed
+                                        # size would turn a 1 x 16M-pixel strip into gigabytes (Qwen2-VL's own bound)
     fetch_timeout_s: float = 10.0       # an http(s) image, connect + whole body
 
 
@@ -53,6 +55,9 @@ def decode(data: bytes, limits: ImageLimits) -> ImageData:
         if image.width * image.height > limits.max_pixels:
             raise ImageError(f"the image has {image.width}x{image.height} pixels, more than the limit of "
                              f"{limits.max_pixels}")
+        if max(image.size) > limits.max_aspect_ratio * min(image.size):
+            raise ImageError(f"the image is {image.width}x{image.height} pixels, an aspect ratio over the limit of "
+                             f"{limits.max_aspect_ratio:g}")
         image = image.convert("RGB")
     except ImageError:
         raise
