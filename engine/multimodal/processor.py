@@ -81,8 +81,8 @@ class VisionProcessor:
         try:
             out = self.processor(text=[text], images=[image.image for image in images], return_tensors="pt",
                                  add_special_tokens=add_special_tokens)
-        except (ValueError, TypeError, IndexError) as exc:
-            raise ImageError(f"the model's processor refused the images: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - whatever the processor makes of an image is about that image: a 422
+            raise ImageError(f"the model's processor refused the images: {type(exc).__name__}: {exc}") from None
         ids = out["input_ids"][0].tolist()
         positions = [i for i, token in enumerate(ids) if token == self.image_token_id]
         if not positions:
