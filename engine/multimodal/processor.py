@@ -86,7 +86,7 @@ class VisionProcessor:
         ids = out["input_ids"][0].tolist()
         positions = [i for i, token in enumerate(ids) if token == self.image_token_id]
         if not positions:
-            raise ImageError("the model's processor placed no image tokens")
+            raise ImageError("the model's processor placed no image tokens (is the image too small for this model?)")
         encoder_inputs = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids")}
         return ids, MultiModalPrompt(encoder_inputs, positions, _image_keys(positions, images), len(images))
 

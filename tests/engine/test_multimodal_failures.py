@@ -1,10 +1,13 @@
 """A vision encoder that raises inside a step fails only the requests whose images it failed on
-(engine/multimodal/encoder_cache.py, LLMEngine._encode_images): a real tiny LLaVA-NeXT is given encoder inputs it
-cannot take (a zero image size, as a degenerate image could give; four channels, as an unconverted CMYK image
-would), one of them in the same batched encoder call as a good image. The bad requests end with the encoder's
-error; the good image and a text-only request in the same step still give transformers' greedy tokens; nothing
-of the failed requests stays in the KV cache; the engine keeps serving. The unit test drives the retry logic with
-a scripted encoder."""
+(engine/multimodal/encoder_cache.py, LLMEngine._encode_images).
+
+A real tiny LightOnOCR (Pixtral's vision tower) takes a request whose second image is 1x1: its processor accepts
+it, and the tower's 2x2 patch merge raises on the single patch, in the same batched encoder call as a good request.
+Over HTTP that request gets TGI's 424 and the server keeps serving. A real tiny LLaVA-NeXT is given encoder inputs
+it cannot take (a zero image size, batched with a good image; four channels, as an unconverted CMYK image would
+give). The bad requests end with the encoder's error; the good image and a text-only request in the same step
+still give transformers' greedy tokens; nothing of the failed requests stays in the KV cache; the engine keeps
+serving. The unit test drives the retry logic with a scripted encoder."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,7 +20,7 @@ from engine.multimodal.processor import VisionProcessor  # noqa: E402
 from engine.multimodal.prompt import MultiModalPrompt  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from fakes import test_model_path  # noqa: E402
-from images import png  # noqa: E402
+from images import data_url, png  # noqa: E402
 from test_multimodal_models import engine_for, hf_greedy, token_ids  # noqa: E402
 
 NEW_TOKENS = 5
@@ -58,6 +61,57 @@ def test_an_encoder_failure_fails_only_its_request():
     reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     for (ids, images), got in zip([good, text, (zero_size[0], images)], token_ids([outputs[0], outputs[2], again[1]])):
         assert got == hf_greedy(reference, ids, images, NEW_TOKENS)
+
+
+def test_a_tiny_second_image_fails_its_request_alone():
+    from transformers import AutoModelForImageTextToText
+
+    path = test_model_path("tiny-lightonocr")
+    with engine_for("tiny-lightonocr", max_batch_prefill_tokens=512) as engine:
+        vision = VisionProcessor(path, engine.model_config.image_token_id, ImageLimits(), 4)
+        pictures = [decode(png(seed, 40, 30), ImageLimits()) for seed in (1, 2)]
+        good = vision.process(f"Read {vision.placeholder} now", pictures[:1])
+        tiny = vision.process(f"Read {vision.placeholder} and {vision.placeholder}",
+                              [pictures[1], decode(png(3, 1, 1), ImageLimits())])
+        assert tiny[1].encoder_inputs["pixel_values"].shape[1:] == good[1].encoder_inputs["pixel_values"].shape[1:]
+        text = (engine.tokenizer.encode("a request without images"), None)
+        requests = [good, tiny, text]
+        outputs = engine.generate([ids for ids, _ in requests], SamplingParams(max_new_tokens=NEW_TOKENS),
+                                  [images for _, images in requests])
+        assert outputs[1].error.startswith("the vision encoder failed on this request's images: RuntimeError")
+        assert outputs[0].error is None and outputs[2].error is None
+        assert engine.runner._rank0.encoder_cache.num_encoded == 1  # the shared call failed; the good one alone ran
+    reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    for (ids, images), got in zip([good, text], token_ids([outputs[0], outputs[2]])):
+        assert got == hf_greedy(reference, ids, images, NEW_TOKENS)
+
+
+def test_over_http_the_failed_request_gets_a_424_and_the_server_keeps_serving():
+    from starlette.testclient import TestClient
+
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.server.app import build_app
+
+    config = EngineConfig(model_id=str(test_model_path("tiny-lightonocr")), device="cpu", dtype="float32",
+                          cpu_kv_cache_bytes=4 * 2**20)
+    engine = AsyncEngine(LLMEngine(config)).start()
+
+    def chat(client, *images):
+        content = [{"type": "text", "text": "Read"}] + [{"type": "image_url", "image_url": {"url": data_url(image)}}
+                                                         for image in images]
+        return client.post("/v1/chat/completions", json={"max_tokens": 3,
+                                                         "messages": [{"role": "user", "content": content}]})
+    try:
+        with TestClient(build_app(engine, config)) as client:
+            answer = chat(client, png(1), png(2, 1, 1))
+            assert answer.status_code == 424, answer.text
+            assert answer.json()["error_type"] == "generation" and "vision encoder failed" in answer.json()["error"]
+            assert chat(client, png(1)).status_code == 200
+            assert client.get("/health").status_code == 200
+    finally:
+        engine.close()
 
 
 def span(seq_id, rows, width):
