@@ -232,6 +232,11 @@ class LLMEngine:
         """Apply pending adds/aborts, run one scheduled batch, return what each request gained."""
         outputs = self._apply_pending()
         batch = self.scheduler.schedule()
+        if any(span.images is not None for span in batch.spans):
+            try:
+                outputs += self._encode_images(batch)
+            except Exception as e:  # noqa: BLE001 - as a failed step below
+                return outputs + self._step_failed(batch, e)
         self._batch_size = len(batch)
         if not batch:
             return outputs
@@ -243,10 +248,7 @@ class LLMEngine:
                               for seq in batch.seqs if seq.grammar is not None and seq.draft_token_ids}
             last_logits, all_logits = self.runner.run(batch.spans)
         except Exception as e:  # noqa: BLE001 - reported per request, the engine keeps serving
-            logger.exception("model step failed for %d sequences", len(batch))
-            if getattr(self.runner, "failure", None):   # its ranks are gone or hung: no later step can run
-                raise RuntimeError(f"the model runner failed: {self.runner.failure}") from e
-            return outputs + self._fail_batch(batch, f"model step failed: {type(e).__name__}: {e}")
+            return outputs + self._step_failed(batch, e)
         self.scheduler.on_run_done(batch)
         self._num_prompt_tokens_total += batch.num_prefill_tokens
         sampled: list[Sequence] = []
@@ -385,6 +387,28 @@ class LLMEngine:
         with self._lock:
             self._live_ids.discard(seq.request_id)
         return output
+
+    def _encode_images(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """The vision encoder for the batch's new images; a request whose images it fails on ends with that error
+        and leaves the batch (before any of its K/V is written or cached), so the others run as if it never came."""
+        failed = self.runner.encode_images(batch.spans) if hasattr(self.runner, "encode_images") else {}
+        if not failed:
+            return []
+        outputs = []
+        kept = [(seq, span) for seq, span in zip(batch.seqs, batch.spans) if seq.seq_id not in failed]
+        for seq, span in zip(batch.seqs, batch.spans):
+            if seq.seq_id in failed:
+                batch.num_prefill_tokens -= len(span.token_ids)
+                self.scheduler.finish(seq, "aborted")
+                outputs.append(self._final_output(seq, [], "", error=failed[seq.seq_id]))
+        batch.seqs, batch.spans = [seq for seq, _ in kept], [span for _, span in kept]
+        return outputs
+
+    def _step_failed(self, batch: ScheduledBatch, e: Exception) -> list[RequestOutput]:
+        logger.exception("model step failed for %d sequences", len(batch))
+        if getattr(self.runner, "failure", None):   # its ranks are gone or hung: no later step can run
+            raise RuntimeError(f"the model runner failed: {self.runner.failure}") from e
+        return self._fail_batch(batch, f"model step failed: {type(e).__name__}: {e}")
 
     def _fail_batch(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
         outputs = []

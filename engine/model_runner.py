@@ -148,6 +148,12 @@ class ModelRunner:
             self._step_started = None
         return split_logits(spans, logits)
 
+    def encode_images(self, spans: list[SeqSpan]) -> dict[int, str]:
+        """The vision encoder, before a step's forward: seq_id -> why, for the requests whose images it failed on
+        (the engine ends them; the others run). Rank 0 alone: vision-language models run on one rank."""
+        self._check_usable()
+        return self._rank0.encode_images(spans)
+
     def load_lora(self, slot: int, name: str, path: str) -> None:
         """Runtime LoRA (engine/lora/runtime.py): an adapter into `slot` on every rank, between steps."""
         self._each_rank("load_lora", slot, name, path)

@@ -349,6 +349,12 @@ class RankWorker:
         return None if logits is None else logits.float()
 
     @torch.inference_mode()
+    def encode_images(self, spans: list[SeqSpan]) -> dict[int, str]:
+        """Run the vision encoder for the step's requests whose images are not encoded yet; seq_id -> why for
+        those it failed on (engine/multimodal/encoder_cache.py). A text-only model has nothing to encode."""
+        return {} if self.encoder_cache is None else self.encoder_cache.encode(spans)
+
+    @torch.inference_mode()
     def draft_heads(self, rows: list[DraftRow]) -> list[list[int]]:
         """Medusa / EAGLE-3 drafts for the step's drafted decode rows (rank 0)."""
         return self.heads.draft(rows, prepare=lambda spans: prepare_inputs(

@@ -1,8 +1,9 @@
 """Tiny random vision-language models with their real processor classes (offline, for scripts/make_models.py).
 
-Each recipe: the text model (a tiny Llama or Mistral), a tiny vision tower, the family's processor over the tiny
-BPE tokenizer with the family's image special tokens added. Families whose processors need torchvision
-(Qwen2-VL, Pixtral/Mistral3) or num2words (SmolVLM) are left out: the engine does not install them.
+Each recipe: the text model (a tiny Llama, Mistral, Qwen3 or Cohere2), a tiny vision tower, the family's processor
+over the tiny BPE tokenizer with the family's image special tokens added. Families whose processors need torchvision
+(Qwen2-VL, Mistral3's PixtralProcessor, SmolVLM, which also needs num2words) are left out: the engine does not
+install them (docs/models.md says which families do not work and why).
 """
 from __future__ import annotations
 
@@ -15,12 +16,18 @@ _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_at
                patch_size=8)
 _PINPOINTS = [[32, 32], [32, 64], [64, 32]]
 _IDEFICS_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
+_PIXTRAL_TOKENS = {"image_token": "<|image_pad|>", "image_break_token": "<|vision_pad|>",
+                   "image_end_token": "<|vision_end|>"}
+_AYA_TOKENS = ["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
 # name -> (model class, special tokens added, image token)
 VLM_MODELS: dict[str, tuple[str, list[str], str]] = {
     "tiny-llava": ("LlavaForConditionalGeneration", ["<image>"], "<image>"),
     "tiny-llava-next": ("LlavaNextForConditionalGeneration", ["<image>"], "<image>"),
     "tiny-idefics3": ("Idefics3ForConditionalGeneration", _IDEFICS_TOKENS, "<image>"),
     "tiny-idefics2": ("Idefics2ForConditionalGeneration", _IDEFICS_TOKENS[:2] + _IDEFICS_TOKENS[3:], "<image>"),
+    "tiny-vipllava": ("VipLlavaForConditionalGeneration", ["<image>"], "<image>"),
+    "tiny-lightonocr": ("LightOnOcrForConditionalGeneration", list(_PIXTRAL_TOKENS.values()), "<|image_pad|>"),
+    "tiny-aya-vision": ("AyaVisionForConditionalGeneration", _AYA_TOKENS, "<|IMG_PATCH|>"),
 }
 
 
@@ -50,6 +57,31 @@ def _config_and_processor(name: str, tok, image_id: int):
         images = T.Idefics3ImageProcessor(do_image_splitting=False, size={"longest_edge": 32},
                                           max_image_size={"longest_edge": 32})
         return config, T.Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4)
+    if name == "tiny-vipllava":  # LLaVA with features from several vision layers
+        config = T.VipLlavaConfig(vision_config=T.CLIPVisionConfig(**_VISION), text_config=text,
+                                  image_token_index=image_id, vision_feature_layer=[-2, -1], image_seq_length=16)
+        images = T.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+        return config, T.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=8,
+                                        vision_feature_select_strategy="default", image_token="<image>",
+                                        num_additional_image_tokens=1)
+    if name == "tiny-lightonocr":  # Pixtral's vision tower (2D RoPE, native aspect ratio) on a Qwen3 text model
+        tok._set_model_specific_special_tokens(special_tokens=_PIXTRAL_TOKENS)
+        qwen3 = T.Qwen3Config(**_TEXT, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        vision = T.PixtralVisionConfig(**{**_VISION, "head_dim": 16})
+        config = T.LightOnOcrConfig(vision_config=vision, text_config=qwen3, image_token_id=image_id,
+                                    spatial_merge_size=2, tie_word_embeddings=False)
+        images = T.PixtralImageProcessor(size={"longest_edge": 32}, patch_size=8)
+        return config, T.LightOnOcrProcessor(image_processor=images, tokenizer=tok, patch_size=8, spatial_merge_size=2)
+    if name == "tiny-aya-vision":  # SigLIP + pixel shuffle on a Cohere2 text model (sliding-window layers)
+        cohere2 = T.Cohere2Config(**{k: v for k, v in _TEXT.items() if k != "rms_norm_eps"}, vocab_size=len(tok),
+                                  sliding_window=64, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id)
+        config = T.AyaVisionConfig(vision_config=T.SiglipVisionConfig(**_VISION), text_config=cohere2,
+                                   image_token_index=image_id, downsample_factor=2, tie_word_embeddings=False)
+        images = T.GotOcr2ImageProcessor(size={"height": 32, "width": 32}, crop_to_patches=True, max_patches=2)
+        return config, T.AyaVisionProcessor(image_processor=images, tokenizer=tok, patch_size=8, img_size=32,
+                                            downsample_factor=2)
     # tiny-idefics2: a perceiver resampler on a Mistral text model
     mistral = T.MistralConfig(**_TEXT, vocab_size=len(tok), sliding_window=None, bos_token_id=tok.bos_token_id,
                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

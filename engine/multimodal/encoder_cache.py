@@ -6,10 +6,15 @@ keyed by sequence,
 until a span has run past the request's last image token, so a chunk boundary may fall anywhere inside an
 image. An entry whose sequence has no span in a step is dropped (aborted, preempted or waiting for budget):
 a later span encodes again, which costs time but never changes the result.
+
+A failing encoder call fails only its own requests: `encode` (the engine calls it before the step's forward)
+retries each request of a failed shared call alone and returns why each request that still fails failed; the
+engine ends those requests with that error and runs the step without them.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import logging
 from typing import Any
 
 import torch
@@ -17,10 +22,12 @@ import torch
 from engine.batch import SeqSpan
 from engine.multimodal.prompt import MultiModalPrompt
 
+logger = logging.getLogger(__name__)
+
 
 class EncoderCache:
     def __init__(self, encode: Callable[[dict[str, Any]], torch.Tensor]) -> None:
-        self.encode = encode          # encoder inputs -> [image tokens, hidden] in image-token order
+        self.encode_fn = encode       # encoder inputs -> [image tokens, hidden] in image-token order
         self.features: dict[int, torch.Tensor] = {}
         self.num_calls = 0            # encoder calls so far
         self.num_encoded = 0          # requests encoded so far
@@ -31,7 +38,9 @@ class EncoderCache:
         parts: list[torch.Tensor] = []
         kept: dict[int, torch.Tensor] = {}
         offset = 0
-        self._encode_new(spans)
+        failed = self.encode(spans)
+        if failed:  # the engine drops these requests before the forward; a caller that did not ask gets the error
+            raise ValueError(next(iter(failed.values())))
         for span in spans:
             images: MultiModalPrompt | None = span.images
             if images is not None:
@@ -49,24 +58,48 @@ class EncoderCache:
         features = torch.cat(parts)
         return torch.tensor(rows, dtype=torch.int64, device=features.device), features
 
-    def _encode_new(self, spans: Sequence[SeqSpan]) -> None:
-        """Encode the requests of this step that have no cached output, grouped by input shapes."""
+    def encode(self, spans: Sequence[SeqSpan]) -> dict[int, str]:
+        """Encode the requests of this step that have no cached output, grouped by input shapes; returns
+        seq_id -> why, for the requests whose images the encoder failed on (nothing of theirs is kept)."""
         groups: dict[tuple, list[SeqSpan]] = {}
         for span in spans:
             if span.images is not None and span.seq_id not in self.features:
                 inputs = span.images.encoder_inputs
                 shape = tuple((k, tuple(v.shape[1:]), v.dtype) for k, v in sorted(inputs.items()))
                 groups.setdefault(shape, []).append(span)
+        failed: dict[int, str] = {}
         for group in groups.values():
-            prompts: list[MultiModalPrompt] = [span.images for span in group]
-            keys = prompts[0].encoder_inputs
-            inputs = keys if len(prompts) == 1 else {k: torch.cat([p.encoder_inputs[k] for p in prompts]) for k in keys}
-            features = self.encode(inputs)
-            self.num_calls += 1
-            self.num_encoded += len(prompts)
-            sizes = [len(p.positions) for p in prompts]
-            if features.shape[0] != sum(sizes):
-                raise ValueError(f"the vision encoder gave {features.shape[0]} embeddings for {sum(sizes)} image "
-                                 "tokens")
-            for span, rows in zip(group, features.split(sizes)):
-                self.features[span.seq_id] = rows
+            try:
+                self._encode_group(group)
+            except Exception as error:  # noqa: BLE001 - one request's images must not fail the others
+                if len(group) == 1:
+                    failed[group[0].seq_id] = _why(error)
+                    continue
+                logger.warning("vision encoder failed on %d requests together (%s); encoding each alone",
+                               len(group), _why(error))
+                for span in group:
+                    try:
+                        self._encode_group([span])
+                    except Exception as error:  # noqa: BLE001
+                        failed[span.seq_id] = _why(error)
+        for seq_id, why in failed.items():
+            logger.warning("vision encoder failed on sequence %d: %s", seq_id, why)
+        return failed
+
+    def _encode_group(self, group: list[SeqSpan]) -> None:
+        """One encoder call for requests whose inputs have the same shapes (but the first dimension)."""
+        prompts: list[MultiModalPrompt] = [span.images for span in group]
+        keys = prompts[0].encoder_inputs
+        inputs = keys if len(prompts) == 1 else {k: torch.cat([p.encoder_inputs[k] for p in prompts]) for k in keys}
+        features = self.encode_fn(inputs)
+        self.num_calls += 1
+        sizes = [len(p.positions) for p in prompts]
+        if features.shape[0] != sum(sizes):
+            raise ValueError(f"the vision encoder gave {features.shape[0]} embeddings for {sum(sizes)} image tokens")
+        self.num_encoded += len(prompts)
+        for span, rows in zip(group, features.split(sizes)):
+            self.features[span.seq_id] = rows
+
+
+def _why(error: Exception) -> str:
+    return f"the vision encoder failed on this request's images: {type(error).__name__}: {error}"

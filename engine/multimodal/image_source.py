@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp")
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # Pillow's decoders tried, whatever the type the request named
 _DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,",
                        re.ASCII)
 
@@ -22,6 +23,8 @@ class ImageError(ValueError):
 class ImageLimits:
     max_bytes: int = 20 * 2**20         # encoded size
     max_pixels: int = 4096 * 4096       # decoded width x height (decompression bombs)
+    max_aspect_ratio: float = 200.0     # long side / short side: processors that resize the short side to a fixed
+                                        # size would turn a 1 x 16M-pixel strip into gigabytes (Qwen2-VL's own bound)
     fetch_timeout_s: float = 10.0       # an http(s) image, connect + whole body
 
 
@@ -44,16 +47,19 @@ def load_image(url: str, limits: ImageLimits) -> ImageData:
 
 
 def decode(data: bytes, limits: ImageLimits) -> ImageData:
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     if len(data) > limits.max_bytes:
         raise ImageError(f"the image has {len(data)} bytes, more than the limit of {limits.max_bytes}")
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data), formats=FORMATS)  # not Pillow's rarer decoders (TIFF, TGA, ...)
         if image.width * image.height > limits.max_pixels:
             raise ImageError(f"the image has {image.width}x{image.height} pixels, more than the limit of "
                              f"{limits.max_pixels}")
-        image = image.convert("RGB")
+        if max(image.size) > limits.max_aspect_ratio * min(image.size):
+            raise ImageError(f"the image is {image.width}x{image.height} pixels, an aspect ratio over the limit of "
+                             f"{limits.max_aspect_ratio:g}")
+        image = ImageOps.exif_transpose(image).convert("RGB")  # upright, as transformers' load_image does
     except ImageError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:

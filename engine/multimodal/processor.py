@@ -81,12 +81,12 @@ class VisionProcessor:
         try:
             out = self.processor(text=[text], images=[image.image for image in images], return_tensors="pt",
                                  add_special_tokens=add_special_tokens)
-        except (ValueError, TypeError, IndexError) as exc:
-            raise ImageError(f"the model's processor refused the images: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - whatever the processor makes of an image is about that image: a 422
+            raise ImageError(f"the model's processor refused the images: {type(exc).__name__}: {exc}") from None
         ids = out["input_ids"][0].tolist()
         positions = [i for i, token in enumerate(ids) if token == self.image_token_id]
         if not positions:
-            raise ImageError("the model's processor placed no image tokens")
+            raise ImageError("the model's processor placed no image tokens (is the image too small for this model?)")
         encoder_inputs = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids")}
         return ids, MultiModalPrompt(encoder_inputs, positions, _image_keys(positions, images), len(images))
 

@@ -1,7 +1,9 @@
 """Images over HTTP (engine/multimodal): the real `openai` client sends a data-URL image to `python -m engine`
 serving a tiny LLaVA, a repeated image is read from the prefix cache and a different one is not, images come by
-http(s) URL (a local server) and as TGI's markdown on /generate; hostile images get a 422 with error_type and the
-server keeps serving; a text-only model refuses images."""
+http(s) URL (a local server) and as TGI's markdown on /generate; hostile images (bad encodings, truncated,
+decompression bombs, extreme strips, non-image types, unreachable URLs...) get a 422 with error_type, odd but valid
+ones (1x1, CMYK, animated GIF, 16-bit, palette, a JPEG labelled PNG) are served, and the server keeps serving; a
+text-only model refuses images."""
 import base64
 import http.server
 import socket
@@ -15,7 +17,7 @@ pytest.importorskip("PIL")
 openai = pytest.importorskip("openai")
 
 from fakes import test_model_path  # noqa: E402
-from images import data_url, png  # noqa: E402
+from images import data_url, encoded, odd_images, png  # noqa: E402
 from test_clients import start_server, stop_server  # noqa: E402
 
 MAX_BYTES = 8 * 1024
@@ -123,6 +125,10 @@ def closed_port() -> int:
     ("not an image", [data_url(b"hello")], "cannot be decoded"),
     ("wrong content type", ["data:text/plain;base64," + base64.b64encode(png(1)).decode()], "not an image type"),
     ("huge image", [data_url(png(1, 200, 200))], "limit of 8192"),
+    ("truncated PNG", [data_url(png(1)[:200])], "cannot be decoded"),
+    ("decompression bomb", ["{bomb}"], "more than the limit of 16777216"),
+    ("a 300x1 strip", ["{strip}"], "aspect ratio over the limit of 200"),
+    ("SVG", ["data:image/svg+xml;base64," + base64.b64encode(b"<svg/>").decode()], "not an image type"),
     ("too many images", [data_url(png(1))] * 3, "--max-images-per-request"),
     ("unreachable URL", [f"http://127.0.0.1:{closed_port()}/x.png"], "cannot fetch"),
     ("http page", ["{host}/page.html"], "not an image type"),
@@ -133,9 +139,20 @@ def closed_port() -> int:
 ])
 def test_hostile_images_are_422(server, image_host, case, parts, message):
     text = "Describe <image>" if "placeholder" in case else "Describe"
-    answer = chat(server, *(part.format(host=image_host) for part in parts), text=text)
+    from PIL import Image
+
+    bomb = data_url(encoded(Image.new("1", (4100, 4100)), "PNG"))  # 2 KB, 16.8 M pixels
+    strip = data_url(encoded(Image.new("RGB", (300, 1)), "PNG"))
+    answer = chat(server, *(part.format(host=image_host, bomb=bomb, strip=strip) for part in parts), text=text)
     assert answer.status_code == 422, (case, answer.text)
     assert answer.json()["error_type"] == "validation" and message in answer.json()["error"], case
+
+
+@pytest.mark.parametrize("case", list(odd_images()))
+def test_odd_but_valid_images_are_served(server, case):
+    data, kind = odd_images()[case]
+    answer = chat(server, data_url(data, kind), max_tokens=2)
+    assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] > 16, (case, answer.text)
 
 
 def test_the_server_keeps_serving_after_the_hostile_images(server):
