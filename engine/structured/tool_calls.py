@@ -12,6 +12,7 @@ markers go around each call or around the list:
 | llama3 (Llama 3.1/3.2 JSON) | `<|python_tag|>` or `"parameters"` | `{"name": ..., "parameters": {...}}; {...}` (`<|python_tag|>` first is read too) |
 | deepseek_v3 (DeepSeek-V3.1) | `<｜tool▁call▁begin｜>` | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`; tools described in a system message (its template does not render them) |
 | json (SmolLM2, any template without tools) | none of these | `{"name": ..., "arguments": {...}}\\n{...}`; tools described in a system message |
+| harmony (gpt-oss) | `<|channel|>` | one message per call, `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`; read and forced by engine.server.harmony |
 
 `--tool-call-parser` forces one; `auto` reads the chat template. A marker that is one special token of the
 vocabulary is forced as that token (`<[id]>` in the grammar), as the model was trained to write it. `auto` is
@@ -63,7 +64,8 @@ FORMATS = {
                                   name_sep="<｜tool▁sep｜>", describe_in_prompt=True),
     "json": ToolCallFormat("json", separator="\n", describe_in_prompt=True, parallel_by_default=False),
 }
-PARSERS = ("auto", *FORMATS)
+HARMONY = ToolCallFormat("harmony", parallel_by_default=False)  # messages, not JSON: engine.server.harmony's own
+PARSERS = ("auto", *FORMATS, "harmony")
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,8 +84,10 @@ class ToolCall:
 def detect_format(chat_template: str | None, parser: str = "auto") -> ToolCallFormat:
     """The format `parser` names, or (auto) the one the chat template writes."""
     if parser != "auto":
-        return FORMATS[parser]
+        return HARMONY if parser == "harmony" else FORMATS[parser]
     template = chat_template or ""
+    if "<|channel|>" in template:       # gpt-oss: calls are messages to functions.NAME
+        return HARMONY
     if "<｜tool▁call▁begin｜>" in template:     # before the check for `tools`: this template never renders them
         return FORMATS["deepseek_v3"]
     if "tools" not in template:
