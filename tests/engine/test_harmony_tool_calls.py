@@ -162,3 +162,41 @@ def test_analysis_spans_cover_each_analysis_message():
     second_at = text.rindex("<|start|>assistant<|channel|>analysis")
     assert analysis_spans(text) == [(0, len(first)), (second_at, len(text))]
     assert analysis_spans("Paris.") == [] and analysis_spans(CALL) == []
+
+
+def test_responses_and_messages_read_the_call_streamed_and_not(monkeypatch):
+    pytest.importorskip("torch")
+    import test_server
+    from starlette.testclient import TestClient
+    script = THOUGHT + CALL
+    monkeypatch.setattr(test_server, "SCRIPT", script)
+    monkeypatch.setattr(test_server.CharTokenizer, "chat_template", GPT_OSS_TEMPLATE)
+    plain = test_server.CharTokenizer.apply_chat_template
+    monkeypatch.setattr(test_server.CharTokenizer, "apply_chat_template",
+                        lambda self, messages, tools=None, **kwargs: plain(self, messages, **kwargs))
+    app, engine, _ = test_server.make_app()
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}}}
+    responses = {"input": "weather?", "max_output_tokens": len(script) + 8, "stop": ["<|call|>"],
+                 "tools": [{"type": "function", "name": "get_weather", "parameters": parameters}]}
+    messages = {"model": "m", "max_tokens": len(script) + 8, "stop_sequences": ["<|call|>"],
+                "messages": [{"role": "user", "content": "weather?"}],
+                "tools": [{"name": "get_weather", "input_schema": parameters}]}
+    try:
+        with TestClient(app) as http:
+            whole = http.post("/v1/responses", json=responses).json()
+            with http.stream("POST", "/v1/responses", json={**responses, "stream": True}) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+            message = http.post("/v1/messages", json=messages).json()
+    finally:
+        engine.close()
+    for output in (whole["output"], events[-1]["response"]["output"]):
+        reasoning, call = output
+        assert reasoning["type"] == "reasoning" and reasoning["content"][0]["text"] == "I need the weather."
+        assert (call["type"], call["name"], json.loads(call["arguments"])) == \
+            ("function_call", "get_weather", {"city": "Paris"})
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    assert deltas == '{"city": "Paris"}'
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == len(THOUGHT) - len("<|start|>assistant")
+    blocks = [b for b in message["content"] if b["type"] == "tool_use"]
+    assert [(b["name"], b["input"]) for b in blocks] == [("get_weather", {"city": "Paris"})]
+    assert message["stop_reason"] == "tool_use"
