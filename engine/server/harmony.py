@@ -29,7 +29,7 @@ from typing import Any
 
 from engine.server.reasoning import _partial_suffix
 from engine.structured.spec import GrammarSpec, lark_spec
-from engine.structured.tool_calls import Tool, ToolCall, _marker, closed
+from engine.structured.tool_calls import JSON_LAYOUT, Tool, ToolCall, closed, grammar_marker, is_json_object
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
@@ -121,7 +121,7 @@ class HarmonyStream:
     def tool_calls(self) -> list[ToolCall]:
         """The calls once the text has ended: those whose arguments are a JSON object (one cut off, or with
         other text for arguments, is not a call)."""
-        return [ToolCall(name, args) for name, args in self.calls if _is_object(args)]
+        return [ToolCall(name, args) for name, args in self.calls if is_json_object(args)]
 
 
 def read_harmony(text: str, tools: Collection[str]) -> tuple[str | None, str, list[ToolCall]]:
@@ -131,7 +131,7 @@ def read_harmony(text: str, tools: Collection[str]) -> tuple[str | None, str, li
     pieces = stream.feed(text) + stream.finish()
     reasoning = "".join(t for kind, t in pieces if kind == "reasoning")
     content = "".join(t for kind, t in pieces if kind == "content")
-    content += "".join(args for _, args in stream.calls if not _is_object(args))
+    content += "".join(args for _, args in stream.calls if not is_json_object(args))
     return (reasoning if stream.saw_reasoning else None), content, stream.tool_calls()
 
 
@@ -153,7 +153,7 @@ def call_grammar(tools: list[Tool], tokenizer: Any, field: str = "tools") -> Gra
     """A turn that must call one of `tools` in harmony: an optional analysis message, then one call message
     (the markers forced as the special tokens they are)."""
     def mark(text: str) -> str:
-        return _marker(text, tokenizer)
+        return grammar_marker(text, tokenizer)
 
     analysis = (f"{mark(CHANNEL)} \"analysis\" {mark(MESSAGE)} /(.|\\n)*/ {mark('<|end|>')} {mark(START)} "
                 f"\"assistant\"")
@@ -161,17 +161,8 @@ def call_grammar(tools: list[Tool], tokenizer: Any, field: str = "tools") -> Gra
              f"call: {mark(CHANNEL)} \"commentary to=functions.\" "
              f"({' | '.join(f'call_{i}' for i in range(len(tools)))})"]
     for i, tool in enumerate(tools):
-        schema = {**closed(tool.parameters),
-                  "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+        schema = {**closed(tool.parameters), "x-guidance": JSON_LAYOUT}
         rules.append(f"call_{i}: {json.dumps(tool.name + ' ')} {mark(CONSTRAIN)} \"json\" {mark(MESSAGE)} args_{i} "
                      f"{mark('<|call|>')}")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
     return lark_spec("\n".join(rules), field)
-
-
-def _is_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
-

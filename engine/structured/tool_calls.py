@@ -32,7 +32,7 @@ from typing import Any
 from engine.structured.spec import GrammarSpec, lark_spec
 
 _HEADER = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
-_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_CALLS = 8           # calls per turn the grammar allows with parallel_tool_calls
 
 
@@ -141,16 +141,16 @@ def _loose(text: str) -> str:
 def tool_call_grammar(tools: list[Tool], fmt: ToolCallFormat, *, allow_text: bool, tokenizer: Any = None,
                       parallel: bool = True, field: str = "tools") -> GrammarSpec:
     """Calls to `tools`: one, or with `parallel` up to MAX_CALLS (or, with `allow_text`, free text instead)."""
-    more = f" ({_marker(fmt.separator, tokenizer)} call){{0,{MAX_CALLS - 1}}}" \
+    more = f" ({grammar_marker(fmt.separator, tokenizer)} call){{0,{MAX_CALLS - 1}}}" \
         if parallel and (fmt.separator or fmt.call_open) else ""
-    rules = [f"calls: {_marker(fmt.open, tokenizer)} call{more} {_marker(fmt.close, tokenizer)}",
-             f"call: {_marker(fmt.call_open, tokenizer)} ({' | '.join(f'call_{i}' for i in range(len(tools)))}) "
-             f"{_marker(fmt.call_close, tokenizer)}"]
+    rules = [f"calls: {grammar_marker(fmt.open, tokenizer)} call{more} {grammar_marker(fmt.close, tokenizer)}",
+             f"call: {grammar_marker(fmt.call_open, tokenizer)} ({' | '.join(f'call_{i}' for i in range(len(tools)))}) "
+             f"{grammar_marker(fmt.call_close, tokenizer)}"]
     for i, tool in enumerate(tools):
-        schema = {**closed(tool.parameters), "x-guidance": _LAYOUT}
+        schema = {**closed(tool.parameters), "x-guidance": JSON_LAYOUT}
         if fmt.name_sep:
-            rules.append(f"call_{i}: {_marker(fmt.name_prefix, tokenizer)} {json.dumps(tool.name)} "
-                         f"{_marker(fmt.name_sep, tokenizer)} args_{i} {_marker(fmt.args_close, tokenizer)}")
+            rules.append(f"call_{i}: {grammar_marker(fmt.name_prefix, tokenizer)} {json.dumps(tool.name)} "
+                         f"{grammar_marker(fmt.name_sep, tokenizer)} args_{i} {grammar_marker(fmt.args_close, tokenizer)}")
         else:
             rules.append(f"call_{i}: {json.dumps(header(fmt, tool.name))} args_{i} \"}}\"")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
@@ -179,7 +179,7 @@ def closed(schema: Any) -> Any:
     return out
 
 
-def _marker(text: str, tokenizer: Any) -> str:
+def grammar_marker(text: str, tokenizer: Any) -> str:
     """A grammar element for `text`: each added token of the vocabulary in it forced as that token (`<[id]>`), the
     rest as literals."""
     if not text:
@@ -259,7 +259,7 @@ def _parse_named(text: str, fmt: ToolCallFormat, known: set[str], markers: list[
         if match is None or end is None:
             return calls if cut_off and calls else None
         name, args = match.group(1), text[match.end():end]
-        if name not in known or not _is_object(args):
+        if name not in known or not is_json_object(args):
             return None
         calls.append(ToolCall(name, args))
         at = args_close.match(text, end).end() if args_close else end
@@ -287,10 +287,10 @@ def _call(obj: Any, raw: str, fmt: ToolCallFormat, known: set[str]) -> ToolCall 
     # the arguments as the model wrote them, so that streamed pieces and this agree to the byte
     match = _HEADER.match(raw)
     args = raw[match.end():-1].rstrip() if match else ""
-    return ToolCall(obj["name"], args if _is_object(args) else json.dumps(obj[fmt.args_key]))
+    return ToolCall(obj["name"], args if is_json_object(args) else json.dumps(obj[fmt.args_key]))
 
 
-def _is_object(text: str) -> bool:
+def is_json_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
     except ValueError:
