@@ -194,10 +194,12 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
           help="split the reasoning (<think>...</think>, or gpt-oss harmony's analysis channel) from the answer: "
                "reasoning_content, thinking blocks, reasoning items; auto reads the chat template")),
     (("--tool-call-parser",), "TOOL_CALL_PARSER",
-     dict(default="auto", choices=("auto", "hermes", "mistral", "llama3", "deepseek_v3", "json"),
+     dict(default="auto", choices=("auto", "hermes", "mistral", "llama3", "deepseek_v3", "deepseek_r1", "harmony",
+                                   "json"),
           help="how the model writes tool calls (hermes: Hermes/Qwen <tool_call>, mistral: [TOOL_CALLS], llama3: "
-               "Llama 3.x JSON, deepseek_v3: DeepSeek-V3.1 <｜tool▁call▁begin｜>, json: tools described in the "
-               "prompt); auto reads the chat template")),
+               "Llama 3.x JSON, deepseek_v3: DeepSeek-V3.1 <｜tool▁call▁begin｜>, deepseek_r1: DeepSeek-R1's "
+               "function<｜tool▁sep｜>NAME ```json calls, harmony: gpt-oss messages to functions.NAME, json: tools "
+               "described in the prompt); auto reads the chat template")),
     (("--prefix-caching",), "PREFIX_CACHING",
      dict(default=True, type=_bool, help="share the KV blocks of equal prompt prefixes between requests "
                                          "(true|false); the hits show as usage.prompt_tokens_details.cached_tokens")),

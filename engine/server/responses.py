@@ -23,15 +23,17 @@ from starlette.responses import JSONResponse, Response
 
 from engine.server.errors import GenerationError, ServerError, ValidationError
 from engine.server.grammar import prepare_spec, response_format_grammar
+from engine.server.harmony import analysis_spans
 from engine.server.infer import Generation
 from engine.server.openai_common import parameters
 from engine.server.openai_requests import apply_chat_template
 from engine.server.protocol import GenerateRequest, dump
 from engine.server.answer_text import AnswerStream, read_answer
-from engine.server.reasoning import ReasoningFormat, for_prompt, reasoning_format
+from engine.server.reasoning import END, ReasoningFormat, for_prompt, reasoning_format, split_reasoning
 from engine.server.reasoning_request import request_grammar, responses_reasoning
 from engine.server.response_store import ResponseStore
-from engine.server.responses_protocol import InputTokensDetails, ResponseObject, ResponsesRequest, ResponseUsage
+from engine.server.responses_protocol import (InputTokensDetails, OutputTokensDetails, ResponseObject, ResponsesRequest,
+                                              ResponseUsage)
 from engine.server.state import ServerState
 from engine.server.streaming import EventStream, admit, stream_error, unless_disconnected
 from engine.server.tools import ToolUse, new_call_id, tool_use
@@ -250,13 +252,38 @@ class _Answer:
         cut = gen.finish_reason == "length"
         usage = ResponseUsage(input_tokens=gen.input_length, output_tokens=gen.generated_tokens,
                               total_tokens=gen.input_length + gen.generated_tokens,
-                              input_tokens_details=InputTokensDetails(cached_tokens=gen.num_cached_tokens))
+                              input_tokens_details=InputTokensDetails(cached_tokens=gen.num_cached_tokens),
+                              output_tokens_details=OutputTokensDetails(
+                                  reasoning_tokens=reasoning_tokens(gen, self.thinks)))
         return self.body("incomplete" if cut else "completed", output, usage,
                          {"reason": "max_output_tokens"} if cut else None)
 
     def remember(self, store: ResponseStore) -> None:
         if self.req.store and self.turn is not None:
             store.put(self.id, self.messages + [self.turn])
+
+
+def reasoning_tokens(gen: Generation, thinks: ReasoningFormat | None) -> int:
+    """`usage.output_tokens_details.reasoning_tokens`: the generated tokens that begin inside the reasoning, its
+    markers included (`<think>`…`</think>`, or each harmony analysis message from its header to its end)."""
+    if thinks is None:
+        return 0
+    spans = _reasoning_spans(gen.text, thinks)
+    count, at = 0, 0
+    for token in gen.tokens:
+        count += any(start <= at < end for start, end in spans)
+        at += len(token.text)
+    return count
+
+
+def _reasoning_spans(text: str, thinks: ReasoningFormat) -> list[tuple[int, int]]:
+    """Where the reasoning is in `text`, as [start, end) character ranges."""
+    if split_reasoning(text, thinks)[0] is None:
+        return []
+    if thinks.name != "gpt_oss":
+        end = text.find(END)
+        return [(0, len(text) if end < 0 else end + len(END))]
+    return analysis_spans(text)
 
 
 # --- stream --------------------------------------------------------------------------------------

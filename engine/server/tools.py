@@ -30,7 +30,7 @@ class ToolUse:
     tools: list[Tool]
     fmt: ToolCallFormat
     allow_text: bool
-    grammar: GrammarSpec
+    grammar: GrammarSpec | None     # None: harmony under `auto` (the model writes its messages freely)
 
 
 def tool_use(req: ChatCompletionRequest, tokenizer: Any, parser: str = "auto") -> ToolUse | None:
@@ -50,8 +50,12 @@ def tool_use(req: ChatCompletionRequest, tokenizer: Any, parser: str = "auto") -
         tools = [_named(choice, tools)]
     fmt = detect_format(getattr(tokenizer, "chat_template", None), parser)
     try:
-        grammar = tool_call_grammar(tools, fmt, allow_text=choice == "auto", tokenizer=tokenizer,
-                                    parallel=_parallel(req, fmt))
+        if fmt.name == "harmony":
+            from engine.server.harmony import call_grammar
+            grammar = None if choice == "auto" else call_grammar(tools, tokenizer)
+        else:
+            grammar = tool_call_grammar(tools, fmt, allow_text=choice == "auto", tokenizer=tokenizer,
+                                        parallel=_parallel(req, fmt))
     except GrammarError as exc:
         raise ValidationError(f"`tools` cannot be turned into a grammar: {exc}") from None
     return ToolUse(tools, fmt, choice == "auto", grammar)

@@ -11,7 +11,9 @@ markers go around each call or around the list:
 | mistral | `[TOOL_CALLS]` | `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, {...}]` |
 | llama3 (Llama 3.1/3.2 JSON) | `<|python_tag|>` or `"parameters"` | `{"name": ..., "parameters": {...}}; {...}` (`<|python_tag|>` first is read too) |
 | deepseek_v3 (DeepSeek-V3.1) | `<｜tool▁call▁begin｜>` | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`; tools described in a system message (its template does not render them) |
+| deepseek_r1 (DeepSeek-R1, its distills, V3-0324) | `<｜tool▁call▁begin｜>` and `` ```json `` | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>\\n<｜tool▁call▁begin｜>...<｜tool▁calls▁end｜>`; tools described in a system message |
 | json (SmolLM2, any template without tools) | none of these | `{"name": ..., "arguments": {...}}\\n{...}`; tools described in a system message |
+| harmony (gpt-oss) | `<|channel|>` | one message per call, `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`; read and forced by engine.server.harmony |
 
 `--tool-call-parser` forces one; `auto` reads the chat template. A marker that is one special token of the
 vocabulary is forced as that token (`<[id]>` in the grammar), as the model was trained to write it. `auto` is
@@ -30,7 +32,7 @@ from typing import Any
 from engine.structured.spec import GrammarSpec, lark_spec
 
 _HEADER = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
-_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_CALLS = 8           # calls per turn the grammar allows with parallel_tool_calls
 
 
@@ -45,7 +47,9 @@ class ToolCallFormat:
     args_key: str = "arguments"
     describe_in_prompt: bool = False     # the template ignores `tools`: we add them as a system message
     aliases: tuple[str, ...] = ()        # other openers the family writes (Llama's <|python_tag|>)
-    name_sep: str = ""          # set: a call is NAME + name_sep + arguments (DeepSeek), not a JSON header
+    name_sep: str = ""          # set: a call is name_prefix + NAME + name_sep + arguments + args_close (DeepSeek),
+    name_prefix: str = ""       # not a JSON header
+    args_close: str = ""
     parallel_by_default: bool = True     # without `parallel_tool_calls`, several calls per turn
 
     def markers(self) -> list[str]:
@@ -61,9 +65,14 @@ FORMATS = {
     "deepseek_v3": ToolCallFormat("deepseek_v3", open="<｜tool▁calls▁begin｜>", close="<｜tool▁calls▁end｜>",
                                   call_open="<｜tool▁call▁begin｜>", call_close="<｜tool▁call▁end｜>",
                                   name_sep="<｜tool▁sep｜>", describe_in_prompt=True),
+    "deepseek_r1": ToolCallFormat("deepseek_r1", open="<｜tool▁calls▁begin｜>", close="<｜tool▁calls▁end｜>",
+                                  call_open="<｜tool▁call▁begin｜>", call_close="<｜tool▁call▁end｜>", separator="\n",
+                                  name_prefix="function<｜tool▁sep｜>", name_sep="\n```json\n", args_close="\n```",
+                                  describe_in_prompt=True),
     "json": ToolCallFormat("json", separator="\n", describe_in_prompt=True, parallel_by_default=False),
 }
-PARSERS = ("auto", *FORMATS)
+HARMONY = ToolCallFormat("harmony", parallel_by_default=False)  # messages, not JSON: engine.server.harmony's own
+PARSERS = ("auto", *FORMATS, "harmony")
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,10 +91,12 @@ class ToolCall:
 def detect_format(chat_template: str | None, parser: str = "auto") -> ToolCallFormat:
     """The format `parser` names, or (auto) the one the chat template writes."""
     if parser != "auto":
-        return FORMATS[parser]
+        return HARMONY if parser == "harmony" else FORMATS[parser]
     template = chat_template or ""
-    if "<｜tool▁call▁begin｜>" in template:     # before the check for `tools`: this template never renders them
-        return FORMATS["deepseek_v3"]
+    if "<|channel|>" in template:       # gpt-oss: calls are messages to functions.NAME
+        return HARMONY
+    if "<｜tool▁call▁begin｜>" in template:     # before the check for `tools`: these templates never render them
+        return FORMATS["deepseek_r1" if "```json" in template else "deepseek_v3"]
     if "tools" not in template:
         return FORMATS["json"]
     if "<tool_call>" in template:
@@ -99,34 +110,47 @@ def detect_format(chat_template: str | None, parser: str = "auto") -> ToolCallFo
 
 def header(fmt: ToolCallFormat, name: str) -> str:
     if fmt.name_sep:
-        return f"{name}{fmt.name_sep}"
+        return f"{fmt.name_prefix}{name}{fmt.name_sep}"
     return f'{{"name": "{name}", "{fmt.args_key}": '
 
 
 def trailer(fmt: ToolCallFormat) -> str:
     """What closes a call's JSON header after its arguments."""
-    return "" if fmt.name_sep else "}"
+    return fmt.args_close if fmt.name_sep else "}"
 
 
 def header_pattern(fmt: ToolCallFormat) -> re.Pattern[str]:
     """A call's header in streamed text; group 1 is the tool's name, the arguments start at its end."""
     if fmt.name_sep:
-        return re.compile(rf"([\w.\-]+){re.escape(fmt.name_sep)}\s*(?=\S)")
+        return re.compile(rf"{_loose(fmt.name_prefix)}([\w.\-]+){_spaced(fmt.name_sep)}\s*(?=\S)")
     return _HEADER
+
+
+def _spaced(text: str) -> str:
+    """A regex for `text` whose whitespace may vary."""
+    return r"\s*" + r"\s*".join(re.escape(word) for word in text.split()) if text.strip() else r"\s*"
+
+
+def _loose(text: str) -> str:
+    """A regex for `text` as it may be decoded: whitespace varies, and its special tokens may be gone."""
+    parts = [f"(?:{re.escape(p)})?" if p.startswith("<｜") else _spaced(p)
+             for p in re.split(r"(<｜[^｜]+｜>)", text) if p]
+    return "".join(parts) + r"\s*" if parts else ""
 
 
 def tool_call_grammar(tools: list[Tool], fmt: ToolCallFormat, *, allow_text: bool, tokenizer: Any = None,
                       parallel: bool = True, field: str = "tools") -> GrammarSpec:
     """Calls to `tools`: one, or with `parallel` up to MAX_CALLS (or, with `allow_text`, free text instead)."""
-    more = f" ({_marker(fmt.separator, tokenizer)} call){{0,{MAX_CALLS - 1}}}" \
+    more = f" ({grammar_marker(fmt.separator, tokenizer)} call){{0,{MAX_CALLS - 1}}}" \
         if parallel and (fmt.separator or fmt.call_open) else ""
-    rules = [f"calls: {_marker(fmt.open, tokenizer)} call{more} {_marker(fmt.close, tokenizer)}",
-             f"call: {_marker(fmt.call_open, tokenizer)} ({' | '.join(f'call_{i}' for i in range(len(tools)))}) "
-             f"{_marker(fmt.call_close, tokenizer)}"]
+    rules = [f"calls: {grammar_marker(fmt.open, tokenizer)} call{more} {grammar_marker(fmt.close, tokenizer)}",
+             f"call: {grammar_marker(fmt.call_open, tokenizer)} ({' | '.join(f'call_{i}' for i in range(len(tools)))}) "
+             f"{grammar_marker(fmt.call_close, tokenizer)}"]
     for i, tool in enumerate(tools):
-        schema = {**closed(tool.parameters), "x-guidance": _LAYOUT}
+        schema = {**closed(tool.parameters), "x-guidance": JSON_LAYOUT}
         if fmt.name_sep:
-            rules.append(f"call_{i}: {json.dumps(tool.name)} {_marker(fmt.name_sep, tokenizer)} args_{i}")
+            rules.append(f"call_{i}: {grammar_marker(fmt.name_prefix, tokenizer)} {json.dumps(tool.name)} "
+                         f"{grammar_marker(fmt.name_sep, tokenizer)} args_{i} {grammar_marker(fmt.args_close, tokenizer)}")
         else:
             rules.append(f"call_{i}: {json.dumps(header(fmt, tool.name))} args_{i} \"}}\"")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
@@ -155,7 +179,7 @@ def closed(schema: Any) -> Any:
     return out
 
 
-def _marker(text: str, tokenizer: Any) -> str:
+def grammar_marker(text: str, tokenizer: Any) -> str:
     """A grammar element for `text`: each added token of the vocabulary in it forced as that token (`<[id]>`), the
     rest as literals."""
     if not text:
@@ -218,7 +242,8 @@ def parse_tool_calls(text: str, fmt: ToolCallFormat, tools: list[Tool], cut_off:
 def _parse_named(text: str, fmt: ToolCallFormat, known: set[str], markers: list[str],
                  cut_off: bool) -> list[ToolCall] | None:
     """parse_tool_calls for NAME<name_sep>{...} calls (the separator may be gone, dropped as a special token)."""
-    name_at = re.compile(rf"([\w.\-]+)\s*(?:{re.escape(fmt.name_sep)})?\s*(?=\{{)")
+    name_at = re.compile(rf"{_loose(fmt.name_prefix)}([\w.\-]+)(?:{_spaced(fmt.name_sep)})?\s*(?=\{{)")
+    args_close = re.compile(rf"(?:{_spaced(fmt.args_close)})?") if fmt.args_close else None
     calls: list[ToolCall] = []
     at, n = 0, len(text)
     while at < n:
@@ -234,10 +259,10 @@ def _parse_named(text: str, fmt: ToolCallFormat, known: set[str], markers: list[
         if match is None or end is None:
             return calls if cut_off and calls else None
         name, args = match.group(1), text[match.end():end]
-        if name not in known or not _is_object(args):
+        if name not in known or not is_json_object(args):
             return None
         calls.append(ToolCall(name, args))
-        at = end
+        at = args_close.match(text, end).end() if args_close else end
     return calls or None
 
 
@@ -262,10 +287,10 @@ def _call(obj: Any, raw: str, fmt: ToolCallFormat, known: set[str]) -> ToolCall 
     # the arguments as the model wrote them, so that streamed pieces and this agree to the byte
     match = _HEADER.match(raw)
     args = raw[match.end():-1].rstrip() if match else ""
-    return ToolCall(obj["name"], args if _is_object(args) else json.dumps(obj[fmt.args_key]))
+    return ToolCall(obj["name"], args if is_json_object(args) else json.dumps(obj[fmt.args_key]))
 
 
-def _is_object(text: str) -> bool:
+def is_json_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
     except ValueError:

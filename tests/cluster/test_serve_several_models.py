@@ -113,7 +113,8 @@ def test_one_engine_killed_fails_the_whole_job_with_no_orphans(local_cluster, mo
 
 def test_an_adapter_downloaded_from_the_hub_is_served_and_listed(local_cluster, model_path, tmp_path):
     """download (adapter repo) -> serve --lora NAME=ORG/ADAPTER from the store -> the engine in the job lists it in
-    /v1/models and generates with it (adapter_id and OpenAI's model)."""
+    /v1/models and generates with it (adapter_id and OpenAI's model). With --enable-runtime-lora, `tgi-hpc adapter
+    load|list|unload JOB` changes the adapters while the job serves, and refusals are one-line errors."""
     from openai import OpenAI
 
     from support.adapters import make_adapter
@@ -123,16 +124,19 @@ def test_an_adapter_downloaded_from_the_hub_is_served_and_listed(local_cluster, 
     make_adapter(Path(base), tmp_path / "hub" / "acme" / "tiny-lora", seed=3)
     store, jobs_dir = tmp_path / "store", tmp_path / "jobs"
 
-    def tgi(*args, env=None):
-        argv = [sys.executable, "-m", "tgi_hpc", args[0], "--cluster", str(local_cluster.profile),
-                "--set", f"paths.jobs={jobs_dir}", "--set", f"paths.models={store}", *args[1:]]
+    def tgi(*args, env=None, code=0):
+        words = 2 if args[0] == "adapter" else 1
+        argv = [sys.executable, "-m", "tgi_hpc", *args[:words], "--cluster", str(local_cluster.profile),
+                "--set", f"paths.jobs={jobs_dir}", "--set", f"paths.models={store}", *args[words:]]
         out = subprocess.run(argv, env={**local_cluster.env, **(env or {})}, capture_output=True, text=True, timeout=400)
-        assert out.returncode == 0, f"{args} exited {out.returncode}\n{out.stdout}\n{out.stderr}"
+        assert out.returncode == code, f"{args} exited {out.returncode}\n{out.stdout}\n{out.stderr}"
         return out
 
     with HubServer(tmp_path / "hub") as url:
         tgi("download", "--model", "acme/tiny-lora", env={"HF_ENDPOINT": url})
+    make_adapter(Path(base), tmp_path / "checkpoint-1", seed=5)
     result = json.loads(tgi("serve", "--model", base, "--lora", "mine=acme/tiny-lora", "--release", str(venv_release()),
+                            "--engine-arg", "--enable-runtime-lora", "--engine-arg", "--max-loras=2",
                             "--wait", "--timeout", "300", "--json").stdout)
     job_id, st = result["job_id"], result["status"]
     try:
@@ -150,6 +154,27 @@ def test_an_adapter_downloaded_from_the_hub_is_served_and_listed(local_cluster, 
                              json={**body, "parameters": {**body["parameters"], "adapter_id": "nope"}})
         assert unknown.status_code == 422 and "mine" in unknown.text   # the engine names the adapters it has
         assert "tgi-hpc-lora/mine" in Path(result["script_path"]).read_text()
+
+        checkpoint = tmp_path / "checkpoint-1"
+        loaded = json.loads(tgi("adapter", "load", job_id, f"ckpt1={checkpoint}", "--json").stdout)
+        assert loaded["servers"] == {job_id: "Success: LoRA adapter 'ckpt1' added successfully."}
+        assert loaded["path"] == str(checkpoint) and not loaded["service"]
+        listing = json.loads(tgi("adapter", "list", job_id, "--json").stdout)
+        assert listing["servers"] == {job_id: {"model": base, "adapters": ["mine", "ckpt1"]}}
+        assert oai.completions.create(model="ckpt1", prompt="Hello", max_tokens=4).choices[0].text is not None
+        assert tgi("adapter", "list", job_id).stdout == f"{job_id}  {base}: mine, ckpt1\n"
+        # a bad NAME=PATH is refused before any server is called: tests/tgi_hpc/test_runtime_adapters.py
+        refusals = [(("load", job_id, f"mine={checkpoint}"), 2, "'mine' is already loaded"),
+                    (("load", job_id, f"other={tmp_path / 'nowhere'}"), 8, "does not exist"),
+                    (("load", job_id, f"two={checkpoint}"), 2, "no free LoRA slot"),
+                    (("unload", job_id, "nope"), 2, "'nope' is not loaded"),
+                    (("load", "99999999", f"z={checkpoint}"), 5, "no such job")]
+        for args, code, message in refusals:
+            out = tgi("adapter", *args, code=code)
+            assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+        unloaded = json.loads(tgi("adapter", "unload", job_id, "ckpt1", "--json").stdout)
+        assert unloaded["servers"] == {job_id: "Success: LoRA adapter 'ckpt1' removed successfully."}
+        assert [m.id for m in oai.models.list().data] == [base, "mine"]
     finally:
         tgi("stop", job_id)
 

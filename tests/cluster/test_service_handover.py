@@ -29,7 +29,7 @@ def service_cli(local_cluster, laptop):  # noqa: F811
     jobs_dir = laptop[3]
 
     def run(*args: str, check: bool = True, timeout: float = 240) -> subprocess.CompletedProcess:
-        argv = [sys.executable, "-m", "tgi_hpc", args[0], "--cluster", str(local_cluster.profile),
+        argv = [sys.executable, "-m", "tgi_hpc", *args[0].split(), "--cluster", str(local_cluster.profile),
                 "--set", f"paths.jobs={jobs_dir}", *args[1:]]
         result = subprocess.run(argv, env=local_cluster.env, capture_output=True, text=True, timeout=timeout)
         if check and result.returncode != 0:
@@ -37,6 +37,8 @@ def service_cli(local_cluster, laptop):  # noqa: F811
         return result
 
     run.state = lambda name: json.loads((jobs_dir / "services" / f"{name}.json").read_text())
+    # a command of a group (`adapter load`): the options after both words
+    run.sub = lambda *args: run(f"{args[0]} {args[1]}", *args[2:])
     return run
 
 
@@ -101,13 +103,22 @@ def _serve(service_cli, model_path, name: str, *extra: str) -> dict:
     return json.loads(out.stdout)
 
 
-def test_handover_before_the_time_limit_loses_no_request(service_cli, local_cluster, laptop, model_path):  # noqa: F811
+def test_handover_before_the_time_limit_loses_no_request(service_cli, local_cluster, laptop, model_path,  # noqa: F811
+                                                         tmp_path):
+    """The first job hands over to its successor with no request lost; an adapter loaded into the service
+    (`tgi-hpc adapter load`) is on the successor when it is READY (the service's record)."""
+    from support.adapters import make_adapter
+
     _, popen, _, _ = laptop
     name = "handover"
-    started = _serve(service_cli, model_path, name, "--keep-alive", "--time", "2:00")
+    started = _serve(service_cli, model_path, name, "--keep-alive", "--time", "2:00",
+                     "--engine-arg=--enable-runtime-lora")
     first = started["job_ids"][0]
     tunnel = loops = None
     try:
+        checkpoint = make_adapter(model_path("tiny-llama"), tmp_path / "checkpoint", seed=7)
+        loaded = json.loads(service_cli.sub("adapter", "load", "--json", name, f"ckpt={checkpoint}").stdout)
+        assert loaded["service"] and list(loaded["servers"]) == [first]
         tunnel, url, key = _open_tunnel(popen, name)
         endpoint = json.loads(service_cli("endpoint", name, "--json").stdout)
         assert endpoint["urls"] and endpoint["api_key"] == key
@@ -135,6 +146,9 @@ def test_handover_before_the_time_limit_loses_no_request(service_cli, local_clus
             assert len(got) > 20, f"{kind}: only {len(got)} requests"
         succ_job = jobs[succ]
         assert succ_job["generation"] == 1 and succ_job["predecessor"] == first
+        listing = json.loads(service_cli.sub("adapter", "list", "--json", name).stdout)
+        assert listing["servers"] == {succ: {"model": str(model_path("tiny-llama")), "adapters": ["ckpt"]}}
+        assert listing["recorded"] == {"ckpt": str(checkpoint)}
         metrics = httpx.get(f"{succ_job['url']}/metrics").text   # the successor did take requests
         assert any(line.startswith("tgi_request_success") and float(line.split()[1]) > 0 for line in metrics.splitlines())
         assert "drained: every request in flight finished" in (Path(started["logs"][0])).read_text()

@@ -129,6 +129,9 @@ def test_responses_reasoning_item_streamed_and_not(monkeypatch):
         reasoning, message = answer["output"]
         assert reasoning["type"] == "reasoning" and reasoning["content"][0]["text"] == "\nwhy"
         assert message["type"] == "message" and message["content"][0]["text"] == "because"
+    for answer in (response, final):    # one token per character: `<think>\nwhy</think>` is 19
+        assert answer["usage"]["output_tokens_details"]["reasoning_tokens"] == 19
+        assert answer["usage"]["output_tokens"] == 28
     assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "\nwhy"
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "because"
     added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
@@ -170,4 +173,6 @@ def test_harmony_channels_on_the_chat_and_responses_routes(monkeypatch):
     assert "".join(d.get("content") or "" for d in deltas) == "Paris."
     reasoning, answer = output["output"]
     assert reasoning["content"][0]["text"] == "Let me see." and answer["content"][0]["text"] == "Paris."
+    spent = output["usage"]["output_tokens_details"]["reasoning_tokens"]
+    assert spent == len("<|channel|>analysis<|message|>Let me see.<|end|>")    # one token per character
     assert refused.status_code == 422 and "gpt-oss" in refused.json()["error"]

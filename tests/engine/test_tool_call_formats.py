@@ -1,8 +1,8 @@
-"""engine.structured.tool_calls per family (hermes, mistral, llama3, json): one and two calls written, read back
-whole and streamed in every cut (each call's index, its arguments to the byte), the markers as text or dropped as
-special tokens; hostile model outputs (cut-off JSON, unknown names, prose around the calls) read as plain text;
-the parallel grammar (several calls, one with parallel_tool_calls false); and the template inputs (Llama's one call
-per turn, Mistral's 9-character ids)."""
+"""engine.structured.tool_calls per family (hermes, mistral, llama3, deepseek_v3, deepseek_r1, json): one and two
+calls written, read back whole and streamed in every cut (each call's index, its arguments to the byte), the
+markers as text or dropped as special tokens; hostile model outputs (cut-off JSON, unknown names, prose around the
+calls) read as plain text; the parallel grammar (several calls, one with parallel_tool_calls false); the template
+inputs (Llama's one call per turn, Mistral's 9-character ids); and R1's calls as its real template writes them."""
 from __future__ import annotations
 
 
@@ -103,9 +103,31 @@ NAMED_HOSTILE = {
 }
 
 
-@pytest.mark.parametrize("name", list(NAMED_HOSTILE))
-def test_hostile_outputs_are_plain_text_when_the_name_is_outside_the_json(name):
-    text, fmt = NAMED_HOSTILE[name], FORMATS["deepseek_v3"]
+R1_CALL = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{}\n```<｜tool▁call▁end｜>"
+R1_HOSTILE = {
+    "cut-off JSON": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{\"a\": 1, \"b\"",
+    "unknown tool": "<｜tool▁calls▁begin｜>" + R1_CALL.replace(">add", ">rm_rf"),
+    "arguments a list": R1_CALL.replace("{}", "[1, 2]"),
+    "prose before": "Sure! " + R1_CALL,
+    "prose after": R1_CALL + " done.",
+    "another fence": R1_CALL.replace("```json", "```python"),
+    "V3.1's layout": "<｜tool▁call▁begin｜>add<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
+    "bare marker": "<｜tool▁calls▁begin｜>",
+}
+
+
+def test_r1_calls_with_their_markers_dropped_as_special_tokens():
+    want = [ToolCall("add", '{"a": 1, "b": 2}'), ToolCall("add", '{"a": 3, "b": 4}')]
+    text = 'functionadd\n```json\n{"a": 1, "b": 2}\n```\nfunctionadd\n```json\n{"a": 3, "b": 4}\n```'
+    assert parse_tool_calls(text, FORMATS["deepseek_r1"], TOOLS) == want
+    pieces, calls = streamed(text, FORMATS["deepseek_r1"], 2, allow_text=False)
+    assert calls == want and [i for k, _, i in pieces if k == "name"] == [0, 1]
+
+
+@pytest.mark.parametrize("fmt, name", [("deepseek_v3", n) for n in NAMED_HOSTILE] +
+                         [("deepseek_r1", n) for n in R1_HOSTILE])
+def test_hostile_outputs_are_plain_text_when_the_name_is_outside_the_json(fmt, name):
+    text, fmt = (NAMED_HOSTILE if fmt == "deepseek_v3" else R1_HOSTILE)[name], FORMATS[fmt]
     assert parse_tool_calls(text, fmt, TOOLS) is None
     for allow_text in (True, False):
         pieces, calls = streamed(text, fmt, 3, allow_text)
@@ -137,6 +159,8 @@ def test_unknown_name_is_never_streamed_as_a_call():
     ('{% if tools %}{"name": function name, "parameters": dictionary}{% endif %}', "llama3"),
     ("{{ messages }}", "json"),
     ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>'}}", "deepseek_v3"),
+    ("{{'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json'}}",
+     "deepseek_r1"),
 ])
 def test_parser_chosen_from_the_template_or_forced(template, name):
     assert detect_format(template).name == name
@@ -229,3 +253,22 @@ def test_parallel_tool_calls_false_allows_one_call(compiler, tokenizer):
     assert accepts(compiler, tool_use(_chat(messages=PAST[:1], tools=[TOOL], tool_choice="required"), tokenizer,
                                       "hermes").grammar, calls_text([ToolCall("add", '{"a": 1, "b": 2}')] * 2,
                                                                     FORMATS["hermes"]), tokenizer)
+
+
+def test_r1_calls_are_written_as_its_real_template_writes_them():
+    """DeepSeek-R1's own template (tests/data/chat_templates/deepseek_r1.jinja) renders an assistant turn's calls;
+    ours (calls_text) are the same text, and read back as the same calls."""
+    from pathlib import Path
+
+    import jinja2
+
+    template = (Path(__file__).resolve().parents[1] / "data" / "chat_templates" / "deepseek_r1.jinja").read_text()
+    fmt = detect_format(template)
+    assert fmt.name == "deepseek_r1" and fmt.describe_in_prompt
+    turn = {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in TWO]}
+    rendered = jinja2.Environment().from_string(template).render(
+        messages=[{"role": "user", "content": "hi"}, turn], bos_token="", add_generation_prompt=False)
+    written = rendered.split("<｜Assistant｜>", 1)[1].removesuffix("<｜end▁of▁sentence｜>")
+    assert written == calls_text(TWO, fmt)
+    assert parse_tool_calls(written, fmt, TOOLS) == TWO

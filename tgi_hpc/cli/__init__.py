@@ -7,6 +7,7 @@ import click
 
 from tgi_hpc import __version__
 from tgi_hpc.cli._app import global_options
+from tgi_hpc.cli.adapter import adapter
 from tgi_hpc.cli.batch import batch
 from tgi_hpc.cli.bench import bench
 from tgi_hpc.cli.catalog import list_cmd
@@ -57,7 +58,7 @@ def cli() -> None:
 
 
 for command in (serve, status, logs, stop, metrics, chat, download, models, compile_command, release, profiles, tunnel,
-                ssh_config, completion, endpoint, batch, bench, list_cmd):
+                ssh_config, completion, endpoint, batch, bench, list_cmd, adapter):
     cli.add_command(command)
 
 

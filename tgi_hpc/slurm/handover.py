@@ -247,6 +247,17 @@ def _wait_ready(endpoint: Endpoint, api_key_file: str, pid: int) -> bool:
     return False
 
 
+def _load_adapters(state_file: str, endpoint: Endpoint, loaded: set[str]) -> set[str]:
+    """The adapters `tgi-hpc adapter load` recorded for the service (service.adapters), into this job's engine."""
+    from tgi_hpc.service.adapters import load_recorded, record_path
+
+    key_file = read_state(state_file).api_key_file
+    key = Path(key_file).read_text().strip() if key_file else None
+    for name in load_recorded(endpoint.url, key, record_path(state_file), loaded):
+        logger.info("adapter %s loaded, as the service records", name)
+    return loaded
+
+
 def _successor_state(state_file: str, job_id: str) -> str:
     succ = read_state(state_file).job(job_id)
     if succ is None:
@@ -268,8 +279,10 @@ def watch(state_file: str, job_id: str, endpoint_file: Path, pid: int) -> int:
     if endpoint is None or not _wait_ready(endpoint, read_state(state_file).api_key_file, pid):
         logger.error("the engine of job %s exited before it was ready", job_id)
         return 1
+    loaded = _load_adapters(state_file, endpoint, set())
     st, me = mark_ready(state_file, job_id, endpoint)
     logger.info("job %s is ready in service %s at %s", job_id, st.name, endpoint.url)
+    _load_adapters(state_file, endpoint, loaded)     # recorded while it was marked: no READY replica lacks one
     if not st.handover or not me.ends_at or is_stopped(state_file):
         return 0
     lead = lead_time(st.queue_waits, st.load_times, st.lead_floor_s, st.lead_s)
