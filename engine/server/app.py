@@ -105,7 +105,8 @@ def vision_processor(model_config: Any, config: EngineConfig) -> Any:
     from engine.multimodal.processor import VisionProcessor
 
     limits = ImageLimits(max_bytes=config.max_image_bytes, fetch_timeout_s=config.image_fetch_timeout_s)
-    return VisionProcessor(model_config.source, model_config.image_token_id, limits, config.max_images_per_request)
+    return VisionProcessor.from_pretrained(model_config.source, model_config.image_token_id, limits,
+                                           config.max_images_per_request)
 
 
 def _build_info(llm: Any, config: EngineConfig) -> Info:

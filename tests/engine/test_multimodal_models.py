@@ -46,7 +46,7 @@ def test_greedy_tokens_equal_transformers_with_one_and_two_images(name):
     path = test_model_path(name)
     with engine_for(name) as engine:
         assert engine.model_config.impl == "transformers" and engine.model_config.image_token_id is not None
-        vision = VisionProcessor(path, engine.model_config.image_token_id, ImageLimits(), 4)
+        vision = VisionProcessor.from_pretrained(path, engine.model_config.image_token_id, ImageLimits(), 4)
         pictures = [decode(png(seed, 40 + 10 * seed, 30 + 5 * seed), ImageLimits()) for seed in range(2)]
         one = vision.process(f"Describe {vision.placeholder} please", pictures[:1])
         two = vision.process(f"First {vision.placeholder} then {vision.placeholder}: compare", pictures)
@@ -63,7 +63,7 @@ def test_greedy_tokens_equal_transformers_with_one_and_two_images(name):
 def test_prefix_cache_shares_a_repeated_image_not_a_different_one():
     path = test_model_path("tiny-llava")
     with engine_for("tiny-llava", max_batch_prefill_tokens=64) as engine:
-        vision = VisionProcessor(path, engine.model_config.image_token_id, ImageLimits(), 4)
+        vision = VisionProcessor.from_pretrained(path, engine.model_config.image_token_id, ImageLimits(), 4)
 
         def run(seed):
             ids, images = vision.process(f"Look: {vision.placeholder} and say", [decode(png(seed), ImageLimits())])
