@@ -104,7 +104,8 @@ def vision_processor(model_config: Any, config: EngineConfig) -> Any:
     from engine.multimodal.image_source import ImageLimits
     from engine.multimodal.processor import VisionProcessor
 
-    limits = ImageLimits(max_bytes=config.max_image_bytes, fetch_timeout_s=config.image_fetch_timeout_s)
+    limits = ImageLimits(max_bytes=config.max_image_bytes, fetch_timeout_s=config.image_fetch_timeout_s,
+                         fetch_urls=config.image_fetch == "allow")
     return VisionProcessor.from_pretrained(model_config.source, model_config.image_token_id, limits,
                                            config.max_images_per_request)
 

@@ -1,6 +1,7 @@
 """Image requests are prepared off the event loop (engine/multimodal/processor.py): while the model's processor is
 stuck on one client's image, another client's stream runs to its end; the processor runs once per request and
-never on the server's loop; its refusals keep their 422. Unit tests: a FakeEngine and a processor stub."""
+never on the server's loop; its refusals keep their 422. `--image-fetch deny` refuses http(s) image URLs with a
+422 naming the flag while data: URLs work. Unit tests: a FakeEngine and a processor stub."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,7 @@ torch = pytest.importorskip("torch")
 from images import data_url, png  # noqa: E402
 from test_server import FakeEngine, make_app, sse_events, uvicorn_server  # noqa: E402
 
-from engine.multimodal.image_source import ImageLimits  # noqa: E402
+from engine.multimodal.image_source import ImageError, ImageLimits, load_image  # noqa: E402
 from engine.multimodal.processor import VisionProcessor  # noqa: E402
 
 IMAGE = 5   # the stub's image token id (the FakeEngine's tokenizer decodes ids below 10 to nothing)
@@ -150,3 +151,30 @@ def test_prepared_prompts_are_taken_once_each_and_bounded():
     for i in range(100):    # requests refused between prefetch and validation leave a bounded remainder
         vision.prefetch(f"{i} ![]({data_url(png(4))})")
     assert sum(map(len, vision._ready.values())) <= 32
+
+
+def test_image_fetch_deny_refuses_http_urls_and_keeps_data_urls():
+    deny = ImageLimits(fetch_urls=False)
+    for url in ("http://10.0.0.1/internal.png", "https://example.org/cat.png"):
+        with pytest.raises(ImageError, match="--image-fetch deny"):
+            load_image(url, deny)
+    assert load_image(data_url(png(5)), deny).image.size == (40, 30)
+    app, engine, processor = serve(limits=deny)
+    try:
+        with uvicorn_server(app) as url:
+            refused = chat(url, "http://169.254.169.254/latest/meta-data.png")
+            assert refused.status_code == 422 and refused.json()["error_type"] == "validation"
+            assert "--image-fetch deny" in refused.json()["error"]
+            assert chat(url, data_url(png(5))).status_code == 200
+    finally:
+        engine.close()
+
+
+def test_image_fetch_flag_reaches_the_config():
+    from engine.launcher import parse_args, to_config
+
+    assert to_config(parse_args(["--model-id", "m"], environ={}), "m").image_fetch == "allow"
+    assert to_config(parse_args(["--model-id", "m", "--image-fetch", "deny"], environ={}), "m").image_fetch == "deny"
+    assert to_config(parse_args(["--model-id", "m"], environ={"IMAGE_FETCH": "deny"}), "m").image_fetch == "deny"
+    with pytest.raises(SystemExit):
+        parse_args(["--model-id", "m", "--image-fetch", "maybe"], environ={})
