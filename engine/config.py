@@ -69,4 +69,5 @@ class EngineConfig:
     max_images_per_request: int = 8
     max_image_bytes: int = 20 * 2**20       # one image, encoded (a data: URL decoded, or an http(s) body)
     image_fetch_timeout_s: float = 10.0     # an http(s) image: connect + whole body
+    image_fetch: str = "allow"              # http(s) image URLs: "allow" (fetched, any address) | "deny" (422)
     tool_call_parser: str = "auto"          # auto, or a name in structured/tool_calls.py's PARSERS

@@ -245,6 +245,10 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
      dict(default=20 * 2**20, type=_size, help="largest image, encoded (data: URL or http(s) body), e.g. 20MiB")),
     (("--image-fetch-timeout",), "IMAGE_FETCH_TIMEOUT",
      dict(default=10.0, type=float, help="seconds to fetch one http(s) image; a slower or unreachable one is a 422")),
+    (("--image-fetch",), "IMAGE_FETCH",
+     dict(default="allow", choices=["allow", "deny"],
+          help="http(s) image URLs: allow = the server fetches any URL it can reach, cluster-internal addresses "
+               "included (as TGI does); deny = a 422 (data: URLs always work)")),
     (("--max-client-batch-size",), "MAX_CLIENT_BATCH_SIZE",
      dict(default=2048, type=int, help="inputs per request to a pooling model (/v1/embeddings, /embed, rerank, "
                                        "score), as TEI's flag")),
@@ -332,6 +336,7 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     config.max_images_per_request = args.max_images_per_request
     config.max_image_bytes = args.max_image_bytes
     config.image_fetch_timeout_s = args.image_fetch_timeout
+    config.image_fetch = args.image_fetch
     return config
 
 

@@ -28,6 +28,7 @@ VLM_MODELS: dict[str, tuple[str, list[str], str]] = {
     "tiny-vipllava": ("VipLlavaForConditionalGeneration", ["<image>"], "<image>"),
     "tiny-lightonocr": ("LightOnOcrForConditionalGeneration", list(_PIXTRAL_TOKENS.values()), "<|image_pad|>"),
     "tiny-aya-vision": ("AyaVisionForConditionalGeneration", _AYA_TOKENS, "<|IMG_PATCH|>"),
+    "tiny-deepseek-vl": ("DeepseekVLForConditionalGeneration", ["<image_placeholder>"], "<image_placeholder>"),
 }
 
 
@@ -82,6 +83,12 @@ def _config_and_processor(name: str, tok, image_id: int):
         images = T.GotOcr2ImageProcessor(size={"height": 32, "width": 32}, crop_to_patches=True, max_patches=2)
         return config, T.AyaVisionProcessor(image_processor=images, tokenizer=tok, patch_size=8, img_size=32,
                                             downsample_factor=2)
+    if name == "tiny-deepseek-vl":  # SigLIP + an MLP aligner on a Llama text model, a fixed number of image tokens
+        tok._set_model_specific_special_tokens(special_tokens={"image_token": "<image_placeholder>"})
+        config = T.DeepseekVLConfig(vision_config=T.SiglipVisionConfig(**_VISION), text_config=text,
+                                    image_token_id=image_id, tie_word_embeddings=False)
+        images = T.DeepseekVLImageProcessorPil(size={"height": 32, "width": 32})  # the torch one needs torchvision
+        return config, T.DeepseekVLProcessor(image_processor=images, tokenizer=tok, num_image_tokens=16)
     # tiny-idefics2: a perceiver resampler on a Mistral text model
     mistral = T.MistralConfig(**_TEXT, vocab_size=len(tok), sliding_window=None, bos_token_id=tok.bos_token_id,
                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

@@ -77,12 +77,23 @@ def unsupported_reason(hf_config: Any) -> str | None:
     other = sorted(set(getattr(text, "layer_types", None) or ()) - KV_LAYER_TYPES)
     if other:
         return f"layers of type {', '.join(other)} keep a cache that is not key/value"
-    if not getattr(model_cls, "_supports_attention_backend", False):
-        return (f"{model_cls.__name__}'s attention bypasses transformers' attention interface "
+    judged = model_cls if auto.__name__ == "AutoModelForCausalLM" else _language_model_class(hf_config, model_cls)
+    if not getattr(judged, "_supports_attention_backend", False):
+        return (f"{judged.__name__}'s attention bypasses transformers' attention interface "
                 "(it cannot use our paged attention)")
     if getattr(text, "attn_temperature_tuning", False) and 0 in (getattr(text, "no_rope_layers", None) or ()):
         return "its NoPE layers scale queries by positions counted from transformers' own cache"
     return None
+
+
+def _language_model_class(hf_config: Any, model_cls: Any) -> Any:
+    """The class whose attention the backend replaces in an image-text model (only the language model's attention
+    is ours): its text model's class (DeepSeek-VL's top class declares no attention backend, its Llama does), or the
+    top class when the model has no text model of its own."""
+    from transformers import AutoModel
+
+    text = hf_config.get_text_config()
+    return model_cls if text is hf_config else AutoModel._model_mapping.get(type(text), model_cls)
 
 
 def model_config(path: str | Path, raw: dict[str, Any]) -> ModelConfig:

@@ -1,4 +1,7 @@
-"""Reading one image a request names: a `data:` URL (base64) or an http(s) URL, under size, type and time limits."""
+"""Reading one image a request names: a `data:` URL (base64) or an http(s) URL, under size, type and time limits.
+
+An http(s) URL is fetched from the server's node, whatever address it names (cluster-internal ones included),
+as TGI does; `--image-fetch deny` (ImageLimits.fetch_urls False) refuses them all with a 422."""
 from __future__ import annotations
 
 import base64
@@ -26,6 +29,7 @@ class ImageLimits:
     max_aspect_ratio: float = 200.0     # long side / short side: processors that resize the short side to a fixed
                                         # size would turn a 1 x 16M-pixel strip into gigabytes (Qwen2-VL's own bound)
     fetch_timeout_s: float = 10.0       # an http(s) image, connect + whole body
+    fetch_urls: bool = True             # False (--image-fetch deny): http(s) URLs are refused, data: URLs only
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +44,9 @@ def load_image(url: str, limits: ImageLimits) -> ImageData:
     if url.startswith("data:"):
         data = _from_data_url(url, limits)
     elif url.startswith(("http://", "https://")):
+        if not limits.fetch_urls:
+            raise ImageError(f"this server does not fetch http(s) image URLs such as {_short(url)!r} "
+                             "(--image-fetch deny): send the image as a data:image/...;base64 URL")
         data = _fetch(url, limits)
     else:
         raise ImageError(f"image URL {_short(url)!r} is neither a data: URL nor http(s)")

@@ -15,6 +15,9 @@ from typing import Any
 from engine.multimodal.image_source import ImageData, ImageError, ImageLimits, load_image
 from engine.multimodal.prompt import MultiModalPrompt
 
+Prepared = tuple[list[int], MultiModalPrompt | None]
+_MAX_READY = 32     # prepared prompts whose requests were refused before validation took them, kept at most
+
 MARKDOWN_IMAGE = re.compile(r"!\[[^\]\n]*\]\(([^)\s]+)\)")
 
 
@@ -27,22 +30,63 @@ def markdown_image(url: str) -> str:
 
 
 class VisionProcessor:
-    def __init__(self, path: str | Path, image_token_id: int, limits: ImageLimits, max_images: int) -> None:
-        from transformers import AutoProcessor
+    """The model's processor under the server's image limits.
 
-        self.processor = AutoProcessor.from_pretrained(str(path))
-        self.placeholder: str = self.processor.image_token
+    Loading, decoding and processing a request's images takes long (a fetch, a large decode, the processor's
+    resizing), so the routes run `prefetch` in a worker thread first (engine/server/openai_requests.py
+    `prefetch_images`); it leaves the outcome, the prompt or the ImageError that refuses it, for `prepare`, which
+    validation calls on the event loop. A prompt nobody prefetched is prepared in place, as before.
+    """
+
+    def __init__(self, processor: Any, image_token_id: int, limits: ImageLimits, max_images: int) -> None:
+        self.processor = processor
+        self.placeholder: str = processor.image_token
         self.image_token_id = image_token_id
         self.limits = limits
         self.max_images = max_images
-        self._fetched: OrderedDict[str, ImageData | ImageError] = OrderedDict()  # by prefetch, taken by prepare
+        # (text, add_special_tokens) -> outcomes made by prefetch, taken by prepare (one per request)
+        self._ready: OrderedDict[tuple[str, bool], list[Prepared | ImageError]] = OrderedDict()
         self._lock = threading.Lock()
+        self._processing = threading.Lock()  # one processor call at a time: its tokenizer is not thread-safe
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, image_token_id: int, limits: ImageLimits,
+                        max_images: int) -> VisionProcessor:
+        from transformers import AutoProcessor
+
+        return cls(AutoProcessor.from_pretrained(str(path)), image_token_id, limits, max_images)
 
     def has_images(self, text: str) -> bool:
         return MARKDOWN_IMAGE.search(text) is not None
 
     def prepare(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], MultiModalPrompt | None]:
         """Token ids of `text` with its markdown images loaded and expanded (ImageError: 422 material)."""
+        with self._lock:
+            waiting = self._ready.get((text, add_special_tokens))
+            outcome = waiting.pop() if waiting else None     # the newest: a stale one is an older request's
+            if waiting == []:
+                del self._ready[(text, add_special_tokens)]
+        if outcome is None:
+            return self._prepare(text, add_special_tokens)
+        if isinstance(outcome, ImageError):
+            raise outcome
+        return outcome
+
+    def prefetch(self, text: str, add_special_tokens: bool = True) -> None:
+        """Load and process the images of `text` now, in the caller's thread (not the event loop's); the next
+        `prepare` of the same text takes the outcome."""
+        try:
+            outcome: Prepared | ImageError = self._prepare(text, add_special_tokens)
+        except ImageError as exc:
+            outcome = exc
+        with self._lock:
+            key = (text, add_special_tokens)
+            self._ready.setdefault(key, []).append(outcome)
+            self._ready.move_to_end(key)
+            while sum(map(len, self._ready.values())) > _MAX_READY:  # requests refused before validation
+                self._ready.popitem(last=False)
+
+    def _prepare(self, text: str, add_special_tokens: bool) -> Prepared:
         urls = MARKDOWN_IMAGE.findall(text)
         if not urls:
             return list(self.processor.tokenizer.encode(text, add_special_tokens=add_special_tokens)), None
@@ -51,36 +95,16 @@ class VisionProcessor:
                              f"{self.max_images}")
         if self.placeholder in MARKDOWN_IMAGE.sub("", text):
             raise ImageError(f"the text itself contains the image placeholder {self.placeholder!r}")
-        images = [self._take(url) for url in urls]
+        images = [load_image(url, self.limits) for url in urls]
         return self.process(MARKDOWN_IMAGE.sub(lambda _: self.placeholder, text), images, add_special_tokens)
-
-    def prefetch(self, text: str) -> None:
-        """Fetch the http(s) images of `text` now, off the event loop (the routes run this in a thread before
-        validating); `prepare` takes them, or their errors, from here instead of fetching on the loop."""
-        for url in MARKDOWN_IMAGE.findall(text)[:self.max_images]:
-            if url.startswith(("http://", "https://")):
-                try:
-                    result: ImageData | ImageError = load_image(url, self.limits)
-                except ImageError as exc:
-                    result = exc
-                with self._lock:
-                    self._fetched[url] = result
-                    while len(self._fetched) > 4 * self.max_images:  # a request refused before prepare
-                        self._fetched.popitem(last=False)
-
-    def _take(self, url: str) -> ImageData:
-        with self._lock:
-            result = self._fetched.pop(url, None)
-        if isinstance(result, ImageError):
-            raise result
-        return result if result is not None else load_image(url, self.limits)
 
     def process(self, text: str, images: list[ImageData],
                 add_special_tokens: bool = True) -> tuple[list[int], MultiModalPrompt]:
         """`text` with one placeholder per image of `images`."""
         try:
-            out = self.processor(text=[text], images=[image.image for image in images], return_tensors="pt",
-                                 add_special_tokens=add_special_tokens)
+            with self._processing:
+                out = self.processor(text=[text], images=[image.image for image in images], return_tensors="pt",
+                                     add_special_tokens=add_special_tokens)
         except Exception as exc:  # noqa: BLE001 - whatever the processor makes of an image is about that image: a 422
             raise ImageError(f"the model's processor refused the images: {type(exc).__name__}: {exc}") from None
         ids = out["input_ids"][0].tolist()

@@ -104,8 +104,10 @@ def vision_processor(model_config: Any, config: EngineConfig) -> Any:
     from engine.multimodal.image_source import ImageLimits
     from engine.multimodal.processor import VisionProcessor
 
-    limits = ImageLimits(max_bytes=config.max_image_bytes, fetch_timeout_s=config.image_fetch_timeout_s)
-    return VisionProcessor(model_config.source, model_config.image_token_id, limits, config.max_images_per_request)
+    limits = ImageLimits(max_bytes=config.max_image_bytes, fetch_timeout_s=config.image_fetch_timeout_s,
+                         fetch_urls=config.image_fetch == "allow")
+    return VisionProcessor.from_pretrained(model_config.source, model_config.image_token_id, limits,
+                                           config.max_images_per_request)
 
 
 def _build_info(llm: Any, config: EngineConfig) -> Info:

@@ -16,7 +16,7 @@ from engine.server.infer import StreamEvent
 from engine.server.legacy_logprobs import stream_logprobs
 from engine.server.openai_common import adapter_id, finish, model_name, parameters, stream_choices
 from engine.server.openai_requests import (COMPLETIONS_MAX_TOKENS, check_completion, completion_choice,
-                                          validate_prompt)
+                                          prefetch_images, validate_prompt)
 from engine.server.protocol import Completion, CompletionChoice, CompletionRequest, Usage, dump
 from engine.server.state import ServerState
 from engine.server.streaming import unless_disconnected
@@ -30,6 +30,9 @@ async def completions(request: Request) -> Response:
         req = parse_body(CompletionRequest, body)
         check_completion(state, req)
         prompts = req.prompts()
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                await prefetch_images(state, prompt)
         n = req.n or 1
         best_of = req.best_of if req.best_of is not None else n
         fan.check_counts(len(prompts), n, best_of, state.config.max_concurrent_requests)

@@ -53,7 +53,7 @@ async def messages(request: Request) -> Response:
             req = parse_body(MessagesRequest, await request.body())
             chat, use = _chat_request(req, state)
             prompt = apply_chat_template(state, chat, use)
-            await prefetch_images(state, prompt)
+            await prefetch_images(state, prompt, add_special_tokens=False)
             grammar = request_grammar(chat, _thinks(state), use, None, prompt)     # tools after the thinking
             thinks = for_prompt(_thinks(state), prompt)
             await prepare_spec(grammar, state.engine)
@@ -78,6 +78,7 @@ async def count_tokens(request: Request) -> Response:
         prompt = apply_chat_template(state, chat, use)
         vision = state.validator.vision
         if vision is not None and vision.has_images(prompt):  # the images' tokens, as the processor expands them
+            await prefetch_images(state, prompt, add_special_tokens=False)
             ids = state.validator.validate(GenerateRequest(inputs=prompt), add_special_tokens=False).prompt_token_ids
         else:
             ids = state.tokenizer(prompt, add_special_tokens=False)["input_ids"]

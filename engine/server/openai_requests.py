@@ -50,12 +50,13 @@ def apply_chat_template(state: Any, req: ChatCompletionRequest, use: ToolUse | N
         raise ValidationError(f"chat template error: {exc}") from None
 
 
-async def prefetch_images(state: Any, prompt: str) -> None:
-    """A vision-language model's http(s) images are fetched in a thread before the (synchronous) validation,
-    which then finds them fetched: a slow image server does not stall the other requests' streams."""
+async def prefetch_images(state: Any, prompt: str, add_special_tokens: bool = True) -> None:
+    """A vision-language model's images are fetched, decoded and processed in a thread before the (synchronous)
+    validation, which then finds them ready: a slow image server or a large image does not stall the other
+    requests' streams. `add_special_tokens` must be the one validation will use."""
     vision = getattr(state.validator, "vision", None)
     if vision is not None and vision.has_images(prompt):
-        await asyncio.to_thread(vision.prefetch, prompt)
+        await asyncio.to_thread(vision.prefetch, prompt, add_special_tokens)
 
 
 def images_as_markdown(state: Any, req: ChatCompletionRequest) -> ChatCompletionRequest:

@@ -55,7 +55,7 @@ async def chat_completions(request: Request) -> Response:
         if top_n > state.config.max_top_n_tokens:
             raise ValidationError(f"`top_logprobs` must be <= {state.config.max_top_n_tokens}. Given: {top_n}")
         prompt = apply_chat_template(state, req, use)
-        await prefetch_images(state, prompt)
+        await prefetch_images(state, prompt, add_special_tokens=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         thinks = reasoning_format(state.config.reasoning_parser, getattr(state.tokenizer, "chat_template", None))
         grammar = request_grammar(req, thinks, use, grammar, prompt)

@@ -26,7 +26,7 @@ from engine.server.grammar import prepare_spec, response_format_grammar
 from engine.server.harmony import analysis_spans
 from engine.server.infer import Generation
 from engine.server.openai_common import parameters
-from engine.server.openai_requests import apply_chat_template
+from engine.server.openai_requests import apply_chat_template, prefetch_images
 from engine.server.protocol import GenerateRequest, dump
 from engine.server.answer_text import AnswerStream, read_answer
 from engine.server.reasoning import END, ReasoningFormat, for_prompt, reasoning_format, split_reasoning
@@ -67,6 +67,7 @@ async def create_response(request: Request) -> Response:
         if use is not None and grammar is not None:
             raise ValidationError('`text.format` cannot be combined with `tools` unless `tool_choice` is "none"')
         prompt = apply_chat_template(state, chat, use)
+        await prefetch_images(state, prompt, add_special_tokens=False)
         grammar = request_grammar(chat, thinks, use, grammar, prompt)     # after the reasoning span
         thinks = for_prompt(thinks, prompt)
         await prepare_spec(grammar, state.engine)

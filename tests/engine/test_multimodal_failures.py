@@ -35,7 +35,7 @@ def test_an_encoder_failure_fails_only_its_request():
 
     path = test_model_path("tiny-llava-next")
     with engine_for("tiny-llava-next", max_batch_prefill_tokens=512) as engine:
-        vision = VisionProcessor(path, engine.model_config.image_token_id, ImageLimits(), 4)
+        vision = VisionProcessor.from_pretrained(path, engine.model_config.image_token_id, ImageLimits(), 4)
         good = vision.process(f"Describe {vision.placeholder} please", [decode(png(1, 40, 30), ImageLimits())])
         ids, images = vision.process(f"What is {vision.placeholder} here", [decode(png(2, 30, 40), ImageLimits())])
         zero_size = (ids, tampered(images, image_sizes=torch.tensor([[0, 0]])))  # same shapes as good: batched
@@ -68,7 +68,7 @@ def test_a_tiny_second_image_fails_its_request_alone():
 
     path = test_model_path("tiny-lightonocr")
     with engine_for("tiny-lightonocr", max_batch_prefill_tokens=512) as engine:
-        vision = VisionProcessor(path, engine.model_config.image_token_id, ImageLimits(), 4)
+        vision = VisionProcessor.from_pretrained(path, engine.model_config.image_token_id, ImageLimits(), 4)
         pictures = [decode(png(seed, 40, 30), ImageLimits()) for seed in (1, 2)]
         good = vision.process(f"Read {vision.placeholder} now", pictures[:1])
         tiny = vision.process(f"Read {vision.placeholder} and {vision.placeholder}",

@@ -1,9 +1,9 @@
 """Vision-language models on the transformers backend (engine/multimodal) against transformers itself (fp32, CPU):
-tiny random LLaVA, LLaVA-NeXT, Idefics3, Idefics2, VipLLaVA, LightOnOCR (Pixtral vision) and Aya Vision with
-their real processors (scripts/tiny_vlms.py). Requests with 1 and 2 images and a text-only one in one batch, under a
-prefill budget small enough that chunk boundaries fall inside images, give transformers' greedy tokens for the same
-processor output; the encoder runs once per request; the prefix cache shares the blocks of a repeated image and not
-those of a different one."""
+tiny random LLaVA, LLaVA-NeXT, Idefics3, Idefics2, VipLLaVA, LightOnOCR (Pixtral vision), Aya Vision and DeepSeek-VL
+(SigLIP + an aligner on Llama) with their real processors (scripts/tiny_vlms.py). Requests with 1 and 2 images and a
+text-only one in one batch, under a prefill budget small enough that chunk boundaries fall inside images, give
+transformers' greedy tokens for the same processor output; the encoder runs once per request; the prefix cache
+shares the blocks of a repeated image and not those of a different one."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,7 +18,7 @@ from fakes import test_model_path  # noqa: E402
 from images import png  # noqa: E402
 
 VLMS = ["tiny-llava", "tiny-llava-next", "tiny-idefics3", "tiny-idefics2", "tiny-vipllava", "tiny-lightonocr",
-        "tiny-aya-vision"]
+        "tiny-aya-vision", "tiny-deepseek-vl"]
 NEW_TOKENS = 6
 
 
@@ -46,7 +46,7 @@ def test_greedy_tokens_equal_transformers_with_one_and_two_images(name):
     path = test_model_path(name)
     with engine_for(name) as engine:
         assert engine.model_config.impl == "transformers" and engine.model_config.image_token_id is not None
-        vision = VisionProcessor(path, engine.model_config.image_token_id, ImageLimits(), 4)
+        vision = VisionProcessor.from_pretrained(path, engine.model_config.image_token_id, ImageLimits(), 4)
         pictures = [decode(png(seed, 40 + 10 * seed, 30 + 5 * seed), ImageLimits()) for seed in range(2)]
         one = vision.process(f"Describe {vision.placeholder} please", pictures[:1])
         two = vision.process(f"First {vision.placeholder} then {vision.placeholder}: compare", pictures)
@@ -63,7 +63,7 @@ def test_greedy_tokens_equal_transformers_with_one_and_two_images(name):
 def test_prefix_cache_shares_a_repeated_image_not_a_different_one():
     path = test_model_path("tiny-llava")
     with engine_for("tiny-llava", max_batch_prefill_tokens=64) as engine:
-        vision = VisionProcessor(path, engine.model_config.image_token_id, ImageLimits(), 4)
+        vision = VisionProcessor.from_pretrained(path, engine.model_config.image_token_id, ImageLimits(), 4)
 
         def run(seed):
             ids, images = vision.process(f"Look: {vision.placeholder} and say", [decode(png(seed), ImageLimits())])

@@ -112,6 +112,20 @@ def test_models_whose_attention_bypasses_the_interface_are_refused(name, reason)
     assert "\n" not in str(error.value)
 
 
+def test_image_text_models_are_judged_by_their_language_model():
+    import transformers as T
+
+    from engine.models.transformers_backend import unsupported_reason
+
+    sizes = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, vocab_size=128)
+    # DeepSeek-VL's top class declares no attention backend; its Llama language model goes through the interface
+    assert not getattr(T.DeepseekVLForConditionalGeneration, "_supports_attention_backend", False)
+    assert unsupported_reason(T.DeepseekVLConfig(text_config=T.LlamaConfig(**sizes), image_token_id=5)) is None
+    # LLaVA declares one, but a Falcon language model under it bypasses the interface
+    falcon = T.LlavaConfig(text_config=T.FalconConfig(**sizes), image_token_index=5)
+    assert "FalconModel's attention bypasses" in unsupported_reason(falcon)
+
+
 def write_config(folder, config):
     folder.mkdir()
     (folder / "config.json").write_text(config.to_json_string())

@@ -15,7 +15,7 @@ VALUE_FLAGS = {
     "--cpu-threads", "--drain-timeout", "--max-new-tokens-default", "--prefix-caching", "--lora-adapters",
     "--rank-timeout", "--speculate", "--speculative-layers", "--max-client-batch-size", "--reasoning-parser",
     "--tool-call-parser", "--max-loras", "--max-lora-rank",
-    "--max-images-per-request", "--max-image-bytes", "--image-fetch-timeout",
+    "--max-images-per-request", "--max-image-bytes", "--image-fetch-timeout", "--image-fetch",
 }
 SWITCH_FLAGS = {"--json-output", "--enable-runtime-lora"}
 # Set by the job itself; --api-key in particular must never be on a command line.
