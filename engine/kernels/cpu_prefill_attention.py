@@ -198,11 +198,15 @@ void attend(const Args<T>& a, T* out, const Task& task, float* buf) {
     const int64_t n = std::min(KB, k_hi - k0), n4 = (n + 3) / 4 * 4;
     tile_rows(a, table, g, k0, n, kf, vf, zeros, krow, vrow);
     for (int64_t r0 = 0; r0 < RP; r0 += 64) {
-      switch (std::min<int64_t>(4, (RP - r0) / 16)) {
-        case 1: score_tile<1>(krow, n4, D, qt + r0, RP, st + r0); break;
-        case 2: score_tile<2>(krow, n4, D, qt + r0, RP, st + r0); break;
-        case 3: score_tile<3>(krow, n4, D, qt + r0, RP, st + r0); break;
-        default: score_tile<4>(krow, n4, D, qt + r0, RP, st + r0); break;
+      const int64_t width = std::min<int64_t>(4, (RP - r0) / 16);
+      // keys past the last row's position are masked for all these rows: not scored (on the diagonal)
+      const int64_t keys = std::min(n4, (pos[r0 + 16 * width - 1] - k0 + 4) / 4 * 4);
+      if (keys <= 0) continue;
+      switch (width) {
+        case 1: score_tile<1>(krow, keys, D, qt + r0, RP, st + r0); break;
+        case 2: score_tile<2>(krow, keys, D, qt + r0, RP, st + r0); break;
+        case 3: score_tile<3>(krow, keys, D, qt + r0, RP, st + r0); break;
+        default: score_tile<4>(krow, keys, D, qt + r0, RP, st + r0); break;
       }
     }
     // the online softmax across rows, 16 at a time: mask (causal, window) and soft-cap, the tile's max per row,
@@ -240,16 +244,18 @@ void attend(const Args<T>& a, T* out, const Task& task, float* buf) {
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ar[d] *= alpha[r];
       }
-    for (int64_t r = 0; r < RP; r += NR)
-      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    for (int64_t r = 0; r < RP; r += NR) {
+      const int64_t keys = std::min<int64_t>(n, pos[r + NR - 1] - k0 + 1);  // the rest have probability 0
+      for (int64_t d0 = 0; d0 < D && keys > 0; d0 += 64) {
         float* ar = acc + r * D + d0;
         switch (std::min<int64_t>(4, (D - d0) / 16)) {
-          case 1: accumulate_tile<1>(ar, D, st + r, RP, vrow, d0, n); break;
-          case 2: accumulate_tile<2>(ar, D, st + r, RP, vrow, d0, n); break;
-          case 3: accumulate_tile<3>(ar, D, st + r, RP, vrow, d0, n); break;
-          default: accumulate_tile<4>(ar, D, st + r, RP, vrow, d0, n); break;
+          case 1: accumulate_tile<1>(ar, D, st + r, RP, vrow, d0, keys); break;
+          case 2: accumulate_tile<2>(ar, D, st + r, RP, vrow, d0, keys); break;
+          case 3: accumulate_tile<3>(ar, D, st + r, RP, vrow, d0, keys); break;
+          default: accumulate_tile<4>(ar, D, st + r, RP, vrow, d0, keys); break;
         }
       }
+    }
   }
   for (int64_t r = 0; r < R; ++r) {
     T* dst = out + ((first + task.q0 + r / G) * H + g * G + r % G) * D;
