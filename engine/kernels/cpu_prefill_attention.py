@@ -279,6 +279,7 @@ void run(const Args<T>& a, T* out, int64_t items, int threads) {
   const int64_t RP = padded_rows(a.qb * a.group), D = a.dim;
   const int64_t scratch = D * RP + KB * RP + RP * D + 5 * RP + 2 * KB * D + D;
   const int64_t count = static_cast<int64_t>(tasks.size());
+  if (count == 0) return;  // only empty chunks
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, count)))
   {
     std::vector<float> buf(scratch);

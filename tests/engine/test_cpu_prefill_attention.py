@@ -162,3 +162,13 @@ def test_the_environment_overrides_the_choice(monkeypatch):
     monkeypatch.setenv("TGI_HPC_CPU_PREFILL_ATTENTION", "fast")
     with pytest.raises(ValueError, match="use one of auto, kernel, sdpa"):
         cpu_prefill_attention.choose({(9, 3, 64, None, None)}, torch.float32)
+
+
+def test_empty_chunks_write_nothing():
+    q = torch.randn(3, 4, 32)
+    cache = torch.randn(2, 2, 16, 2, 32)
+    out = torch.full_like(q, 7.0)
+    work = torch.tensor([[0, 0, 0, 5], [1, 3, 0, 0]], dtype=torch.int32)
+    cpu_prefill_attention.prefill_attention(out, q, cache[0], cache[1], work, torch.ones(2, 1, dtype=torch.int32),
+                                            scale=0.2, window=None, softcap=None)
+    assert torch.equal(out, torch.full_like(q, 7.0))
