@@ -159,6 +159,9 @@ def test_the_environment_overrides_the_choice(monkeypatch):
     assert cpu_prefill_attention.choose({(9, 3, 64, None, None)}, torch.float32) == (True, "kernel")
     with pytest.raises(ValueError, match="cannot serve this model: a head dim that is not a multiple of 16"):
         cpu_prefill_attention.choose({(4, 2, 24, None, None)}, torch.float32)
+    backend, _, report = selection.choose_backend("auto", torch.device("cpu"), torch.float32,
+                                                  [Attention(4, 2, 24, 0.2)], None)
+    assert backend.name == "portable" and "cannot serve this model" in report["cpu_paged"]
     monkeypatch.setenv("TGI_HPC_CPU_PREFILL_ATTENTION", "fast")
     with pytest.raises(ValueError, match="use one of auto, kernel, sdpa"):
         cpu_prefill_attention.choose({(9, 3, 64, None, None)}, torch.float32)
