@@ -5,10 +5,12 @@ A prefill chunk's queries attend to the whole context, the cached prefix and the
 [K, kvh, d] copy, and no [Q, K] mask is built. A small C++ kernel with no torch headers, built at first use
 and cached on disk by engine/kernels/cpp_build.py, called through ctypes. One task is (chunk, kv head,
 block of QB queries): the rows of that block that read that kv head (queries x the heads of its group)
-are scored together against tiles of 64 keys, so each tile (transposed once into [d, 64]) serves all of
-them; scores and the probability-weighted sum of V run as register-tiled 4-row micro-kernels, with an
-online softmax in fp32 in between. Tiles past a block's last query are never visited (causal), nor those
-before its sliding window. OpenMP spreads the tasks over threads, the longest first.
+are scored together against tiles of 64 keys, so each key is read once for all of them (in float32 straight
+from the cache; bf16 and fp16 tiles are converted once). Queries are held transposed ([d, rows]) and scores
+as [keys, rows], so the register-tiled score and P.V micro-kernels and the online softmax (fp32) between
+them run across rows in 16-lane vectors. Tiles past a block's last query are never visited (causal), nor
+those before its sliding window; on the diagonal, keys past a row group's last position are skipped.
+OpenMP spreads the tasks over threads, the longest first.
 
 Reference: paged_attention_reference (engine/kernels/attention_reference.py), float64. `self_check` runs the
 kernel against it at start-up, on the model's head layouts, and the engine falls back to SDPA
