@@ -32,6 +32,11 @@ class AttentionBackend:
         """Why this backend cannot run here (None = it can); checked before the numeric self-check."""
         return None
 
+    def configure(self, layers: list, dtype: torch.dtype) -> dict[str, str]:
+        """Choices made for the model's layers before the self-check, as {what: choice} for /info's
+        attention_checks; the default makes none."""
+        return {}
+
     def prepare(self, meta: AttentionMetadata, windows: set[int | None]) -> None:
         """Per-step work shared by all layers; the default needs none."""
 

@@ -42,11 +42,12 @@ def choose_backend(wanted: str, device: torch.device, dtype: torch.dtype, layers
     order = PRIORITY.get(device.type, ("portable",)) if name == "auto" else (name,)
     report: dict[str, str] = {}
     for candidate in order:
-        backend, size, reason = _try(BACKENDS[candidate], device, dtype, layers, block_size)
+        backend, size, reason, choices = _try(BACKENDS[candidate], device, dtype, layers, block_size)
         if not agree(reason is None):
             reason = reason or "another tensor-parallel rank cannot use it"
         report[candidate] = reason or "ok"
         if reason is None:
+            report.update(choices)
             return backend, size, report
         if name != "auto":
             raise ValueError(f"attention backend {candidate!r} cannot run here: {reason}")
@@ -60,12 +61,13 @@ def _try(cls: type[AttentionBackend], device, dtype, layers, block_size) -> tupl
     if reason is None and (size & (size - 1) or (cls.block_sizes is not None and size not in cls.block_sizes)):
         reason = f"block size {size} is not one of {cls.block_sizes or 'the powers of two'}"
     if reason is not None:
-        return None, size, reason
+        return None, size, reason, {}
     try:
         backend = cls()
-        return backend, size, self_check(backend, device, dtype, layers, size)
+        choices = backend.configure(layers, dtype)
+        return backend, size, self_check(backend, device, dtype, layers, size), choices
     except Exception as error:  # a broken build must not take the engine down
-        return None, size, f"failed its self-check with {type(error).__name__}: {error}"
+        return None, size, f"failed its self-check with {type(error).__name__}: {error}", {}
 
 
 # (new tokens, tokens already in the cache) per sequence: prefill from scratch, chunked prefill over

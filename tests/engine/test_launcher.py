@@ -151,7 +151,8 @@ def test_real_server_with_env_api_key(model_path, tmp_path):
         assert httpx.get(f"{url}/health").status_code == 200  # probes carry no token
         info = httpx.get(f"{url}/info").json()
         assert info["attention_backend"] == "cpu_paged" and info["cuda_graphs"] == []
-        assert info["attention_checks"] == {"cpu_paged": "ok"}  # what start-up tried, and why it chose
+        # what start-up tried, and why it chose
+        assert info["attention_checks"] == {"cpu_paged": "ok", "cpu_paged prefill": "kernel"}
         assert info["linear_backend"] in ("onednn", "aten")  # oneDNN unless this torch build lacks it
         assert info["elementwise_backend"] == "fused"  # float32 on CPU: the one-pass C++ kernels
         assert info["quant_kernels"] == {}  # no quantized layers (and no CUDA) here
