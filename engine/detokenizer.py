@@ -44,7 +44,19 @@ class IncrementalDetokenizer:
     def decode_next(self, token_ids: list[int]) -> str:
         """Text that the tokens after the read offset add, or "" while it is not yet stable."""
         if self._use_stream:
-            return self._stream_next(token_ids)
+            stream, num_tokens = self._stream, len(token_ids)
+            if stream is None or num_tokens != self._num_fed + 1:
+                return self._stream_next(token_ids)
+            try:        # the common case, one new token, without _stream_next's call and list slice
+                piece = stream.step(self._decoder, token_ids[-1])
+            except Exception:  # noqa: BLE001 - DecodeStream's prefix check: the Python path has no such check
+                self._use_stream = False
+                return self.decode_next(token_ids)
+            self._num_fed = num_tokens
+            if piece is None:
+                return ""
+            self.prefix_offset, self.read_offset = self.read_offset, num_tokens
+            return piece
         prefix_text = self._decode(token_ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(token_ids[self.prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):

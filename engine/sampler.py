@@ -18,6 +18,7 @@ instead of copying each history there (on CPU the per-history path is faster and
 from __future__ import annotations
 
 import random
+import threading
 from array import array
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -96,9 +97,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
         # greedy rows only and nothing processes the scores: argmax, and the log_softmax only when a row
         # reports logprobs (on CPU the fused log_softmax beats logsumexp + gather)
         scores = logits.float()
-        next_ids = scores.argmax(dim=-1)
+        next_ids = greedy_ids(scores)
         if any(p.logprobs or p.top_n_tokens for p in params):
-            return report(torch.log_softmax(scores, dim=-1), next_ids, params)
+            return report(log_softmax(scores), next_ids, params)
         return SamplerOutput(next_ids.tolist(), [float("nan")] * len(params), [[] for _ in params],
                              [[] for _ in params])
     processed = process(logits, rows, bitmask, counts)
@@ -107,6 +108,28 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
     if any(sampling):
         next_ids = _draw(logprobs, next_ids, rows, sampling)
     return report(logprobs, next_ids, [row.params for row in rows])
+
+
+def greedy_ids(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first one on ties; NaN counts as the largest, as in torch). On CPU through
+    numpy, whose SIMD argmax is ~10x torch's (0.07 vs 0.9 ms at 256 x 4,096, 6 vs 27 ms at 256 x 128k)."""
+    if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2 and scores.shape[-1]:
+        return torch.from_numpy(scores.numpy().argmax(axis=-1))
+    return scores.argmax(dim=-1)
+
+
+_workspace = threading.local()   # per step thread: a float32 buffer the CPU log_softmax writes into
+
+
+def log_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the vocabulary. On CPU into a buffer kept between calls (one per thread), valid until
+    the next call: a fresh [256, 128k] result costs more in page faults than in math (81 vs 25 ms)."""
+    if scores.device.type != "cpu" or scores.dtype != torch.float32:
+        return torch.log_softmax(scores, dim=-1)
+    buffer = getattr(_workspace, "buffer", None)
+    if buffer is None or buffer.numel() < scores.numel():
+        buffer = _workspace.buffer = torch.empty(scores.numel(), dtype=torch.float32)
+    return torch._log_softmax(scores, -1, False, out=buffer[:scores.numel()].view(scores.shape))
 
 
 def _changes_scores(params: SamplingParams) -> bool:

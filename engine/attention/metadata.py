@@ -37,15 +37,21 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device,
     """The step's layout; with `tables`, block tables come from the device-resident copy (updated by what
     changed since the last step) instead of being rebuilt from the spans' lists."""
     query_lens = [len(span.token_ids) for span in spans]
-    seq_lens = [span.start_pos + length for span, length in zip(spans, query_lens)]
-    slots: list[int] = []
-    for span, length in zip(spans, query_lens):
-        table = span.block_table
-        slots += [table[pos // block_size] * block_size + pos % block_size
-                  for pos in range(span.start_pos, span.start_pos + length)]
-    cu_seqlens = [0]
-    for length in query_lens:
-        cu_seqlens.append(cu_seqlens[-1] + length)
+    if len(query_lens) == sum(query_lens):      # decodes only (one token each): list comprehensions, no loops
+        seq_lens = [span.start_pos + 1 for span in spans]
+        slots = [span.block_table[span.start_pos // block_size] * block_size + span.start_pos % block_size
+                 for span in spans]
+        cu_seqlens = list(range(len(spans) + 1))
+    else:
+        seq_lens = [span.start_pos + length for span, length in zip(spans, query_lens)]
+        slots = []
+        for span, length in zip(spans, query_lens):
+            table = span.block_table
+            slots += [table[pos // block_size] * block_size + pos % block_size
+                      for pos in range(span.start_pos, span.start_pos + length)]
+        cu_seqlens = [0]
+        for length in query_lens:
+            cu_seqlens.append(cu_seqlens[-1] + length)
     if tables is not None:
         block_tables = tables.gather(spans)
     else:
