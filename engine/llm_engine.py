@@ -387,8 +387,9 @@ class LLMEngine:
     def _output(self, seq: Sequence, tokens: list[TokenInfo], text: str,
                 pieces: list[str] | None = None) -> RequestOutput:
         prefill, seq.prefill_tokens = seq.prefill_tokens, None
-        return RequestOutput(seq.request_id, tokens, text, num_prompt_tokens=seq.num_prompt_tokens,
-                             num_generated_tokens=seq.num_generated_tokens, seed=seq.seed, prefill_tokens=prefill,
+        num_prompt = seq.num_prompt_tokens
+        return RequestOutput(seq.request_id, tokens, text, num_prompt_tokens=num_prompt,
+                             num_generated_tokens=len(seq.token_ids) - num_prompt, seed=seq.seed, prefill_tokens=prefill,
                              num_cached_tokens=seq.num_cached_tokens or 0, token_texts=pieces)
 
     def _final_output(self, seq: Sequence, tokens: list[TokenInfo], text: str,

@@ -93,7 +93,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
     """Choose one token per row of `logits` [n, vocab] (float32) with that row's parameters, among the tokens
     `bitmask` allows for the rows it names."""
     params = [row.params for row in rows]
-    if bitmask is None and not any(_changes_scores(p) for p in params):
+    if bitmask is None and not any(map(_changes_scores, params)):
         # greedy rows only and nothing processes the scores: argmax, and the log_softmax only when a row
         # reports logprobs (on CPU the fused log_softmax beats logsumexp + gather)
         scores = logits.float()
@@ -132,8 +132,11 @@ def log_softmax(scores: torch.Tensor) -> torch.Tensor:
     return torch._log_softmax(scores, -1, False, out=buffer[:scores.numel()].view(scores.shape))
 
 
-def _changes_scores(params: SamplingParams) -> bool:
-    return is_sampling(params) or params.repetition_penalty not in (None, 1.0) or bool(params.frequency_penalty)
+def _changes_scores(p: SamplingParams) -> bool:
+    # is_sampling's test written out: this runs for every row of every step
+    return (p.do_sample or p.temperature != 1.0 or bool(p.top_k) or (p.top_p is not None and p.top_p < 1.0)
+            or (p.typical_p is not None and p.typical_p < 1.0) or p.repetition_penalty not in (None, 1.0)
+            or bool(p.frequency_penalty))
 
 
 def report(logprobs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
