@@ -389,8 +389,8 @@ class LLMEngine:
         prefill, seq.prefill_tokens = seq.prefill_tokens, None
         num_prompt = seq.num_prompt_tokens
         return RequestOutput(seq.request_id, tokens, text, num_prompt_tokens=num_prompt,
-                             num_generated_tokens=len(seq.token_ids) - num_prompt, seed=seq.seed, prefill_tokens=prefill,
-                             num_cached_tokens=seq.num_cached_tokens or 0, token_texts=pieces)
+                             num_generated_tokens=len(seq.token_ids) - num_prompt, seed=seq.seed,
+                             prefill_tokens=prefill, num_cached_tokens=seq.num_cached_tokens or 0, token_texts=pieces)
 
     def _final_output(self, seq: Sequence, tokens: list[TokenInfo], text: str,
                       error: str | None = None, pieces: list[str] | None = None) -> RequestOutput:

@@ -21,11 +21,13 @@ Phases, in microseconds of CPU time per step (medians over the steps):
               columns only (same rows, same ids): the sampler's Python, dispatch and small-tensor work
   detokenize  IncrementalDetokenizer calls and stop-sequence matching, per sequence
   outputs     the rest of step(): appending tokens, TokenInfo/RequestOutput building, finish checks
-The total is measured on steps without the phase timers (process_time around step()); the phases come
-from as many steps with them (schedule, prepare, sample by process_time; detokenize summed with
-perf_counter per call: each call is a few microseconds, rarely preempted), and `outputs` is what is left
-of the timed step. Host overhead = timed step - sample + sample at 4096 columns (per step, then the
-median): what the step costs the host when the vocabulary-wide math runs elsewhere. Both figures are
+The total is measured on steps without the phase timers (process_time around step()). Then as many steps
+with timers on schedule, prepare and sample (process_time; one call each per step: the sample wrapper's own
+work is taken off the step), and as many again with the detokenizer and stop-matcher calls timed
+(perf_counter per call, summed: each call is a few microseconds, rarely preempted), on steps of their own so
+that those wrappers' cost stays out of the other figures. `outputs` is what is left of the timed step.
+Host overhead = timed step - sample + sample at 4096 columns (per step, then the median): what the step
+costs the host when the vocabulary-wide math runs elsewhere. Both figures are
 printed; the last line is the host one.
 """
 from __future__ import annotations
