@@ -105,6 +105,10 @@ class BlockManager:
         for _ in range(self.num_blocks_for(num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free_block())
 
+    def take_free_block(self) -> int:
+        """One free block, now referenced once (the caller appends it to a sequence's table)."""
+        return self._take_free_block()
+
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the tail blocks `seq` needs no more once it holds `num_tokens` tokens (the KV of
         rejected draft tokens). Their content was never registered in the prefix cache, and the slots

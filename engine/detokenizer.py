@@ -55,18 +55,20 @@ class IncrementalDetokenizer:
     def _stream_next(self, token_ids: list[int]) -> str:
         if self._stream is None:
             self._stream = DecodeStream(token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        new = token_ids[self._num_fed:]
-        if not new:
+        num_tokens = len(token_ids)
+        if num_tokens <= self._num_fed:
             return ""
+        # one new token (every decode step) goes in as an int: no list slice
+        new = token_ids[-1] if num_tokens == self._num_fed + 1 else token_ids[self._num_fed:]
         try:
-            piece = self._stream.step(self._decoder, new[0] if len(new) == 1 else new)
+            piece = self._stream.step(self._decoder, new)
         except Exception:  # noqa: BLE001 - DecodeStream's prefix check: the Python path has no such check
             self._use_stream = False
             return self.decode_next(token_ids)
-        self._num_fed = len(token_ids)
+        self._num_fed = num_tokens
         if piece is None:
             return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        self.prefix_offset, self.read_offset = self.read_offset, num_tokens
         return piece
 
     def flush(self, token_ids: list[int]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
@@ -148,6 +149,7 @@ class LLMEngine:
         self._pending: list[tuple[str, Any]] = []       # ("add", Sequence) | ("abort", request_id)
         self._live_ids: set[str] = set()
         self._seqs: dict[str, Sequence] = {}
+        self._num_guided = 0                            # of those, with a grammar (no mask work in steps without)
         self._seq_ids = count()
         self._penalty_counts = PenaltyCounts()         # penalties' token counts, kept between steps
         self._batch_size = 0
@@ -240,12 +242,13 @@ class LLMEngine:
         self._batch_size = len(batch)
         if not batch:
             return outputs
-        masks = self._start_masks(batch)
+        masks = self._start_masks(batch) if self._num_guided else None
         try:
             if self.speculation is not None and self.speculation.fill is not None:
                 self.speculation.fill(batch)
             grammar_drafts = {seq.seq_id: draft_masks(seq.grammar, seq.draft_token_ids, self.vocab_size)
-                              for seq in batch.seqs if seq.grammar is not None and seq.draft_token_ids}
+                              for seq in batch.seqs if seq.grammar is not None and seq.draft_token_ids} \
+                if self._num_guided and batch.num_draft_tokens else {}
             last_logits, all_logits = self.runner.run(batch.spans)
         except Exception as e:  # noqa: BLE001 - reported per request, the engine keeps serving
             return outputs + self._step_failed(batch, e)
@@ -254,24 +257,28 @@ class LLMEngine:
         sampled: list[Sequence] = []
         rows: list[int] = []
         drafted: list[Sequence] = []
-        row = 0
-        for seq, span in zip(batch.seqs, batch.spans):
-            if seq.draft_token_ids:
-                drafted.append(seq)
-            elif span.logits == "all":
-                self._add_prefill_logprobs(seq, span.start_pos, all_logits[seq.seq_id])
-            if span.logits == "none":
-                continue
-            if seq.num_computed_tokens == seq.num_tokens and not seq.draft_token_ids:
-                sampled.append(seq)
-                rows.append(row)
-            row += 1
+        if batch.num_decode_tokens == len(batch) and not batch.num_draft_tokens:
+            sampled = batch.seqs    # decodes only: every span has a row of logits and samples from it
+        else:
+            row = 0
+            for seq, span in zip(batch.seqs, batch.spans):
+                if seq.draft_token_ids:
+                    drafted.append(seq)
+                elif span.logits == "all":
+                    self._add_prefill_logprobs(seq, span.start_pos, all_logits[seq.seq_id])
+                if span.logits == "none":
+                    continue
+                if seq.num_computed_tokens == seq.num_tokens and not seq.draft_token_ids:
+                    sampled.append(seq)
+                    rows.append(row)
+                row += 1
         if sampled:
             self._num_generated_tokens_total += len(sampled)
-            logits = last_logits if len(rows) == len(last_logits) else last_logits[rows]
+            logits = last_logits if len(sampled) == len(last_logits) else last_logits[rows]
             bitmask = masks.for_rows(sampled) if masks is not None else None
             out = sample(logits, sampled, bitmask, counts=self._penalty_counts)
-            outputs += [self._append_run(seq, out, range(j, j + 1)) for j, seq in enumerate(sampled)]
+            append = self._append_run
+            outputs += [append(seq, out, (j,)) for j, seq in enumerate(sampled)]
         if drafted:
             outputs += self._append_verified(drafted, verify(drafted, [all_logits[s.seq_id] for s in drafted],
                                                              grammar_drafts))
@@ -307,6 +314,7 @@ class LLMEngine:
         for kind, item in pending:
             if kind == "add":
                 self._seqs[item.request_id] = item
+                self._num_guided += item.grammar is not None
                 self.scheduler.add(item)
             elif (seq := self._seqs.get(item)) is not None:
                 self.scheduler.finish(seq, "aborted")
@@ -332,49 +340,59 @@ class LLMEngine:
         seq.prefill_tokens += [TokenInfo(t, texts.text(t), lp, texts.is_special(t), top)
                                for t, lp, top in zip(targets, values, tops)]
 
-    def _append_run(self, seq: Sequence, out: SamplerOutput, rows: range) -> RequestOutput:
+    def _append_run(self, seq: Sequence, out: SamplerOutput, rows: Iterable[int]) -> RequestOutput:
         """Append `out`'s tokens at `rows` to `seq` in order, stopping at the first that ends it (a stop
-        sequence, EOS, the grammar's end or the length limit): one output with every token kept."""
-        texts, infos, pieces, reason = self.token_texts, [], [], None
+        sequence, EOS, the grammar's end or the length limit): one output with every token kept.
+        Runs once per sequence and step: locals instead of repeated attribute and property look-ups."""
+        text, special_ids = self.token_texts.text, self.token_texts.special_ids
+        token_ids, grammar, detokenizer, stop = seq.token_ids, seq.grammar, seq.detokenizer, seq.stop
+        logprobs = out.logprobs if seq.params.logprobs else None
+        infos: list[TokenInfo] = []
+        pieces: list[str] = []
+        reason = None
         for j in rows:
             token_id = out.token_ids[j]
-            seq.append_token(token_id)
-            if seq.grammar is not None:
-                seq.grammar.consume_token(token_id)
-            top = [TokenInfo(t, texts.text(t), lp, texts.is_special(t))
-                   for t, lp in zip(out.top_token_ids[j], out.top_logprobs[j])]
-            infos.append(TokenInfo(token_id, texts.text(token_id), out.logprobs[j] if seq.params.logprobs else None,
-                                   texts.is_special(token_id), top))
-            piece, stopped = seq.stop.feed(seq.detokenizer.decode_next(seq.token_ids))
+            token_ids.append(token_id)
+            if grammar is not None:
+                grammar.consume_token(token_id)
+            top_ids = out.top_token_ids[j]
+            top = [TokenInfo(t, text(t), lp, t in special_ids) for t, lp in zip(top_ids, out.top_logprobs[j])] \
+                if top_ids else []
+            infos.append(TokenInfo(token_id, text(token_id), logprobs[j] if logprobs is not None else None,
+                                   token_id in special_ids, top))
+            piece, stopped = stop.feed(detokenizer.decode_next(token_ids))
             pieces.append(piece)
             reason = self._finish_reason(seq, token_id, stopped)
             if reason is not None:
                 break
         if reason is None:
-            return self._output(seq, infos, "".join(pieces), pieces)
+            return self._output(seq, infos, pieces[0] if len(pieces) == 1 else "".join(pieces), pieces)
         if reason != "stop_sequence":
-            tail, _ = seq.stop.feed(seq.detokenizer.flush(seq.token_ids))
-            pieces[-1] += tail + seq.stop.flush()
+            tail, _ = stop.feed(detokenizer.flush(token_ids))
+            pieces[-1] += tail + stop.flush()
         self.scheduler.finish(seq, reason)
         return self._final_output(seq, infos, "".join(pieces), pieces=pieces)
 
     def _finish_reason(self, seq: Sequence, token_id: int, stopped: bool) -> FinishReason | None:
         if stopped:
             return "stop_sequence"
-        if token_id in self.eos_token_ids and not seq.params.ignore_eos:
+        params = seq.params
+        if token_id in self.eos_token_ids and not params.ignore_eos:
             return "eos_token"
         if seq.grammar is not None and seq.grammar.is_stopped():
             return "eos_token"      # the grammar is complete and allows nothing more: as if the model had ended
-        if seq.num_generated_tokens >= seq.params.max_new_tokens or seq.num_tokens >= seq.max_tokens:
+        num_tokens = len(seq.token_ids)
+        if num_tokens - seq.num_prompt_tokens >= params.max_new_tokens or num_tokens >= seq.max_tokens:
             return "length"
         return None
 
     def _output(self, seq: Sequence, tokens: list[TokenInfo], text: str,
                 pieces: list[str] | None = None) -> RequestOutput:
         prefill, seq.prefill_tokens = seq.prefill_tokens, None
-        return RequestOutput(seq.request_id, tokens, text, num_prompt_tokens=seq.num_prompt_tokens,
-                             num_generated_tokens=seq.num_generated_tokens, seed=seq.seed, prefill_tokens=prefill,
-                             num_cached_tokens=seq.num_cached_tokens or 0, token_texts=pieces)
+        num_prompt = seq.num_prompt_tokens
+        return RequestOutput(seq.request_id, tokens, text, num_prompt_tokens=num_prompt,
+                             num_generated_tokens=len(seq.token_ids) - num_prompt, seed=seq.seed,
+                             prefill_tokens=prefill, num_cached_tokens=seq.num_cached_tokens or 0, token_texts=pieces)
 
     def _final_output(self, seq: Sequence, tokens: list[TokenInfo], text: str,
                       error: str | None = None, pieces: list[str] | None = None) -> RequestOutput:
@@ -383,7 +401,8 @@ class LLMEngine:
         output.generated_text, output.stop_text = seq.stop.text, seq.stop.cut
         if error is not None:
             output.finish_reason = None
-        self._seqs.pop(seq.request_id, None)
+        if self._seqs.pop(seq.request_id, None) is not None and seq.grammar is not None:
+            self._num_guided -= 1
         with self._lock:
             self._live_ids.discard(seq.request_id)
         return output

@@ -18,6 +18,7 @@ instead of copying each history there (on CPU the per-history path is faster and
 from __future__ import annotations
 
 import random
+import threading
 from array import array
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -92,13 +93,13 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
     """Choose one token per row of `logits` [n, vocab] (float32) with that row's parameters, among the tokens
     `bitmask` allows for the rows it names."""
     params = [row.params for row in rows]
-    if bitmask is None and not any(_changes_scores(p) for p in params):
+    if bitmask is None and not any(map(_changes_scores, params)):
         # greedy rows only and nothing processes the scores: argmax, and the log_softmax only when a row
         # reports logprobs (on CPU the fused log_softmax beats logsumexp + gather)
         scores = logits.float()
-        next_ids = scores.argmax(dim=-1)
+        next_ids = greedy_ids(scores)
         if any(p.logprobs or p.top_n_tokens for p in params):
-            return report(torch.log_softmax(scores, dim=-1), next_ids, params)
+            return report(log_softmax(scores), next_ids, params)
         return SamplerOutput(next_ids.tolist(), [float("nan")] * len(params), [[] for _ in params],
                              [[] for _ in params])
     processed = process(logits, rows, bitmask, counts)
@@ -109,8 +110,33 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
     return report(logprobs, next_ids, [row.params for row in rows])
 
 
-def _changes_scores(params: SamplingParams) -> bool:
-    return is_sampling(params) or params.repetition_penalty not in (None, 1.0) or bool(params.frequency_penalty)
+def greedy_ids(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first one on ties; NaN counts as the largest, as in torch). On CPU through
+    numpy, whose SIMD argmax is ~10x torch's (0.07 vs 0.9 ms at 256 x 4,096, 6 vs 27 ms at 256 x 128k)."""
+    if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2 and scores.shape[-1]:
+        return torch.from_numpy(scores.numpy().argmax(axis=-1))
+    return scores.argmax(dim=-1)
+
+
+_workspace = threading.local()   # per step thread: a float32 buffer the CPU log_softmax writes into
+
+
+def log_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the vocabulary. On CPU into a buffer kept between calls (one per thread), valid until
+    the next call: a fresh [256, 128k] result costs more in page faults than in math (81 vs 25 ms)."""
+    if scores.device.type != "cpu" or scores.dtype != torch.float32:
+        return torch.log_softmax(scores, dim=-1)
+    buffer = getattr(_workspace, "buffer", None)
+    if buffer is None or buffer.numel() < scores.numel():
+        buffer = _workspace.buffer = torch.empty(scores.numel(), dtype=torch.float32)
+    return torch._log_softmax(scores, -1, False, out=buffer[:scores.numel()].view(scores.shape))
+
+
+def _changes_scores(p: SamplingParams) -> bool:
+    # is_sampling's test written out: this runs for every row of every step
+    return (p.do_sample or p.temperature != 1.0 or bool(p.top_k) or (p.top_p is not None and p.top_p < 1.0)
+            or (p.typical_p is not None and p.typical_p < 1.0) or p.repetition_penalty not in (None, 1.0)
+            or bool(p.frequency_penalty))
 
 
 def report(logprobs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:

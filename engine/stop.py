@@ -12,14 +12,29 @@ class StopMatcher:
 
     def __init__(self, stop: list[str] | tuple[str, ...] = ()):
         self.stop = [s for s in stop if s]
-        self.text = ""
+        self._text = ""
+        self._pieces: list[str] = []    # without stop strings: pieces not yet joined into `text`
         self.cut = ""
         self.num_released = 0
 
+    @property
+    def text(self) -> str:
+        """The generated text so far (cut before the stop string once one matched)."""
+        if self._pieces:
+            self._text += "".join(self._pieces)
+            self._pieces = []
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._pieces = []
+        self._text = value
+
     def feed(self, piece: str) -> tuple[str, bool]:
         if not self.stop:
-            self.text += piece
-            self.num_released = len(self.text)
+            # nothing to match: the piece is kept in a list (text += piece per token copies the whole text)
+            self._pieces.append(piece)
+            self.num_released += len(piece)
             return piece, False
         old_len = len(self.text)
         self.text += piece

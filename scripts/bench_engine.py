@@ -495,7 +495,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     host.add_argument("--batch", type=int, default=256, help="sequences decoding together")
     host.add_argument("--context", type=int, default=2048, help="prompt tokens per sequence")
     host.add_argument("--vocab", type=int, default=128256, help="logits width")
-    host.add_argument("--steps", type=int, default=30, help="measured decode steps (twice: plain, then timed)")
+    host.add_argument("--steps", type=int, default=30,
+                      help="measured decode steps (three times: plain, phase-timed, detokenizer-timed)")
     host.add_argument("--warmup", type=int, default=5, help="decode steps before measuring")
     host.add_argument("--sampling", choices=["greedy", "mixed"], default="greedy",
                       help="greedy: TGI's default request; mixed: half the rows sample (seeded, "

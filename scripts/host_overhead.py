@@ -21,11 +21,13 @@ Phases, in microseconds of CPU time per step (medians over the steps):
               columns only (same rows, same ids): the sampler's Python, dispatch and small-tensor work
   detokenize  IncrementalDetokenizer calls and stop-sequence matching, per sequence
   outputs     the rest of step(): appending tokens, TokenInfo/RequestOutput building, finish checks
-The total is measured on steps without the phase timers (process_time around step()); the phases come
-from as many steps with them (schedule, prepare, sample by process_time; detokenize summed with
-perf_counter per call: each call is a few microseconds, rarely preempted), and `outputs` is what is left
-of the timed step. Host overhead = timed step - sample + sample at 4096 columns (per step, then the
-median): what the step costs the host when the vocabulary-wide math runs elsewhere. Both figures are
+The total is measured on steps without the phase timers (process_time around step()). Then as many steps
+with timers on schedule, prepare and sample (process_time; one call each per step: the sample wrapper's own
+work is taken off the step), and as many again with the detokenizer and stop-matcher calls timed
+(perf_counter per call, summed: each call is a few microseconds, rarely preempted), on steps of their own so
+that those wrappers' cost stays out of the other figures. `outputs` is what is left of the timed step.
+Host overhead = timed step - sample + sample at 4096 columns (per step, then the median): what the step
+costs the host when the vocabulary-wide math runs elsewhere. Both figures are
 printed; the last line is the host one.
 """
 from __future__ import annotations
@@ -67,9 +69,9 @@ class InstantRunner:
         from engine.model_inputs import prepare_inputs, validate_spans
         start = time.process_time()
         validate_spans(spans, self.block_size, self.num_kv_blocks, self.max_position)
-        prepare_inputs(spans, self.block_size, self.device, self.backend, {None}, self.tables)
+        inputs = prepare_inputs(spans, self.block_size, self.device, self.backend, {None}, self.tables)
         self.prepare_s += time.process_time() - start
-        rows = sum(1 for span in spans if span.logits != "none")
+        rows = len(inputs.logits_rows)      # one per span here (prefill logprobs, "all", are not asked)
         if rows > len(self.logits) - NUM_SHIFTS:
             raise ValueError(f"{rows} rows of logits asked, the stand-in holds {len(self.logits) - NUM_SHIFTS}")
         shift = self.num_steps % NUM_SHIFTS
@@ -92,13 +94,15 @@ class PhaseTimers:
     def __init__(self, engine: Any):
         import engine.llm_engine as llm_engine_module
         self.engine, self.module = engine, llm_engine_module
-        self.schedule_s = self.sample_s = self.detok_s = self.sample_host_s = 0.0
+        self.schedule_s = self.sample_s = self.detok_s = self.sample_host_s = self.harness_s = 0.0
         self._schedule, self._sample = engine.scheduler.schedule, llm_engine_module.sample
         self._wrapped: list[tuple[Any, str, Any]] = []
         from engine.penalty_counts import PenaltyCounts
         self.narrow_counts = PenaltyCounts()   # the 4096-column calls keep their own counts (another width)
 
-    def install(self) -> None:
+    def install(self, detokenize: bool = False) -> None:
+        """Timers on schedule and sample (one call each per step); with `detokenize`, on the per-sequence
+        detokenizer and stop-matcher calls too (their wrappers' own cost would land in `outputs`)."""
         engine, timers = self.engine, self
 
         def schedule() -> Any:
@@ -109,12 +113,14 @@ class PhaseTimers:
                 timers.schedule_s += time.process_time() - start
 
         def sample(logits: torch.Tensor, rows: Any, bitmask: Any = None, counts: Any = None) -> Any:
-            # the same rows at NARROW columns first (the generators' states are put back): the host part
+            # the same rows at NARROW columns first (the generators' states are put back): the host part.
+            # This wrapper's own work (the narrow view, the states) is `harness_s`, taken off the step's time
+            entered = time.process_time()
             narrow = engine.runner.narrow[logits.storage_offset() // logits.shape[1]:][:len(logits)]
             states = [row.generator.get_state() if row.generator is not None else None for row in rows]
             start = time.process_time()
             timers._sample(narrow, rows, bitmask, counts=None if counts is None else timers.narrow_counts)
-            timers.sample_host_s += time.process_time() - start
+            host = time.process_time() - start
             for row, state in zip(rows, states):
                 if state is not None:
                     row.generator.set_state(state)
@@ -122,10 +128,15 @@ class PhaseTimers:
             try:
                 return timers._sample(logits, rows, bitmask, counts=counts)
             finally:
-                timers.sample_s += time.process_time() - start
+                end = time.process_time()
+                timers.sample_s += end - start
+                timers.sample_host_s += host
+                timers.harness_s += start - entered - host
 
         engine.scheduler.schedule = schedule
         self.module.sample = sample
+        if not detokenize:
+            return
         seq = next(iter(engine._seqs.values()))
         for obj, name in ((type(seq.detokenizer), "decode_next"), (type(seq.detokenizer), "flush"),
                           (type(seq.stop), "feed")):
@@ -152,7 +163,7 @@ class PhaseTimers:
         self._wrapped = []
 
     def reset(self) -> None:
-        self.schedule_s = self.sample_s = self.detok_s = self.sample_host_s = 0.0
+        self.schedule_s = self.sample_s = self.detok_s = self.sample_host_s = self.harness_s = 0.0
 
 
 def build(args: argparse.Namespace, tokenizer_dir: Any) -> Any:
@@ -183,36 +194,39 @@ def request_params(mode: str, i: int) -> Any:
 
 
 def measure(engine: Any, steps: int) -> dict[str, Any]:
-    """CPU microseconds per decode step: the plain total, then the phases on as many timed steps."""
+    """CPU microseconds per decode step: the plain total; then, on as many steps each, the step with its
+    schedule/prepare/sample timers, and the detokenizer's share (timed per call, on steps of their own)."""
     totals = []
     for _ in range(steps):
         start = time.process_time()
         outputs = engine.step()
         totals.append(time.process_time() - start)
         assert len(outputs) == engine.config.max_batch_size, "every sequence must decode in every step"
-    timers = PhaseTimers(engine)
-    timers.install()
     phases: dict[str, list[float]] = {name: [] for name in ("schedule", "prepare", "sample", "detokenize",
-                                                            "outputs", "timed step", "sample, host", "host")}
-    try:
-        for _ in range(steps):
-            timers.reset()
-            engine.runner.prepare_s = 0.0
-            start = time.process_time()
-            engine.step()
-            total = time.process_time() - start
-            parts = {"schedule": timers.schedule_s, "prepare": engine.runner.prepare_s,
-                     "sample": timers.sample_s, "detokenize": timers.detok_s}
-            total -= timers.sample_host_s
-            parts["outputs"] = total - sum(parts.values())
-            parts["timed step"] = total
-            parts["sample, host"] = timers.sample_host_s
-            parts["host"] = total - parts["sample"] + timers.sample_host_s
-            for name, value in parts.items():
-                phases[name].append(value)
-    finally:
-        timers.remove()
+                                                            "timed step", "sample, host", "host")}
+    for detokenize in (False, True):
+        timers = PhaseTimers(engine)
+        timers.install(detokenize)
+        try:
+            for _ in range(steps):
+                timers.reset()
+                engine.runner.prepare_s = 0.0
+                start = time.process_time()
+                engine.step()
+                total = time.process_time() - start - timers.sample_host_s - timers.harness_s
+                if detokenize:
+                    phases["detokenize"].append(timers.detok_s)
+                    continue
+                phases["schedule"].append(timers.schedule_s)
+                phases["prepare"].append(engine.runner.prepare_s)
+                phases["sample"].append(timers.sample_s)
+                phases["timed step"].append(total)
+                phases["sample, host"].append(timers.sample_host_s)
+                phases["host"].append(total - timers.sample_s + timers.sample_host_s)
+        finally:
+            timers.remove()
     us = {name: statistics.median(values) * 1e6 for name, values in phases.items()}
+    us["outputs"] = us["timed step"] - sum(us[name] for name in ("schedule", "prepare", "sample", "detokenize"))
     us["total"] = statistics.median(totals) * 1e6
     return us
 

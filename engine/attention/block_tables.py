@@ -52,8 +52,16 @@ class BlockTables:
             self._grow(max(len(spans), 2 * self.mirror.shape[0]), self.mirror.shape[1])
         order: list[int] = []
         changed: list[tuple[int, int, int]] = []       # (row, first column, last column + 1) written
+        rows, step = self.rows, self.step
         for span in spans:
-            order.append(self._update(span, changed))
+            entry = rows.get(span.seq_id)
+            # unchanged since the last step (most decodes): only the row's last use is noted
+            if (entry is not None and entry[1] == getattr(span, "table_version", -1) >= 0
+                    and entry[2] == len(span.block_table)):
+                entry[3] = step
+                order.append(entry[0])
+            else:
+                order.append(self._update(span, changed))
         if not self.pinned:
             return torch.from_numpy(self.mirror_np[order, :width])
         return self._upload(order, changed, width)

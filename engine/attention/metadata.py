@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.attention.block_tables import BlockTables
@@ -37,15 +38,21 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device,
     """The step's layout; with `tables`, block tables come from the device-resident copy (updated by what
     changed since the last step) instead of being rebuilt from the spans' lists."""
     query_lens = [len(span.token_ids) for span in spans]
-    seq_lens = [span.start_pos + length for span, length in zip(spans, query_lens)]
-    slots: list[int] = []
-    for span, length in zip(spans, query_lens):
-        table = span.block_table
-        slots += [table[pos // block_size] * block_size + pos % block_size
-                  for pos in range(span.start_pos, span.start_pos + length)]
-    cu_seqlens = [0]
-    for length in query_lens:
-        cu_seqlens.append(cu_seqlens[-1] + length)
+    if len(query_lens) == sum(query_lens):      # decodes only (one token each): list comprehensions, no loops
+        seq_lens = [span.start_pos + 1 for span in spans]
+        slots = [span.block_table[span.start_pos // block_size] * block_size + span.start_pos % block_size
+                 for span in spans]
+        cu_seqlens = list(range(len(spans) + 1))
+    else:
+        seq_lens = [span.start_pos + length for span, length in zip(spans, query_lens)]
+        slots = []
+        for span, length in zip(spans, query_lens):
+            table = span.block_table
+            slots += [table[pos // block_size] * block_size + pos % block_size
+                      for pos in range(span.start_pos, span.start_pos + length)]
+        cu_seqlens = [0]
+        for length in query_lens:
+            cu_seqlens.append(cu_seqlens[-1] + length)
     if tables is not None:
         block_tables = tables.gather(spans)
     else:
@@ -53,12 +60,17 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device,
         padded = [span.block_table + [0] * (width - len(span.block_table)) for span in spans]
         block_tables = _to(torch.tensor(padded, dtype=torch.int32), device)
     return AttentionMetadata(
-        slot_mapping=_to(torch.tensor(slots, dtype=torch.int64), device),
-        cu_seqlens_q=_to(torch.tensor(cu_seqlens, dtype=torch.int32), device),
-        seq_lens=_to(torch.tensor(seq_lens, dtype=torch.int32), device),
+        slot_mapping=_to(_host(slots, np.int64), device),
+        cu_seqlens_q=_to(_host(cu_seqlens, np.int32), device),
+        seq_lens=_to(_host(seq_lens, np.int32), device),
         block_tables=block_tables,
         block_size=block_size, num_seqs=len(spans), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
         query_lens_host=query_lens, seq_lens_host=seq_lens)
+
+
+def _host(values: list[int], dtype: type) -> torch.Tensor:
+    """A CPU tensor of `values` through numpy: 3x cheaper than torch.tensor(list) (6 vs 16 us for 256)."""
+    return torch.from_numpy(np.array(values, dtype=dtype))
 
 
 def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -253,3 +253,12 @@ def test_stream_path_takes_several_new_tokens_at_once(smollm2):
         slow_pieces.append(slow.decode_next(ids))
     assert fast._use_stream and fast_pieces == slow_pieces
     assert "".join(fast_pieces) + fast.flush(ids) == " one 😀 two three"
+
+
+def test_text_without_stop_strings_is_every_piece_and_reads_at_any_time():
+    matcher = StopMatcher([])
+    pieces = ["Hel", "", "lo", " wörld", "\ufffd"]
+    for i, piece in enumerate(pieces):
+        assert matcher.feed(piece) == (piece, False)
+        assert matcher.text == "".join(pieces[:i + 1])
+    assert matcher.flush() == "" and matcher.cut == ""

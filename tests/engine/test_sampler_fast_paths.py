@@ -103,3 +103,27 @@ def test_repetition_penalty_matches_the_hf_formula_and_leaves_the_logits_alone()
             v = expected[r, i]
             expected[r, i] = v * 1.3 if v < 0 else v / 1.3
     assert torch.equal(scores, expected)
+
+
+def test_cpu_greedy_ids_match_torch_argmax_on_ties_nan_and_infinities():
+    from engine.sampler import greedy_ids
+    scores = logits_for(6)
+    scores[0, 10] = scores[0, 20] = 99.0                 # a tie: the first wins
+    scores[1, 5] = float("nan")                          # NaN counts as the largest
+    scores[1, 7] = float("inf")
+    scores[2] = float("-inf")                            # nothing allowed: index 0
+    scores[3, -1] = float("inf")
+    for view in (scores, scores[1:5], scores.t().contiguous().t()):   # contiguous, a slice, strided
+        assert torch.equal(greedy_ids(view), view.argmax(dim=-1))
+    assert torch.equal(greedy_ids(scores.double()), scores.double().argmax(dim=-1))
+
+
+def test_cpu_log_softmax_buffer_gives_torch_values_whatever_came_before():
+    from engine.sampler import log_softmax
+    big, small = logits_for(8, seed=1), logits_for(3, seed=2)
+    for logits in (small, big, small, big[2:5]):          # the buffer grows, then serves smaller shapes
+        assert torch.equal(log_softmax(logits), torch.log_softmax(logits, dim=-1))
+    first = sample(big, [row(top_n_tokens=2) for _ in range(8)])
+    again = sample(big, [row(top_n_tokens=2) for _ in range(8)])
+    sample(small, [row(top_n_tokens=2) for _ in range(3)])   # reuses the buffer: earlier outputs are plain lists
+    assert first == again

@@ -276,3 +276,27 @@ def test_the_growth_reserve_stops_preemption_thrash():
     minimum = 12 * (20 + 24 - 1)
     assert calm_preempted < preempted and calm < thrash
     assert calm <= minimum * 1.2, (calm, minimum)
+
+
+def test_the_plain_decode_path_schedules_what_the_general_path_does():
+    # the same mixed workload (block growth, preemption, prefix hits, prefill logprobs) twice: with the
+    # scheduler's decode shortcut and with every sequence through the general path
+    def workload(plain):
+        sched = make_scheduler(num_blocks=14, block_size=4, budget=10)
+        if not plain:
+            sched._plain_decode = lambda batch, seq: False
+        seqs = [make_seq(3 + (i * 7) % 13, max_new=1 + i % 9, first=1 + 50 * (i % 5), prefill_logprobs=i % 4 == 1)
+                for i in range(16)]
+        for seq in seqs:
+            sched.add(seq)
+        steps = []
+        while sched.has_unfinished():
+            batch = run_step(sched)
+            steps.append(([(s.seq_id % 16, tuple(s.token_ids), s.start_pos, tuple(s.block_table), s.logits)
+                           for s in batch.spans], batch.num_decode_tokens, batch.num_prefill_tokens,
+                          sched.block_manager.num_free_blocks, sched.num_preempted_total))
+        return steps
+
+    plain, general = workload(True), workload(False)
+    assert plain == general
+    assert plain[-1][4] > 0                  # the workload did preempt
