@@ -21,7 +21,7 @@ import random
 import threading
 from array import array
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -272,20 +272,31 @@ def apply_warpers(scores: torch.Tensor, params: list[SamplingParams], sampling: 
         scores = scores / torch.tensor(temps, dtype=dtype, device=device)[:, None]
     top_k = [(p.top_k or 0) if s else 0 for p, s in zip(params, sampling)]
     if any(top_k):
-        scores = top_k_mask(scores, torch.tensor(top_k, device=device), max(top_k))
+        rows = [r for r, k in enumerate(top_k) if k]  # rows without a top-k (greedy ones too) skip the topk
+        scores = _on_rows(scores, rows, lambda sub: top_k_mask(
+            sub, torch.tensor([top_k[r] for r in rows], device=device), max(top_k)))
     top_p = [p.top_p if s and p.top_p is not None else 1.0 for p, s in zip(params, sampling)]
     if any(v < 1.0 for v in top_p):
+        rows = [r for r, v in enumerate(top_p) if v < 1.0]  # only these rows are sorted
         # top-k prefilter: when every top-p row also has a top-k, only its survivors need sorting (ties with
         # the k-th survive too, so they are counted, not assumed)
         max_kept = None
-        if all(k for k, v in zip(top_k, top_p) if v < 1.0):
-            rows = [r for r, v in enumerate(top_p) if v < 1.0]
+        if all(top_k[r] for r in rows):
             max_kept = max(1, int(torch.isfinite(scores[rows]).sum(dim=-1).max()))
-        scores = top_p_mask(scores, torch.tensor(top_p, dtype=dtype, device=device), max_kept)
+        scores = _on_rows(scores, rows, lambda sub: top_p_mask(
+            sub, torch.tensor([top_p[r] for r in rows], dtype=dtype, device=device), max_kept))
     typical = [p.typical_p if s and p.typical_p is not None else 1.0 for p, s in zip(params, sampling)]
     if any(v < 1.0 for v in typical):
         scores = typical_mask(scores, torch.tensor(typical, dtype=dtype, device=device))
     return scores
+
+
+def _on_rows(scores: torch.Tensor, rows: list[int], mask: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`mask` applied to `rows` of scores only (all of them: in place of the whole); out of place."""
+    if len(rows) == scores.shape[0]:
+        return mask(scores)
+    index = torch.tensor(rows, device=scores.device)
+    return scores.index_copy(0, index, mask(scores.index_select(0, index)))
 
 
 def top_k_mask(scores: torch.Tensor, top_k: torch.Tensor, max_k: int | None = None) -> torch.Tensor:

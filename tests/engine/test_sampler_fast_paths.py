@@ -127,3 +127,19 @@ def test_cpu_log_softmax_buffer_gives_torch_values_whatever_came_before():
     again = sample(big, [row(top_n_tokens=2) for _ in range(8)])
     sample(small, [row(top_n_tokens=2) for _ in range(3)])   # reuses the buffer: earlier outputs are plain lists
     assert first == again
+
+
+def test_warpers_on_a_mixed_batch_equal_each_row_warped_alone():
+    """top-k and top-p run only on the rows that set them (greedy rows skip the topk and the sort): every row of
+    a mixed batch gets exactly the scores it gets alone."""
+    params = [SamplingParams(), SamplingParams(do_sample=True, top_k=7), SamplingParams(do_sample=True, top_p=0.8),
+              SamplingParams(do_sample=True, top_k=50, top_p=0.5), SamplingParams(do_sample=True, temperature=0.7),
+              SamplingParams(do_sample=True, top_k=3, temperature=1.5)]
+    sampling = [p.do_sample for p in params]
+    logits = logits_for(len(params), seed=3)
+    batch = sampler.apply_warpers(logits, params, sampling)
+    for i, p in enumerate(params):
+        alone = sampler.apply_warpers(logits[i:i + 1], [p], [sampling[i]])
+        assert torch.equal(batch[i:i + 1], alone), i
+    assert torch.equal(batch[0], logits[0])  # the greedy row is untouched
+    assert int(torch.isfinite(batch[1]).sum()) == 7 and int(torch.isfinite(batch[5]).sum()) == 3
