@@ -365,3 +365,35 @@ def test_a_shard_longer_than_every_run_still_ends_over_several_runs(llm, tmp_pat
     assert assemble(ledger, out)
     texts = [json.loads(x)["response"]["body"]["choices"][0]["text"] for x in out.read_text().splitlines()]
     assert texts == [e.text for e in llm.generate([PROMPTS[i % 6] for i in range(8)], SamplingParams(max_new_tokens=8))]
+
+
+def test_workers_split_threads_and_window_and_pass_the_rest_on():
+    from engine.offline.workers import shares, worker_argv
+
+    assert shares(5, 2) == [3, 2] and shares(1, 3) == [1, 1, 1] and shares(128, 4) == [32] * 4
+    argv = worker_argv("/b", "n:1", 1, 64, 1, None, ["--model-id", "m", "--cpu-threads", "8"])
+    assert argv[1:] == ["-m", "engine.offline", "--batch-dir", "/b", "--holder", "n:1/w1", "--window", "64",
+                        "--workers", "1", "--model-id", "m", "--cpu-threads", "8", "--cpu-threads", "1"]
+
+
+def test_two_workers_give_the_answers_of_one_engine(llm, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    lines = [json.dumps({"custom_id": f"w{i}", "url": "/v1/completions",
+                         "body": {"prompt": PROMPTS[i % 6], "max_tokens": 5, "temperature": 0}}) for i in range(12)]
+    ledger = batch(tmp_path, "workers", lines, shard_size=2)
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.offline", "--batch-dir", str(ledger.root), "--holder", "h", "--workers", "2",
+         "--window", "4", "--model-id", str(llm.config.model_id), "--device", "cpu", "--dtype", "float32",
+         "--kv-cache-bytes", "32MiB", "--max-total-tokens", "256"], cwd=Path(__file__).parents[2],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 workers started" in done.stderr
+    holders = {ledger.commit_record(i)["holder"] for i in range(6)}
+    assert holders <= {"h/w0", "h/w1"} and holders
+    out = [json.loads(line) for line in (tmp_path / "workers.out.jsonl").read_text().splitlines()]
+    expected = llm.generate([PROMPTS[i % 6] for i in range(12)], SamplingParams(max_new_tokens=5))
+    assert [o["custom_id"] for o in out] == [f"w{i}" for i in range(12)]
+    assert [o["response"]["body"]["choices"][0]["text"] for o in out] == [e.text for e in expected]

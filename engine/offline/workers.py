@@ -1,0 +1,68 @@
+"""`--workers N`: N engine processes on one node, each with its share of the CPU threads and of the window,
+taking shards from the same ledger (work stealing, as the tasks of a job array do).
+
+Why: on CPU a batch's time is the model's forward (scripts/profile_batch.py: ~96% of its CPU, the rest of
+the batch path under 1%), and one forward on N threads waits at every OpenMP barrier for its slowest core,
+which a busy node makes often. N single-threaded forwards do not wait for each other. The price is N copies
+of the weights, so it is for small models on CPU. Each worker is `python -m engine.offline` with
+`--workers 1`; SIGTERM/SIGINT go to every worker (each gives its open shards back), and a worker whose
+parent dies is sent SIGTERM by the kernel (PR_SET_PDEATHSIG), so no worker outlives the job.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+logger = logging.getLogger("engine.offline")
+
+PR_SET_PDEATHSIG = 1
+
+
+def shares(total: int, workers: int) -> list[int]:
+    """`total` split over `workers`, each at least 1: 5 over 2 -> [3, 2]."""
+    base, extra = divmod(max(total, workers), workers)
+    return [base + (k < extra) for k in range(workers)]
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):      # not Linux: a worker may outlive a SIGKILLed parent
+        pass
+
+
+def worker_argv(batch_dir: str, holder: str, k: int, window: int, threads: int, lease_s: float | None,
+                engine_argv: Sequence[str]) -> list[str]:
+    """Worker k's command line (the last --cpu-threads wins over one in `engine_argv`)."""
+    argv = [sys.executable, "-m", "engine.offline", "--batch-dir", batch_dir, "--holder", f"{holder}/w{k}",
+            "--window", str(window), "--workers", "1"]
+    if lease_s is not None:
+        argv += ["--lease-s", str(lease_s)]
+    return argv + [*engine_argv, "--cpu-threads", str(threads)]
+
+
+def run_workers(argvs: list[list[str]]) -> int:
+    """Start every worker, pass SIGTERM/SIGINT on to them, wait for all; the worst exit code."""
+    procs: list[subprocess.Popen] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        logger.info("signal %d: passing it on to %d worker(s)", signum, len(procs))
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    for argv in argvs:
+        procs.append(subprocess.Popen(argv, preexec_fn=_die_with_parent))
+    logger.info("%d workers started (pids %s)", len(procs), " ".join(str(p.pid) for p in procs))
+    codes = [proc.wait() for proc in procs]
+    bad = [code for code in codes if code]
+    if bad:
+        logger.error("worker exit codes: %s", codes)
+    return (bad[0] if bad[0] > 0 else 1) if bad else 0
