@@ -1,14 +1,14 @@
 """An uninterrupted offline batch against the same requests through `serve` + the openai client (issue 26).
 
     python scripts/bench_batch.py [--model-id smollm2] [--requests 128] [--max-tokens 16] \
-        [--concurrency 32,128] [--repeat 3] [--batch-workers 2] [--serve-cpu-threads 1,2]
+        [--concurrency 32,128] [--repeat 3] [--batch-workers 1,2] [--serve-cpu-threads 1,2]
 
 Each repeat runs, one after the other on this machine: (a) `python -m engine.offline` over a fresh batch folder
 holding the requests (the engine in-process, fed from the ledger; its own log gives the seconds from the first
 claim to the last commit, model load excluded), then (b) for each concurrency, the same requests as chat
 completions from the `openai` client (AsyncOpenAI, non-streaming, at most C in flight) against one
 `python -m engine` started once (load excluded: timed from the first request to the last answer). Both engines
-get the same flags; `--batch-workers N` runs the batch as N engine processes splitting the CPU threads
+get the same flags; `--batch-workers 1,2` runs a batch per value, as N engine processes splitting the CPU threads
 (`engine.offline --workers`), and `--serve-cpu-threads 1,2` starts one server per value (`--cpu-threads`
 appended to its flags), each measured at every concurrency. It prints generated tok/s per run, the medians,
 batch / best serve, and how many answers the
@@ -91,7 +91,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrency", default="32,128")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--batch-workers", type=int, default=1)
+    parser.add_argument("--batch-workers", default="1", help="comma-separated --workers values, a batch row each")
+    parser.add_argument("--threads-per-worker", type=int, default=0,
+                        help="a batch of W workers gets --cpu-threads W x this (default: the engine args' threads)")
     parser.add_argument("--serve-cpu-threads", default="",
                         help="comma-separated --cpu-threads values, one server each (default: one server, the "
                              "flags as given)")
@@ -120,15 +122,19 @@ def main() -> int:
         servers[name] = (server, server.start(600))
         asyncio.run(wait_healthy(servers[name][1], 120))
         asyncio.run(run_serve(servers[name][1], "m", reqs[:8], 8))     # warm-up, not counted
-    batch_name = "batch" + (f" {args.batch_workers} workers" if args.batch_workers > 1 else "")
-    results: dict[str, list[float]] = {batch_name: [], **{f"{n} c={c}": [] for n in servers for c in levels}}
+    workers = [int(w) for w in args.batch_workers.split(",")]
+    names = {w: "batch" + (f" {w} workers" if w > 1 else "") for w in workers}
+    results: dict[str, list[float]] = {**{n: [] for n in names.values()},
+                                       **{f"{n} c={c}": [] for n in servers for c in levels}}
     agree: list[int] = []
     try:
         for rep in range(args.repeat):
-            seconds, tokens, batch_answers = run_batch(model, src, work, engine_args, args.batch_workers)
-            results[batch_name].append(tokens / seconds)
-            print(f"repeat {rep + 1}: {batch_name} {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s "
-                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+            for w, batch_name in names.items():
+                threads = ["--cpu-threads", str(w * args.threads_per_worker)] if args.threads_per_worker else []
+                seconds, tokens, batch_answers = run_batch(model, src, work, engine_args + threads, w)
+                results[batch_name].append(tokens / seconds)
+                print(f"repeat {rep + 1}: {batch_name} {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} "
+                      f"tok/s (load {os.getloadavg()[0]:.1f})", flush=True)
             for name, (_, url) in servers.items():
                 for c in levels:
                     seconds, tokens, serve_answers = asyncio.run(run_serve(url, "m", reqs, c))
@@ -144,8 +150,9 @@ def main() -> int:
     print("\n| run | tok/s per repeat | median |\n|---|---|---|")
     for k, v in results.items():
         print(f"| {k} | {', '.join(f'{x:.1f}' for x in v)} | {medians[k]:.1f} |")
-    print(f"\nbatch / best serve ({best}): {medians[batch_name] / medians[best]:.2f}x; answers equal in batch and "
-          f"serve: {min(agree)}..{max(agree)} of {len(reqs)}")
+    for batch_name in names.values():
+        print(f"{batch_name} / best serve ({best}): {medians[batch_name] / medians[best]:.2f}x")
+    print(f"answers equal in the last batch and serve: {min(agree)}..{max(agree)} of {len(reqs)}")
     return 0
 
 
