@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
+    from engine.offline.workers import wait_for_siblings
+    wait_for_siblings(ours.holder, runner.stop_event)      # with --workers: claim once every worker has loaded
     try:
         summary = runner.run()
     finally:

@@ -6,21 +6,53 @@ the batch path under 1%), and one forward on N threads waits at every OpenMP bar
 which a busy node makes often. N single-threaded forwards do not wait for each other. The price is N copies
 of the weights, so it is for small models on CPU. Each worker is `python -m engine.offline` with
 `--workers 1`; SIGTERM/SIGINT go to every worker (each gives its open shards back), and a worker whose
-parent dies is sent SIGTERM by the kernel (PR_SET_PDEATHSIG), so no worker outlives the job.
+parent dies is sent SIGTERM by the kernel (PR_SET_PDEATHSIG), so no worker outlives the job. The workers
+start claiming together, once each has loaded its model (a start barrier: a file per ready worker in a
+folder the parent makes, `BARRIER_ENV`; at most `BARRIER_S` of waiting), so the first to load does not
+take the whole window's share of a short batch while the others load.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("engine.offline")
 
 PR_SET_PDEATHSIG = 1
+BARRIER_ENV = "TGI_HPC_WORKERS_BARRIER"     # "FOLDER:COUNT"
+BARRIER_S = 600.0
+
+
+def wait_for_siblings(name: str, stop: threading.Event, timeout_s: float = BARRIER_S) -> None:
+    """Say this worker is ready, then wait until all are (or `stop`, or the timeout); nothing without a barrier."""
+    where, _, count = os.environ.get(BARRIER_ENV, "").rpartition(":")
+    if not where or not count.isdigit():
+        return
+    folder = Path(where)
+    try:
+        (folder / name.replace("/", "_")).touch()
+    except OSError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set() and time.monotonic() < deadline:
+        try:
+            if len(list(folder.iterdir())) >= int(count):
+                return
+        except OSError:
+            return
+        stop.wait(0.05)
+    if not stop.is_set():
+        logger.warning("the other workers were not ready after %.0f s: starting without them", timeout_s)
 
 
 def shares(total: int, workers: int) -> list[int]:
@@ -58,10 +90,13 @@ def run_workers(argvs: list[list[str]]) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
+    barrier = tempfile.TemporaryDirectory(prefix="tgi-hpc-workers-")
+    env = {**os.environ, BARRIER_ENV: f"{barrier.name}:{len(argvs)}"}
     for argv in argvs:
-        procs.append(subprocess.Popen(argv, preexec_fn=_die_with_parent))
+        procs.append(subprocess.Popen(argv, preexec_fn=_die_with_parent, env=env))
     logger.info("%d workers started (pids %s)", len(procs), " ".join(str(p.pid) for p in procs))
     codes = [proc.wait() for proc in procs]
+    barrier.cleanup()
     bad = [code for code in codes if code]
     if bad:
         logger.error("worker exit codes: %s", codes)

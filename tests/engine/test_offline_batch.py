@@ -376,6 +376,28 @@ def test_workers_split_threads_and_window_and_pass_the_rest_on():
                         "--workers", "1", "--model-id", "m", "--cpu-threads", "8", "--cpu-threads", "1"]
 
 
+def test_workers_start_claiming_together_once_all_are_ready(tmp_path, monkeypatch):
+    import threading
+
+    from engine.offline.workers import BARRIER_ENV, wait_for_siblings
+
+    stop = threading.Event()
+    wait_for_siblings("alone", stop)                        # no barrier: returns at once
+    monkeypatch.setenv(BARRIER_ENV, f"{tmp_path}:2")
+    first = threading.Thread(target=wait_for_siblings, args=("h/w0", stop))
+    first.start()
+    first.join(0.3)
+    assert first.is_alive()                                # waits for its sibling
+    wait_for_siblings("h/w1", stop)
+    first.join(5)
+    assert not first.is_alive() and sorted(p.name for p in tmp_path.iterdir()) == ["h_w0", "h_w1"]
+    monkeypatch.setenv(BARRIER_ENV, f"{tmp_path / 'gone'}:3")     # a barrier that cannot be joined: no wait
+    wait_for_siblings("h/w2", stop)
+    monkeypatch.setenv(BARRIER_ENV, f"{tmp_path}:9")
+    stop.set()
+    wait_for_siblings("h/w3", stop)                        # stopped (SIGTERM) while waiting: returns
+
+
 def test_two_workers_give_the_answers_of_one_engine(llm, tmp_path):
     import subprocess
     import sys
