@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     if ours.workers < 1:
         parser.error(f"--workers must be >= 1, got {ours.workers}")
     if ours.workers > 1:
-        from engine.offline.workers import run_workers, shares, worker_argv
+        from engine.offline.workers import on_cpu, run_workers, shares, worker_argv
+        if config.num_shard > 1 or not on_cpu(config.device):
+            parser.error("--workers is for the CPU (one engine process per share of the cores); on GPUs run one "
+                         "worker per job (--jobs)")
         threads = shares(args.cpu_threads or len(os.sched_getaffinity(0)), ours.workers)
         windows = shares(ours.window or config.max_concurrent_requests, ours.workers)
         return run_workers([worker_argv(ours.batch_dir, ours.holder, k, windows[k], threads[k], ours.lease_s,

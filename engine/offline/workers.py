@@ -61,6 +61,14 @@ def shares(total: int, workers: int) -> list[int]:
     return [base + (k < extra) for k in range(workers)]
 
 
+def on_cpu(device: str | None) -> bool:
+    """Whether the engine runs on the CPU (None: torch's choice, cuda when it sees a GPU)."""
+    if device is not None:
+        return device == "cpu"
+    import torch
+    return not torch.cuda.is_available()
+
+
 def _die_with_parent() -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

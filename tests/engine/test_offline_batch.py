@@ -374,6 +374,20 @@ def test_workers_split_threads_and_window_and_pass_the_rest_on():
     argv = worker_argv("/b", "n:1", 1, 64, 1, None, ["--model-id", "m", "--cpu-threads", "8"])
     assert argv[1:] == ["-m", "engine.offline", "--batch-dir", "/b", "--holder", "n:1/w1", "--window", "64",
                         "--workers", "1", "--model-id", "m", "--cpu-threads", "8", "--cpu-threads", "1"]
+    from engine.offline.workers import on_cpu
+    assert on_cpu("cpu") and not on_cpu("cuda") and not on_cpu("cuda:1")
+
+
+@pytest.mark.parametrize("flags", [["--workers", "0"], ["--workers", "2", "--device", "cuda"],
+                                   ["--workers", "2", "--device", "cpu", "--num-shard", "2"]])
+def test_workers_below_one_or_off_the_cpu_are_refused_before_anything_starts(tmp_path, flags, capsys, model_path):
+    from engine.offline.__main__ import main
+
+    ledger = batch(tmp_path, "refused", [json.dumps({"prompt": "x"})], shard_size=1)
+    with pytest.raises(SystemExit) as exc:
+        main(["--batch-dir", str(ledger.root), "--model-id", str(model_path("tiny-llama")), *flags])
+    assert exc.value.code == 2 and "--workers" in capsys.readouterr().err
+    assert not list((ledger.root / "leases").iterdir())
 
 
 def test_workers_start_claiming_together_once_all_are_ready(tmp_path, monkeypatch):
