@@ -118,6 +118,15 @@ def test_progress_counts_the_journaled_lines_of_open_shards_across_a_requeue_and
     assert (p.done, p.committed, p.failed, p.tokens, p.open_shards) == (5, 5, 1, 12, [])
 
 
+def test_the_one_line_progress_names_four_open_shards_and_counts_the_others(tmp_path):
+    ledger = Ledger(make_batch(tmp_path, 12, 2), lease_s=60)
+    for _ in range(6):
+        ledger.claim("h")
+    p = ledger.progress()
+    assert len(p.open_shards) == 6 and p.describe(shards=True).endswith(
+        "; shard 0 0/2 (h), shard 1 0/2 (h), shard 2 0/2 (h), shard 3 0/2 (h) (+2 more)")
+
+
 @pytest.mark.parametrize("name", ["x.0.jsonl", "99.0.jsonl", "1.jsonl.tmp", "-1.0.jsonl", ".jsonl"])
 def test_status_ignores_journal_files_of_no_shard(tmp_path, name):
     root = make_batch(tmp_path, 10, 5)

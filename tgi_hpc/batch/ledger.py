@@ -27,6 +27,7 @@ from tgi_hpc.batch.journal import Entry, JournalWriter, count_entries, read_entr
 from tgi_hpc.errors import TgiHpcError
 
 DEFAULT_LEASE_S = 120.0
+SHOWN_SHARDS = 4            # open shards named in a one-line progress (all of them in to_dict)
 MANIFEST = "manifest.json"
 
 
@@ -108,7 +109,7 @@ class Progress:
 
     def describe(self, shards: bool = False) -> str:
         """`1200/2000 done, 3 failed, 850 tok/s, ETA 14m` (one line for status and --wait); with `shards`,
-        the open shards' lines too: `; shard 3 12/16 (12_0@cn1), shard 7 4/16`."""
+        the first open shards' lines too: `; shard 3 12/16 (12_0@cn1), shard 7 4/16 (+2 more)`."""
         line = f"{self.done}/{self.total} done, {self.failed} failed"
         if self.tokens:
             line += f", {self.tokens_per_s:.0f} tok/s"
@@ -118,7 +119,9 @@ class Progress:
         line += " (complete)" if self.complete else ""
         if shards and self.open_shards:
             line += "; " + ", ".join(f"shard {s.index} {s.done}/{s.total}" + (f" ({s.holder})" if s.holder else "")
-                                     for s in self.open_shards)
+                                     for s in self.open_shards[:SHOWN_SHARDS])
+            more = len(self.open_shards) - SHOWN_SHARDS
+            line += f" (+{more} more)" if more > 0 else ""
         return line
 
 
