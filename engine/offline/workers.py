@@ -8,8 +8,8 @@ of the weights, so it is for small models on CPU. Each worker is `python -m engi
 `--workers 1`; SIGTERM/SIGINT go to every worker (each gives its open shards back), and a worker whose
 parent dies is sent SIGTERM by the kernel (PR_SET_PDEATHSIG), so no worker outlives the job. The workers
 start claiming together, once each has loaded its model (a start barrier: a file per ready worker in a
-folder the parent makes, `BARRIER_ENV`; at most `BARRIER_S` of waiting), so the first to load does not
-take the whole window's share of a short batch while the others load.
+folder the parent makes, `BARRIER_ENV`, which also marks a worker that ended, say killed at load; at most
+`BARRIER_S` of waiting), so the first to load does not take a short batch's whole share while others load.
 """
 from __future__ import annotations
 
@@ -103,7 +103,14 @@ def run_workers(argvs: list[list[str]]) -> int:
     for argv in argvs:
         procs.append(subprocess.Popen(argv, preexec_fn=_die_with_parent, env=env))
     logger.info("%d workers started (pids %s)", len(procs), " ".join(str(p.pid) for p in procs))
-    codes = [proc.wait() for proc in procs]
+    while True:
+        codes = [proc.poll() for proc in procs]
+        for k, code in enumerate(codes):      # one that ended (a crash at load: OOM) no longer holds the others
+            if code is not None:
+                (Path(barrier.name) / f"ended-{k}").touch()
+        if None not in codes:
+            break
+        time.sleep(0.5)
     barrier.cleanup()
     bad = [code for code in codes if code]
     if bad:

@@ -412,6 +412,27 @@ def test_workers_start_claiming_together_once_all_are_ready(tmp_path, monkeypatc
     wait_for_siblings("h/w3", stop)                        # stopped (SIGTERM) while waiting: returns
 
 
+def test_a_worker_that_dies_at_load_does_not_hold_the_others_at_the_barrier():
+    import signal
+    import sys
+    from pathlib import Path
+
+    from engine.offline.workers import run_workers
+
+    waits = ("import os, sys, threading; from engine.offline.workers import BARRIER_ENV, wait_for_siblings; "
+             "wait_for_siblings('w1', threading.Event(), 20); "
+             "sys.exit(0 if len(os.listdir(os.environ[BARRIER_ENV].rpartition(':')[0])) >= 2 else 5)")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        root = str(Path(__file__).parents[2])
+        code = run_workers([[sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); " + waits],
+                            [sys.executable, "-c", "import sys; sys.exit(3)"]])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert code == 3              # the crash is reported, and the first worker went on (else its 5 came first)
+
+
 def test_two_workers_give_the_answers_of_one_engine(llm, tmp_path):
     import subprocess
     import sys
