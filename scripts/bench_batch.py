@@ -1,14 +1,17 @@
 """An uninterrupted offline batch against the same requests through `serve` + the openai client (issue 26).
 
     python scripts/bench_batch.py [--model-id smollm2] [--requests 128] [--max-tokens 16] \
-        [--concurrency 32,128] [--repeat 3]
+        [--concurrency 32,128] [--repeat 3] [--batch-workers 1,2] [--serve-cpu-threads 1,2]
 
 Each repeat runs, one after the other on this machine: (a) `python -m engine.offline` over a fresh batch folder
 holding the requests (the engine in-process, fed from the ledger; its own log gives the seconds from the first
 claim to the last commit, model load excluded), then (b) for each concurrency, the same requests as chat
 completions from the `openai` client (AsyncOpenAI, non-streaming, at most C in flight) against one
 `python -m engine` started once (load excluded: timed from the first request to the last answer). Both engines
-get the same flags. It prints generated tok/s per run, the medians, batch / best serve, and how many answers the
+get the same flags; `--batch-workers 1,2` runs a batch per value, as N engine processes splitting the CPU threads
+(`engine.offline --workers`), and `--serve-cpu-threads 1,2` starts one server per value (`--cpu-threads`
+appended to its flags), each measured at every concurrency. It prints generated tok/s per run, the medians,
+batch / best serve, and how many answers the
 two agree on (greedy: they should all be equal).
 """
 from __future__ import annotations
@@ -39,7 +42,8 @@ def model_dir(name: str) -> str:
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
-def run_batch(model: str, src: Path, work: Path, engine_args: list[str]) -> tuple[float, int, dict[str, str]]:
+def run_batch(model: str, src: Path, work: Path, engine_args: list[str],
+              workers: int = 1) -> tuple[float, int, dict[str, str]]:
     """(seconds from first claim to last commit, generated tokens, {custom_id: answer})."""
     from tgi_hpc.batch.submission import batch_dir_of, identity_of, prepare
     out = work / f"batch-{time.monotonic_ns()}.jsonl"
@@ -47,7 +51,8 @@ def run_batch(model: str, src: Path, work: Path, engine_args: list[str]) -> tupl
     prepare(batch_dir, src, out, identity_of(model, "main", tuple(engine_args)), shard_size=None, jobs_count=1,
             lease_s=600, restart=True)
     log = subprocess.run([sys.executable, "-m", "engine.offline", "--batch-dir", str(batch_dir), "--model-id", model,
-                          *engine_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=True,
+                          "--workers", str(workers), *engine_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     tokens = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in rows)
@@ -86,6 +91,12 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrency", default="32,128")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--batch-workers", default="1", help="comma-separated --workers values, a batch row each")
+    parser.add_argument("--threads-per-worker", type=int, default=0,
+                        help="a batch of W workers gets --cpu-threads W x this (default: the engine args' threads)")
+    parser.add_argument("--serve-cpu-threads", default="",
+                        help="comma-separated --cpu-threads values, one server each (default: one server, the "
+                             "flags as given)")
     parser.add_argument("--engine-args", default="--max-concurrent-requests 128 --max-total-tokens 512 "
                                                   "--kv-cache-bytes 256MiB")
     args = parser.parse_args()
@@ -98,37 +109,50 @@ def main() -> int:
     src.write_text("".join(json.dumps(r) + "\n" for r in reqs))
 
     from bench_http import Server, wait_healthy
-    server = Server(Path(model), argparse.Namespace(load_format="auto", concurrency=max(levels), threads=None,
-                                                    engine_args=args.engine_args), "float32", "cpu")
-    server.cmd = [c for c in server.cmd if c not in ("--load-format", "auto")]
-    i = server.cmd.index("--max-concurrent-requests")
-    del server.cmd[i:i + 2]                               # the same flags as the batch: --engine-args
-    url = server.start(600)
-    asyncio.run(wait_healthy(url, 120))
-    asyncio.run(run_serve(url, "m", reqs[:8], 8))         # warm-up, not counted
-    results: dict[str, list[float]] = {"batch": [], **{f"serve c={c}": [] for c in levels}}
+    servers: dict[str, tuple[Server, str]] = {}
+    for threads in [t for t in args.serve_cpu_threads.split(",") if t] or [""]:
+        server = Server(Path(model), argparse.Namespace(load_format="auto", concurrency=max(levels), threads=None,
+                                                        engine_args=args.engine_args), "float32", "cpu")
+        server.cmd = [c for c in server.cmd if c not in ("--load-format", "auto")]
+        i = server.cmd.index("--max-concurrent-requests")
+        del server.cmd[i:i + 2]                               # the same flags as the batch: --engine-args
+        if threads:
+            server.cmd += ["--cpu-threads", threads]
+        name = f"serve{f' {threads} thr' if threads else ''}"
+        servers[name] = (server, server.start(600))
+        asyncio.run(wait_healthy(servers[name][1], 120))
+        asyncio.run(run_serve(servers[name][1], "m", reqs[:8], 8))     # warm-up, not counted
+    workers = [int(w) for w in args.batch_workers.split(",")]
+    names = {w: "batch" + (f" {w} workers" if w > 1 else "") for w in workers}
+    results: dict[str, list[float]] = {**{n: [] for n in names.values()},
+                                       **{f"{n} c={c}": [] for n in servers for c in levels}}
     agree: list[int] = []
     try:
         for rep in range(args.repeat):
-            seconds, tokens, batch_answers = run_batch(model, src, work, engine_args)
-            results["batch"].append(tokens / seconds)
-            print(f"repeat {rep + 1}: batch {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s "
-                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
-            for c in levels:
-                seconds, tokens, serve_answers = asyncio.run(run_serve(url, "m", reqs, c))
-                results[f"serve c={c}"].append(tokens / seconds)
-                agree.append(sum(batch_answers[k] == v for k, v in serve_answers.items()))
-                print(f"repeat {rep + 1}: serve c={c} {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} "
+            for w, batch_name in names.items():
+                threads = ["--cpu-threads", str(w * args.threads_per_worker)] if args.threads_per_worker else []
+                seconds, tokens, batch_answers = run_batch(model, src, work, engine_args + threads, w)
+                results[batch_name].append(tokens / seconds)
+                print(f"repeat {rep + 1}: {batch_name} {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} "
                       f"tok/s (load {os.getloadavg()[0]:.1f})", flush=True)
+            for name, (_, url) in servers.items():
+                for c in levels:
+                    seconds, tokens, serve_answers = asyncio.run(run_serve(url, "m", reqs, c))
+                    results[f"{name} c={c}"].append(tokens / seconds)
+                    agree.append(sum(batch_answers[k] == v for k, v in serve_answers.items()))
+                    print(f"repeat {rep + 1}: {name} c={c} {tokens} tokens in {seconds:.1f} s = "
+                          f"{tokens / seconds:.1f} tok/s (load {os.getloadavg()[0]:.1f})", flush=True)
     finally:
-        server.stop()
+        for server, _ in servers.values():
+            server.stop()
     medians = {k: statistics.median(v) for k, v in results.items()}
     best = max((k for k in medians if k.startswith("serve")), key=medians.get)
     print("\n| run | tok/s per repeat | median |\n|---|---|---|")
     for k, v in results.items():
         print(f"| {k} | {', '.join(f'{x:.1f}' for x in v)} | {medians[k]:.1f} |")
-    print(f"\nbatch / best serve ({best}): {medians['batch'] / medians[best]:.2f}x; answers equal in batch and serve: "
-          f"{min(agree)}..{max(agree)} of {len(reqs)}")
+    for batch_name in names.values():
+        print(f"{batch_name} / best serve ({best}): {medians[batch_name] / medians[best]:.2f}x")
+    print(f"answers equal in the last batch and serve: {min(agree)}..{max(agree)} of {len(reqs)}")
     return 0
 
 

@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-s", type=float, default=None, help="lease length (default: the manifest's)")
     parser.add_argument("--window", type=int, default=None,
                         help="requests in flight at most (default: --max-concurrent-requests)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="engine processes on this node, splitting the CPU threads (--cpu-threads, default "
+                             "every core) and the window between them and taking shards from the same ledger: "
+                             "on CPU, N single-threaded forwards outrun one N-thread forward (N copies of the "
+                             "weights: small models)")
     ours, engine_argv = parser.parse_known_args(argv)
 
     from engine.launcher import parse_args, resolve_model_dir, setup_logging, to_config
@@ -42,6 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     if ledger.progress().complete:
         logger.info("the batch is complete already")
         return _assemble(ledger, assemble)
+    if ours.workers < 1:
+        parser.error(f"--workers must be >= 1, got {ours.workers}")
+    if ours.workers > 1:
+        from engine.offline.workers import on_cpu, run_workers, shares, worker_argv
+        if config.num_shard > 1 or not on_cpu(config.device):
+            parser.error("--workers is for the CPU (one engine process per share of the cores); on GPUs run one "
+                         "worker per job (--jobs)")
+        threads = shares(args.cpu_threads or len(os.sched_getaffinity(0)), ours.workers)
+        windows = shares(ours.window or config.max_concurrent_requests, ours.workers)
+        return run_workers([worker_argv(ours.batch_dir, ours.holder, k, windows[k], threads[k], ours.lease_s,
+                                        engine_argv) for k in range(ours.workers)])
 
     import torch
 
@@ -65,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
+    from engine.offline.workers import wait_for_siblings
+    wait_for_siblings(ours.holder, runner.stop_event)      # with --workers: claim once every worker has loaded
     try:
         summary = runner.run()
     finally:

@@ -87,6 +87,10 @@ class BatchRunner:
     def stop(self) -> None:
         self._stop.set()
 
+    @property
+    def stop_event(self) -> threading.Event:
+        return self._stop
+
     def run(self) -> Summary:
         started = self._started = time.monotonic()
         renewer = threading.Thread(target=self._renew_leases, name="lease-renewer", daemon=True)

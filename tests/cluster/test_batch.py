@@ -65,7 +65,11 @@ def test_batch_survives_scancel_and_sigkill_then_completes_on_rerun(local_cluste
     wait_until(lambda: ledger.progress().done >= 4 and len(ledger.progress().holders) == 2, 120, "both jobs working")
     row = json.loads(tgi("status", job_a, "--json").stdout)[0]
     assert row["kind"] == "batch" and row["model"] == model and row["detail"].startswith("batch ")
-    assert re.fullmatch(rf"batch \d+/{NUM} done, 0 failed, \d+ tok/s, ETA \d+[sm]", row["detail"]), row
+    assert re.fullmatch(rf"batch \d+/{NUM} done, 0 failed, \d+ tok/s, ETA \d+[sm]"
+                        rf"(; shard \d+ \d+/2 \({array}_[01]@[^)]+\))(, shard \d+ \d+/2 \({array}_[01]@[^)]+\))*"
+                        r"( \(\+\d+ more\))?", row["detail"]), row
+    assert row["batch"]["total"] == NUM and {s["holder"].split("@")[0] for s in row["batch"]["open_shards"]} == {
+        job_a, job_b}
     tgi("stop", job_a)                                   # scancel: its open shards are given back
     pid = wait_until(lambda: engine_pid(f"{job_b}@", batch_dir), 30, "job b's engine")
     os.kill(pid, signal.SIGKILL)                         # no word: its shards wait for their leases to expire

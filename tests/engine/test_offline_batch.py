@@ -365,3 +365,92 @@ def test_a_shard_longer_than_every_run_still_ends_over_several_runs(llm, tmp_pat
     assert assemble(ledger, out)
     texts = [json.loads(x)["response"]["body"]["choices"][0]["text"] for x in out.read_text().splitlines()]
     assert texts == [e.text for e in llm.generate([PROMPTS[i % 6] for i in range(8)], SamplingParams(max_new_tokens=8))]
+
+
+def test_workers_split_threads_and_window_and_pass_the_rest_on():
+    from engine.offline.workers import shares, worker_argv
+
+    assert shares(5, 2) == [3, 2] and shares(1, 3) == [1, 1, 1] and shares(128, 4) == [32] * 4
+    argv = worker_argv("/b", "n:1", 1, 64, 1, None, ["--model-id", "m", "--cpu-threads", "8"])
+    assert argv[1:] == ["-m", "engine.offline", "--batch-dir", "/b", "--holder", "n:1/w1", "--window", "64",
+                        "--workers", "1", "--model-id", "m", "--cpu-threads", "8", "--cpu-threads", "1"]
+    from engine.offline.workers import on_cpu
+    assert on_cpu("cpu") and not on_cpu("cuda") and not on_cpu("cuda:1")
+
+
+@pytest.mark.parametrize("flags", [["--workers", "0"], ["--workers", "2", "--device", "cuda"],
+                                   ["--workers", "2", "--device", "cpu", "--num-shard", "2"]])
+def test_workers_below_one_or_off_the_cpu_are_refused_before_anything_starts(tmp_path, flags, capsys, model_path):
+    from engine.offline.__main__ import main
+
+    ledger = batch(tmp_path, "refused", [json.dumps({"prompt": "x"})], shard_size=1)
+    with pytest.raises(SystemExit) as exc:
+        main(["--batch-dir", str(ledger.root), "--model-id", str(model_path("tiny-llama")), *flags])
+    assert exc.value.code == 2 and "--workers" in capsys.readouterr().err
+    assert not list((ledger.root / "leases").iterdir())
+
+
+def test_workers_start_claiming_together_once_all_are_ready(tmp_path, monkeypatch):
+    import threading
+
+    from engine.offline.workers import BARRIER_ENV, wait_for_siblings
+
+    stop = threading.Event()
+    wait_for_siblings("alone", stop)                        # no barrier: returns at once
+    monkeypatch.setenv(BARRIER_ENV, f"{tmp_path}:2")
+    first = threading.Thread(target=wait_for_siblings, args=("h/w0", stop))
+    first.start()
+    first.join(0.3)
+    assert first.is_alive()                                # waits for its sibling
+    wait_for_siblings("h/w1", stop)
+    first.join(5)
+    assert not first.is_alive() and sorted(p.name for p in tmp_path.iterdir()) == ["h_w0", "h_w1"]
+    monkeypatch.setenv(BARRIER_ENV, f"{tmp_path / 'gone'}:3")     # a barrier that cannot be joined: no wait
+    wait_for_siblings("h/w2", stop)
+    monkeypatch.setenv(BARRIER_ENV, f"{tmp_path}:9")
+    stop.set()
+    wait_for_siblings("h/w3", stop)                        # stopped (SIGTERM) while waiting: returns
+
+
+def test_a_worker_that_dies_at_load_does_not_hold_the_others_at_the_barrier():
+    import signal
+    import sys
+    from pathlib import Path
+
+    from engine.offline.workers import run_workers
+
+    waits = ("import os, sys, threading; from engine.offline.workers import BARRIER_ENV, wait_for_siblings; "
+             "wait_for_siblings('w1', threading.Event(), 20); "
+             "sys.exit(0 if len(os.listdir(os.environ[BARRIER_ENV].rpartition(':')[0])) >= 2 else 5)")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        root = str(Path(__file__).parents[2])
+        code = run_workers([[sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); " + waits],
+                            [sys.executable, "-c", "import sys; sys.exit(3)"]])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert code == 3              # the crash is reported, and the first worker went on (else its 5 came first)
+
+
+def test_two_workers_give_the_answers_of_one_engine(llm, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    lines = [json.dumps({"custom_id": f"w{i}", "url": "/v1/completions",
+                         "body": {"prompt": PROMPTS[i % 6], "max_tokens": 5, "temperature": 0}}) for i in range(12)]
+    ledger = batch(tmp_path, "workers", lines, shard_size=2)
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.offline", "--batch-dir", str(ledger.root), "--holder", "h", "--workers", "2",
+         "--window", "4", "--model-id", str(llm.config.model_id), "--device", "cpu", "--dtype", "float32",
+         "--kv-cache-bytes", "32MiB", "--max-total-tokens", "256"], cwd=Path(__file__).parents[2],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 workers started" in done.stderr
+    holders = {ledger.commit_record(i)["holder"] for i in range(6)}
+    assert holders <= {"h/w0", "h/w1"} and holders
+    out = [json.loads(line) for line in (tmp_path / "workers.out.jsonl").read_text().splitlines()]
+    expected = llm.generate([PROMPTS[i % 6] for i in range(12)], SamplingParams(max_new_tokens=5))
+    assert [o["custom_id"] for o in out] == [f"w{i}" for i in range(12)]
+    assert [o["response"]["body"]["choices"][0]["text"] for o in out] == [e.text for e in expected]

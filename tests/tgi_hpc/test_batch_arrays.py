@@ -185,6 +185,7 @@ def test_status_of_an_array_id_is_a_row_per_task_in_task_order_with_the_batch_pr
         ("13", "RUNNING"), ("99", "UNKNOWN")]                      # 120_0 is another array
     assert all(re.fullmatch(r"batch 5/10 done, 1 failed, \d+ tok/s, ETA \d+[sm]", r.detail) for r in rows[:4]), rows
     assert all(r.model == "m" and r.kind == "batch" for r in rows[:4])
+    assert rows[0].to_dict()["batch"]["done"] == 5 and rows[4].to_dict()["batch"] == {}   # --json
 
 
 def test_status_of_a_batch_output_asks_for_every_job_it_submitted(tmp_path, monkeypatch, run, hostile):

@@ -116,6 +116,11 @@ def test_the_batch_script_is_valid_bash_and_runs_no_hostile_path(tmp_path, hosti
         argv = seen.read_text().split("\0")
         assert argv[:4] == ["-m", "engine.offline", "--batch-dir", value]
         assert argv[argv.index("--served-model-name") + 1] == value
+        assert "--workers" not in argv
+    spec = BatchSpec(kind="batch", resources=cluster.profile.slurm.defaults["serve"], model="m",
+                     model_dir=ShellPath("", "m"), batch_dir="/b", workers=3, engine_args=("--max-total-tokens", "256"))
+    script = render_job(cluster.profile, spec, job_dir=str(tmp_path / "jobs"), release_dir=ShellPath("", str(release)))
+    assert "--served-model-name m --workers 3 --max-total-tokens 256 &" in script
 
 
 def test_the_identity_keeps_what_changes_answers_and_drops_what_only_sizes_the_batch():

@@ -3,6 +3,7 @@ prefill and decode tables from records of known times."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 
 import httpx
@@ -161,3 +162,35 @@ def test_sequence_length_sends_prompts_of_exactly_that_many_distinct_tokens():
     with pytest.raises(UsageError, match="needs the server's /tokenize: 404"):
         asyncio.run(run_load("http://x", {}, "m", LoadOptions(num_requests=1, sequence_length=8),
                              with_tokenize(transport, status=404)))
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_watch_sees_each_measured_request_end_and_never_the_warmup():
+    transport, _ = fake_server(lambda i: "error" if i == 3 else "ok", gap_s=0.0)
+    seen = []
+    opts = LoadOptions(concurrency=2, num_requests=5, new_tokens=2, warmup=2)
+    records = asyncio.run(run_load("http://x", {}, "m", opts, transport,
+                                   watch=lambda done, sent: seen.append((len(done), sent))))
+    assert seen == [(n, 5) for n in range(1, 6)] and len(records) == 5
+
+
+def test_live_view_draws_a_row_per_level_on_a_terminal_and_nothing_elsewhere():
+    from tgi_hpc.cli._app import App
+    from tgi_hpc.cli.bench import LiveView
+
+    done = [Record(sent=0.0, token_times=[0.1, 0.2, 0.3], num_tokens=3, end=0.3),
+            Record(sent=0.0, end=0.05, error="HTTP 503")]
+    tty = Tty()
+    with LiveView(App(), stream=tty, every_s=0.0) as view:
+        view(4, done, 10)
+        view(8, done[:1], 1)
+    drawn = tty.getvalue()
+    assert "TTFT p50 ms" in drawn and "2/10" in drawn and "1/1" in drawn and "100.0" in drawn and "10.0" in drawn
+    for app, stream in ((App(json_output=True), Tty()), (App(verbosity=-1), Tty()), (App(), io.StringIO())):
+        with LiveView(app, stream=stream) as view:
+            view(4, done, 10)
+        assert not view.on and stream.getvalue() == ""

@@ -80,7 +80,7 @@ def read_entries(paths: Iterable[Path], custom_ids: Sequence[str]) -> dict[int, 
         if torn:
             logger.info("journal %s: dropping a torn last line (%d bytes)", path, len(torn))
         for raw in whole:
-            entry = _entry(raw, custom_ids)
+            entry = _entry(raw, len(custom_ids), custom_ids)
             if entry is None:
                 logger.warning("journal %s: dropping a line that is not an entry of this shard", path)
             elif entry.pos not in found:
@@ -88,14 +88,30 @@ def read_entries(paths: Iterable[Path], custom_ids: Sequence[str]) -> dict[int, 
     return found
 
 
-def _entry(raw: bytes, custom_ids: Sequence[str]) -> Entry | None:
+def count_entries(paths: Iterable[Path], size: int) -> dict[int, Entry]:
+    """What `tgi-hpc status` reads: the whole entries of a shard of `size` records, by position, without the
+    input's ids (a line is not matched to its record: a count, not a resumption)."""
+    found: dict[int, Entry] = {}
+    for path in paths:
+        try:
+            whole = path.read_bytes().split(b"\n")[:-1]
+        except OSError:
+            continue
+        for raw in whole:
+            entry = _entry(raw, size)
+            if entry is not None and entry.pos not in found:
+                found[entry.pos] = entry
+    return found
+
+
+def _entry(raw: bytes, size: int, custom_ids: Sequence[str] | None = None) -> Entry | None:
     try:
         data = json.loads(raw)
         pos, line, failed, tokens = data["pos"], data["line"], data["failed"], data["tokens"]
-        if not (type(pos) is int and 0 <= pos < len(custom_ids) and isinstance(line, str) and "\n" not in line
+        if not (type(pos) is int and 0 <= pos < size and isinstance(line, str) and "\n" not in line
                 and isinstance(failed, bool) and type(tokens) is int and tokens >= 0):
             return None
-        if json.loads(line).get("custom_id") != custom_ids[pos]:
+        if custom_ids is not None and json.loads(line).get("custom_id") != custom_ids[pos]:
             return None
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return None

@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tgi_hpc.batch.durable import create_exclusive, write_durable
-from tgi_hpc.batch.journal import Entry, JournalWriter, read_entries
+from tgi_hpc.batch.journal import Entry, JournalWriter, count_entries, read_entries
 from tgi_hpc.errors import TgiHpcError
 
 DEFAULT_LEASE_S = 120.0
+SHOWN_SHARDS = 4            # open shards named in a one-line progress (all of them in to_dict)
 MANIFEST = "manifest.json"
 
 
@@ -51,46 +52,83 @@ class Lease:
     holder: str
 
 
+@dataclass(frozen=True)
+class OpenShard:
+    """A shard not committed yet that someone holds or has worked on: its lines in the journals so far."""
+    index: int
+    done: int                   # lines finished (every lease's journal: they survive a requeue)
+    total: int
+    holder: str = ""            # "" when no live lease holds it (given back, or its holder died)
+
+    def to_dict(self) -> dict:
+        return {"shard": self.index, "done": self.done, "total": self.total, "holder": self.holder}
+
+
 @dataclass
 class Progress:
     total: int                  # records (requests) in the batch
-    done: int                   # records whose shard is committed
+    done: int                   # records finished: in committed shards, or in the journals of open ones
     failed: int                 # of those, error lines
     shards: int
     shards_done: int
     holders: list[str] = field(default_factory=list)   # who holds a live lease now
-    tokens: int = 0             # generated (embedded, in an embedding batch) by the committed shards
+    tokens: int = 0             # generated (embedded, in an embedding batch) by the finished records
     elapsed_s: float = 0.0      # since the batch began (its manifest), queue waits included
+    open_shards: list[OpenShard] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
         return self.shards_done == self.shards
 
     @property
+    def committed(self) -> int:
+        """Records in committed shards (`done` less the lines only journals hold so far)."""
+        return self.done - sum(s.done for s in self.open_shards)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     @property
+    def requests_per_s(self) -> float:
+        return self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
     def eta_s(self) -> float | None:
-        """At the pace so far (None before the first commit)."""
+        """At the pace so far (None before the first finished record)."""
         if self.complete:
             return 0.0
         return self.elapsed_s * (self.total - self.done) / self.done if self.done else None
 
     def to_dict(self) -> dict:
-        return {"total": self.total, "done": self.done, "failed": self.failed, "shards": self.shards,
-                "shards_done": self.shards_done, "holders": self.holders, "complete": self.complete,
-                "tokens": self.tokens, "tokens_per_s": self.tokens_per_s, "eta_s": self.eta_s}
+        return {"total": self.total, "done": self.done, "committed": self.committed, "failed": self.failed,
+                "shards": self.shards, "shards_done": self.shards_done, "holders": self.holders,
+                "complete": self.complete, "tokens": self.tokens, "tokens_per_s": self.tokens_per_s,
+                "requests_per_s": self.requests_per_s, "elapsed_s": self.elapsed_s, "eta_s": self.eta_s,
+                "open_shards": [s.to_dict() for s in self.open_shards]}
 
-    def describe(self) -> str:
-        """`1200/2000 done, 3 failed, 850 tok/s, ETA 14m` (one line for status and --wait)."""
+    def describe(self, shards: bool = False) -> str:
+        """`1200/2000 done, 3 failed, 850 tok/s, ETA 14m` (one line for status and --wait); with `shards`,
+        the first open shards' lines too: `; shard 3 12/16 (12_0@cn1), shard 7 4/16 (+2 more)`."""
         line = f"{self.done}/{self.total} done, {self.failed} failed"
         if self.tokens:
             line += f", {self.tokens_per_s:.0f} tok/s"
         eta = self.eta_s
         if eta is not None and not self.complete:
-            line += f", ETA {eta / 60:.0f}m" if eta >= 60 else f", ETA {eta:.0f}s"
-        return line + (" (complete)" if self.complete else "")
+            line += f", ETA {_duration(eta)}"
+        line += " (complete)" if self.complete else ""
+        if shards and self.open_shards:
+            line += "; " + ", ".join(f"shard {s.index} {s.done}/{s.total}" + (f" ({s.holder})" if s.holder else "")
+                                     for s in self.open_shards[:SHOWN_SHARDS])
+            more = len(self.open_shards) - SHOWN_SHARDS
+            line += f" (+{more} more)" if more > 0 else ""
+        return line
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 60:.0f}m" if seconds >= 60 else f"{seconds:.0f}s"
 
 
 def _json(data: dict) -> bytes:
@@ -176,6 +214,8 @@ class Ledger:
             return None
 
     def progress(self) -> Progress:
+        """Committed shards from their commits; the others from their journals (a status, not a resumption:
+        a journal is not matched against the input)."""
         done, failed, tokens = 0, 0, 0
         indices = self._done_indices()
         for index in indices:
@@ -183,14 +223,32 @@ class Ledger:
             done += int(record.get("lines", 0))
             failed += int(record.get("failed", 0))
             tokens += int(record.get("tokens", 0))
-        now, holders = self.clock(), set()
+        now, holders, held = self.clock(), set(), {}
         for index, gen in self._latest_gens().items():
             lease = self._read_lease(index, gen)
             if index not in indices and lease and float(lease.get("expires", 0)) > now:
-                holders.add(str(lease.get("holder", "")))
+                held[index] = str(lease.get("holder", ""))
+                holders.add(held[index])
+        open_shards = []
+        for index in sorted((self._journaled() | set(held)) - indices):
+            if not 0 <= index < len(self.shards):
+                continue
+            entries = count_entries(self._journals(index), len(self.shards[index]))
+            done += len(entries)
+            failed += sum(e.failed for e in entries.values())
+            tokens += sum(e.tokens for e in entries.values())
+            open_shards.append(OpenShard(index, len(entries), len(self.shards[index]), held.get(index, "")))
         elapsed = max(0.0, now - float(self.manifest.get("created", now)))
         return Progress(self.num_records, done, failed, len(self.shards), len(indices), sorted(holders), tokens,
-                        elapsed)
+                        elapsed, open_shards)
+
+    def _journaled(self) -> set[int]:
+        """The shards that have a journal (one directory listing)."""
+        try:
+            names = [p.name for p in (self.root / "journal").iterdir()]
+        except OSError:
+            return set()
+        return {int(n.split(".", 1)[0]) for n in names if n.endswith(".jsonl") and n.split(".", 1)[0].isdigit()}
 
     def next_expiry(self) -> float | None:
         """When the earliest live lease of an unfinished shard expires (None: no shard is held)."""

@@ -1,4 +1,5 @@
-"""A batch job's progress for `tgi-hpc status`: done/total, failed, tok/s and ETA, from the ledger its script names."""
+"""A batch job's progress for `tgi-hpc status`: done/total, failed, tok/s and ETA, from the ledger its script
+names, with the lines done in each open shard (its journals: they survive a requeue)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,4 +25,5 @@ def add_progress(cluster: Cluster, rows: list[JobStatus]) -> None:
             p = Ledger(where).progress()
         except (OSError, StopIteration, LedgerError):
             continue
-        st.detail = f"batch {p.describe()}"
+        st.detail = f"batch {p.describe(shards=True)}"
+        st.batch = p.to_dict()

@@ -40,6 +40,7 @@ class BatchOptions:
     lease_s: float = DEFAULT_LEASE_S
     restart: bool = False
     requeue: bool = True              # requeue before the time limit (Slurm profiles)
+    workers: int = 1                  # engine processes per job (engine.offline --workers): CPU, small models
 
 
 @dataclass
@@ -179,7 +180,7 @@ def run_batch(cluster: Cluster, opts: BatchOptions, *, release: str | None = Non
     # Slurm: one job array, a task per holder; without Slurm (--cluster local): that many jobs
     spec = BatchSpec(kind="batch", resources=serve.resources, keep_alive=opts.requeue, env=serve.env,
                      model=serve.model, model_dir=serve.model_dir, num_shard=serve.num_shard,
-                     engine_args=serve.engine_args, batch_dir=str(batch_dir),
+                     engine_args=serve.engine_args, batch_dir=str(batch_dir), workers=opts.workers,
                      array_size=opts.jobs if cluster.uses_slurm else 0)
     if dry_run:
         return BatchResult(str(batch_dir), str(output), {}, script=jobs.render(cluster, spec, release_dir=rel))
@@ -188,7 +189,7 @@ def run_batch(cluster: Cluster, opts: BatchOptions, *, release: str | None = Non
                          "login node (or with --cluster local), not through SSH from a laptop")
     identity = identity_of(opts.serve.model, opts.serve.revision, serve.engine_args)
     ledger = prepare(batch_dir, src, output, identity, shard_size=opts.shard_size,
-                     jobs_count=opts.jobs, lease_s=opts.lease_s, restart=opts.restart,
+                     jobs_count=opts.jobs * opts.workers, lease_s=opts.lease_s, restart=opts.restart,
                      on_restart=lambda old: _stop_jobs(cluster, old, progress))
     result = BatchResult(str(batch_dir), str(output), ledger.progress().to_dict())
     if result.complete:

@@ -57,6 +57,10 @@ class ProgressView:
               help="Jobs working on the batch at once (on Slurm: one job array of that many tasks); each takes "
                    "the next free shard as it finishes one.")
 @click.option("--gpus", type=click.IntRange(min=0), help="GPUs per job (default: from the model size).")
+@click.option("--workers", type=click.IntRange(min=1, max=256), default=1, show_default=True,
+              help="Engine processes per job, splitting its CPU threads and taking shards from the same ledger: "
+                   "on CPU, N single-threaded forwards outrun one N-thread forward (N copies of the weights: "
+                   "small models).")
 @click.option("--time", "time_", help="Slurm time limit per job, e.g. 3:00:00 (the job requeues itself before it).")
 @click.option("--partition", "-p", help="Slurm partition. Default: the profile's serve partition.")
 @click.option("--revision", default="main", show_default=True, help="Revision of a stored Hub model.")
@@ -79,8 +83,8 @@ class ProgressView:
 @click.option("--timeout", default=24 * 3600.0, show_default=True, help="Seconds to wait with --wait.")
 @click.option("--dry-run", is_flag=True, help="Print the job script; submit nothing.")
 @with_app
-def batch(app: App, model, input_path, output_path, num_jobs, gpus, time_, partition, revision, dtype, quantize,
-          env, engine_args, release, shard_size, lease_s, restart, no_requeue, wait_done, timeout, dry_run,
+def batch(app: App, model, input_path, output_path, num_jobs, gpus, workers, time_, partition, revision, dtype,
+          quantize, env, engine_args, release, shard_size, lease_s, restart, no_requeue, wait_done, timeout, dry_run,
           **limits) -> None:
     """Answer every request of INPUT with MODEL in Slurm jobs, into OUTPUT. Run the same command again to
     see progress or, after jobs ended early, to go on where they stopped. `tgi-hpc logs OUTPUT` shows the
@@ -92,7 +96,7 @@ def batch(app: App, model, input_path, output_path, num_jobs, gpus, time_, parti
     serve = ServeOptions(model=model, revision=revision, gpus=gpus, time=time_, partition=partition, limits=limits,
                          env=list(env), engine_args=list(engine_args))
     opts = BatchOptions(serve, input_path, output_path, jobs=num_jobs, shard_size=shard_size, lease_s=lease_s,
-                        restart=restart, requeue=not no_requeue)
+                        restart=restart, requeue=not no_requeue, workers=workers)
     with ProgressView(app) as view:
         result = run_batch(app.cluster(strict_paths=not dry_run), opts, release=release, dry_run=dry_run,
                            wait=wait_done, timeout=timeout, progress=app.info, watch=view)

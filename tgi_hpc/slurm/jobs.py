@@ -58,6 +58,7 @@ class JobStatus:
     endpoint: dict = field(default_factory=dict)
     served: list[str] = field(default_factory=list)   # names requests may use: models and LoRA adapters
     models: list[dict] = field(default_factory=list)  # each engine: model, url, port, adapters
+    batch: dict = field(default_factory=dict)         # a batch job's progress (Progress.to_dict), else empty
 
     def to_dict(self) -> dict:
         return asdict(self)

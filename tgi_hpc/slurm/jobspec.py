@@ -95,3 +95,4 @@ class BatchSpec(JobSpec):
     engine_args: tuple[str, ...] = ()
     batch_dir: str = ""                # absolute, on a filesystem every node sees
     array_size: int = 0                # > 0: a job array of this many tasks (--array=0-N-1), each a holder
+    workers: int = 1                   # engine processes per job, each a holder (engine.offline --workers)

@@ -193,6 +193,7 @@ def render_job(profile: Profile, spec: JobSpec, *, job_dir: str, release_dir: Sh
             model=sh(spec.model), model_comment=sh_comment(spec.model), model_dir=path_word(spec.model_dir),
             num_shard=int(spec.num_shard), batch_dir=sh(spec.batch_dir), batch_comment=sh_comment(spec.batch_dir),
             engine_args=sh_join(list(spec.engine_args)) if spec.engine_args else "",
+            workers=int(spec.workers),
             keep_alive=spec.keep_alive and slurm is not None,
             requeue_signal=sh(slurm.requeue_signal) if slurm else "",
             max_requeues=int(slurm.max_requeues) if slurm else 0)

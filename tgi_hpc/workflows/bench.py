@@ -173,10 +173,14 @@ async def one_request(client: Any, url: str, body: dict[str, Any], openai: bool 
     return record
 
 
+Watch = Callable[[list[Record], int], None]      # (the measured records finished so far, how many are sent)
+
+
 async def run_load(url: str, headers: dict[str, str], model: str, opts: LoadOptions, transport: Any = None,
-                   prompts: list[str] | None = None) -> list[Record]:
+                   prompts: list[str] | None = None, watch: Watch | None = None) -> list[Record]:
     """`concurrency` closed-loop clients send the prompts (default: `num_requests` of PROMPTS) as greedy
-    streaming requests to `url`; `warmup` requests go first and are not returned."""
+    streaming requests to `url`; `warmup` requests go first and are not returned. `watch` sees the records
+    after each measured request ends (a live view)."""
     import httpx
 
     total = opts.num_requests if opts.num_requests is not None else opts.runs * opts.concurrency
@@ -186,14 +190,18 @@ async def run_load(url: str, headers: dict[str, str], model: str, opts: LoadOpti
     limits = httpx.Limits(max_connections=opts.concurrency, max_keepalive_connections=opts.concurrency)
     length = opts.sequence_length
 
-    async def clients(client: httpx.AsyncClient, queue: list[Any], into: list[Record]) -> None:
+    async def clients(client: httpx.AsyncClient, queue: list[Any], into: list[Record],
+                      seen: Watch | None = None) -> None:
         deadline = time.perf_counter() + opts.max_duration_s if opts.max_duration_s else None
+        total = len(queue)
 
         async def loop() -> None:
             while queue and (deadline is None or time.perf_counter() < deadline):
                 path, body = request_body(queue.pop(0), opts.new_tokens, model, opts.openai,
                                           None if opts.openai else length)
                 into.append(await one_request(client, f"{url.rstrip('/')}{path}", body, opts.openai))
+                if seen is not None:
+                    seen(into, total)
         await asyncio.gather(*(loop() for _ in range(opts.concurrency)))
 
     async with httpx.AsyncClient(headers=headers, timeout=opts.timeout_s, limits=limits,
@@ -206,7 +214,7 @@ async def run_load(url: str, headers: dict[str, str], model: str, opts: LoadOpti
                 warm, todo = long_prompts(warm, length), long_prompts(todo, length)
         if opts.warmup:
             await asyncio.wait_for(clients(client, warm, []), opts.timeout_s)
-        await asyncio.wait_for(clients(client, todo, records), opts.timeout_s)
+        await asyncio.wait_for(clients(client, todo, records, watch), opts.timeout_s)
     return records
 
 
@@ -273,9 +281,11 @@ def tables(runs: list[dict[str, Any]]) -> str:
 
 
 def bench(cluster: Any, target: str | None, opts: LoadOptions, *, concurrencies: list[int] | None = None,
-          timeout: float = 600, progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+          timeout: float = 600, progress: Callable[[str], None] = lambda m: None,
+          watch: Callable[[int, list[Record], int], None] | None = None) -> dict[str, Any]:
     """Load the target's server once it is READY, once per concurrency (default: opts.concurrency); every run's
-    summary under `runs`, also saved beside the job's log (on the cluster)."""
+    summary under `runs`, also saved beside the job's log (on the cluster). `watch(level, records, sent)` sees
+    each level's records as they end."""
     from dataclasses import replace
     from pathlib import Path
 
@@ -295,7 +305,8 @@ def bench(cluster: Any, target: str | None, opts: LoadOptions, *, concurrencies:
                      + (f"{opts.sequence_length} prompt tokens and " if opts.sequence_length else "")
                      + f"{opts.new_tokens} new tokens each"
                      + (f", {opts.warmup} warm-up requests first" if opts.warmup else ""))
-            records = asyncio.run(run_load(access.url, access.headers, access.model, run_opts))
+            seen = None if watch is None else (lambda records, sent, level=level: watch(level, records, sent))
+            records = asyncio.run(run_load(access.url, access.headers, access.model, run_opts, watch=seen))
             runs.append(summarize(records, level))
     result: dict[str, Any] = {"target": access.job_id, "url": access.url, "new_tokens": opts.new_tokens,
                               "sequence_length": opts.sequence_length, "runs": runs}
