@@ -26,3 +26,19 @@ def choose(wanted: str, fast: str, fallback: str, unusable: Callable[[], str | N
     if device.type == "cpu":
         logger.info("%s %s not used (%s): %s", what, fast, reason, fallback)
     return fallback
+
+
+def install_fused(model: torch.nn.Module, attribute: str) -> int:
+    """Set `attribute` (a layer's fused-path switch: `fused_cpu`, `fused_gpu`) on `model`'s RMSNorm,
+    RotaryEmbedding and SiluAndMul modules, their exact classes only (subclasses that change the formula keep
+    theirs). Returns how many modules now take the fused path."""
+    from engine.layers.activation import SiluAndMul
+    from engine.layers.layernorm import RMSNorm
+    from engine.layers.rotary_embedding import RotaryEmbedding
+
+    count = 0
+    for module in model.modules():
+        if type(module) in (RMSNorm, RotaryEmbedding, SiluAndMul):
+            setattr(module, attribute, True)
+            count += 1
+    return count

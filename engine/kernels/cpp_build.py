@@ -69,3 +69,21 @@ def build(name: str, source: str, log: logging.Logger = logger) -> ctypes.CDLL:
             partial.unlink(missing_ok=True)
         log.info("CPU kernel %s compiled in %.1f s into %s", name, time.monotonic() - start, path)
     return ctypes.CDLL(str(path))
+
+
+class Library:
+    """One kernel library: built (or found in the cache) on first use, loaded once per process, with the
+    ctypes signatures of its functions set: {"fn": (restype, [argtypes...])}."""
+
+    def __init__(self, name: str, source: str, signatures: dict[str, tuple], log: logging.Logger = logger) -> None:
+        self.name, self.source, self.signatures, self.log = name, source, signatures, log
+        self.handle: ctypes.CDLL | None = None
+
+    def load(self) -> ctypes.CDLL:
+        if self.handle is None:
+            library = build(self.name, self.source, self.log)
+            for function, (restype, argtypes) in self.signatures.items():
+                getattr(library, function).restype = restype
+                getattr(library, function).argtypes = argtypes
+            self.handle = library
+        return self.handle

@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from engine.kernels.cpp_build import build, compiler  # noqa: F401  (compiler: callers check for g++)
+from engine.kernels.cpp_build import Library, compiler  # noqa: F401  (compiler: callers check for g++)
 
 logger = logging.getLogger(__name__)
 
@@ -402,22 +402,19 @@ extern "C" int tgi_paged_attention(int dtype, void* out, const void* q, int64_t 
 """
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_library: ctypes.CDLL | None = None
+
+
+_LIBRARY = Library("cpu_attention", SOURCE, {
+    "tgi_paged_attention": (ctypes.c_int, [
+        ctypes.c_int, *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 3, ctypes.c_int64,
+        ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int64,
+        ctypes.c_int]),
+}, logger)
 
 
 def load() -> ctypes.CDLL:
     """The compiled kernel: built once per CPU type and compiler into the cache, loaded once per process."""
-    global _library
-    if _library is not None:
-        return _library
-    library = build("cpu_attention", SOURCE, logger)
-    library.tgi_paged_attention.restype = ctypes.c_int
-    library.tgi_paged_attention.argtypes = [
-        ctypes.c_int, *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 3, ctypes.c_int64,
-        ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int64,
-        ctypes.c_int]
-    _library = library
-    return library
+    return _LIBRARY.load()
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -21,7 +21,7 @@ import logging
 import torch
 
 from engine.kernels import choice
-from engine.kernels.cpp_build import build, compiler
+from engine.kernels.cpp_build import Library, compiler
 
 logger = logging.getLogger(__name__)
 
@@ -131,25 +131,19 @@ extern "C" void tgi_silu_and_mul(const float* x, int64_t x_stride, float* out, i
 }
 """
 
-_library: ctypes.CDLL | None = None
+
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_LIBRARY = Library("cpu_elementwise", SOURCE, {
+    "tgi_add_rms_norm": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_double, _INT]),
+    "tgi_rope": (None, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _INT]),
+    "tgi_silu_and_mul": (None, [_P, _I64, _P, _I64, _I64, _INT]),
+}, logger)
 
 
 def load() -> ctypes.CDLL:
-    """The compiled kernels: built once per CPU type and compiler into the cache, loaded once per process."""
-    global _library
-    if _library is not None:
-        return _library
-    library = build("cpu_elementwise", SOURCE, logger)
-    pointer, i64, threads = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.tgi_add_rms_norm.restype = None
-    library.tgi_add_rms_norm.argtypes = [pointer, i64, pointer, i64, pointer, pointer, pointer, i64, i64,
-                                         ctypes.c_double, threads]
-    library.tgi_rope.restype = None
-    library.tgi_rope.argtypes = [pointer, i64, i64, i64, i64, i64, pointer, pointer, i64, threads]
-    library.tgi_silu_and_mul.restype = None
-    library.tgi_silu_and_mul.argtypes = [pointer, i64, pointer, i64, i64, threads]
-    _library = library
-    return library
+    """The compiled kernel: built once per CPU type and compiler into the cache, loaded once per process."""
+    return _LIBRARY.load()
 
 
 def _threads() -> int:
@@ -258,15 +252,5 @@ def self_check() -> str | None:
 
 
 def install(model: torch.nn.Module) -> int:
-    """Turn the fused paths on in `model`'s RMSNorm, RotaryEmbedding and SiluAndMul modules (their exact
-    classes: subclasses that change the formula keep theirs). Returns how many modules use them."""
-    from engine.layers.activation import SiluAndMul
-    from engine.layers.layernorm import RMSNorm
-    from engine.layers.rotary_embedding import RotaryEmbedding
-
-    count = 0
-    for module in model.modules():
-        if type(module) in (RMSNorm, RotaryEmbedding, SiluAndMul):
-            module.fused_cpu = True
-            count += 1
-    return count
+    """Turn the fused paths on in `model`'s RMSNorm, RotaryEmbedding and SiluAndMul modules (exact classes)."""
+    return choice.install_fused(model, "fused_cpu")

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from engine.kernels.cpp_build import build, compiler
+from engine.kernels.cpp_build import Library, compiler
 
 logger = logging.getLogger(__name__)
 
@@ -328,22 +328,19 @@ extern "C" int tgi_prefill_attention(int dtype, void* out, const void* q, int64_
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 QUERY_BLOCK = 64  # queries per task
 CHOICES = ("auto", "kernel", "sdpa")
-_library: ctypes.CDLL | None = None
 _forced: str | None = None  # benchmarks: "sdpa" turns the kernel off in this process (see force)
+
+
+_LIBRARY = Library("cpu_prefill_attention", SOURCE, {
+    "tgi_prefill_attention": (ctypes.c_int, [
+        ctypes.c_int, *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 3, ctypes.c_int64,
+        ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]),
+}, logger)
 
 
 def load() -> ctypes.CDLL:
     """The compiled kernel: built once per CPU type and compiler into the cache, loaded once per process."""
-    global _library
-    if _library is not None:
-        return _library
-    library = build("cpu_prefill_attention", SOURCE, logger)
-    library.tgi_prefill_attention.restype = ctypes.c_int
-    library.tgi_prefill_attention.argtypes = [
-        ctypes.c_int, *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 3, ctypes.c_int64,
-        ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]
-    _library = library
-    return library
+    return _LIBRARY.load()
 
 
 def supports(dtype: torch.dtype, head_dim: int) -> bool:

@@ -202,15 +202,5 @@ def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def install(model: torch.nn.Module) -> int:
-    """Turn the fused paths on in `model`'s RMSNorm, RotaryEmbedding and SiluAndMul modules (their exact
-    classes: subclasses that change the formula keep theirs). Returns how many modules use them."""
-    from engine.layers.activation import SiluAndMul
-    from engine.layers.layernorm import RMSNorm
-    from engine.layers.rotary_embedding import RotaryEmbedding
-
-    count = 0
-    for module in model.modules():
-        if type(module) in (RMSNorm, RotaryEmbedding, SiluAndMul):
-            module.fused_gpu = True
-            count += 1
-    return count
+    """Turn the fused paths on in `model`'s RMSNorm, RotaryEmbedding and SiluAndMul modules (exact classes)."""
+    return choice.install_fused(model, "fused_gpu")

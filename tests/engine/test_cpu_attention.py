@@ -188,14 +188,14 @@ def test_no_compiler_means_portable_with_the_reason(monkeypatch):
 def test_the_build_is_cached_per_cpu_and_loaded_once_per_process(tmp_path, monkeypatch, caplog):
     """A fresh cache compiles once; a new process (here: the module's handle cleared) loads the file."""
     monkeypatch.setenv("TGI_HPC_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_attention, "_library", None)
+    monkeypatch.setattr(cpu_attention._LIBRARY, "handle", None)
     with caplog.at_level("INFO", logger="engine.kernels"):
         first = cpu_attention.load()
         assert cpu_attention.load() is first
     built = list(tmp_path.iterdir())
     assert len(built) == 1 and built[0].suffix == ".so" and "compiled in" in caplog.text
     caplog.clear()
-    monkeypatch.setattr(cpu_attention, "_library", None)
+    monkeypatch.setattr(cpu_attention._LIBRARY, "handle", None)
     stamp = built[0].stat().st_mtime_ns
     with caplog.at_level("INFO", logger="engine.kernels"):
         cpu_attention.load()
