@@ -1,54 +1,66 @@
 """`tgi-hpc compile` as a real Slurm job builds the offline release; `release verify` passes; a
 second compile rebuilds nothing; the release's engine serves with no network at all, and a serve
-job activates it (installing nothing)."""
+job activates it (installing nothing). The CLI runs as a user installs it: a wheel, non-editable, in a fresh
+venv, with no checkout beside it, so `compile` finds the engine's source through the install's PEP 610 record."""
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from support.venvs import wheel_venv
+
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def built(local_cluster, tmp_path_factory):
     base = tmp_path_factory.mktemp("compile")
     overrides = ["--set", f"paths.jobs={base / 'jobs'}", "--set", f"paths.releases={base / 'releases'}"]
+    python, wheel = wheel_venv(ROOT, base / "cli")
+    env = {k: v for k, v in local_cluster.env.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
 
     def tgi(*args, check=True, timeout=900):
         words = 2 if args[0] == "release" else 1  # global options go after the (sub)command
-        argv = [sys.executable, "-m", "tgi_hpc", *args[:words], "--cluster", str(local_cluster.profile), *overrides,
+        argv = [str(python), "-m", "tgi_hpc", *args[:words], "--cluster", str(local_cluster.profile), *overrides,
                 *args[words:]]
-        out = subprocess.run(argv, env=local_cluster.env, capture_output=True, text=True, timeout=timeout)
+        # run outside the checkout: `python -m` puts the working directory first on sys.path
+        out = subprocess.run(argv, env=env, cwd=base, capture_output=True, text=True, timeout=timeout)
         if check and out.returncode != 0:
             raise AssertionError(f"{args} exited {out.returncode}\n{out.stdout}\n{out.stderr}")
         return out
 
+    where = subprocess.run([str(python), "-c", "import tgi_hpc; print(tgi_hpc.__file__)"], env=env, cwd=base,
+                           capture_output=True, text=True, check=True).stdout
+    assert where.startswith(str(python.parents[1])), f"the CLI imported tgi_hpc from {where}"
     first = json.loads(tgi("compile", "--job", "--wait", "--json").stdout)
-    return tgi, base, first
+    return tgi, base, first, wheel
 
 
 def test_compile_job_builds_a_complete_release(built):
-    tgi, base, first = built
+    tgi, base, first, wheel = built
     assert first["where"] == "job" and first["state"] == "COMPLETED"
     current = base / "releases" / "current"
     manifest = json.loads((current / "release.json").read_text())
     assert manifest["torch"].startswith("2.13.0") and manifest["cuda"] is None
     assert (current / "bin" / "activate").is_file() and (current / "requirements.lock").is_file()
     assert any(name.startswith("torch-") for name in manifest["wheelhouse"])
+    # the engine inside came from the CLI's own wheel (PEP 610), not from a checkout or PyPI
+    assert manifest["inputs"]["project"] == f"wheel:{hashlib.sha256(wheel.read_bytes()).hexdigest()}"
 
 
 def test_release_verify_passes(built):
-    tgi, base, _ = built
+    tgi, base, *_ = built
     out = tgi("release", "verify", str(base / "releases" / "current"), "--json", timeout=300)
     assert json.loads(out.stdout)["ok"] is True
 
 
 def test_compiling_again_rebuilds_nothing(built):
-    tgi, base, first = built
+    tgi, base, first, _ = built
     release = (base / "releases" / "current").resolve()
     before = (release / "release.json").read_text()
     again = json.loads(tgi("compile", "--job", "--wait", "--json").stdout)
@@ -61,7 +73,7 @@ def test_compiling_again_rebuilds_nothing(built):
 
 def test_release_engine_serves_with_no_network(built, model_path, tmp_path):
     """In a fresh network namespace (loopback only): nothing can be fetched, and /generate answers."""
-    _, base, _ = built
+    _, base, *_ = built
     python = base / "releases" / "current" / "bin" / "python"
     script = f"""
 set -e
@@ -87,7 +99,7 @@ kill %1
 
 
 def test_serve_job_activates_the_release(built, model_path):
-    tgi, base, _ = built
+    tgi, base, *_ = built
     out = json.loads(tgi("serve", "--model", str(model_path("tiny-llama")), "--wait", "--timeout", "180", "--json").stdout)
     try:
         assert out["status"]["state"] == "READY"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from support.venvs import fresh_venv, pip
 from tgi_hpc import __version__
 from tgi_hpc.errors import ReleaseError
 from tgi_hpc.release import spec as spec_mod
@@ -89,23 +90,6 @@ def test_a_release_of_another_version_is_a_warning(tmp_path, caplog):
 
 # --- end to end: fresh venvs, non-editable installs -----------------------------------------------------
 
-def _pip(*args: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    subprocess.run([sys.executable, "-m", "pip", "-q", *args], check=True, env=env, timeout=300,
-                   capture_output=True)
-
-
-def _fresh_venv(where: Path) -> Path:
-    """A venv without pip whose sys.path ends with this test run's site-packages (the engine's dependencies,
-    offline), after its own: a plain path line in a .pth adds the folder without running its .pth files, so the
-    shared venv's editable tgi-hpc stays out."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True, timeout=120)
-    site = next(where.glob("lib/python3*/site-packages"))
-    shared = next(p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
-    (site / "shared-venv.pth").write_text(shared + "\n")
-    return where / "bin" / "python"
-
-
 def _resolve_in(python: Path, cwd: Path) -> tuple[str, str, list[str]]:
     code = ("import json, tgi_hpc; from pathlib import Path; from tgi_hpc.release.spec import ReleaseSpec, "
             "resolve_project; print(json.dumps([tgi_hpc.__file__, resolve_project(ReleaseSpec(Path('.')))]))")
@@ -132,21 +116,21 @@ def source(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_wheel_and_directory_installs_compile_from_themselves(source, tmp_path):
     wheels = tmp_path / "wheels"
-    _pip("wheel", "--no-deps", "-w", str(wheels), str(source))
+    pip("wheel", "--no-deps", "-w", str(wheels), str(source))
     wheel = next(wheels.glob("tgi_hpc-*.whl"))
 
-    from_wheel = _fresh_venv(tmp_path / "v1")
-    _pip("--python", str(from_wheel), "install", "--no-deps", "--no-index", str(wheel))
+    from_wheel = fresh_venv(tmp_path / "v1")
+    pip("--python", str(from_wheel), "install", "--no-deps", "--no-index", str(wheel))
     req, ident, _ = _resolve_in(from_wheel, tmp_path)
     assert req == f"tgi-hpc[engine] @ {wheel.as_uri()}" and ident.startswith("wheel:")
 
-    from_dir = _fresh_venv(tmp_path / "v2")
-    _pip("--python", str(from_dir), "install", "--no-deps", str(source))       # built, not editable
+    from_dir = fresh_venv(tmp_path / "v2")
+    pip("--python", str(from_dir), "install", "--no-deps", str(source))       # built, not editable
     req_dir, ident_dir, build = _resolve_in(from_dir, tmp_path)
     assert req_dir == f"tgi-hpc[engine] @ {source.as_uri()}" and ident_dir.startswith("source:")
     assert build == list(OWN_BUILD_REQUIRES)
 
     # what the release build then installs: the engine, from that same wheel (not PyPI's tgi-hpc)
     target = tmp_path / "release site"
-    _pip("install", "--no-deps", "--no-index", "--target", str(target), req)
+    pip("install", "--no-deps", "--no-index", "--target", str(target), req)
     assert (target / "engine" / "__init__.py").is_file() and (target / "tgi_hpc" / "release" / "origin.py").is_file()
