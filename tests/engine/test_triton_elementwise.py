@@ -114,8 +114,7 @@ def test_install_marks_exact_classes_only():
     assert [getattr(m, "fused_gpu") for m in model] == [True, False, True, True]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused layers run for CUDA tensors only")
+@pytest.mark.gpu  # the fused layers run for CUDA tensors only
 def test_greedy_on_cuda_is_identical_with_fused_and_aten_layers():
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
