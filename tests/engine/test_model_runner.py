@@ -142,6 +142,8 @@ def test_greedy_decoding_reproduces_transformers_generate_on_smollm2(model_path,
     path = model_path("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(path)
     questions = ["What is the capital of France?", "Name three primary colors."]
+    if backend == "triton":  # the interpreter runs every program in Python: one prompt is enough (and CI's budget)
+        questions = questions[:1]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"] for q in questions]
     eos = {tokenizer.eos_token_id}
