@@ -179,6 +179,8 @@ def self_check(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     """Both kernels against `gemm_reference` on small random layers (4- and 8-bit, sorted groups and
     act-order, 1 to 17 rows): {"gemm": "ok" or why not, "gemv": ...}. Run once at start-up on the device
     that will serve, so a kernel that miscompiles there is not used."""
+    from engine.layers.quantization.wna16 import pack_rows  # imported late: wna16 imports this module
+
     generator = torch.Generator().manual_seed(0)
     report = {}
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -187,9 +189,7 @@ def self_check(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
         try:
             for bits, group, act_order in ((4, 32, False), (8, 64, False), (4, 32, True)):
                 k, n = 128, 72
-                q = torch.randint(0, 2 ** bits, (k, n), generator=generator, dtype=torch.int32)
-                shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-                packed = (q.view(k // (32 // bits), 32 // bits, n) << shifts[None, :, None]).sum(1, dtype=torch.int32)
+                packed = pack_rows(torch.randint(0, 2 ** bits, (k, n), generator=generator), bits)
                 scales = (torch.rand(k // group, n, generator=generator) * 0.02 + 0.001).to(dtype)
                 zeros = torch.randint(0, 2 ** bits, (k // group, n), generator=generator).to(dtype)
                 g_idx = (torch.arange(k) // group).to(torch.int32)
