@@ -28,7 +28,10 @@
 #   profile     scripts/profile_step.py: the 8B shape's decode step at batch 1, 64 and 256 under torch.profiler,
 #               kernels per step by kind and by name (where the time above the bandwidth floor goes)
 #   serve-8b    scripts/bench_http.py: the same 8B shape served over HTTP (python -m engine), 256 streaming
-#               clients x 128 tokens: TTFT, TPOT, ITL and output tok/s through the server
+#               clients x 128 tokens, 512 requests: TTFT, TPOT, ITL and output tok/s through the server, the
+#               clients in one process, then in 4 (--client-processes)
+#   serve-host  scripts/host_overhead_http.py: the server's CPU per streamed token with no model (stand-in runner),
+#               by thread (step loop, HTTP), on this machine's CPU
 #   quant       scripts/bench_quant.py: W4A16/W8A16 Triton GEMM and FP8 against bf16 on 8B shapes
 #   moe         scripts/bench_moe.py: the Triton grouped expert GEMM against transformers' MoE forward
 # Every stage gets what is left of --budget (default 540 s) at most, so a call ends inside the device's
@@ -177,9 +180,12 @@ call_bench() {
     stage profile 90 "$PY" scripts/profile_step.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
       --load-format dummy --device cuda --dtype bfloat16 --batch-sizes 1,64,256 --prompt-len 128 --profile-steps 8 \
       --json-out "$LOGS/profile.json"
-    stage serve-8b 150 "$PY" scripts/bench_http.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
-      --load-format dummy --device cuda --dtype bfloat16 --concurrency 256 --new-tokens 128 --no-hf \
-      --json-out "$LOGS/serve-8b.json"
+    stage serve-host 60 "$PY" scripts/host_overhead_http.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" \
+      --concurrency 256 --new-tokens 128
+    # the load generator in 1 process, then 4: one process parsing every event of 256 streams may be the limit
+    stage serve-8b 150 bash -c "for p in 1 4; do $PY scripts/bench_http.py --model-id '${TGI_HPC_TOKENIZER_DIR:-smollm2}' \
+      --config-like 8b --load-format dummy --device cuda --dtype bfloat16 --concurrency 256 --num-requests 512 \
+      --new-tokens 128 --no-hf --client-processes \$p --json-out '$LOGS/serve-8b-p'\$p.json; done"
     stage quant 90 "$PY" scripts/bench_quant.py --json "$LOGS/bench-quant.json"
     stage moe 90 "$PY" scripts/bench_moe.py --device "$DEVICE" --dtype bfloat16 --sizes mid
   fi

