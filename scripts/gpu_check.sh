@@ -130,6 +130,10 @@ stage() {  # stage NAME SECONDS COMMAND...: run within min(SECONDS, budget left)
 # limit, where pytest-timeout is installed, turns a hung test into a failure with its stack, not a lost stage
 PYTEST=("$PY" -m pytest -v -p no:cacheprovider -o addopts= -rs --tb=short --durations=10 ${KEXPR[@]+"${KEXPR[@]}"})
 "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout=75 --timeout-method=thread)
+# On the device, test files in parallel processes where pytest-xdist is installed: Triton compiles on the host's CPU,
+# one kernel variant after another, and the attention tests alone outlasted a 143 s stage in one process
+PAR=()
+[ "$DRY" = 0 ] && "$PY" -c "import xdist" 2>/dev/null && PAR=(-n "${GPU_CHECK_WORKERS:-8}")
 KERNEL_TESTS=$(ls tests/engine/test_*triton*.py tests/engine/test_*kernel*.py tests/engine/test_quant_gemm.py \
   2>/dev/null | sort -u | tr '\n' ' ')
 GPU_TESTS=$(grep -l "pytest.mark.gpu" tests/engine/test_*.py | tr '\n' ' ')
@@ -150,10 +154,10 @@ call_kernels() {
     stage imports 60 "$PY" scripts/gpu_imports.py
     stage selfcheck 60 bash -c "$PY -m engine.attention_check --json-out '$LOGS/selfcheck-auto.json'; $PY -m engine.attention_check --attention-backend triton --json-out '$LOGS/selfcheck-triton.json'"
     # shellcheck disable=SC2086
-    stage kernels 170 "${PYTEST[@]}" $KERNEL_TESTS --junitxml="$LOGS/kernels.xml"
+    stage kernels 170 "${PYTEST[@]}" ${PAR[@]+"${PAR[@]}"} $KERNEL_TESTS --junitxml="$LOGS/kernels.xml"
   fi
   # shellcheck disable=SC2086
-  stage gpu-tests 180 "${PYTEST[@]}" -m gpu $GPU_TESTS --junitxml="$LOGS/gpu-tests.xml"
+  stage gpu-tests 180 "${PYTEST[@]}" ${PAR[@]+"${PAR[@]}"} -m gpu $GPU_TESTS --junitxml="$LOGS/gpu-tests.xml"
 }
 
 call_bench() {
