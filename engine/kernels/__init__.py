@@ -16,6 +16,8 @@ Modules:
 - cpu_attention: `paged_attention` (decode rows and short spans over the paged cache in place, C++ built
   by g++ at first use and cached per CPU in ~/.cache/tgi-hpc/kernels or $TGI_HPC_KERNEL_CACHE; `load`
   builds it); its reference is attention_reference's `paged_attention_reference` too.
+- fp8_quant: `quantize_tokens`, FP8 W8A8's per-token activation quantization in one kernel (absmax, scale,
+  round to e4m3), bit-equal to its torch reference (`quantize_tokens_reference`), self-checked per device.
 - lora: `lora_apply`, the batched multi-LoRA update (per-token shrink and expand by adapter index);
   lora_reference: `lora_reference`, the same in float64 plain torch.
 """

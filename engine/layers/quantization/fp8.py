@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import fp8_quant
 from engine.layers.quantization.base import Layout, LinearMethod, QuantizationConfig, add_param, read_piece, store
 
 logger = logging.getLogger(__name__)
@@ -34,9 +35,9 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] -> (e4m3 [M, K], fp32 scale [M, 1]): the dynamic per-token activation scales."""
-    scale = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    """[M, K] -> (e4m3 [M, K], fp32 scale [M, 1]): the dynamic per-token activation scales. On a GPU one
+    Triton kernel (engine.kernels.fp8_quant, self-checked), elsewhere its torch reference."""
+    return fp8_quant.quantize_tokens(x)
 
 
 def scaled_mm_usable(device: torch.device) -> bool:
@@ -78,8 +79,9 @@ def scaled_mm_check(device: torch.device) -> str:
 
 
 def kernel_report() -> dict[str, str]:
-    """For /info: {"fp8_scaled_mm": "ok" or why not} once an FP8 layer was loaded where it can run."""
-    return {"fp8_scaled_mm": verdict for verdict in _checks.values()}
+    """For /info: {"fp8_scaled_mm": "ok" or why not, "fp8_activation_quant": "triton" or "torch (why)"} once
+    an FP8 layer was loaded where it can run."""
+    return {**{"fp8_scaled_mm": verdict for verdict in _checks.values()}, **fp8_quant.kernel_report()}
 
 
 class Fp8LinearMethod(LinearMethod):
@@ -132,6 +134,8 @@ class Fp8LinearMethod(LinearMethod):
         device = layer.weight.device
         layer.fp8_scaled_mm = scaled_mm_usable(device) and layer.weight.shape[0] % 16 == 0 \
             and layer.weight.shape[1] % 16 == 0 and scaled_mm_check(device) == "ok"
+        if device.type == "cuda" and self.quantize_activations:
+            fp8_quant.self_check(device)    # at load, never first inside a CUDA-graph capture
         if device.type == "cpu":  # as engine.layers.quantization.wna16: dequantize once, at load, on CPU
             layer.dense_weight = self._dequantized(layer, layer.act_dtype)
             layer.weight.data = layer.weight.data.new_empty(0)
