@@ -17,6 +17,22 @@ import triton.language as tl
 BLOCK_M = 16
 
 
+def tile_config(num_pairs: int, num_experts: int, n: int, k: int, dtype: torch.dtype) -> dict[str, int]:
+    """The launch for one grouped GEMM, from host ints only (a CUDA graph's batch picks its own, once):
+    BLOCK_M follows the expected rows per expert (16 at decode, where most tiles are one or two real rows and
+    padding is wasted work; up to 64 in prefill, where it halves how often each expert's weights are read),
+    BLOCK_K the reduction (wider for bf16/fp16 and long K), BLOCK_N the outputs, with 8 warps and 3 stages for
+    the large tiles. float32 keeps narrow tiles (its tiles take twice the shared memory)."""
+    per_expert = num_pairs / max(num_experts, 1)
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 96 else 64
+    wide = dtype != torch.float32
+    block_k = 64 if wide and k >= 64 else 32
+    block_n = 128 if wide and n >= 128 and block_m >= 32 else 64
+    big = block_m * block_n >= 64 * 128
+    return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 8 if big else 4,
+            "num_stages": 3 if wide else 2}
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     """Sort the flattened (token, k) pairs by expert, padding each expert's run to `block_m`.
 
@@ -77,10 +93,11 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, scale_ptr, sorted_ptr, experts_ptr
 
 def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, sorted_pairs: torch.Tensor, block_experts: torch.Tensor,
                  num_pairs: int, rows_per_a: int, scales: torch.Tensor | None = None,
-                 block_n: int = 64, block_k: int = 32) -> torch.Tensor:
+                 block_n: int = 64, block_k: int = 32, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """out[p] = a[p // rows_per_a] @ weights[expert(p)].T (times scales[p]) for every pair p.
 
-    a [rows, K], weights [E, N, K] -> out [num_pairs, N].
+    a [rows, K], weights [E, N, K] -> out [num_pairs, N]. BLOCK_M is `align_by_expert`'s; the other
+    launch parameters: `tile_config`'s for the engine, these defaults for the tests' small shapes.
     """
     a, weights = a.contiguous(), weights.contiguous()
     num_experts, n, k = weights.shape
@@ -93,7 +110,8 @@ def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, sorted_pairs: torch.Ten
     _grouped_gemm_kernel[grid](a, weights, out, scale_arg, sorted_pairs, block_experts,
                                num_pairs, n, k, rows_per_a,
                                a.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
-                               HAS_SCALE=scales is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                               HAS_SCALE=scales is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                               num_warps=num_warps, num_stages=num_stages)
     return out
 
 

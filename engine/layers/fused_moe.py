@@ -75,11 +75,15 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     from engine.kernels import moe
 
     num_tokens, top_k = ids.shape
-    sorted_pairs, block_experts = moe.align_by_expert(ids, w13.shape[0])
-    num_pairs = num_tokens * top_k
-    gate, up = moe.grouped_gemm(x, w13, sorted_pairs, block_experts, num_pairs, top_k).chunk(2, dim=-1)
+    num_experts, num_pairs = w13.shape[0], num_tokens * top_k
+    up_tiles = moe.tile_config(num_pairs, num_experts, w13.shape[1], w13.shape[2], x.dtype)
+    down_tiles = moe.tile_config(num_pairs, num_experts, w2.shape[1], w2.shape[2], x.dtype)
+    block_m = up_tiles.pop("block_m")
+    down_tiles.pop("block_m")       # one sort serves both GEMMs: the same rows per expert
+    sorted_pairs, block_experts = moe.align_by_expert(ids, num_experts, block_m)
+    gate, up = moe.grouped_gemm(x, w13, sorted_pairs, block_experts, num_pairs, top_k, **up_tiles).chunk(2, dim=-1)
     hidden = act(gate) * up
-    down = moe.grouped_gemm(hidden, w2, sorted_pairs, block_experts, num_pairs, 1, scales=weights)
+    down = moe.grouped_gemm(hidden, w2, sorted_pairs, block_experts, num_pairs, 1, scales=weights, **down_tiles)
     return down.view(num_tokens, top_k, -1).sum(dim=1)
 
 

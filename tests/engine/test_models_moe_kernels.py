@@ -69,6 +69,30 @@ def test_grouped_gemm_matches_the_per_pair_reference(dtype, num_tokens, num_expe
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 40, 200])      # decode, mid, prefill: BLOCK_M 16, 32, 64
+def test_the_tiles_chosen_per_shape_match_the_reference(dtype, num_tokens):
+    num_experts, top_k, hidden, inter = 4, 2, 128, 128
+    weights, ids = routing(num_tokens, num_experts, top_k)
+    x, w13, _ = tensors(num_tokens, num_experts, hidden, inter, dtype)
+    tiles = moe.tile_config(ids.numel(), num_experts, w13.shape[1], w13.shape[2], dtype)
+    assert tiles["block_m"] == {1: 16, 40: 32, 200: 64}[num_tokens]
+    sorted_pairs, block_experts = moe.align_by_expert(ids, num_experts, tiles.pop("block_m"))
+    got = moe.grouped_gemm(x, w13, sorted_pairs, block_experts, ids.numel(), top_k, scales=weights, **tiles)
+    want = moe.grouped_gemm_reference(x.float(), w13.float(), ids, top_k, scales=weights)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_tile_config_widens_with_rows_per_expert_and_keeps_float32_narrow():
+    decode = moe.tile_config(8, 8, 28672, 4096, torch.bfloat16)
+    prefill = moe.tile_config(8192, 8, 28672, 4096, torch.bfloat16)
+    assert (decode["block_m"], decode["block_n"], decode["block_k"]) == (16, 64, 64)
+    assert (prefill["block_m"], prefill["block_n"], prefill["num_warps"]) == (64, 128, 8)
+    narrow = moe.tile_config(8192, 8, 28672, 4096, torch.float32)
+    assert (narrow["block_n"], narrow["block_k"]) == (64, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_experts_match_the_torch_path(dtype):
     weights, ids = routing(29, 6, 2)
     x, w13, w2 = tensors(29, 6, 48, 40, dtype, seed=1)  # sizes off the tile grid on every axis
