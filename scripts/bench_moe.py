@@ -88,9 +88,23 @@ def bench_layer(hf_model, size: str, device: torch.device, dtype: torch.dtype, t
         if name == "onednn":  # as the engine does at load on CPU (--cpu-gemm auto)
             cpu_gemm.prepack_model(layer)
         variants[name] = layer
+    calls = {name: layer for name, layer in variants.items()}
+    if device.type == "cuda":  # A/B: the tiles chosen per shape against the one fixed launch used before them
+        from engine.kernels import moe
+
+        def fixed_tiles(layer=variants["aten"], choose=moe.tile_config):
+            def call(x, logits):
+                moe.tile_config = lambda *args: {"block_m": 16, "block_n": 64, "block_k": 32, "num_warps": 4,
+                                                 "num_stages": 3}
+                try:
+                    return layer(x, logits)
+                finally:
+                    moe.tile_config = choose
+            return call
+        calls = {"per-shape tiles": variants["aten"], "fixed tiles": fixed_tiles()}
     print(f"\n(a) one MoE layer, {size}: {cfg['num_experts']} experts, top {cfg['num_experts_per_tok']}, "
           f"hidden {cfg['hidden_size']}, expert width {cfg['moe_intermediate_size']}; tok/s, ratio to transformers")
-    print(f"{'tokens':>7} {'transformers':>13}" + "".join(f" {name:>16}" for name in variants))
+    print(f"{'tokens':>7} {'transformers':>13}" + "".join(f" {name:>16}" for name in calls))
     for tokens in token_counts:
         x = torch.randn(tokens, cfg["hidden_size"], device=device, dtype=dtype) * 0.5
         row = f"{tokens:>7}"
@@ -98,7 +112,7 @@ def bench_layer(hf_model, size: str, device: torch.device, dtype: torch.dtype, t
             want = block(x[None])[0]
             hf_s = timed(lambda: block(x[None]), device, repeats)
             row += f" {tokens / hf_s:>13,.0f}"
-            for layer in variants.values():
+            for layer in calls.values():
                 got = layer(x, x @ router.T)
                 tolerance = 1e-4 if dtype == torch.float32 else 5e-2
                 torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)

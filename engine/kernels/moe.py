@@ -93,7 +93,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, scale_ptr, sorted_ptr, experts_ptr
 
 def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, sorted_pairs: torch.Tensor, block_experts: torch.Tensor,
                  num_pairs: int, rows_per_a: int, scales: torch.Tensor | None = None,
-                 block_n: int = 64, block_k: int = 32, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                 block_n: int = 64, block_k: int = 32, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """out[p] = a[p // rows_per_a] @ weights[expert(p)].T (times scales[p]) for every pair p.
 
     a [rows, K], weights [E, N, K] -> out [num_pairs, N]. BLOCK_M is `align_by_expert`'s; the other
