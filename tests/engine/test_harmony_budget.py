@@ -1,13 +1,14 @@
 """A reasoning budget for gpt-oss (harmony): the analysis message ends at its budget, the grammar then forces
 `<|end|><|start|>assistant<|channel|>final<|message|>` (as `</think>` for the other parsers) and the final
-message's grammar (response_format, tools) applies. Checked token by token with llguidance, and through the
-launcher on tiny-gpt-oss given harmony's markers as special tokens and a harmony template, with the real `openai`
-and `anthropic` clients on chat, Responses and Messages, streamed and not: the analysis is the reasoning, within
-the budget, and the final channel is the content, JSON that validates."""
+message's grammar (response_format, tools) applies. Checked token by token with llguidance, and in-process (the
+real engine) on tiny-gpt-oss given harmony's markers as special tokens and a harmony template, with the real
+`openai` and `anthropic` clients on chat, Responses and Messages, streamed and not: the analysis is the
+reasoning, within the budget, and the final channel is the content, JSON that validates."""
 from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 
@@ -49,6 +50,7 @@ def folder(model_path, tmp_path_factory):
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    torch.manual_seed(0)    # the markers' new rows
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.save_pretrained(folder)
     ends = tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
@@ -83,7 +85,7 @@ def http(folder):
             for _ in range(100):        # the engine thread frees the last request's blocks after its reply
                 if blocks.num_free_blocks == blocks.num_blocks:
                     break
-                engine._wakeup.wait(0.05)
+                time.sleep(0.05)
             assert blocks.num_free_blocks == blocks.num_blocks
     finally:
         engine.close()
@@ -169,7 +171,8 @@ def reasoning_tokens(tokens: list[str]) -> int:
 
 def test_chat_budget_then_json_streamed_and_not(client):
     budget = 3
-    kwargs = dict(model="tgi", messages=ASK, max_tokens=48, temperature=1.0, extra_body={"max_reasoning_tokens": budget},
+    kwargs = dict(model="tgi", messages=ASK, max_tokens=48, temperature=1.0,
+                  extra_body={"max_reasoning_tokens": budget},
                   response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}})
     spent = []
     for seed in range(2):
@@ -186,21 +189,29 @@ def test_chat_budget_then_json_streamed_and_not(client):
         assert "".join(d.content or "" for d in deltas) == choice.message.content
         assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == reasoning
     assert budget in spent, spent           # a random model does not end its analysis early: the budget does
+    for hostile in (0, -1, 10**30, "3"):
+        with pytest.raises(openai.UnprocessableEntityError) as info:
+            client.chat.completions.create(**{**kwargs, "extra_body": {"max_reasoning_tokens": hostile}})
+        assert info.value.body is None or "Traceback" not in str(info.value.body)
 
 
-def test_messages_thinking_budget_then_text_streamed_and_not(http, tokenizer):
+def test_messages_thinking_budget_then_text_streamed_and_not(http, client):
     anthropic = pytest.importorskip("anthropic")
     claude = anthropic.Anthropic(base_url=str(http.base_url), api_key="x", http_client=http, max_retries=0)
     kwargs = dict(model="tiny", max_tokens=24, messages=ASK, thinking={"type": "enabled", "budget_tokens": 4},
-                  extra_body={"temperature": 0})
+                  extra_body={"temperature": 0})     # (this SDK refuses `temperature` beside `thinking`)
     whole = claude.messages.create(**kwargs)
     assert [b.type for b in whole.content] == ["thinking", "text"], whole.content
     thinking, text = whole.content[0].thinking, whole.content[1].text
-    assert 0 < len(tokenizer.encode(thinking, add_special_tokens=False)) <= 4 and text
-    assert "<|" not in thinking + text
+    assert thinking and text and "<|" not in thinking + text
     with claude.messages.stream(**kwargs) as stream:
         final = stream.get_final_message()
-    assert [b.model_dump(exclude={"id"}) for b in final.content] == [b.model_dump(exclude={"id"}) for b in whole.content]
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+    # the same greedy turn on the chat route, whose logprobs count the analysis message's tokens
+    chat = client.chat.completions.create(model="tgi", messages=ASK, max_tokens=24, temperature=0, logprobs=True,
+                                          extra_body={"max_reasoning_tokens": 4}).choices[0]
+    assert chat.message.model_extra["reasoning_content"] == thinking and chat.message.content == text
+    assert 0 < reasoning_tokens([t.token for t in chat.logprobs.content]) <= 4
 
 
 def test_responses_reasoning_budget_then_json_or_a_call_streamed_and_not(client, tokenizer):
