@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from engine.server.reasoning import _partial_suffix
@@ -182,7 +182,7 @@ def final_grammar(answer: str | None, budget: int | None, tokenizer: Any, field:
     return lark_spec("\n".join(rules), field)
 
 
-def _analysis(mark: Any, budget: int | None) -> list[str]:
+def _analysis(mark: Callable[[str], str], budget: int | None) -> list[str]:
     """The rules of one analysis message and the header that follows it. A body cannot hold a special token, so
     the message ends only with `<|end|>` (a `stop` where the markers are text), and no second analysis message
     can open to step around the budget."""
@@ -198,5 +198,5 @@ def _first(budget: int | None) -> str:
     return "analysis?" if budget is None else "analysis"
 
 
-def _marks(tokenizer: Any) -> Any:
+def _marks(tokenizer: Any) -> Callable[[str], str]:
     return lambda text: grammar_marker(text, tokenizer)

@@ -5,7 +5,7 @@ with the reasoning span in front of it (engine.server.reasoning).
 |---|---|---|
 | chat completions | `max_reasoning_tokens`, `chat_template_kwargs` (`enable_thinking`) | themselves |
 | Anthropic Messages | `thinking: {"type": "enabled", "budget_tokens": N}` / `{"type": "disabled"}` | budget N / `enable_thinking: false` |
-| Responses | `reasoning: {"effort": "none" / "minimal" / "low" / "medium" / "high"}`, or `{"max_tokens": N}` | `enable_thinking: false` / budgets 1024, 4096, none / budget N |
+| Responses | `reasoning: {"effort": "none" / "minimal" / "low" / "medium" / "high"}`, or `{"max_tokens": N}` | `enable_thinking: false` / budgets 1024, 4096, none and `reasoning_effort` to the template / budget N |
 
 A budget closes the span at that many tokens (the grammar then allows only its end). Thinking off reaches the
 template as `enable_thinking: false` (Qwen3's switch); a template that opens the span itself (the R1 distills)
@@ -101,5 +101,7 @@ def responses_reasoning(reasoning: dict[str, Any] | None, thinks: ReasoningForma
         return {}
     if thinks is None:
         raise ValidationError(f"`reasoning` is not supported for this model: {_NO_PARSER}")
+    # gpt-oss's template writes the effort into its system message ("Reasoning: low"); other templates ignore it
+    fields: dict[str, Any] = {} if effort is None else {"chat_template_kwargs": {"reasoning_effort": effort}}
     budget = budget if budget is not None else EFFORT_BUDGETS[effort]
-    return {} if budget is None else {"max_reasoning_tokens": budget}
+    return fields if budget is None else {**fields, "max_reasoning_tokens": budget}

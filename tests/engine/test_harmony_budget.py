@@ -235,3 +235,17 @@ def test_responses_reasoning_budget_then_json_or_a_call_streamed_and_not(client,
         assert [i.type for i in final.output] == kinds and final.output_text == whole.output_text
         streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
         assert streamed == whole.output[0].content[0].text and "<|" not in streamed
+
+
+def test_responses_effort_reaches_the_template(client, tokenizer):
+    """`reasoning.effort` is gpt-oss's `reasoning_effort` ("Reasoning: low" in its system message) as well as a
+    budget."""
+    def rendered(effort: str) -> int:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi."}], tokenize=False,
+                                               add_generation_prompt=True, reasoning_effort=effort)
+        return len(tokenizer.encode(prompt, add_special_tokens=False))
+
+    used = {effort: client.responses.create(model="tiny", input="Hi.", max_output_tokens=1,
+                                            reasoning={"effort": effort}).usage.input_tokens
+            for effort in ("low", "high")}
+    assert used == {"low": rendered("low"), "high": rendered("high")} and used["low"] != used["high"]
