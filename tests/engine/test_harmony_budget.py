@@ -38,10 +38,12 @@ ASK = [{"role": "user", "content": "Think, then answer."}]
 
 @pytest.fixture(scope="module")
 def folder(model_path, tmp_path_factory):
-    """tiny-gpt-oss with harmony's markers added as special tokens (its embeddings grown to match), the harmony
-    template, and `<|return|>` / `<|call|>` as end tokens, as gpt-oss's generation_config has them."""
+    """tiny-gpt-oss with harmony's markers added as special tokens (random rows appended to its embedding and LM
+    head), the harmony template, and `<|return|>` / `<|call|>` as end tokens, as gpt-oss's generation_config has
+    them."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer, GenerationConfig
     folder = tmp_path_factory.mktemp("gpt-oss") / "tiny-gpt-oss"
     shutil.copytree(model_path("tiny-gpt-oss"), folder)
     (folder / "chat_template.jinja").unlink(missing_ok=True)
@@ -49,10 +51,15 @@ def folder(model_path, tmp_path_factory):
     tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    torch.manual_seed(0)    # the markers' new rows
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    model.save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        rows = weights[name]
+        grown = torch.randn(len(tokenizer) - rows.shape[0], rows.shape[1], generator=generator) * rows.std()
+        weights[name] = torch.cat([rows, grown])
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": len(tokenizer)}))
     ends = tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=[tokenizer.eos_token_id, *ends],
                      pad_token_id=tokenizer.pad_token_id, do_sample=False).save_pretrained(folder)
