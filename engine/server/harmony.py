@@ -19,12 +19,15 @@ With the request's tools known, such a message streams as ("name", NAME) then ("
 message to any other recipient (an unknown function, a built-in tool) is content. A call is one whose arguments
 are a JSON object once the text has ended (`<|call|>` is an end token, so it is often not in the text at all).
 `call_grammar` forces a call (`required`, named): an analysis message may come first, then one call.
+`final_grammar` puts a request's answer grammar (response_format) in the final message. A reasoning budget bounds
+the analysis message in both, which it then makes required: past the budget only `<|end|>` may follow, and the
+final message's header (or a call's) is forced, as `</think>` is for `<think>`-style models.
 """
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from engine.server.reasoning import _partial_suffix
@@ -149,20 +152,51 @@ def analysis_spans(text: str) -> list[tuple[int, int]]:
     return spans
 
 
-def call_grammar(tools: list[Tool], tokenizer: Any, field: str = "tools") -> GrammarSpec:
-    """A turn that must call one of `tools` in harmony: an optional analysis message, then one call message
-    (the markers forced as the special tokens they are)."""
-    def mark(text: str) -> str:
-        return grammar_marker(text, tokenizer)
-
-    analysis = (f"{mark(CHANNEL)} \"analysis\" {mark(MESSAGE)} /(.|\\n)*/ {mark('<|end|>')} {mark(START)} "
-                f"\"assistant\"")
-    rules = [f"start: ({analysis})? call",
-             f"call: {mark(CHANNEL)} \"commentary to=functions.\" "
-             f"({' | '.join(f'call_{i}' for i in range(len(tools)))})"]
+def call_grammar(tools: list[Tool], tokenizer: Any, field: str = "tools", budget: int | None = None,
+                 allow_text: bool = False) -> GrammarSpec:
+    """A turn that calls one of `tools` in harmony: an analysis message (optional without a `budget`, else of at
+    most `budget` tokens), then one call message, or with `allow_text` (`auto` under a budget) a call or a final
+    message (the markers forced as the special tokens they are)."""
+    mark = _marks(tokenizer)
+    calls = " | ".join(f"call_{i}" for i in range(len(tools)))
+    rules = [f"start: {_first(budget)} {'(call | final)' if allow_text else 'call'}", *_analysis(mark, budget),
+             f"call: {mark(CHANNEL)} \"commentary to=functions.\" ({calls})"]
+    if allow_text:
+        rules += [f"final: {mark(CHANNEL)} \"final\" {mark(MESSAGE)} /(.|\\n)*/"]
     for i, tool in enumerate(tools):
         schema = {**closed(tool.parameters), "x-guidance": JSON_LAYOUT}
         rules.append(f"call_{i}: {json.dumps(tool.name + ' ')} {mark(CONSTRAIN)} \"json\" {mark(MESSAGE)} args_{i} "
                      f"{mark('<|call|>')}")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
     return lark_spec("\n".join(rules), field)
+
+
+def final_grammar(answer: str | None, budget: int | None, tokenizer: Any, field: str) -> GrammarSpec:
+    """An analysis message (optional without a `budget`, else of at most `budget` tokens), then the final message,
+    whose body is `answer` (a Lark rule named `answer`, e.g. a JSON schema's; None: free text). Past the budget only
+    `<|end|>` may follow, and the grammar then forces `<|start|>assistant<|channel|>final<|message|>`, as `</think>`
+    for the others."""
+    mark = _marks(tokenizer)
+    rules = [f"start: {_first(budget)} {mark(CHANNEL)} \"final\" {mark(MESSAGE)} answer", *_analysis(mark, budget),
+             answer or "answer: /(.|\\n)*/"]
+    return lark_spec("\n".join(rules), field)
+
+
+def _analysis(mark: Callable[[str], str], budget: int | None) -> list[str]:
+    """The rules of one analysis message and the header that follows it. A body cannot hold a special token, so
+    the message ends only with `<|end|>` (a `stop` where the markers are text), and no second analysis message
+    can open to step around the budget."""
+    end = mark("<|end|>")
+    limits = ([] if end.startswith("<[") else [f"stop={end}"]) + ([] if budget is None else [f"max_tokens={budget}"])
+    return [f"analysis: {mark(CHANNEL)} \"analysis\" {mark(MESSAGE)} thought {end} {mark(START)} \"assistant\"",
+            f"thought{'[' + ', '.join(limits) + ']' if limits else ''}: /(.|\\n)*/"]
+
+
+def _first(budget: int | None) -> str:
+    """A budget asks for reasoning, and gpt-oss always opens with an analysis message (it may be empty): under one
+    the message is required, so that a turn cannot skip to its answer and report no reasoning at all."""
+    return "analysis?" if budget is None else "analysis"
+
+
+def _marks(tokenizer: Any) -> Callable[[str], str]:
+    return lambda text: grammar_marker(text, tokenizer)

@@ -54,7 +54,7 @@ async def messages(request: Request) -> Response:
             chat, use = _chat_request(req, state)
             prompt = apply_chat_template(state, chat, use)
             await prefetch_images(state, prompt, add_special_tokens=False)
-            grammar = request_grammar(chat, _thinks(state), use, None, prompt)     # tools after the thinking
+            grammar = request_grammar(chat, _thinks(state), use, None, prompt, state.tokenizer)   # after the thinking
             thinks = for_prompt(_thinks(state), prompt)
             await prepare_spec(grammar, state.engine)
             params = parameters(chat, req.max_tokens, 0, grammar)

@@ -58,7 +58,7 @@ async def chat_completions(request: Request) -> Response:
         await prefetch_images(state, prompt, add_special_tokens=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         thinks = reasoning_format(state.config.reasoning_parser, getattr(state.tokenizer, "chat_template", None))
-        grammar = request_grammar(req, thinks, use, grammar, prompt)
+        grammar = request_grammar(req, thinks, use, grammar, prompt, state.tokenizer)
         thinks = for_prompt(thinks, prompt)
         params = parameters(req, max_tokens, top_n, grammar)
         params.adapter_id = adapter_id(state, req)

@@ -68,7 +68,7 @@ async def create_response(request: Request) -> Response:
             raise ValidationError('`text.format` cannot be combined with `tools` unless `tool_choice` is "none"')
         prompt = apply_chat_template(state, chat, use)
         await prefetch_images(state, prompt, add_special_tokens=False)
-        grammar = request_grammar(chat, thinks, use, grammar, prompt)     # after the reasoning span
+        grammar = request_grammar(chat, thinks, use, grammar, prompt, state.tokenizer)     # after the reasoning
         thinks = for_prompt(thinks, prompt)
         await prepare_spec(grammar, state.engine)
         params = parameters(chat, req.max_output_tokens, 0, grammar)

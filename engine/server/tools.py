@@ -30,7 +30,7 @@ class ToolUse:
     tools: list[Tool]
     fmt: ToolCallFormat
     allow_text: bool
-    grammar: GrammarSpec | None     # None: harmony under `auto` (the model writes its messages freely)
+    grammar: GrammarSpec | None     # None: harmony under `auto` with no reasoning budget (free messages)
 
 
 def tool_use(req: ChatCompletionRequest, tokenizer: Any, parser: str = "auto") -> ToolUse | None:
@@ -52,7 +52,9 @@ def tool_use(req: ChatCompletionRequest, tokenizer: Any, parser: str = "auto") -
     try:
         if fmt.name == "harmony":
             from engine.server.harmony import call_grammar
-            grammar = None if choice == "auto" else call_grammar(tools, tokenizer)
+            budget = req.max_reasoning_tokens      # under `auto` without one, the model writes its messages freely
+            grammar = None if choice == "auto" and budget is None else \
+                call_grammar(tools, tokenizer, budget=budget, allow_text=choice == "auto")
         else:
             grammar = tool_call_grammar(tools, fmt, allow_text=choice == "auto", tokenizer=tokenizer,
                                         parallel=_parallel(req, fmt))

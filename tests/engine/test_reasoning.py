@@ -165,7 +165,7 @@ def test_harmony_channels_on_the_chat_and_responses_routes(monkeypatch):
                 deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
                           if line.startswith("data: {")]
             output = client.post("/v1/responses", json={"input": "why?", "max_output_tokens": len(HARMONY)}).json()
-            refused = client.post("/v1/chat/completions", json={**body, "max_reasoning_tokens": 4})
+            budgeted = client.post("/v1/chat/completions", json={**body, "max_reasoning_tokens": 4})
     finally:
         engine.close()
     assert (message["reasoning_content"], message["content"]) == ("Let me see.", "Paris.")
@@ -175,4 +175,4 @@ def test_harmony_channels_on_the_chat_and_responses_routes(monkeypatch):
     assert reasoning["content"][0]["text"] == "Let me see." and answer["content"][0]["text"] == "Paris."
     spent = output["usage"]["output_tokens_details"]["reasoning_tokens"]
     assert spent == len("<|channel|>analysis<|message|>Let me see.<|end|>")    # one token per character
-    assert refused.status_code == 422 and "gpt-oss" in refused.json()["error"]
+    assert budgeted.status_code == 200, budgeted.text    # a budget for harmony: engine/server/harmony.final_grammar
