@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from engine.kernels import quant_gemm  # noqa: E402
-from engine.kernels.quant_gemm import dequantize, gemm_reference, wna16_gemm, wna16_gemv  # noqa: E402
+from engine.kernels.quant_gemm import TileConfig, dequantize, gemm_reference, wna16_gemm, wna16_gemv  # noqa: E402
 from quant_packers import pack_along_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,6 +79,58 @@ def test_gemv_matches_the_reference_at_decode_sizes_and_any_split(bits, group_si
         want = gemm_reference(x, packed, scales, zeros, g_idx, bits)
         assert got.shape == (m, n) and got.dtype == torch.float32
         torch.testing.assert_close(got, want, atol=1e-4 * max(1.0, want.abs().max().item()), rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_tile_and_split_k_launch_matches_the_reference(dtype):
+    """What choose_configs may pick: random tiles (K tiles deeper than the group included, which gather scales),
+    K split into partials summed by the second kernel, the GEMV and the tiled kernel, 1 to 40 rows."""
+    rng = random.Random(f"tiles-{dtype}")
+    generator = torch.Generator().manual_seed(11)
+    for _ in range(6):
+        bits, group_size, act_order = rng.choice([(4, 32, False), (4, 64, True), (8, 32, False), (4, 128, False)])
+        k, n = rng.choice([128, 256, 384]), rng.choice([24, 64, 100])
+        gemv = rng.random() < 0.4
+        m = rng.randint(1, 4) if gemv else rng.choice([1, 5, 16, 40])
+        config = TileConfig(0 if gemv else rng.choice([16, 32, 64]), rng.choice([32, 64]),
+                            rng.choice([32, 64, 128]), splits=rng.choice([1, 2, 3, 5]))
+        _, packed, scales, zeros, g_idx = random_layer(generator, bits, k, n, group_size, act_order, dtype)
+        x = torch.randn(m, k, generator=generator).to(dtype)
+        got = wna16_gemm(*on_device(x, packed, scales, zeros, g_idx), bits, 0 if act_order else group_size,
+                         config=config).cpu()
+        want = gemm_reference(x.float(), packed, scales.float(), zeros.float(), g_idx, bits)
+        assert got.dtype == dtype
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, atol=tolerance * max(1.0, want.abs().max().item()), rtol=0,
+                                   msg=lambda text: f"{config} {bits}-bit group {group_size} {m}x{k}x{n}: {text}")
+
+
+def test_the_timed_choice_keeps_the_fastest_launch_that_works(monkeypatch):
+    """choose_configs at load: a candidate that does not compile or gives another result is skipped, the
+    fastest of the rest is what wna16_gemm then launches for that shape and row bucket (the timer faked)."""
+    generator = torch.Generator().manual_seed(9)
+    _, packed, scales, zeros, g_idx = random_layer(generator, 4, 128, 40, 32, False, torch.float32)
+    args = on_device(packed, scales, zeros, g_idx)
+    slow, broken, wrong, fast = (TileConfig(16, 32, 32, splits=s) for s in (1, 2, 3, 4))
+    monkeypatch.setattr(quant_gemm, "candidates", lambda *a: [slow, broken, wrong, fast])
+    monkeypatch.setattr(quant_gemm, "_chosen", {})
+    launch = quant_gemm._launch
+
+    def spy(x, *rest):
+        launched.append(rest[-1])
+        if rest[-1] is broken:
+            raise RuntimeError("PTX too new")
+        return launch(x, *rest) * (1.5 if rest[-1] is wrong else 1.0)
+    launched = []
+    monkeypatch.setattr(quant_gemm, "_launch", spy)
+    monkeypatch.setattr(quant_gemm, "_time", lambda fn: (fn(), {slow: 3.0, wrong: 0.5, fast: 1.0}[launched[-1]])[1])
+    chosen = quant_gemm.choose_configs(torch.float32, *args, 4, 32, buckets=(16,))
+    assert chosen == {16: fast}
+    launched.clear()
+    x = torch.randn(9, 128, generator=generator)
+    got = wna16_gemm(*on_device(x), *args, 4, 32).cpu()
+    assert launched == [fast]
+    torch.testing.assert_close(got, gemm_reference(x, packed, scales, zeros, g_idx, 4), atol=1e-4, rtol=0)
 
 
 def test_gemv_refuses_more_rows_than_it_unrolls():

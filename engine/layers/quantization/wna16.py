@@ -104,9 +104,10 @@ class WNA16LinearMethod(LinearMethod):
         geometry = layer.quant_geometry
         if tensors[0].is_cuda and quant_gemm.triton is not None:
             checks = kernel_checks(tensors[0].device, layer.act_dtype)
-            if checks["gemm"] == "ok":
-                layer.use_gemv = checks["gemv"] == "ok" and quant_gemm.gemv_is_faster(
-                    layer.act_dtype, *tensors, geometry.bits, geometry.kernel_group_size)
+            if checks["gemm"] == "ok":  # tiles, splits and GEMV-or-not timed per layer shape and row bucket
+                chosen = quant_gemm.choose_configs(layer.act_dtype, *tensors, geometry.bits,
+                                                   geometry.kernel_group_size, gemv=checks["gemv"] == "ok")
+                layer.use_gemv = chosen[1].block_m == 0
                 _gemv_layers[layer.use_gemv] += 1
                 return
         dense = quant_gemm.dequantize(*tensors, layer.quant_geometry.bits, layer.act_dtype).t().contiguous()
@@ -126,10 +127,8 @@ class WNA16LinearMethod(LinearMethod):
             return F.linear(x, dense, bias)
         qweight, scales, zeros, g_idx = self._tensors(layer)
         geometry = layer.quant_geometry
-        flat = x.reshape(-1, x.shape[-1])
-        kernel = quant_gemm.wna16_gemv if getattr(layer, "use_gemv", False) and flat.shape[0] <= quant_gemm.GEMV_MAX_ROWS \
-            else quant_gemm.wna16_gemm
-        y = kernel(flat, qweight, scales, zeros, g_idx, geometry.bits, geometry.kernel_group_size)
+        flat = x.reshape(-1, x.shape[-1])  # wna16_gemm launches what choose_configs chose at load for this shape
+        y = quant_gemm.wna16_gemm(flat, qweight, scales, zeros, g_idx, geometry.bits, geometry.kernel_group_size)
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -161,7 +160,7 @@ def reset_report() -> None:
 
 def kernel_report() -> dict[str, str]:
     """For /info: each kernel's self-check verdict, and how many layers take the GEMV at decode (chosen per
-    layer shape by timing both kernels at load). Empty without quantized layers on CUDA."""
+    layer shape by timing the candidate launches at load). Empty without quantized layers on CUDA."""
     report = {name: verdict for checks in _checks.values() for name, verdict in checks.items()}
     if _gemv_layers[True] or _gemv_layers[False]:
         report["gemv_layers"] = f"{_gemv_layers[True]} of {_gemv_layers[True] + _gemv_layers[False]}"
