@@ -386,10 +386,9 @@ _chosen: dict[tuple, TileConfig] = {}
 def choose_configs(x_dtype: torch.dtype, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                    g_idx: torch.Tensor, bits: int, group_size: int, gemv: bool = True,
                    buckets: tuple[int, ...] = (1, 16, 256)) -> dict[int, TileConfig]:
-    """Times every candidate launch of this layer's shape at each row bucket on the device (CUDA events,
-    best of 3 x 10 calls after a warm-up that compiles it), keeps the fastest whose result matches the torch
-    reference (on the first 128 columns), and makes wna16_gemm use it for that (shape, bits, group, dtype,
-    bucket). A candidate that fails to compile or differs is skipped; if none is left, the self-checked
+    """Times every candidate launch of this layer's shape at each row bucket on the device (`_time`, after a
+    first call that compiles it), keeps the fastest whose result matches the torch reference (on the first
+    128 columns), and makes wna16_gemm use it for that (shape, bits, group, dtype, bucket). A candidate that fails to compile or differs is skipped; if none is left, the self-checked
     16-row tile. Once per key; at load, never in a step. `gemv`: whether the GEMV passed its self-check."""
     n, k = qweight.shape[1], qweight.shape[0] * (32 // bits)
     cols = min(n, 128)
@@ -418,15 +417,9 @@ def choose_configs(x_dtype: torch.dtype, qweight: torch.Tensor, scales: torch.Te
 
 
 def _time(fn) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return best
+    """Device milliseconds of one call (median): triton's do_bench, which clears the L2 cache before each call
+    (as the other layers' weights do between two uses of this one in a step) and so also hides the host's
+    launch time, which CUDA graphs remove in the engine."""
+    from triton.testing import do_bench
 
+    return do_bench(fn, warmup=2, rep=8, quantiles=[0.5])[0]
