@@ -168,3 +168,22 @@ def test_kernel_on_cuda_in_bfloat16_at_llama_shapes():
         got = wna16_gemm(x, *args, 4, 128).float()
         want = gemm_reference(x.float(), args[0], args[1].float(), args[2].float(), args[3], 4)
         torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.gpu
+def test_the_launches_chosen_at_load_on_cuda_in_bfloat16():
+    """What a layer runs after choose_configs (GEMV and tiled, split K, 1 to 256 rows), in bfloat16, which the
+    interpreter cannot check; every candidate it timed was compared on 128 columns, this compares all."""
+    generator = torch.Generator().manual_seed(1)
+    for bits, group, act_order in ((4, 128, False), (4, 128, True)):
+        _, packed, scales, zeros, g_idx = random_layer(generator, bits, 4096, 1536, group, act_order, torch.bfloat16)
+        args = [t.cuda() for t in (packed, scales, zeros, g_idx)]
+        kernel_group = 0 if act_order else group
+        chosen = quant_gemm.choose_configs(torch.bfloat16, *args, bits, kernel_group)
+        assert set(chosen) == {1, 16, 256}
+        for m in (1, 3, 16, 100, 256):
+            x = torch.randn(m, 4096, generator=generator).to(torch.bfloat16).cuda()
+            got = wna16_gemm(x, *args, bits, kernel_group).float()
+            want = gemm_reference(x.float(), args[0], args[1].float(), args[2].float(), args[3], bits)
+            torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0,
+                                       msg=lambda text: f"{chosen} {bits}-bit act {act_order} {m} rows: {text}")
