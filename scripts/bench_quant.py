@@ -10,7 +10,8 @@ Rows per (layer, batch):
                  as the engine runs it: the launch (GEMV or tiled kernel, tiles, K splits) that
                  quant_gemm.choose_configs timed fastest for the shape and row bucket, as at model load;
 - w4a16-default: the same kernel with the heuristic launch (quant_gemm.default_config), no timing;
-- w4a16-act:     act-order (scales gathered through g_idx), chosen launch;
+- w4a16-act:     act-order as the engine loads it (rows sorted by group, x read through the permutation,
+                 wna16.sort_act_order), chosen launch;
 - w8a16:         int8, group 128, chosen launch;
 - fp8:           what the FP8 method runs: per-token activation quantization + torch._scaled_mm, per-channel scales.
 Each quantized result is checked against the bf16 GEMM on its dequantized weight before timing; a method that
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `engine` importa
 from engine.kernels import quant_gemm  # noqa: E402
 from engine.kernels.quant_gemm import dequantize, wna16_gemm  # noqa: E402
 from engine.layers.quantization.fp8 import quantize_rows, quantize_tokens, scaled_mm_usable  # noqa: E402
+from engine.layers.quantization.wna16 import sort_act_order  # noqa: E402
 
 # Llama-3-8B: hidden 4096, 32 heads / 8 kv heads of 128, MLP 14336 (fused as the engine fuses them)
 LLAMA3_8B = {"qkv_proj": (4096, 6144), "o_proj": (4096, 4096), "gate_up_proj": (4096, 28672),
@@ -90,10 +92,15 @@ def bench(shapes: dict[str, tuple[int, int]], batches: list[int], device: torch.
         weight = (torch.randn(n, k, device=device) * 0.02).to(dtype)
         quantized = {(bits, act): packed_weight(k, n, bits, act, device, dtype)
                      for bits, act, _ in METHODS.values()}
+        reference = {key: list(tensors) for key, tensors in quantized.items()}  # as packed, for dequantize
+        perms = {key: None for key in quantized}
+        for (bits, act), tensors in quantized.items():
+            if act:  # what the engine does at load
+                tensors[0], tensors[3], perms[(bits, act)] = sort_act_order(tensors[0], tensors[3], bits, GROUP)
         if tune and device.type == "cuda":
             start = time.perf_counter()
             for (bits, act), tensors in quantized.items():
-                chosen = quant_gemm.choose_configs(dtype, *tensors, bits, 0 if act else GROUP)
+                chosen = quant_gemm.choose_configs(dtype, *tensors, bits, GROUP, perm=perms[(bits, act)])
                 info["chosen"][f"{layer} {bits}-bit{' act' if act else ''}"] = {
                     b: c.label() for b, c in chosen.items()}
             info["tune_s"] += time.perf_counter() - start
@@ -103,12 +110,13 @@ def bench(shapes: dict[str, tuple[int, int]], batches: list[int], device: torch.
             row = {"layer": layer, "k": k, "n": n, "batch": m, "bf16_ms": measure(lambda: F.linear(x, weight))}
             for name, (bits, act, chosen) in METHODS.items():
                 qweight, scales, zeros, g_idx = quantized[(bits, act)]
-                group = 0 if act else GROUP
-                config = None if chosen else quant_gemm.default_config(m, n, k, bits, group, device)
-                fn = lambda: wna16_gemm(x, qweight, scales, zeros, g_idx, bits, group, config=config)  # noqa: E731
+                perm = perms[(bits, act)]
+                config = None if chosen else quant_gemm.default_config(m, n, k, bits, GROUP, device)
+                fn = lambda: wna16_gemm(x, qweight, scales, zeros, g_idx, bits, GROUP, config=config,  # noqa: E731
+                                        perm=perm)
                 row[f"{name}_ms"] = float("nan")
                 try:
-                    want = (x.float() @ dequantize(qweight, scales, zeros, g_idx, bits, torch.float32))
+                    want = (x.float() @ dequantize(*reference[(bits, act)], bits, torch.float32))
                     error = (fn().float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
                     del want
                     if error > 2e-2:

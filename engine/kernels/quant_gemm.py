@@ -6,7 +6,8 @@ it at load): `qweight` int32 [K // pack, N] with input feature k of column n at 
 fp16 (fp32 for an fp32 model); `g_idx` int32 [K], the group of each input feature. Weight (k, n) is
 (q - zeros[g_idx[k], n]) * scales[g_idx[k], n]. With sorted groups (no act-order) a K tile lies in one
 group and the kernels read one scale row per tile (`GROUP_SIZE` > 0); with act-order they gather scales
-through g_idx (`GROUP_SIZE` = 0).
+through g_idx (`GROUP_SIZE` = 0), unless the layer's rows were sorted by group at load (`perm`: x is read
+through the permutation, and one scale row per tile serves again).
 
 Two kernels, both loading each packed word once (a [BLOCK_K / pack, BLOCK_N] tile) and unpacking it with
 shifts; int -> float by the exponent trick (OR into 2^23's mantissa, subtract 2^23), not a conversion:
@@ -59,12 +60,13 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit(do_not_specialize=["M"])  # the token count: no compiled variant per value
-    def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, k_per_split,
+    def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, p_ptr, y_ptr, M, N, K, k_per_split,
                       stride_xm, stride_qk, stride_sg, stride_ym,
-                      BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, IEEE_DOT: tl.constexpr,
+                      BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, PERMUTED: tl.constexpr, IEEE_DOT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """y[split * M + m, n] = the sum over this split's K range; y is the output when there is one split,
-        else fp32 partials [splits, M, N]. GROUP_SIZE > 0 promises BLOCK_K divides it."""
+        else fp32 partials [splits, M, N]. GROUP_SIZE > 0 promises BLOCK_K divides it. PERMUTED: weight row k
+        multiplies input feature p[k] (act-order sorted at load)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         split = tl.program_id(2)
@@ -81,7 +83,11 @@ if triton is not None:
         for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+            if PERMUTED:
+                kx = tl.load(p_ptr + k, mask=k_ok, other=0)
+            else:
+                kx = k
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=m_ok[:, None] & k_ok[None, :],
                         other=0.0)
             kp = k0 // PACK + offs_p
             packed = tl.load(q_ptr + kp[:, None] * stride_qk + offs_n[None, :],
@@ -107,9 +113,9 @@ if triton is not None:
                  acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit(do_not_specialize=["M"])
-    def _wna16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, k_per_split, stride_xm, stride_qk,
-                           stride_sg, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _wna16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, p_ptr, y_ptr, M, N, K, k_per_split, stride_xm,
+                           stride_qk, stride_sg, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                           PERMUTED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Decode (M <= ROWS <= 4): y[split * M + m, n] (y contiguous [.., N]) as in `_wna16_kernel`, with
         fp32 multiply-adds instead of a 16-row tensor-core tile. Word row p, nibble j of a tile is feature
         (k0 / PACK + p) * PACK + j: x is read at those strided features, one nibble plane at a time."""
@@ -139,7 +145,11 @@ if triton is not None:
                 xs = tl.zeros((ROWS, BLOCK_P), dtype=tl.float32)
                 for j in tl.static_range(PACK):
                     q = _unpack(packed, j * BITS, MASK)
-                    x = tl.load(x_ptr + offs_r[:, None] * stride_xm + (kp * PACK + j)[None, :], mask=x_mask,
+                    if PERMUTED:
+                        kx = tl.load(p_ptr + kp * PACK + j, mask=kp_ok, other=0)
+                    else:
+                        kx = kp * PACK + j
+                    x = tl.load(x_ptr + offs_r[:, None] * stride_xm + kx[None, :], mask=x_mask,
                                 other=0.0).to(tl.float32)
                     xq += x[:, :, None] * q[None, :, :]
                     xs += x
@@ -152,7 +162,11 @@ if triton is not None:
                     s = tl.load(s_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=wmask, other=0.0)
                     z = tl.load(z_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=wmask, other=0.0)
                     w = (_unpack(packed, j * BITS, MASK) - z.to(tl.float32)) * s.to(tl.float32)
-                    x = tl.load(x_ptr + offs_r[:, None] * stride_xm + k[None, :], mask=x_mask,
+                    if PERMUTED:
+                        kx = tl.load(p_ptr + k, mask=kp_ok, other=0)
+                    else:
+                        kx = k
+                    x = tl.load(x_ptr + offs_r[:, None] * stride_xm + kx[None, :], mask=x_mask,
                                 other=0.0).to(tl.float32)
                     acc += x[:, :, None] * w[None, :, :]
         y = tl.sum(acc, axis=1)
@@ -235,7 +249,8 @@ def default_config(m: int, n: int, k: int, bits: int, group_size: int, device: t
 
 
 def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-            g_idx: torch.Tensor, bits: int, group_size: int, config: TileConfig) -> torch.Tensor:
+            g_idx: torch.Tensor, bits: int, group_size: int, config: TileConfig,
+            perm: torch.Tensor | None = None) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("the W4A16/W8A16 Triton kernel needs the `triton` package")
     x = x.contiguous()
@@ -249,17 +264,18 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     splits = -(-k // k_per_split)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     out = y if splits == 1 else torch.empty(splits * m, n, device=x.device, dtype=torch.float32)
-    common = (x, qweight, scales, zeros, g_idx, out, m, n, k, k_per_split, x.stride(0), qweight.stride(0),
-              scales.stride(0))
+    common = (x, qweight, scales, zeros, g_idx, g_idx if perm is None else perm, out, m, n, k, k_per_split,
+              x.stride(0), qweight.stride(0), scales.stride(0))
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     if config.block_m == 0:  # the accumulator holds rows x BLOCK_K / pack x BLOCK_N: narrower with more rows
         rows = 1 if m == 1 else 2 if m == 2 else 4
         block_n = max(32, config.block_n // rows)
         _wna16_gemv_kernel[(triton.cdiv(n, block_n), splits)](
-            *common, BITS=bits, GROUP_SIZE=group_size, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, **options)
+            *common, BITS=bits, GROUP_SIZE=group_size, PERMUTED=perm is not None, ROWS=rows, BLOCK_N=block_n,
+            BLOCK_K=block_k, **options)
     else:
         grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), splits)
-        _wna16_kernel[grid](*common, out.stride(0), BITS=bits, GROUP_SIZE=group_size,
+        _wna16_kernel[grid](*common, out.stride(0), BITS=bits, GROUP_SIZE=group_size, PERMUTED=perm is not None,
                             IEEE_DOT=x.dtype == torch.float32, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                             BLOCK_K=block_k, **options)
     if splits > 1:
@@ -277,21 +293,25 @@ def _fit_block_k(config: TileConfig, bits: int, k: int) -> TileConfig:
 
 
 def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               g_idx: torch.Tensor, bits: int, group_size: int, config: TileConfig | None = None) -> torch.Tensor:
+               g_idx: torch.Tensor, bits: int, group_size: int, config: TileConfig | None = None,
+               perm: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W [K, N] with W packed as described above. `group_size` > 0 promises sorted groups
-    (g_idx[k] == k // group_size); 0 means act-order (gather scales through g_idx). The launch is `config`,
-    else the one chosen for this shape at load (`choose_configs`; may be the GEMV), else `default_config`."""
+    (g_idx[k] == k // group_size); 0 means act-order (gather scales through g_idx). `perm` (int32 [K]): weight
+    row k multiplies x[:, perm[k]] (an act-order layer sorted by group at load, wna16.sort_act_order). The
+    launch is `config`, else the one chosen for this shape at load (`choose_configs`; may be the GEMV), else
+    `default_config`."""
     m, k = x.shape
     n = qweight.shape[1]
     if config is None:
-        config = _chosen.get((n, k, bits, group_size, x.dtype, x.device, _bucket(m)))
+        config = _chosen.get((n, k, bits, group_size, perm is not None, x.dtype, x.device, _bucket(m)))
         if config is None or (config.block_m == 0 and m > GEMV_MAX_ROWS):
             config = default_config(m, n, k, bits, group_size, x.device)
-    return _launch(x, qweight, scales, zeros, g_idx, bits, group_size, config)
+    return _launch(x, qweight, scales, zeros, g_idx, bits, group_size, config, perm)
 
 
 def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               g_idx: torch.Tensor, bits: int, group_size: int, splits: int | None = None) -> torch.Tensor:
+               g_idx: torch.Tensor, bits: int, group_size: int, splits: int | None = None,
+               perm: torch.Tensor | None = None) -> torch.Tensor:
     """wna16_gemm for M <= GEMV_MAX_ROWS on the GEMV kernel (its default tiles; `splits` K ranges if given)."""
     m, k = x.shape
     if m > GEMV_MAX_ROWS:
@@ -299,26 +319,26 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     config = default_config(m, qweight.shape[1], k, bits, group_size, x.device, gemv=True)
     if splits is not None:
         config = replace(config, splits=splits)
-    return _launch(x, qweight, scales, zeros, g_idx, bits, group_size, config)
+    return _launch(x, qweight, scales, zeros, g_idx, bits, group_size, config, perm)
 
 
 def self_check(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
-    """Both kernels against `gemm_reference` on small random layers (4- and 8-bit, sorted groups and
-    act-order, 1 to 17 rows, with and without split K, every tile family `choose_configs` may pick):
-    {"gemm": "ok" or why not, "gemv": ...}. Run once at start-up on the device that will serve, so a kernel
-    that miscompiles there is not used."""
-    from engine.layers.quantization.wna16 import pack_rows  # imported late: wna16 imports this module
+    """Both kernels against `gemm_reference` on small random layers (4- and 8-bit, sorted groups, act-order
+    gathered and sorted at load, 1 to 17 rows, with and without split K, every tile family `choose_configs` may
+    pick): {"gemm": "ok" or why not, "gemv": ...}. Run once at start-up on the device that will serve, so a
+    kernel that miscompiles there is not used."""
+    from engine.layers.quantization.wna16 import pack_rows, sort_act_order  # late: wna16 imports this module
 
-    def gemm(x, *args):
-        yield wna16_gemm(x, *args)
+    def gemm(x, *args, perm=None):
+        yield wna16_gemm(x, *args, perm=perm)
         if x.shape[0] > 16:
             for config in (TileConfig(16, 64, 64, splits=2), TileConfig(64, 128, 64, num_warps=8),
                            TileConfig(32, 32, 32)):
-                yield wna16_gemm(x, *args, config=config)
+                yield wna16_gemm(x, *args, config=config, perm=perm)
 
-    def gemv(x, *args):
-        yield wna16_gemv(x, *args)
-        yield wna16_gemv(x, *args, splits=2)
+    def gemv(x, *args, perm=None):
+        yield wna16_gemv(x, *args, perm=perm)
+        yield wna16_gemv(x, *args, splits=2, perm=perm)
 
     generator = torch.Generator().manual_seed(0)
     report = {}
@@ -332,17 +352,24 @@ def self_check(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
                 scales = (torch.rand(k // group, n, generator=generator) * 0.02 + 0.001).to(dtype)
                 zeros = torch.randint(0, 2 ** bits, (k // group, n), generator=generator).to(dtype)
                 g_idx = (torch.arange(k) // group).to(torch.int32)
+                forms = [(packed, g_idx, group, None)]
                 if act_order:
                     g_idx = g_idx[torch.randperm(k, generator=generator)]
+                    sorted_q, sorted_g, perm = sort_act_order(packed, g_idx, bits, group)
+                    forms = [(packed, g_idx, 0, None), (sorted_q, sorted_g, group, perm)]
                 for m in rows:
                     x = torch.randn(m, k, generator=generator).to(dtype)
                     want = gemm_reference(x.float(), packed, scales.float(), zeros.float(), g_idx, bits)
-                    args = [t.to(device) for t in (x, packed, scales, zeros, g_idx)]
-                    for got in fn(*args, bits, 0 if act_order else group):
-                        error = (got.float().cpu() - want).abs().max().item()
-                        if not error <= tol * max(1.0, want.abs().max().item()):
-                            report[name] = (f"differs from the reference by {error:.3g} ({bits}-bit, group {group}"
-                                            f"{', act-order' if act_order else ''}, {m} rows)")
+                    for weights, groups, kernel_group, perm in forms:
+                        args = [t.to(device) for t in (x, weights, scales, zeros, groups)]
+                        for got in fn(*args, bits, kernel_group, perm=None if perm is None else perm.to(device)):
+                            error = (got.float().cpu() - want).abs().max().item()
+                            if not error <= tol * max(1.0, want.abs().max().item()):
+                                report[name] = (f"differs from the reference by {error:.3g} ({bits}-bit, group "
+                                                f"{group}{', act-order' if act_order else ''}"
+                                                f"{', sorted' if perm is not None else ''}, {m} rows)")
+                                break
+                        if report[name] != "ok":
                             break
                     if report[name] != "ok":
                         break
@@ -385,17 +412,22 @@ _chosen: dict[tuple, TileConfig] = {}
 
 def choose_configs(x_dtype: torch.dtype, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                    g_idx: torch.Tensor, bits: int, group_size: int, gemv: bool = True,
-                   buckets: tuple[int, ...] = (1, 16, 256)) -> dict[int, TileConfig]:
+                   buckets: tuple[int, ...] = (1, 16, 256), perm: torch.Tensor | None = None
+                   ) -> dict[int, TileConfig]:
     """Times every candidate launch of this layer's shape at each row bucket on the device (`_time`, after a
     first call that compiles it), keeps the fastest whose result matches the torch reference (on the first
-    128 columns), and makes wna16_gemm use it for that (shape, bits, group, dtype, bucket). A candidate that fails to compile or differs is skipped; if none is left, the self-checked
-    16-row tile. Once per key; at load, never in a step. `gemv`: whether the GEMV passed its self-check."""
+    128 columns), and makes wna16_gemm use it for that (shape, bits, group, perm or not, dtype, bucket). A
+    candidate that fails to compile or differs is skipped; if none is left, the self-checked 16-row tile.
+    Once per key; at load, never in a step. `gemv`: whether the GEMV passed its self-check. `perm`: as in
+    wna16_gemm."""
     n, k = qweight.shape[1], qweight.shape[0] * (32 // bits)
     cols = min(n, 128)
     weight = dequantize(qweight[:, :cols], scales[:, :cols], zeros[:, :cols], g_idx, bits, torch.float32)
+    if perm is not None:  # row k of the weight is feature perm[k]
+        weight = torch.empty_like(weight).index_copy_(0, perm.long(), weight)
     chosen = {}
     for bucket in buckets:
-        key = (n, k, bits, group_size, x_dtype, qweight.device, bucket)
+        key = (n, k, bits, group_size, perm is not None, x_dtype, qweight.device, bucket)
         if key not in _chosen:
             x = torch.randn(bucket, k, device=qweight.device, dtype=x_dtype)
             args = (x, qweight, scales, zeros, g_idx, bits, group_size)
@@ -404,9 +436,9 @@ def choose_configs(x_dtype: torch.dtype, qweight: torch.Tensor, scales: torch.Te
             best, best_ms = None, float("inf")
             for config in candidates(bucket, n, k, bits, group_size, gemv):
                 try:
-                    if not (_launch(*args, config)[:, :cols].float() - want).abs().max().item() <= bound:
+                    if not (_launch(*args, config, perm)[:, :cols].float() - want).abs().max().item() <= bound:
                         continue
-                    ms = _time(lambda: _launch(*args, config))
+                    ms = _time(lambda: _launch(*args, config, perm))
                 except Exception:  # noqa: BLE001 - a tile that does not compile here is not a candidate
                     continue
                 if ms < best_ms:

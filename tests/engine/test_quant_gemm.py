@@ -9,6 +9,7 @@ pytest.importorskip("triton")
 
 from engine.kernels import quant_gemm  # noqa: E402
 from engine.kernels.quant_gemm import TileConfig, dequantize, gemm_reference, wna16_gemm, wna16_gemv  # noqa: E402
+from engine.layers.quantization.wna16 import sort_act_order  # noqa: E402
 from quant_packers import pack_along_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -96,13 +97,30 @@ def test_every_tile_and_split_k_launch_matches_the_reference(dtype):
                             rng.choice([32, 64, 128]), splits=rng.choice([1, 2, 3, 5]))
         _, packed, scales, zeros, g_idx = random_layer(generator, bits, k, n, group_size, act_order, dtype)
         x = torch.randn(m, k, generator=generator).to(dtype)
-        got = wna16_gemm(*on_device(x, packed, scales, zeros, g_idx), bits, 0 if act_order else group_size,
-                         config=config).cpu()
         want = gemm_reference(x.float(), packed, scales.float(), zeros.float(), g_idx, bits)
+        kernel_group, perm = (0 if act_order else group_size), None
+        if act_order and rng.random() < 0.5:  # sorted by group at load, x read through the permutation
+            packed, g_idx, perm = sort_act_order(packed, g_idx, bits, group_size)
+            kernel_group, perm = group_size, perm.to(DEVICE)
+        got = wna16_gemm(*on_device(x, packed, scales, zeros, g_idx), bits, kernel_group, config=config,
+                         perm=perm).cpu()
         assert got.dtype == dtype
         tolerance = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), want, atol=tolerance * max(1.0, want.abs().max().item()), rtol=0,
-                                   msg=lambda text: f"{config} {bits}-bit group {group_size} {m}x{k}x{n}: {text}")
+                                   msg=lambda text: f"{config} {bits}-bit group {group_size} perm {perm is not None}"
+                                                    f" {m}x{k}x{n}: {text}")
+
+
+def test_act_order_sorted_at_load_is_the_same_layer():
+    """sort_act_order: rows regrouped so each K tile has one scale row; x read through perm gives the same
+    product; groups that are not whole runs (a row-parallel shard of an act-order layer) are left alone."""
+    generator = torch.Generator().manual_seed(4)
+    q, packed, scales, zeros, g_idx = random_layer(generator, 4, 256, 24, 32, True, torch.float32)
+    sorted_q, sorted_g, perm = sort_act_order(packed, g_idx, 4, 32, columns=5)
+    assert torch.equal(sorted_g, (torch.arange(256) // 32).to(torch.int32))
+    assert torch.equal(dequantize(sorted_q, scales, zeros, sorted_g, 4),
+                       dequantize(packed, scales, zeros, g_idx, 4)[perm.long()])
+    assert sort_act_order(packed[:16], g_idx[:128], 4, 32) is None
 
 
 def test_the_timed_choice_keeps_the_fastest_launch_that_works(monkeypatch):
@@ -116,11 +134,12 @@ def test_the_timed_choice_keeps_the_fastest_launch_that_works(monkeypatch):
     monkeypatch.setattr(quant_gemm, "_chosen", {})
     launch = quant_gemm._launch
 
-    def spy(x, *rest):
-        launched.append(rest[-1])
-        if rest[-1] is broken:
+    def spy(*args):
+        config = args[7]  # x, the four tensors, bits, group, config, perm
+        launched.append(config)
+        if config is broken:
             raise RuntimeError("PTX too new")
-        return launch(x, *rest) * (1.5 if rest[-1] is wrong else 1.0)
+        return launch(*args) * (1.5 if config is wrong else 1.0)
     launched = []
     monkeypatch.setattr(quant_gemm, "_launch", spy)
     monkeypatch.setattr(quant_gemm, "_time", lambda fn: (fn(), {slow: 3.0, wrong: 0.5, fast: 1.0}[launched[-1]])[1])
@@ -178,12 +197,17 @@ def test_the_launches_chosen_at_load_on_cuda_in_bfloat16():
     for bits, group, act_order in ((4, 128, False), (4, 128, True)):
         _, packed, scales, zeros, g_idx = random_layer(generator, bits, 4096, 1536, group, act_order, torch.bfloat16)
         args = [t.cuda() for t in (packed, scales, zeros, g_idx)]
-        kernel_group = 0 if act_order else group
-        chosen = quant_gemm.choose_configs(torch.bfloat16, *args, bits, kernel_group)
+        perm = None
+        if act_order:  # as the engine loads it: sorted by group, x read through perm
+            sorted_q, sorted_g, perm = sort_act_order(args[0], args[3], bits, group)
+            kernel = [sorted_q, args[1], args[2], sorted_g]
+        else:
+            kernel = args
+        chosen = quant_gemm.choose_configs(torch.bfloat16, *kernel, bits, group, perm=perm)
         assert set(chosen) == {1, 16, 256}
         for m in (1, 3, 16, 100, 256):
             x = torch.randn(m, 4096, generator=generator).to(torch.bfloat16).cuda()
-            got = wna16_gemm(x, *args, bits, kernel_group).float()
+            got = wna16_gemm(x, *kernel, bits, group, perm=perm).float()
             want = gemm_reference(x.float(), args[0], args[1].float(), args[2].float(), args[3], bits)
             torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0,
                                        msg=lambda text: f"{chosen} {bits}-bit act {act_order} {m} rows: {text}")
