@@ -392,8 +392,7 @@ def candidates(bucket: int, n: int, k: int, bits: int, group_size: int, gemv: bo
     elif bucket == 16:
         tiles = [TileConfig(16, 64, 64, num_stages=4), TileConfig(16, 128, 64, num_stages=4)]
     else:
-        tiles = [TileConfig(64, 128, 64, num_warps=8), TileConfig(128, 128, 32, num_warps=8, num_stages=4),
-                 TileConfig(64, 128, 32, num_stages=4)]
+        tiles = [TileConfig(64, 128, 64, num_warps=8), TileConfig(128, 128, 32, num_warps=8, num_stages=4)]
     out = []
     for tile in tiles:
         tile = replace(tile, block_k=_group_block_k(tile.block_k, bits, group_size))
