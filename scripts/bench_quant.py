@@ -5,14 +5,17 @@
     python scripts/bench_quant.py --cpu                    # CPU: dequantize-per-forward vs fp32, SmolLM2 shapes
 
 Rows per (layer, batch):
-- bf16:      F.linear(x, W) with W [N, K] bf16 (cuBLAS), the baseline of every ratio;
-- w4a16:     engine.kernels.quant_gemm.wna16_gemm, int4 with group 128 (GPTQ/AWQ/compressed-tensors layout);
-- w4a16-act: the same with act-order (scales gathered through g_idx);
-- w8a16:     int8, group 128;
-- w4a16-gemv / w8a16-gemv: quant_gemm.wna16_gemv, the split-K GEMV the engine takes at decode (batch <= 4)
-  on layers where it times faster at load ("-" at larger batches);
-- fp8:       what the FP8 method runs: per-token activation quantization + torch._scaled_mm, per-channel scales.
-Each quantized result is checked against the bf16 GEMM on its dequantized weight before timing.
+- bf16:          F.linear(x, W) with W [N, K] bf16 (cuBLAS), the baseline of every ratio;
+- w4a16:         engine.kernels.quant_gemm.wna16_gemm, int4 with group 128 (GPTQ/AWQ/compressed-tensors layout),
+                 as the engine runs it: the launch (GEMV or tiled kernel, tiles, K splits) that
+                 quant_gemm.choose_configs timed fastest for the shape and row bucket, as at model load;
+- w4a16-default: the same kernel with the heuristic launch (quant_gemm.default_config), no timing;
+- w4a16-act:     act-order as the engine loads it (rows sorted by group, x read through the permutation,
+                 wna16.sort_act_order), chosen launch;
+- w8a16:         int8, group 128, chosen launch;
+- fp8:           what the FP8 method runs: per-token activation quantization + torch._scaled_mm, per-channel scales.
+Each quantized result is checked against the bf16 GEMM on its dequantized weight before timing; a method that
+raises (e.g. does not compile) is reported and left out ("-"). The launches chosen are listed after the table.
 Ratios are bf16 time / method time (above 1 = faster than bf16).
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 if "--smoke" in sys.argv:
@@ -33,8 +37,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `engine` importable from a checkout
 
-from engine.kernels.quant_gemm import GEMV_MAX_ROWS, dequantize, wna16_gemm, wna16_gemv  # noqa: E402
+from engine.kernels import quant_gemm  # noqa: E402
+from engine.kernels.quant_gemm import dequantize, wna16_gemm  # noqa: E402
 from engine.layers.quantization.fp8 import quantize_rows, quantize_tokens, scaled_mm_usable  # noqa: E402
+from engine.layers.quantization.wna16 import sort_act_order  # noqa: E402
 
 # Llama-3-8B: hidden 4096, 32 heads / 8 kv heads of 128, MLP 14336 (fused as the engine fuses them)
 LLAMA3_8B = {"qkv_proj": (4096, 6144), "o_proj": (4096, 4096), "gate_up_proj": (4096, 28672),
@@ -61,8 +67,7 @@ def timer(device: torch.device):
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return lambda fn: do_bench(fn, warmup=25, rep=100)
-    import time
+        return lambda fn: do_bench(fn, warmup=10, rep=40)
 
     def cpu_time(fn):
         fn()
@@ -72,35 +77,55 @@ def timer(device: torch.device):
     return cpu_time
 
 
-def bench(shapes: dict[str, tuple[int, int]], batches: list[int], device: torch.device) -> list[dict]:
+METHODS = {"w4a16": (4, False, True), "w4a16-default": (4, False, False), "w4a16-act": (4, True, True),
+           "w8a16": (8, False, True)}  # name: bits, act-order, launch chosen by timing
+
+
+def bench(shapes: dict[str, tuple[int, int]], batches: list[int], device: torch.device,
+          tune: bool = True) -> tuple[list[dict], dict]:
+    """Rows, and {"tune_s": seconds spent choosing launches (compiles included), "chosen": {...}}."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16  # the interpreter is wrong in bf16
     measure, rows = timer(device), []
     fp8 = scaled_mm_usable(device)
+    info = {"tune_s": 0.0, "chosen": {}}
     for layer, (k, n) in shapes.items():
         weight = (torch.randn(n, k, device=device) * 0.02).to(dtype)
-        quantized = {name: packed_weight(k, n, bits, act, device, dtype)
-                     for name, bits, act in (("w4a16", 4, False), ("w4a16-act", 4, True), ("w8a16", 8, False))}
-        bits_of = {"w4a16": 4, "w4a16-act": 4, "w8a16": 8}
+        quantized = {(bits, act): packed_weight(k, n, bits, act, device, dtype)
+                     for bits, act, _ in METHODS.values()}
+        reference = {key: list(tensors) for key, tensors in quantized.items()}  # as packed, for dequantize
+        perms = {key: None for key in quantized}
+        for (bits, act), tensors in quantized.items():
+            if act:  # what the engine does at load
+                tensors[0], tensors[3], perms[(bits, act)] = sort_act_order(tensors[0], tensors[3], bits, GROUP)
+        if tune and device.type == "cuda":
+            start = time.perf_counter()
+            for (bits, act), tensors in quantized.items():
+                chosen = quant_gemm.choose_configs(dtype, *tensors, bits, GROUP, perm=perms[(bits, act)])
+                info["chosen"][f"{layer} {bits}-bit{' act' if act else ''}"] = {
+                    b: c.label() for b, c in chosen.items()}
+            info["tune_s"] += time.perf_counter() - start
         w8, w8_scale = quantize_rows(weight) if fp8 else (None, None)
         for m in batches:
             x = torch.randn(m, k, device=device).to(dtype)
             row = {"layer": layer, "k": k, "n": n, "batch": m, "bf16_ms": measure(lambda: F.linear(x, weight))}
-            for name, (qweight, scales, zeros, g_idx) in quantized.items():
-                bits, group = bits_of[name], 0 if name.endswith("act") else GROUP
-                fn = lambda: wna16_gemm(x, qweight, scales, zeros, g_idx, bits, group)  # noqa: E731
-                want = (x.float() @ dequantize(qweight, scales, zeros, g_idx, bits, torch.float32))
-                error = (fn().float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
-                if error > 2e-2:
-                    raise SystemExit(f"{name} {layer} batch {m}: relative error {error:.3g} against the reference")
-                row[f"{name}_ms"] = measure(fn)
-                if name in ("w4a16", "w8a16"):
-                    row[f"{name}-gemv_ms"] = float("nan")
-                    if m <= GEMV_MAX_ROWS:
-                        gemv = lambda: wna16_gemv(x, qweight, scales, zeros, g_idx, bits, group)  # noqa: E731
-                        error = (gemv().float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
-                        if error > 2e-2:
-                            raise SystemExit(f"{name}-gemv {layer} batch {m}: relative error {error:.3g}")
-                        row[f"{name}-gemv_ms"] = measure(gemv)
+            for name, (bits, act, chosen) in METHODS.items():
+                qweight, scales, zeros, g_idx = quantized[(bits, act)]
+                perm = perms[(bits, act)]
+                config = None if chosen else quant_gemm.default_config(m, n, k, bits, GROUP, device)
+                fn = lambda: wna16_gemm(x, qweight, scales, zeros, g_idx, bits, GROUP, config=config,  # noqa: E731
+                                        perm=perm)
+                row[f"{name}_ms"] = float("nan")
+                try:
+                    want = (x.float() @ dequantize(*reference[(bits, act)], bits, torch.float32))
+                    error = (fn().float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+                    del want
+                    if error > 2e-2:
+                        print(f"{name} {layer} batch {m}: relative error {error:.3g} against the reference, "
+                              "not timed", file=sys.stderr)
+                        continue
+                    row[f"{name}_ms"] = measure(fn)
+                except Exception as exc:  # noqa: BLE001 - one kernel that fails here must not hide the others
+                    print(f"{name} {layer} batch {m}: raised {type(exc).__name__}: {exc}"[:400], file=sys.stderr)
             if fp8:
                 def fp8_gemm():
                     xq, x_scale = quantize_tokens(x)
@@ -108,7 +133,7 @@ def bench(shapes: dict[str, tuple[int, int]], batches: list[int], device: torch.
                                             out_dtype=torch.bfloat16)
                 row["fp8_ms"] = measure(fp8_gemm)
             rows.append(row)
-    return rows
+    return rows, info
 
 
 # SmolLM2-135M: hidden 576, 9 heads / 3 kv heads of 64, MLP 1536
@@ -151,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     parser.add_argument("--cpu", action="store_true", help="dequantize-per-forward vs fp32 F.linear on CPU (the "
                                                            "'bf16' column is fp32 here)")
+    parser.add_argument("--no-tune", action="store_true", help="heuristic launches only (no timing at start)")
     args = parser.parse_args(argv)
     if args.cpu:
         rows = bench_cpu([int(b) for b in args.batches.split(",")])
@@ -162,15 +188,22 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench_quant.py needs a CUDA GPU (or --smoke to check the script on CPU)")
     device = torch.device("cpu" if args.smoke else "cuda")
-    rows = bench(SMOKE if args.smoke else LLAMA3_8B, [int(b) for b in args.batches.split(",")], device)
+    start = time.perf_counter()
+    rows, info = bench(SMOKE if args.smoke else LLAMA3_8B, [int(b) for b in args.batches.split(",")], device,
+                       tune=not args.no_tune)
     report(rows)
+    for what, chosen in info["chosen"].items():
+        print(f"chosen launches, {what}: " + ", ".join(f"batch<={'4' if b == 1 else '32' if b == 16 else 'any'} "
+                                                      f"{label}" for b, label in chosen.items()))
+    info["total_s"] = time.perf_counter() - start
+    print(f"choosing launches took {info['tune_s']:.1f} s (compiles included), the whole run {info['total_s']:.1f} s")
     if device.type == "cuda" and not scaled_mm_usable(device):
         print("fp8: not measured, torch._scaled_mm needs compute capability 8.9+ (the engine dequantizes there)")
     if args.json:
         machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
         Path(args.json).write_text(json.dumps({
             "date": datetime.date.today().isoformat(), "device": machine, "torch": torch.__version__,
-            "group_size": GROUP, "rows": rows}, indent=1))
+            "group_size": GROUP, "rows": rows, **info}, indent=1))
     return 0
 
 

@@ -8,7 +8,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from engine.kernels import quant_gemm  # noqa: E402
-from engine.kernels.quant_gemm import dequantize, gemm_reference, wna16_gemm, wna16_gemv  # noqa: E402
+from engine.kernels.quant_gemm import TileConfig, dequantize, gemm_reference, wna16_gemm, wna16_gemv  # noqa: E402
+from engine.layers.quantization.wna16 import sort_act_order  # noqa: E402
 from quant_packers import pack_along_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,6 +82,76 @@ def test_gemv_matches_the_reference_at_decode_sizes_and_any_split(bits, group_si
         torch.testing.assert_close(got, want, atol=1e-4 * max(1.0, want.abs().max().item()), rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_tile_and_split_k_launch_matches_the_reference(dtype):
+    """What choose_configs may pick: random tiles (K tiles deeper than the group included, which gather scales),
+    K split into partials summed by the second kernel, the GEMV and the tiled kernel, 1 to 40 rows."""
+    rng = random.Random(f"tiles-{dtype}")
+    generator = torch.Generator().manual_seed(11)
+    for _ in range(6):
+        bits, group_size, act_order = rng.choice([(4, 32, False), (4, 64, True), (8, 32, False), (4, 128, False)])
+        k, n = rng.choice([128, 256, 384]), rng.choice([24, 64, 100])
+        gemv = rng.random() < 0.4
+        m = rng.randint(1, 4) if gemv else rng.choice([1, 5, 16, 40])
+        config = TileConfig(0 if gemv else rng.choice([16, 32, 64]), rng.choice([32, 64]),
+                            rng.choice([32, 64, 128]), splits=rng.choice([1, 2, 3, 5]))
+        _, packed, scales, zeros, g_idx = random_layer(generator, bits, k, n, group_size, act_order, dtype)
+        x = torch.randn(m, k, generator=generator).to(dtype)
+        want = gemm_reference(x.float(), packed, scales.float(), zeros.float(), g_idx, bits)
+        kernel_group, perm = (0 if act_order else group_size), None
+        if act_order and rng.random() < 0.5:  # sorted by group at load, x read through the permutation
+            packed, g_idx, perm = sort_act_order(packed, g_idx, bits, group_size)
+            kernel_group, perm = group_size, perm.to(DEVICE)
+        got = wna16_gemm(*on_device(x, packed, scales, zeros, g_idx), bits, kernel_group, config=config,
+                         perm=perm).cpu()
+        assert got.dtype == dtype
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, atol=tolerance * max(1.0, want.abs().max().item()), rtol=0,
+                                   msg=lambda text: f"{config} {bits}-bit group {group_size} perm {perm is not None}"
+                                                    f" {m}x{k}x{n}: {text}")
+
+
+def test_act_order_sorted_at_load_is_the_same_layer():
+    """sort_act_order: rows regrouped so each K tile has one scale row; x read through perm gives the same
+    product; groups that are not whole runs (a row-parallel shard of an act-order layer) are left alone."""
+    generator = torch.Generator().manual_seed(4)
+    q, packed, scales, zeros, g_idx = random_layer(generator, 4, 256, 24, 32, True, torch.float32)
+    sorted_q, sorted_g, perm = sort_act_order(packed, g_idx, 4, 32, columns=5)
+    assert torch.equal(sorted_g, (torch.arange(256) // 32).to(torch.int32))
+    assert torch.equal(dequantize(sorted_q, scales, zeros, sorted_g, 4),
+                       dequantize(packed, scales, zeros, g_idx, 4)[perm.long()])
+    assert sort_act_order(packed[:16], g_idx[:128], 4, 32) is None
+
+
+def test_the_timed_choice_keeps_the_fastest_launch_that_works(monkeypatch):
+    """choose_configs at load: a candidate that does not compile or gives another result is skipped, the
+    fastest of the rest is what wna16_gemm then launches for that shape and row bucket (the timer faked)."""
+    generator = torch.Generator().manual_seed(9)
+    _, packed, scales, zeros, g_idx = random_layer(generator, 4, 128, 40, 32, False, torch.float32)
+    args = on_device(packed, scales, zeros, g_idx)
+    slow, broken, wrong, fast = (TileConfig(16, 32, 32, splits=s) for s in (1, 2, 3, 4))
+    monkeypatch.setattr(quant_gemm, "candidates", lambda *a: [slow, broken, wrong, fast])
+    monkeypatch.setattr(quant_gemm, "_chosen", {})
+    launch = quant_gemm._launch
+
+    def spy(*args):
+        config = args[7]  # x, the four tensors, bits, group, config, perm
+        launched.append(config)
+        if config is broken:
+            raise RuntimeError("PTX too new")
+        return launch(*args) * (1.5 if config is wrong else 1.0)
+    launched = []
+    monkeypatch.setattr(quant_gemm, "_launch", spy)
+    monkeypatch.setattr(quant_gemm, "_time", lambda fn: (fn(), {slow: 3.0, wrong: 0.5, fast: 1.0}[launched[-1]])[1])
+    chosen = quant_gemm.choose_configs(torch.float32, *args, 4, 32, buckets=(16,))
+    assert chosen == {16: fast}
+    launched.clear()
+    x = torch.randn(9, 128, generator=generator)
+    got = wna16_gemm(*on_device(x), *args, 4, 32).cpu()
+    assert launched == [fast]
+    torch.testing.assert_close(got, gemm_reference(x, packed, scales, zeros, g_idx, 4), atol=1e-4, rtol=0)
+
+
 def test_gemv_refuses_more_rows_than_it_unrolls():
     generator = torch.Generator().manual_seed(5)
     _, packed, scales, zeros, g_idx = random_layer(generator, 4, 64, 8, 32, False, torch.float32)
@@ -116,3 +187,27 @@ def test_kernel_on_cuda_in_bfloat16_at_llama_shapes():
         got = wna16_gemm(x, *args, 4, 128).float()
         want = gemm_reference(x.float(), args[0], args[1].float(), args[2].float(), args[3], 4)
         torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.gpu
+def test_the_launches_chosen_at_load_on_cuda_in_bfloat16():
+    """What a layer runs after choose_configs (GEMV and tiled, split K, 1 to 256 rows), in bfloat16, which the
+    interpreter cannot check; every candidate it timed was compared on 128 columns, this compares all."""
+    generator = torch.Generator().manual_seed(1)
+    for bits, group, act_order in ((4, 128, False), (4, 128, True)):
+        _, packed, scales, zeros, g_idx = random_layer(generator, bits, 4096, 1536, group, act_order, torch.bfloat16)
+        args = [t.cuda() for t in (packed, scales, zeros, g_idx)]
+        perm = None
+        if act_order:  # as the engine loads it: sorted by group, x read through perm
+            sorted_q, sorted_g, perm = sort_act_order(args[0], args[3], bits, group)
+            kernel = [sorted_q, args[1], args[2], sorted_g]
+        else:
+            kernel = args
+        chosen = quant_gemm.choose_configs(torch.bfloat16, *kernel, bits, group, perm=perm)
+        assert set(chosen) == {1, 16, 256}
+        for m in (1, 3, 16, 100, 256):
+            x = torch.randn(m, 4096, generator=generator).to(torch.bfloat16).cuda()
+            got = wna16_gemm(x, *kernel, bits, group, perm=perm).float()
+            want = gemm_reference(x.float(), args[0], args[1].float(), args[2].float(), args[3], bits)
+            torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0,
+                                       msg=lambda text: f"{chosen} {bits}-bit act {act_order} {m} rows: {text}")

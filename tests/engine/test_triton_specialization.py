@@ -15,6 +15,8 @@ EXPECTED = {
     (triton_attention, "_decode_reduce_kernel"): {"num_splits"},
     (moe, "_grouped_gemm_kernel"): {"num_pairs"},
     (quant_gemm, "_wna16_kernel"): {"M"},
+    (quant_gemm, "_wna16_gemv_kernel"): {"M"},
+    (quant_gemm, "_sum_splits_kernel"): {"numel"},
 }
 
 

@@ -105,8 +105,17 @@ class WNA16LinearMethod(LinearMethod):
         if tensors[0].is_cuda and quant_gemm.triton is not None:
             checks = kernel_checks(tensors[0].device, layer.act_dtype)
             if checks["gemm"] == "ok":
-                layer.use_gemv = checks["gemv"] == "ok" and quant_gemm.gemv_is_faster(
-                    layer.act_dtype, *tensors, geometry.bits, geometry.kernel_group_size)
+                layer.kernel_perm = getattr(layer, "kernel_perm", None)  # sorted once, even if loaded again
+                layer.kernel_group = geometry.kernel_group_size if layer.kernel_perm is None else geometry.group_size
+                if layer.kernel_perm is None and geometry.act_order and geometry.group_size > 0:
+                    found = sort_act_order(tensors[0], tensors[3], geometry.bits, geometry.group_size)
+                    if found is not None:  # one scale row per K tile, as without act-order
+                        tensors[0].data, tensors[3].data, layer.kernel_perm = found
+                        layer.kernel_group = geometry.group_size
+                # tiles, splits and GEMV-or-not timed per layer shape and row bucket
+                chosen = quant_gemm.choose_configs(layer.act_dtype, *tensors, geometry.bits, layer.kernel_group,
+                                                   gemv=checks["gemv"] == "ok", perm=layer.kernel_perm)
+                layer.use_gemv = chosen[1].block_m == 0
                 _gemv_layers[layer.use_gemv] += 1
                 return
         dense = quant_gemm.dequantize(*tensors, layer.quant_geometry.bits, layer.act_dtype).t().contiguous()
@@ -126,10 +135,10 @@ class WNA16LinearMethod(LinearMethod):
             return F.linear(x, dense, bias)
         qweight, scales, zeros, g_idx = self._tensors(layer)
         geometry = layer.quant_geometry
-        flat = x.reshape(-1, x.shape[-1])
-        kernel = quant_gemm.wna16_gemv if getattr(layer, "use_gemv", False) and flat.shape[0] <= quant_gemm.GEMV_MAX_ROWS \
-            else quant_gemm.wna16_gemm
-        y = kernel(flat, qweight, scales, zeros, g_idx, geometry.bits, geometry.kernel_group_size)
+        flat = x.reshape(-1, x.shape[-1])  # wna16_gemm launches what choose_configs chose at load for this shape
+        y = quant_gemm.wna16_gemm(flat, qweight, scales, zeros, g_idx, geometry.bits,
+                                  getattr(layer, "kernel_group", geometry.kernel_group_size),
+                                  perm=getattr(layer, "kernel_perm", None))
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -161,7 +170,7 @@ def reset_report() -> None:
 
 def kernel_report() -> dict[str, str]:
     """For /info: each kernel's self-check verdict, and how many layers take the GEMV at decode (chosen per
-    layer shape by timing both kernels at load). Empty without quantized layers on CUDA."""
+    layer shape by timing the candidate launches at load). Empty without quantized layers on CUDA."""
     report = {name: verdict for checks in _checks.values() for name, verdict in checks.items()}
     if _gemv_layers[True] or _gemv_layers[False]:
         report["gemv_layers"] = f"{_gemv_layers[True]} of {_gemv_layers[True] + _gemv_layers[False]}"
@@ -210,6 +219,24 @@ def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device)[None, :, None]
     word = (rows << shifts).sum(dim=1)
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def sort_act_order(qweight: torch.Tensor, g_idx: torch.Tensor, bits: int, group_size: int,
+                   columns: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """An act-order layer with its weight rows sorted by group: (qweight, g_idx = k // group_size, perm) with
+    row k of the new weight the old row perm[k], so x[:, perm] @ new == x @ old (quant_gemm's `perm`), or
+    None when the sorted groups are not whole runs of group_size (e.g. a row-parallel shard). Repacked
+    `columns` at a time (transient memory: 8 bytes per weight of one slice)."""
+    k = g_idx.numel()
+    perm = torch.argsort(g_idx.long(), stable=True)
+    g_sorted = g_idx.long()[perm]
+    if k % group_size or not torch.equal(g_sorted, torch.arange(k, device=g_idx.device) // group_size):
+        return None
+    sorted_q = torch.empty_like(qweight)
+    for start in range(0, qweight.shape[1], columns):
+        piece = unpack_int32(qweight[:, start:start + columns].t(), bits).t()  # [K, columns]
+        sorted_q[:, start:start + columns] = pack_rows(piece[perm], bits)
+    return sorted_q, g_sorted.to(torch.int32), perm.to(torch.int32)
 
 
 def g_idx_loader(layer: nn.Module, geometry: Geometry, layout_read: Callable[..., Any]) -> Callable[..., None]:
