@@ -13,7 +13,9 @@ Rows per (layer, batch):
 - w4a16-act:     act-order as the engine loads it (rows sorted by group, x read through the permutation,
                  wna16.sort_act_order), chosen launch;
 - w8a16:         int8, group 128, chosen launch;
-- fp8:           what the FP8 method runs: per-token activation quantization + torch._scaled_mm, per-channel scales.
+- fp8:           what the FP8 method runs: per-token activation quantization (one Triton kernel,
+                 engine/kernels/fp8_quant.py) + torch._scaled_mm, per-channel scales;
+- fp8-torch-quant: the same with the quantization in torch ops (the kernel's reference): the kernel's A/B.
 Each quantized result is checked against the bf16 GEMM on its dequantized weight before timing; a method that
 raises (e.g. does not compile) is reported and left out ("-"). The launches chosen are listed after the table.
 Ratios are bf16 time / method time (above 1 = faster than bf16).
@@ -39,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `engine` importa
 
 from engine.kernels import quant_gemm  # noqa: E402
 from engine.kernels.quant_gemm import dequantize, wna16_gemm  # noqa: E402
+from engine.kernels.fp8_quant import quantize_tokens_reference  # noqa: E402
 from engine.layers.quantization.fp8 import quantize_rows, quantize_tokens, scaled_mm_usable  # noqa: E402
 from engine.layers.quantization.wna16 import sort_act_order  # noqa: E402
 
@@ -132,6 +135,12 @@ def bench(shapes: dict[str, tuple[int, int]], batches: list[int], device: torch.
                     return torch._scaled_mm(xq, w8.t(), scale_a=x_scale, scale_b=w8_scale.view(1, -1),
                                             out_dtype=torch.bfloat16)
                 row["fp8_ms"] = measure(fp8_gemm)
+
+                def fp8_torch_quant():   # the same GEMM after torch's eight-op quantization: the kernel's A/B
+                    xq, x_scale = quantize_tokens_reference(x)
+                    return torch._scaled_mm(xq, w8.t(), scale_a=x_scale, scale_b=w8_scale.view(1, -1),
+                                            out_dtype=torch.bfloat16)
+                row["fp8-torch-quant_ms"] = measure(fp8_torch_quant)
             rows.append(row)
     return rows, info
 
