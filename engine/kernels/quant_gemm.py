@@ -416,7 +416,7 @@ def choose_configs(x_dtype: torch.dtype, qweight: torch.Tensor, scales: torch.Te
     """Times every candidate launch of this layer's shape at each row bucket on the device (`_time`, after a
     first call that compiles it), keeps the fastest whose result matches the torch reference (on the first
     128 columns), and makes wna16_gemm use it for that (shape, bits, group, perm or not, dtype, bucket). A
-    candidate that fails to compile or differs is skipped; if none is left, the self-checked 16-row tile.
+    candidate that fails to compile or differs is skipped; if none is left, the heuristic `default_config`.
     Once per key; at load, never in a step. `gemv`: whether the GEMV passed its self-check. `perm`: as in
     wna16_gemm."""
     n, k = qweight.shape[1], qweight.shape[0] * (32 // bits)
@@ -442,7 +442,7 @@ def choose_configs(x_dtype: torch.dtype, qweight: torch.Tensor, scales: torch.Te
                     continue
                 if ms < best_ms:
                     best, best_ms = config, ms
-            _chosen[key] = best or TileConfig(16, 64, _group_block_k(64, bits, group_size))
+            _chosen[key] = best or default_config(bucket, n, k, bits, group_size, qweight.device)
         chosen[bucket] = _chosen[key]
     return chosen
 
@@ -453,4 +453,7 @@ def _time(fn) -> float:
     launch time, which CUDA graphs remove in the engine."""
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=2, rep=8, quantiles=[0.5])[0]
+    # one quantile comes back as a bare float (Triton 3.6 on the H200 did: indexing it raised, every
+    # candidate was skipped and the untimed fallback ran, slower than the heuristic launch)
+    result = do_bench(fn, warmup=2, rep=8, quantiles=[0.5])
+    return float(result[0] if isinstance(result, (list, tuple)) else result)
