@@ -29,7 +29,7 @@ def _rows(seed: int, rows: int, width: int, dtype: torch.dtype, device: str) -> 
 SHAPES = [(1, 4096), (5, 1000), (9, 17), (33, 4100)]
 
 
-@pytest.mark.skipif(not triton_interpreted(), reason="needs CUDA")   # on a GPU: the byte-equal test below
+@pytest.mark.skipif(not triton_interpreted(), reason="the interpreter's test; on a GPU the byte-equal one below runs")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,width", SHAPES)
 def test_interpreted_kernel_matches_the_reference(rows: int, width: int, dtype: torch.dtype) -> None:
