@@ -26,6 +26,9 @@ def _has_cuda() -> bool:
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `tgi-hpc ... --wait` backs off to one poll every 5 s; 1 s here notices a READY job sooner (tgi_hpc/slurm/jobs.py).
+os.environ.setdefault("TGI_HPC_MAX_POLL_S", "1")
+
 # Strings that would run code if they reached a shell unquoted (submitit's weird_tmp_path, and more).
 HOSTILE = [
     "x/$(touch {marker})",

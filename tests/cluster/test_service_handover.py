@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -111,12 +112,16 @@ def test_handover_before_the_time_limit_loses_no_request(service_cli, local_clus
 
     _, popen, _, _ = laptop
     name = "handover"
+    # made while the first job loads (not after: `adapter load` must come before the successor is READY)
+    making = ThreadPoolExecutor(1).submit(make_adapter, model_path("tiny-llama"), tmp_path / "checkpoint", seed=7)
+    # a lead of 80 s (the profile's floor is 60 s): the successor may start 40 s into the 2-minute job, not 60 s,
+    # and its own successor 40 s after it, still after this test is done with it
     started = _serve(service_cli, model_path, name, "--keep-alive", "--time", "2:00",
-                     "--engine-arg=--enable-runtime-lora")
+                     "--engine-arg=--enable-runtime-lora", "--set", "slurm.handover_floor_s=80")
     first = started["job_ids"][0]
     tunnel = loops = None
     try:
-        checkpoint = make_adapter(model_path("tiny-llama"), tmp_path / "checkpoint", seed=7)
+        checkpoint = making.result(timeout=300)
         loaded = json.loads(service_cli.sub("adapter", "load", "--json", name, f"ckpt={checkpoint}").stdout)
         assert loaded["service"] and list(loaded["servers"]) == [first]
         tunnel, url, key = _open_tunnel(popen, name)
@@ -125,8 +130,10 @@ def test_handover_before_the_time_limit_loses_no_request(service_cli, local_clus
         loops = [_tunnel_loop(url, key), _client_loop(endpoint)]
         for loop in loops:
             loop.start()
-        # the first job submits its successor, which becomes READY before the 2-minute limit (lead: the local
-        # profile's 60 s floor); the first drains
+        states = {j["job_id"]: j["state"] for j in service_cli.state(name)["jobs"]}
+        assert states[first] == "ready", f"the first job began to drain before the client loops started: {states}"
+        # the first job submits its successor, which becomes READY before the 2-minute limit (lead: the 80 s
+        # floor); the first drains
         deadline = time.monotonic() + 240
         while True:
             jobs = {j["job_id"]: j for j in service_cli.state(name)["jobs"]}
@@ -135,8 +142,13 @@ def test_handover_before_the_time_limit_loses_no_request(service_cli, local_clus
                 break
             assert time.monotonic() < deadline, f"no handover within 4 minutes: {jobs}"
             assert tunnel.poll() is None, tunnel.stderr.read()
-            time.sleep(2)
-        time.sleep(8)   # more requests, now all on the successor
+            time.sleep(0.5)
+        handed_over = time.monotonic()
+        # the adapter is on the successor (read while the loops go on, before its own successor can be READY)
+        listing = json.loads(service_cli.sub("adapter", "list", "--json", name).stdout)
+        assert listing["servers"] == {succ: {"model": str(model_path("tiny-llama")), "adapters": ["ckpt"]}}
+        assert listing["recorded"] == {"ckpt": str(checkpoint)}
+        time.sleep(max(0.0, handed_over + 4 - time.monotonic()))   # 4 s of requests (dozens), all on the successor
         results = [loop.finish() for loop in loops]
         loops = None
         for kind, got in zip(("tunnel", "endpoint + ServiceClient"), results):
@@ -146,9 +158,6 @@ def test_handover_before_the_time_limit_loses_no_request(service_cli, local_clus
             assert len(got) > 20, f"{kind}: only {len(got)} requests"
         succ_job = jobs[succ]
         assert succ_job["generation"] == 1 and succ_job["predecessor"] == first
-        listing = json.loads(service_cli.sub("adapter", "list", "--json", name).stdout)
-        assert listing["servers"] == {succ: {"model": str(model_path("tiny-llama")), "adapters": ["ckpt"]}}
-        assert listing["recorded"] == {"ckpt": str(checkpoint)}
         metrics = httpx.get(f"{succ_job['url']}/metrics").text   # the successor did take requests
         assert any(line.startswith("tgi_request_success") and float(line.split()[1]) > 0 for line in metrics.splitlines())
         assert "drained: every request in flight finished" in (Path(started["logs"][0])).read_text()
@@ -175,7 +184,7 @@ def test_a_scancelled_replica_loses_no_request_not_sent_to_it(service_cli, local
         loops = [_tunnel_loop(url, key), _tunnel_loop(url, key), _client_loop(endpoint)]
         for loop in loops:
             loop.start()
-        time.sleep(5)
+        time.sleep(3)   # dozens of requests per loop, over both replicas
         killed_at = time.monotonic()
         local_cluster.cancel(victim)
         local_cluster.wait_for_state(victim, {"CANCELLED"}, timeout=30)

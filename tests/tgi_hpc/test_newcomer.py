@@ -4,8 +4,10 @@ Fake Slurm backends (unit tests); the real Slurm runs these paths in tests/clust
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -105,6 +107,24 @@ def test_waiting_beats_with_the_time_and_the_last_log_line(tmp_path, monkeypatch
               on_beat=jobs.heartbeat(beats.append))
     assert beats and all("still STARTING after 0m0" in b for b in beats)     # never a beat for the end state
     assert "Loading checkpoint shards: 40%" in beats[0]
+
+
+@pytest.mark.parametrize("value, longest", [("1", 1.0), ("0.5", 0.5), (None, 5.0), ("", 5.0), ("soon", 5.0),
+                                            ("0", 5.0), ("-3", 5.0), ("nan", 5.0), ("inf", 5.0), ("1e9", 5.0)])
+def test_wait_backs_off_to_at_most_the_max_poll(tmp_path, monkeypatch, value, longest):
+    """TGI_HPC_MAX_POLL_S (the suite sets 1 s) caps the backoff; a value that is not 0.1-60 s leaves the 5 s."""
+    if value is None:
+        monkeypatch.delenv(jobs.MAX_POLL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(jobs.MAX_POLL_ENV, value)
+    backend = FakeBackend({"8": _job("8", "RUNNING", node="cn-a")},
+                          script=[{}] * 12 + [{"8": _job("8", "COMPLETED")}])
+    slept = []
+    clock = SimpleNamespace(monotonic=time.monotonic, time=time.time, sleep=slept.append)
+    monkeypatch.setattr(jobs, "time", clock)
+    jobs.wait(_cluster(tmp_path, backend), "8", until={"COMPLETED"}, timeout=30)
+    assert len(slept) == 12 and slept[0] == 0.25 and max(slept) == slept[-1] == longest
+    assert slept == sorted(slept)
 
 
 def _snapshot(folder: Path, *, tokenizer=True, shards=("a.safetensors", "b.safetensors"), index=True) -> Path:

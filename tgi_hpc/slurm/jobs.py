@@ -7,6 +7,7 @@ LISTENING is a server whose endpoint is published but that was not probed (`stat
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +31,17 @@ ACTIVE = {"PENDING", "STARTING", "LISTENING", "READY", "RUNNING", "ENDING"}
 _QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED", "RESIZING"}
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
          "BOOT_FAIL", "DEADLINE", "REVOKED", "UNKNOWN"}
+MAX_POLL_ENV = "TGI_HPC_MAX_POLL_S"
+
+
+def max_poll_s(default: float = 5.0) -> float:
+    """The longest pause between two polls of `wait`: 5 s, or TGI_HPC_MAX_POLL_S (0.1-60 s; the test suite
+    sets 1 s so that a READY job is noticed sooner). A value that is not such a number is ignored."""
+    try:
+        value = float(os.environ.get(MAX_POLL_ENV, ""))
+    except ValueError:
+        return default
+    return value if 0.1 <= value <= 60 else default
 
 
 @dataclass
@@ -208,6 +220,7 @@ def wait(cluster: Cluster, job_id: str, *, until: set[str], timeout: float,
     """
     start = time.monotonic()
     deadline, delay, last, next_beat = start + timeout, 0.25, None, start + beat_every
+    longest = max_poll_s()
     probe = "generate" if "READY" in until else True
     while True:
         try:
@@ -217,7 +230,7 @@ def wait(cluster: Cluster, job_id: str, *, until: set[str], timeout: float,
                 raise
             logger.warning("could not read job %s's state (%s); retrying", job_id, exc)
             time.sleep(delay)
-            delay = min(delay * 1.5, 5.0)
+            delay = min(delay * 1.5, longest)
             continue
         if last is None or (current.state, current.reason) != (last.state, last.reason):
             if on_change:
@@ -241,7 +254,7 @@ def wait(cluster: Cluster, job_id: str, *, until: set[str], timeout: float,
                                    f"read its log with `tgi-hpc logs {job_id} -f{again}`, "
                                    f"stop it with `tgi-hpc stop {job_id}{again}`")
         time.sleep(delay)
-        delay = min(delay * 1.5, 5.0)
+        delay = min(delay * 1.5, longest)
 
 
 @dataclass
