@@ -454,3 +454,15 @@ def test_seeded_sampling_on_the_real_model_is_reproducible():
                                   [SamplingParams(do_sample=True, max_new_tokens=5), params, SamplingParams()])[1]
     assert [t.id for t in alone.tokens] == [t.id for t in crowded.tokens]
     assert alone.seed == 99 and alone.generated_text == crowded.generated_text
+
+
+def test_cpu_runner_gets_the_cpu_prefill_budget(tokenizer):
+    def budget(device):
+        runner = FakeRunner(VOCAB, 2048, 4)  # 8192 tokens of cache, a 4096-token context
+        runner.device = torch.device(device)
+        engine = LLMEngine(EngineConfig(), runner=runner, model_config=FakeModelConfig(VOCAB, 4096),
+                           tokenizer=tokenizer)
+        return engine.max_batch_prefill_tokens
+
+    assert budget("cpu") == CPU_PREFILL_TOKENS
+    assert budget("meta") == 4096 - 1 + 50  # elsewhere TGI's max_input_tokens + 50
