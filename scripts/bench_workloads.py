@@ -14,7 +14,9 @@ values), median CPU and wall ms of `--repeat` x 5 steps per context.
 
 `--compare DIR` runs each workload in a subprocess of this checkout and of DIR (another checkout, e.g. main)
 alternately, `--repeat` times, so both see the same load; medians are printed side by side. CPU time
-(`process_time`, all threads) moves much less than wall time when others share the box.
+(`process_time`, all threads) moves much less than wall time when others share the box; the TTFT is also read on
+that clock (CPU-s from the start of the run to each first token). `--engine-config` given more than once runs
+each config in turn the same way (e.g. two prefill budgets).
 """
 from __future__ import annotations
 
