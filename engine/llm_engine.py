@@ -30,6 +30,11 @@ from engine.tokenizer import TokenTexts, load_eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
+# Default prompt tokens per step on CPU (TGI's max_input_tokens + 50 elsewhere). A CPU step is compute-bound,
+# so a step of N prompts takes N times as long as one and every prompt of it waits for the last: smaller steps
+# give the first tokens out sooner at the same total CPU (docs/benchmarks.md, "Prefill budget on CPU").
+CPU_PREFILL_TOKENS = 1024
+
 
 @dataclass(slots=True, frozen=True)
 class Limits:
@@ -40,8 +45,9 @@ class Limits:
 
 
 def resolve_limits(config: EngineConfig, max_position_embeddings: int, num_kv_blocks: int,
-                   block_size: int) -> Limits:
-    """TGI's launcher defaults and checks, against what the KV cache holds."""
+                   block_size: int, *, cpu: bool = False) -> Limits:
+    """TGI's launcher defaults and checks, against what the KV cache holds; `cpu`: the prefill budget
+    defaults to CPU_PREFILL_TOKENS at most."""
     kv_tokens = num_kv_blocks * block_size
     batch_total = config.max_batch_total_tokens or kv_tokens
     # a default never asks for more than the cache holds (TGI derives it from memory too)
@@ -49,7 +55,8 @@ def resolve_limits(config: EngineConfig, max_position_embeddings: int, num_kv_bl
                                                batch_total // block_size * block_size)
     max_input = config.max_input_tokens or max_total - 1
     # chunked prefill: a budget below max_input_tokens is fine, above the batch total is useless
-    prefill = config.max_batch_prefill_tokens or min(max_input + 50, batch_total)
+    prefill = config.max_batch_prefill_tokens or min(max_input + 50, batch_total,
+                                                     CPU_PREFILL_TOKENS if cpu else batch_total)
     if not 0 < max_input < max_total:
         raise ValueError(f"max_input_tokens ({max_input}) must be >= 1 and < max_total_tokens ({max_total})")
     if batch_total > kv_tokens:
@@ -116,7 +123,8 @@ class LLMEngine:
         self.runner = runner
         try:
             limits = resolve_limits(config, model_config.max_position_embeddings,
-                                    runner.num_kv_blocks, runner.block_size)
+                                    runner.num_kv_blocks, runner.block_size,
+                                    cpu=getattr(getattr(runner, "device", None), "type", None) == "cpu")
         except ValueError:
             runner.close()
             raise

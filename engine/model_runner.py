@@ -291,4 +291,6 @@ def split_logits(spans: list[SeqSpan], logits: torch.Tensor) -> tuple[torch.Tens
         elif span.logits == "last":
             last_rows.append(row)
             row += 1
+    if not all_logits and row == logits.shape[0] == len(last_rows) and logits.is_contiguous():
+        return logits, all_logits  # every row is a "last" row, in order (a plain decode): no copy
     return logits[last_rows], all_logits

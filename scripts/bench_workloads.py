@@ -14,7 +14,9 @@ values), median CPU and wall ms of `--repeat` x 5 steps per context.
 
 `--compare DIR` runs each workload in a subprocess of this checkout and of DIR (another checkout, e.g. main)
 alternately, `--repeat` times, so both see the same load; medians are printed side by side. CPU time
-(`process_time`, all threads) moves much less than wall time when others share the box.
+(`process_time`, all threads) moves much less than wall time when others share the box; the TTFT is also read on
+that clock (CPU-s from the start of the run to each first token). `--engine-config` given more than once runs
+each config in turn the same way (e.g. two prefill budgets).
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ def run_one(args: argparse.Namespace, name: str) -> dict:
         for i, prompt in enumerate(prompts):
             engine.add_request(f"{name}-{i}", prompt, greedy(args.new_tokens))
         first_token: dict[str, float] = {}
+        first_token_cpu: dict[str, float] = {}  # the process's CPU clock: moves little with others' load
         decode_steps: list[float] = []
         profile = _profiler() if args.profile else None
         wall0, cpu0 = time.perf_counter(), time.process_time()
@@ -79,12 +82,14 @@ def run_one(args: argparse.Namespace, name: str) -> dict:
                 decode_steps.append((elapsed, elapsed_cpu))
             for out in outputs:
                 first_token.setdefault(out.request_id, time.perf_counter() - wall0)
+                first_token_cpu.setdefault(out.request_id, time.process_time() - cpu0)
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         if profile is not None:
             profile.report()
         generated = len(prompts) * args.new_tokens
         return {"workload": name, "tok_s": generated / wall, "tok_per_cpu_s": generated / cpu, "wall_s": wall,
                 "cpu_s": cpu, "ttft_p50_s": statistics.median(first_token.values()),
+                "ttft_cpu_p50_s": statistics.median(first_token_cpu.values()),
                 "decode_step_ms": _median_ms(w for w, _ in decode_steps),
                 "decode_step_cpu_ms": _median_ms(c for _, c in decode_steps),
                 "prefix_hit_tokens": engine.block_manager.num_hit_tokens,
@@ -162,10 +167,10 @@ def decode_curve(args: argparse.Namespace, num_seqs: int = 16) -> None:
         runner.close()
 
 
-def run_tree(tree: Path, args: argparse.Namespace, name: str) -> dict:
+def run_tree(tree: Path, args: argparse.Namespace, name: str, engine_config: str) -> dict:
     command = [sys.executable, str(tree / "scripts" / "bench_workloads.py"), "--child", name,
                "--model-id", args.model_id, "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-               "--engine-config", args.engine_config]
+               "--engine-config", engine_config]
     done = subprocess.run(command, cwd=tree, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{tree} {name} failed:\n{done.stderr[-3000:]}")
@@ -182,11 +187,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--compare", type=Path, help="another checkout to run alternately (the 'before')")
-    parser.add_argument("--engine-config", default="{}", help="EngineConfig fields as JSON, e.g. "
-                        '\'{"prefix_caching": false}\'')
+    parser.add_argument("--engine-config", action="append", help="EngineConfig fields as JSON, e.g. "
+                        '\'{"prefix_caching": false}\'; given twice or more, the configs run alternately')
     parser.add_argument("--profile", action="store_true", help="print torch.profiler op tables (in-process)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    configs = args.engine_config or ["{}"]
+    args.engine_config = configs[0]
     if args.child:
         print(json.dumps(run_one(args, args.child)))
         return
@@ -195,28 +202,30 @@ def main() -> None:
         return
     names = args.workloads.split(",")
     trees = [HERE] + ([args.compare.resolve()] if args.compare else [])
-    results: dict[tuple[str, Path], list[dict]] = {}
+    runs = [(tree, config) for tree in trees for config in configs]
+    results: dict[tuple[str, tuple[Path, str]], list[dict]] = {}
     for name in names:
         for _ in range(args.repeat):
-            for tree in trees:
-                result = run_one(args, name) if args.profile else run_tree(tree, args, name)
-                results.setdefault((name, tree), []).append(result)
-                print(f"{tree.name} {json.dumps(result)}", file=sys.stderr, flush=True)
-    print_table(names, trees, results)
+            for tree, config in runs:
+                result = run_one(args, name) if args.profile else run_tree(tree, args, name, config)
+                results.setdefault((name, (tree, config)), []).append(result)
+                print(f"{tree.name} {config} {json.dumps(result)}", file=sys.stderr, flush=True)
+    print_table(names, runs, results)
 
 
 def print_table(names, trees, results) -> None:
     keys = [("tok_s", "tok/s", "{:.1f}"), ("tok_per_cpu_s", "tok/CPU-s", "{:.1f}"),
-            ("ttft_p50_s", "TTFT p50 s", "{:.2f}"), ("decode_step_ms", "decode step ms", "{:.0f}"),
+            ("ttft_p50_s", "TTFT p50 s", "{:.2f}"), ("ttft_cpu_p50_s", "TTFT p50 CPU-s", "{:.2f}"),
+            ("decode_step_ms", "decode step ms", "{:.0f}"),
             ("decode_step_cpu_ms", "decode step CPU ms", "{:.0f}"),
             ("prefill_tokens", "prefill tokens", "{:.0f}")]
-    print("| workload | tree | " + " | ".join(title for _, title, _ in keys) + " |")
-    print("|---|---|" + "---|" * len(keys))
+    print("| workload | tree | config | " + " | ".join(title for _, title, _ in keys) + " |")
+    print("|---|---|---|" + "---|" * len(keys))
     for name in names:
-        for tree in trees:
-            runs = results[(name, tree)]
+        for tree, config in trees:
+            runs = results[(name, (tree, config))]
             cells = [fmt.format(statistics.median(r.get(key, float("nan")) for r in runs)) for key, _, fmt in keys]
-            print(f"| {name} | {tree.name} | " + " | ".join(cells) + " |")
+            print(f"| {name} | {tree.name} | `{config}` | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine, resolve_limits  # noqa: E402
+from engine.llm_engine import CPU_PREFILL_TOKENS, LLMEngine, resolve_limits  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from fakes import FakeModelConfig, FakeRunner, fake_logits, reference_greedy, test_model_path  # noqa: E402
 from hf_reference import hf_greedy  # noqa: E402
@@ -323,6 +323,11 @@ def test_limits_follow_tgi_defaults_and_checks():
     limits = resolve_limits(EngineConfig(), max_position_embeddings=8192, num_kv_blocks=1000, block_size=16)
     assert (limits.max_total_tokens, limits.max_input_tokens, limits.max_batch_prefill_tokens,
             limits.max_batch_total_tokens) == (4096, 4095, 4145, 16000)
+    # on CPU the prefill budget defaults to CPU_PREFILL_TOKENS at most; a flag still wins, a small prompt limit too
+    assert resolve_limits(EngineConfig(), 8192, 1000, 16, cpu=True).max_batch_prefill_tokens == CPU_PREFILL_TOKENS
+    assert resolve_limits(EngineConfig(max_batch_prefill_tokens=4096), 8192, 1000, 16,
+                          cpu=True).max_batch_prefill_tokens == 4096
+    assert resolve_limits(EngineConfig(max_input_tokens=100), 8192, 1000, 16, cpu=True).max_batch_prefill_tokens == 150
     limits = resolve_limits(EngineConfig(), max_position_embeddings=512, num_kv_blocks=1000, block_size=16)
     assert limits.max_total_tokens == 512 and limits.max_input_tokens == 511
     with pytest.raises(ValueError, match="KV cache holds"):
@@ -449,3 +454,15 @@ def test_seeded_sampling_on_the_real_model_is_reproducible():
                                   [SamplingParams(do_sample=True, max_new_tokens=5), params, SamplingParams()])[1]
     assert [t.id for t in alone.tokens] == [t.id for t in crowded.tokens]
     assert alone.seed == 99 and alone.generated_text == crowded.generated_text
+
+
+def test_cpu_runner_gets_the_cpu_prefill_budget(tokenizer):
+    def budget(device):
+        runner = FakeRunner(VOCAB, 2048, 4)  # 8192 tokens of cache, a 4096-token context
+        runner.device = torch.device(device)
+        engine = LLMEngine(EngineConfig(), runner=runner, model_config=FakeModelConfig(VOCAB, 4096),
+                           tokenizer=tokenizer)
+        return engine.max_batch_prefill_tokens
+
+    assert budget("cpu") == CPU_PREFILL_TOKENS
+    assert budget("meta") == 4096 - 1 + 50  # elsewhere TGI's max_input_tokens + 50

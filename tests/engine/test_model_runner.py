@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from engine.batch import SeqSpan  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
+from engine.model_runner import ModelRunner, split_logits  # noqa: E402
 
 TINY = ["tiny-llama", "tiny-llama-sharded", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-llama3-rope"]
 BLOCK = 4
@@ -269,3 +269,15 @@ def test_gpu_graphs_are_on_by_default_without_flash_attn(model_path):
     with make_runner(model_path("tiny-llama"), device="cuda", dtype="bfloat16", block_size=None,
                      gpu_memory_utilization=0.05, max_batch_size=8) as runner:
         assert runner.attention_backend == "triton" and runner.cuda_graph_sizes == [1, 2, 4, 8]
+
+
+def test_split_logits_rows_of_each_span():
+    logits = torch.arange(12.0).reshape(6, 2)
+    decode = [SeqSpan(i, [1], 3, [0]) for i in range(3)]
+    rows, all_rows = split_logits(decode, logits[:3])
+    assert rows.data_ptr() == logits.data_ptr() and rows.shape == (3, 2) and all_rows == {}  # a decode: no copy
+    mixed = [SeqSpan(0, [1, 2, 3], 0, [0], "all"), SeqSpan(1, [4, 5], 0, [1], "none"), SeqSpan(2, [6], 4, [2])]
+    rows, all_rows = split_logits(mixed, logits[:4])
+    assert rows.tolist() == [[4.0, 5.0], [6.0, 7.0]] and all_rows[0].tolist() == logits[:3].tolist()
+    rows, _ = split_logits(decode[:2], logits[::2][:2])  # strided rows are copied
+    assert rows.is_contiguous() and rows.tolist() == [[0.0, 1.0], [4.0, 5.0]]
