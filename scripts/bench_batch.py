@@ -1,6 +1,6 @@
 """An uninterrupted offline batch against the same requests through `serve` + the openai client (issue 26).
 
-    python scripts/bench_batch.py [--model-id smollm2] [--requests 128] [--max-tokens 16] \
+    python scripts/bench_batch.py [--model-id smollm2] [--requests 128] [--max-tokens 16] [--before DIR] \
         [--concurrency 32,128] [--repeat 3] [--batch-workers 1,2] [--serve-cpu-threads 1,2]
 
 Each repeat runs, one after the other on this machine: (a) `python -m engine.offline` over a fresh batch folder
@@ -43,8 +43,9 @@ def model_dir(name: str) -> str:
 
 
 def run_batch(model: str, src: Path, work: Path, engine_args: list[str],
-              workers: int = 1) -> tuple[float, int, dict[str, str]]:
-    """(seconds from first claim to last commit, generated tokens, {custom_id: answer})."""
+              workers: int = 1, root: Path = ROOT) -> tuple[float, int, dict[str, str]]:
+    """(seconds from first claim to last commit, generated tokens, {custom_id: answer}); `root`: the checkout
+    whose engine runs it."""
     from tgi_hpc.batch.submission import batch_dir_of, identity_of, prepare
     out = work / f"batch-{time.monotonic_ns()}.jsonl"
     batch_dir = batch_dir_of(out)
@@ -52,8 +53,8 @@ def run_batch(model: str, src: Path, work: Path, engine_args: list[str],
             lease_s=600, restart=True)
     log = subprocess.run([sys.executable, "-m", "engine.offline", "--batch-dir", str(batch_dir), "--model-id", model,
                           "--workers", str(workers), *engine_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+                         text=True, check=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)}).stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     tokens = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in rows)
     seconds = runner_seconds(log) or float(re.findall(r"tok/s over ([\d.]+) s", log)[-1])
@@ -97,6 +98,12 @@ def main() -> int:
     parser.add_argument("--serve-cpu-threads", default="",
                         help="comma-separated --cpu-threads values, one server each (default: one server, the "
                              "flags as given)")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="another checkout (e.g. `git worktree add /tmp/before main`): each batch row runs from "
+                             "it too, as 'before ...', in the same repeats")
+    parser.add_argument("--batch-args", default="",
+                        help="more flags for the batch rows only (e.g. a throughput-oriented `--window 512 "
+                             "--max-batch-prefill-tokens 8192`); the servers get --engine-args alone")
     parser.add_argument("--engine-args", default="--max-concurrent-requests 128 --max-total-tokens 512 "
                                                   "--kv-cache-bytes 256MiB")
     args = parser.parse_args()
@@ -123,15 +130,22 @@ def main() -> int:
         asyncio.run(wait_healthy(servers[name][1], 120))
         asyncio.run(run_serve(servers[name][1], "m", reqs[:8], 8))     # warm-up, not counted
     workers = [int(w) for w in args.batch_workers.split(",")]
-    names = {w: "batch" + (f" {w} workers" if w > 1 else "") for w in workers}
+    roots = [(ROOT, "")] + ([(args.before.resolve(), "before ")] if args.before else [])
+    names = {(w, root): prefix + "batch" + (f" {w} workers" if w > 1 else "") for w in workers for root, prefix in roots}
     results: dict[str, list[float]] = {**{n: [] for n in names.values()},
                                        **{f"{n} c={c}": [] for n in servers for c in levels}}
     agree: list[int] = []
+    before_agree: list[dict[str, str]] = []
     try:
         for rep in range(args.repeat):
-            for w, batch_name in names.items():
+            for (w, root), batch_name in names.items():
                 threads = ["--cpu-threads", str(w * args.threads_per_worker)] if args.threads_per_worker else []
-                seconds, tokens, batch_answers = run_batch(model, src, work, engine_args + threads, w)
+                seconds, tokens, answers = run_batch(model, src, work, engine_args + args.batch_args.split() + threads,
+                                                     w, root)
+                if root == ROOT:
+                    batch_answers = answers
+                else:
+                    before_agree.append(answers)
                 results[batch_name].append(tokens / seconds)
                 print(f"repeat {rep + 1}: {batch_name} {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} "
                       f"tok/s (load {os.getloadavg()[0]:.1f})", flush=True)
@@ -153,6 +167,9 @@ def main() -> int:
     for batch_name in names.values():
         print(f"{batch_name} / best serve ({best}): {medians[batch_name] / medians[best]:.2f}x")
     print(f"answers equal in the last batch and serve: {min(agree)}..{max(agree)} of {len(reqs)}")
+    if before_agree:
+        same = [sum(batch_answers[k] == v for k, v in b.items()) for b in before_agree]
+        print(f"answers equal in the last batch and each 'before' batch: {min(same)}..{max(same)} of {len(reqs)}")
     return 0
 
 

@@ -171,6 +171,7 @@ def _prepare_chat(state: OfflineState, custom_id: str, req: ChatCompletionReques
     params = parameters(req, max_tokens, top_n, use.grammar if use is not None else grammar)
     params.seed = req.seed if req.seed is not None else seed_of(custom_id)
     valid = state.validator.validate(GenerateRequest(inputs=prompt, parameters=params), add_special_tokens=False)
+    _no_unasked_logprobs(valid, bool(req.logprobs))
     return Prepared(custom_id, CHAT, req, valid, use)
 
 
@@ -186,7 +187,16 @@ def _prepare_completion(state: OfflineState, custom_id: str, req: CompletionRequ
     params.seed = req.seed if req.seed is not None else seed_of(custom_id)
     default = min(COMPLETIONS_MAX_TOKENS, state.config.max_new_tokens_default or COMPLETIONS_MAX_TOKENS)
     valid = validate_prompt(state, prompts[0], params, default)
+    _no_unasked_logprobs(valid, req.logprobs is not None)
     return Prepared(custom_id, COMPLETIONS, req, valid, scoring=scoring)
+
+
+def _no_unasked_logprobs(valid: ValidRequest, asked: bool) -> None:
+    """A line that asks for no logprobs gets none from the engine either. The server keeps TGI's logprob per
+    token (its /generate details report them); a batch line's output never shows them, and without them a greedy
+    step skips the sampler's vocabulary-wide log_softmax (docs/benchmarks.md, batch vs serve)."""
+    if not asked:
+        valid.params.logprobs = False
 
 
 def _line_id(custom_id: str) -> str:

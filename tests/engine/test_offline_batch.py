@@ -6,7 +6,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.offline.requests import OfflineState, seed_of
+from engine.offline.requests import OfflineState, prepare, seed_of
 from engine.offline.runner import BatchRunner
 from engine.sampling_params import SamplingParams
 from tgi_hpc.batch.assembly import assemble
@@ -76,6 +76,31 @@ def test_sampling_is_the_same_whatever_the_sharding(llm, tmp_path):
     texts = [o["response"]["body"]["choices"][0]["text"] for o in one]
     assert texts == [o["response"]["body"]["choices"][0]["text"] for o in many]
     assert len(set(texts)) > 1 and seed_of("s1") != seed_of("s2")
+
+
+def test_logprobs_come_only_where_a_line_asks_and_the_answers_do_not_change(llm, tmp_path):
+    """Lines without logprobs run without them in the engine (no log_softmax); asking lines still get them."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = {"messages": messages, "max_tokens": 7, "temperature": 0}
+    lines = [json.dumps({"custom_id": "plain", "url": "/v1/chat/completions", "body": chat}),
+             json.dumps({"custom_id": "asks", "url": "/v1/chat/completions",
+                         "body": {**chat, "logprobs": True, "top_logprobs": 2}}),
+             json.dumps({"custom_id": "no", "url": "/v1/chat/completions", "body": {**chat, "logprobs": False}}),
+             json.dumps({"custom_id": "cp", "url": "/v1/completions", "body": {"prompt": "x y", "max_tokens": 4, "temperature": 0}}),
+             json.dumps({"custom_id": "cl", "url": "/v1/completions",
+                         "body": {"prompt": "x y", "max_tokens": 4, "temperature": 0, "logprobs": 0}})]
+    state = OfflineState.of(llm, llm.config)
+    assert [prepare(state, "x", line).valid.params.logprobs for line in lines] == [False, True, False, False, True]
+    summary, out = run(llm, batch(tmp_path, "lp", lines, shard_size=5), window=5)
+    assert summary.failed == 0
+    plain, asks, no, cp, cl = (o["response"]["body"]["choices"][0] for o in out)
+    assert plain["message"]["content"] == asks["message"]["content"] == no["message"]["content"]
+    assert plain["logprobs"] is None and no["logprobs"] is None
+    content = asks["logprobs"]["content"]
+    assert len(content) == out[1]["response"]["body"]["usage"]["completion_tokens"]
+    assert all(t["logprob"] <= 0.0 and len(t["top_logprobs"]) == 2 for t in content)
+    assert cp["text"] == cl["text"] and cp["logprobs"] is None
+    assert all(lp <= 0.0 for lp in cl["logprobs"]["token_logprobs"])
 
 
 def test_malformed_lines_become_error_lines_and_the_rest_completes(llm, tmp_path):
