@@ -76,8 +76,7 @@ TINY_MODELS.update({
     "tiny-gpt2": ("GPT2Config", dict(_sizes=None, n_embd=64, n_layer=2, n_head=4, n_positions=512,
                                      initializer_range=0.1), {}),
 })
-# architectures without a native class, served by the transformers backend (engine/models/transformers_backend.py);
-# tiny-falcon and tiny-bloom have attention that bypasses transformers' interface: the backend refuses them
+# architectures without a native class, served by the transformers backend (engine/models/transformers_backend.py)
 _PLAIN = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
               initializer_range=0.1)
 TINY_MODELS.update({
@@ -100,8 +99,20 @@ TINY_MODELS.update({
                                      n_inner=176, initializer_range=0.1), {}),
     "tiny-exaone4": ("Exaone4Config", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                                            tie_word_embeddings=False), {}),
+})
+# Falcon's three generations (40B/180B, 7B, RW) and BLOOM: native classes (engine/models/falcon.py, bloom.py)
+TINY_MODELS.update({
     "tiny-falcon": ("FalconConfig", dict(_PLAIN, _sizes=None, new_decoder_architecture=True, num_kv_heads=2), {}),
+    "tiny-falcon-7b": ("FalconConfig", dict(_PLAIN, _sizes=None, multi_query=True, parallel_attn=True), {}),
+    "tiny-falcon-rw": ("FalconConfig", dict(_PLAIN, _sizes=None, alibi=True, multi_query=False, parallel_attn=False,
+                                            bias=True), {}),
     "tiny-bloom": ("BloomConfig", dict(_PLAIN, _sizes=None, n_layer=2, n_head=4), {}),
+})
+# attention that bypasses transformers' interface and no native class: refused (docs/models.md)
+TINY_MODELS.update({
+    "tiny-gpt-neo": ("GPTNeoConfig", dict(_PLAIN, _sizes=None, attention_types=[[["global", "local"], 1]],
+                                          window_size=8), {}),
+    "tiny-mpt": ("MptConfig", dict(_sizes=None, d_model=64, n_heads=4, n_layers=2, max_seq_len=512), {}),
 })
 _ENCODER = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=512, initializer_range=0.1)

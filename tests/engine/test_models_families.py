@@ -14,7 +14,9 @@ from hf_reference import hf_greedy  # noqa: E402
 from test_model_runner import assert_logits_match, make_runner, random_sequences, run_schedule  # noqa: E402
 
 FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-gemma2", "tiny-gemma3", "tiny-phi3",
-            "tiny-olmo2", "tiny-starcoder2", "tiny-gpt2"]
+            "tiny-olmo2", "tiny-starcoder2", "tiny-gpt2", "tiny-falcon", "tiny-bloom"]
+# Falcon's other generations (7B: multi-query, one norm; RW: ALiBi, sequential blocks): logits only
+LOGITS_ONLY = ["tiny-falcon-7b", "tiny-falcon-rw"]
 TEXT = ("The quick brown fox jumps over the lazy dog and then runs far away into the woods. "
         "def add(a, b):\n    return a + b\n\nprint(add(2, 3)) Hello world, said the compiler.")
 
@@ -56,7 +58,7 @@ def assert_generations_match(engine, name, hf_generate, prompts, new_tokens):
         assert [t.id for t in out.tokens] == hf_generate(name, ids, n), f"{name}: prompt of {len(ids)} tokens"
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + LOGITS_ONLY)
 def test_logits_match_transformers(name):
     assert_logits_match(test_model_path(name))
 
