@@ -141,12 +141,19 @@ POOLING_MODELS: dict[str, tuple[str, str, dict, dict | None]] = {
                               prompts={"query": "Instruct: find the passage\nQuery: ", "document": ""})),
     "tiny-bert-cross": ("BertConfig", "AutoModelForSequenceClassification", dict(_ENCODER, num_labels=1), None),
 }
+# encoder-decoders (engine/seq2seq/): flan-t5's shape (T5 v1.1: gated GELU, untied head, relative position buckets)
+SEQ2SEQ_MODELS: dict[str, tuple[str, dict]] = {
+    "tiny-flan-t5": ("T5Config", dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+                                      feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                                      relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                                      initializer_factor=2.0)),
+}
 POOLING_RECIPE = 2  # 2: no chat template (sentence-transformers 6 would feed pairs to a cross-encoder as chat)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_vlms import VLM_MODELS, build_vlm  # noqa: E402
 
 VLM_RECIPE = 1
-MODEL_NAMES = ["smollm2", *TINY_MODELS, *POOLING_MODELS, *VLM_MODELS]
+MODEL_NAMES = ["smollm2", *TINY_MODELS, *POOLING_MODELS, *VLM_MODELS, *SEQ2SEQ_MODELS]
 
 
 def cache_dir(cache_root: str | Path | None = None) -> Path:
@@ -192,6 +199,8 @@ def _build(name: str, root: Path, target: Path) -> Path:
             build_smollm2(tmp)
         elif name in POOLING_MODELS:
             build_pooling(name, tmp)
+        elif name in SEQ2SEQ_MODELS:
+            build_seq2seq(name, tmp)
         elif name in VLM_MODELS:
             build_vlm(name, tmp, train_tokenizer)
             _clean_tokenizer_config(tmp)
@@ -216,6 +225,8 @@ def recipe_hash(name: str) -> str:
         recipe["gguf"] = [gguf.name, gguf.stat().st_size]
     elif name in VLM_MODELS:
         recipe["vlm"] = [VLM_MODELS[name], VLM_RECIPE, TINY_VOCAB, (Path(__file__).parent / "tiny_vlms.py").read_text()]
+    elif name in SEQ2SEQ_MODELS:
+        recipe["seq2seq"] = [SEQ2SEQ_MODELS[name], TINY_VOCAB]
     else:
         recipe["tiny"] = [TINY_MODELS.get(name) or [POOLING_MODELS[name], POOLING_RECIPE], _COMMON, TINY_VOCAB]
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -303,6 +314,25 @@ def build_tiny(name: str, out: Path) -> None:
     _legacy_config(out, dtype="float32")
     eos_ids = sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")})
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=eos_ids, pad_token_id=tok.pad_token_id,
+                     do_sample=False, max_new_tokens=32).save_pretrained(out)
+
+
+def build_seq2seq(name: str, out: Path) -> None:
+    """A tiny random encoder-decoder; its inputs end with </s> as T5's do, its decoder starts from <unk> (id 0, T5's
+    pad)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForSeq2SeqLM, GenerationConfig
+
+    tok = train_tokenizer(out, eos=True)
+    _drop_chat_template(out)
+    config_cls, overrides = SEQ2SEQ_MODELS[name]
+    start = tok.convert_tokens_to_ids("<unk>")
+    config = getattr(transformers, config_cls)(**overrides, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                                               pad_token_id=start, decoder_start_token_id=start)
+    torch.manual_seed(0)
+    AutoModelForSeq2SeqLM.from_config(config).to(torch.float32).save_pretrained(out)
+    GenerationConfig(decoder_start_token_id=start, eos_token_id=tok.eos_token_id, pad_token_id=start,
                      do_sample=False, max_new_tokens=32).save_pretrained(out)
 
 
