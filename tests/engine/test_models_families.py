@@ -192,3 +192,22 @@ def test_multimodal_gemma3_serves_its_language_model(tmp_path):
     for seq_id, positions in enumerate(seen):
         for pos, logits in positions.items():
             torch.testing.assert_close(logits, reference[seq_id][pos], atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-falcon", "tiny-falcon-rw", "tiny-bloom"])
+def test_gpu_falcon_and_bloom_match_transformers(model_path, name):
+    """On CUDA, ALiBi models (BLOOM, Falcon-RW) take the portable backend: Triton and flash-attn have no ALiBi."""
+    from transformers import AutoModelForCausalLM
+
+    path = model_path(name)
+    sequences = random_sequences(1024, [26, 23, 22])
+    with make_runner(path, device="cuda", dtype="float32", gpu_memory_utilization=0.05, block_size=None) as runner:
+        assert runner.device.type == "cuda" and (runner.attention_backend == "portable") == (name != "tiny-falcon")
+        seen = run_schedule(runner, sequences)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        for seq_id, positions in enumerate(seen):
+            reference = model(torch.tensor([sequences[seq_id]], device="cuda")).logits[0]
+            for pos, logits in positions.items():
+                torch.testing.assert_close(logits, reference[pos], atol=2e-3, rtol=0)

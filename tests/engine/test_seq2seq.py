@@ -120,3 +120,20 @@ def test_both_routes_give_transformers_tokens(engine, reference):
             assert "encoder-decoder model, which takes no grammars" in refused.json()["error"]
     finally:
         served.close()
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_tokens_equal_transformers(model_path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    path = model_path("tiny-flan-t5")
+    model = AutoModelForSeq2SeqLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    config = EngineConfig(model_id=str(path), device="cuda", dtype="float32", max_batch_prefill_tokens=40)
+    with Seq2SeqEngine(config) as engine:
+        ids = engine.tokenizer.encode(TEXT)
+        prompts = [ids[(3 * i) % 20:(3 * i) % 20 + 1 + (7 * i) % 30] for i in range(16)]
+        outputs = engine.generate(prompts, [SamplingParams(max_new_tokens=6) for _ in prompts])
+    with torch.no_grad():
+        expected = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=6, do_sample=False)[0, 1:].tolist()
+                    for p in prompts]
+    assert token_ids(outputs) == expected
