@@ -1,19 +1,15 @@
 """Seq2SeqEngine: LLMEngine's add_request / abort / step surface over transformers' encoder-decoder class.
 
-A step (1) encodes the requests added since the last one, in one right-padded encoder call, keeping each one's
-encoder output; (2) runs one decoder step for all running requests together and samples their next tokens. The
-batch's decoder cache is transformers' EncoderDecoderCache, its rows the running requests, left-padded: padding
-is masked, and T5's relative position bias depends only on key minus query position, so it is unchanged by it.
-A request that ends leaves the cache by row selection; when requests join, the step instead rebuilds the cache
-by running the decoder over every running request's tokens so far (a cost that grows with their length, paid
-only in steps where requests arrive). add_request and abort are thread-safe; the rest belongs to the step thread.
+A step admits waiting requests (encoded on joining: engine/seq2seq/batch.py), runs one decoder step for all
+running requests together, samples their next tokens with the engine's sampler and ends those that stop (EOS, a
+stop sequence, the length limit). add_request and abort are thread-safe; the rest belongs to the step thread.
 """
 from __future__ import annotations
 
 import json
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +20,8 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import FinishReason, RequestOutput, TokenInfo
 from engine.sampler import pick_seed, sample
 from engine.sampling_params import SamplingParams
+from engine.seq2seq.batch import DecoderBatch
+from engine.seq2seq.request import Seq2SeqRequest
 from engine.stop import StopMatcher
 from engine.tokenizer import TokenTexts, load_eos_token_ids, load_tokenizer
 
@@ -41,21 +39,6 @@ class Seq2SeqModelInfo:
     model_type: str
     impl: str = "transformers"
     image_token_id: None = None
-
-
-@dataclass(slots=True)
-class _Request:
-    """One request; `token_ids` = prompt + generated, as the sampler's penalties read them (SampleRow)."""
-    request_id: str
-    params: SamplingParams
-    token_ids: list[int]
-    num_prompt_tokens: int
-    seed: int | None
-    detokenizer: IncrementalDetokenizer
-    stop: StopMatcher
-    generator: Any = None
-    encoded: torch.Tensor | None = None                 # [prompt tokens, d_model] encoder output
-    decoder_ids: list[int] = field(default_factory=list)  # decoder start + generated tokens
 
 
 def is_seq2seq(model_dir: str | Path) -> bool:
@@ -108,12 +91,10 @@ class Seq2SeqEngine:
         self.max_batch_size = config.max_batch_size or 64
         self.token_texts = TokenTexts(self.tokenizer)
         self._lock = threading.Lock()
-        self._pending: list[_Request] = []
+        self._pending: list[Seq2SeqRequest] = []
         self._aborted: set[str] = set()
         self._live: set[str] = set()
-        self._running: list[_Request] = []
-        self._cache: Any = None                 # EncoderDecoderCache over the rows of _running
-        self._encoded = self._encoder_mask = self._decoder_mask = None
+        self.batch = DecoderBatch(self.model, self.device, self.start_id)
         self._batch_size = self._prompt_total = self._generated_total = 0
         logger.info("encoder-decoder %s on %s: transformers' class, limits %d input / %d total tokens",
                     self.model_config.architecture, self.device, self.max_input_tokens, self.max_total_tokens)
@@ -123,7 +104,7 @@ class Seq2SeqEngine:
                     images: Any = None) -> None:
         self._validate(prompt_token_ids, params, images)
         ids = list(prompt_token_ids)
-        request = _Request(request_id, params, ids, len(ids), pick_seed(params),
+        request = Seq2SeqRequest(request_id, params, ids, len(ids), pick_seed(params),
                            IncrementalDetokenizer(self.tokenizer, len(ids), params.skip_special_tokens),
                            StopMatcher(params.stop), decoder_ids=[self.start_id])
         with self._lock:
@@ -162,28 +143,30 @@ class Seq2SeqEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         outputs = self._apply_aborts()
-        joined = self._admit()
-        if not self._running:
-            self._batch_size = 0
-            return outputs
+        batch, joined = self.batch, self._admit()
         try:
             if joined:
-                self._encode(joined)
-            logits = self._decode(rebuild=bool(joined))
+                self._prompt_total += batch.add(joined)
+            if not batch.requests:
+                self._batch_size = 0
+                return outputs
+            logits = batch.next_logits()
         except Exception as exc:  # the step's requests fail, the engine goes on
-            logger.exception("encoder-decoder step failed for %d requests", len(self._running))
+            logger.exception("encoder-decoder step failed for %d requests", len(batch.requests))
             error = f"model step failed: {type(exc).__name__}: {exc}"
-            failed, self._running, self._cache = self._running, [], None
+            failed = batch.clear()
+            failed += [r for r in joined if all(r is not f for f in failed)]  # joined, not yet in the batch
             return outputs + [self._final(r, [], "", None, error) for r in failed]
-        self._batch_size = len(self._running)
-        result = sample(logits, self._running)
-        kept, done = [], []
-        for row, request in enumerate(self._running):
+        self._batch_size = len(batch.requests)
+        result = sample(logits, batch.requests)
+        kept = []
+        for row, request in enumerate(batch.requests):
             output = self._append(request, result, row)
             outputs.append(output)
-            (done if output.finished else kept).append(row)
-        if done:
-            self._keep_rows(kept)
+            if not output.finished:
+                kept.append(row)
+        if len(kept) < len(batch.requests):
+            batch.keep(kept)
         return outputs
 
     def _apply_aborts(self) -> list[RequestOutput]:
@@ -193,87 +176,26 @@ class Seq2SeqEngine:
             self._pending = [r for r in self._pending if r.request_id not in aborted]
         if not aborted:
             return []
-        if any(r.request_id in aborted for r in self._running):
-            gone += [r for r in self._running if r.request_id in aborted]
-            self._keep_rows([i for i, r in enumerate(self._running) if r.request_id not in aborted])
+        rows = self.batch.requests
+        if any(r.request_id in aborted for r in rows):
+            gone += [r for r in rows if r.request_id in aborted]
+            self.batch.keep([i for i, r in enumerate(rows) if r.request_id not in aborted])
         return [self._final(r, [], "", "aborted") for r in gone]
 
-    def _admit(self) -> list[_Request]:
+    def _admit(self) -> list[Seq2SeqRequest]:
         """Waiting requests that fit the batch size and the prefill budget, in arrival order."""
-        joined: list[_Request] = []
+        joined: list[Seq2SeqRequest] = []
         tokens = 0
         with self._lock:
-            while self._pending and len(self._running) + len(joined) < self.max_batch_size:
+            while self._pending and len(self.batch.requests) + len(joined) < self.max_batch_size:
                 size = self._pending[0].num_prompt_tokens
                 if joined and tokens + size > self.max_batch_prefill_tokens:
                     break
                 joined.append(self._pending.pop(0))
                 tokens += size
-        self._running += joined
         return joined
 
-    def _encode(self, joined: list[_Request]) -> None:
-        lengths = [r.num_prompt_tokens for r in joined]
-        ids = torch.zeros(len(joined), max(lengths), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, r in enumerate(joined):
-            ids[i, :lengths[i]] = torch.tensor(r.token_ids)
-            mask[i, :lengths[i]] = 1
-        hidden = self.model.get_encoder()(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
-        for i, r in enumerate(joined):
-            r.encoded = hidden.last_hidden_state[i, :lengths[i]]
-        self._prompt_total += sum(lengths)
-
-    def _decode(self, rebuild: bool) -> torch.Tensor:
-        """[running, vocab] float32 logits of each running request's next token."""
-        if rebuild or self._cache is None:
-            return self._rebuild()
-        last = torch.tensor([[r.decoder_ids[-1]] for r in self._running], device=self.device)
-        ones = torch.ones(len(self._running), 1, dtype=self._decoder_mask.dtype, device=self.device)
-        self._decoder_mask = torch.cat([self._decoder_mask, ones], dim=1)
-        return self._forward(last)
-
-    def _rebuild(self) -> torch.Tensor:
-        """Encoder outputs right-padded, decoder tokens so far left-padded, the cache recomputed from them."""
-        from transformers import DynamicCache, EncoderDecoderCache
-
-        running = self._running
-        source = max(r.encoded.shape[0] for r in running)
-        target = max(len(r.decoder_ids) for r in running)
-        encoded = running[0].encoded.new_zeros(len(running), source, running[0].encoded.shape[-1])
-        encoder_mask = torch.zeros(len(running), source, dtype=torch.long, device=self.device)
-        ids = torch.full((len(running), target), self.start_id, dtype=torch.long)
-        decoder_mask = torch.zeros(len(running), target, dtype=torch.long)
-        for i, r in enumerate(running):
-            encoded[i, :r.encoded.shape[0]] = r.encoded
-            encoder_mask[i, :r.encoded.shape[0]] = 1
-            ids[i, target - len(r.decoder_ids):] = torch.tensor(r.decoder_ids)
-            decoder_mask[i, target - len(r.decoder_ids):] = 1
-        self._encoded, self._encoder_mask = encoded, encoder_mask
-        self._decoder_mask = decoder_mask.to(self.device)
-        self._cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        return self._forward(ids.to(self.device))
-
-    def _forward(self, decoder_ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(encoder_outputs=(self._encoded,), attention_mask=self._encoder_mask,
-                         decoder_input_ids=decoder_ids, decoder_attention_mask=self._decoder_mask,
-                         cache=self._cache, use_cache=True)
-        self._cache = out.cache
-        return out.logits[:, -1].float()
-
-    def _keep_rows(self, rows: list[int]) -> None:
-        """Drop the other rows from the running batch and its cache."""
-        self._running = [self._running[i] for i in rows]
-        if not rows:
-            self._cache = None
-            return
-        if self._cache is not None:
-            index = torch.tensor(rows, device=self.device)
-            self._cache.batch_select_indices(index)
-            self._encoded, self._encoder_mask = self._encoded[index], self._encoder_mask[index]
-            self._decoder_mask = self._decoder_mask[index]
-
-    def _append(self, request: _Request, result: Any, row: int) -> RequestOutput:
+    def _append(self, request: Seq2SeqRequest, result: Any, row: int) -> RequestOutput:
         token_id = result.token_ids[row]
         request.token_ids.append(token_id)
         request.decoder_ids.append(token_id)
@@ -292,7 +214,7 @@ class Seq2SeqEngine:
             piece += tail + request.stop.flush()
         return self._final(request, [info], piece, reason)
 
-    def _finish_reason(self, request: _Request, token_id: int, stopped: bool) -> FinishReason | None:
+    def _finish_reason(self, request: Seq2SeqRequest, token_id: int, stopped: bool) -> FinishReason | None:
         if stopped:
             return "stop_sequence"
         if token_id in self.eos_token_ids and not request.params.ignore_eos:
@@ -302,12 +224,12 @@ class Seq2SeqEngine:
             return "length"
         return None
 
-    def _output(self, request: _Request, tokens: list[TokenInfo], text: str) -> RequestOutput:
+    def _output(self, request: Seq2SeqRequest, tokens: list[TokenInfo], text: str) -> RequestOutput:
         return RequestOutput(request.request_id, tokens, text, num_prompt_tokens=request.num_prompt_tokens,
                              num_generated_tokens=len(request.token_ids) - request.num_prompt_tokens,
                              seed=request.seed, token_texts=[text] if tokens else None)
 
-    def _final(self, request: _Request, tokens: list[TokenInfo], text: str, reason: FinishReason | None,
+    def _final(self, request: Seq2SeqRequest, tokens: list[TokenInfo], text: str, reason: FinishReason | None,
                error: str | None = None) -> RequestOutput:
         output = self._output(request, tokens, text)
         output.finished, output.finish_reason, output.error = True, reason, error
@@ -335,11 +257,11 @@ class Seq2SeqEngine:
 
     def stats(self) -> Any:
         from engine.llm_engine import EngineStats
-        return EngineStats(len(self._pending), len(self._running), 0, 0, 0, 1, self._batch_size,
+        return EngineStats(len(self._pending), len(self.batch.requests), 0, 0, 0, 1, self._batch_size,
                            "transformers (encoder-decoder)", self._prompt_total, self._generated_total)
 
     def close(self) -> None:
-        self._running, self._cache = [], None
+        self.batch.clear()
 
     def __enter__(self) -> Seq2SeqEngine:
         return self

@@ -78,6 +78,17 @@ def test_abort_and_hostile_requests(engine):
     assert not engine.has_unfinished_requests()
 
 
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engine, reference, monkeypatch):
+    ids = engine.tokenizer.encode(TEXT)[:12]
+    engine.add_request("doomed", ids, SamplingParams(max_new_tokens=4))
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.batch, "next_logits", lambda: (_ for _ in ()).throw(RuntimeError("CUDA out of memory")))
+        [failed] = engine.step()
+    assert failed.finished and failed.error == "model step failed: RuntimeError: CUDA out of memory"
+    assert not engine.has_unfinished_requests()
+    assert token_ids(engine.generate([ids], [SamplingParams(max_new_tokens=4)])) == [reference(ids, 4)]
+
+
 def test_options_it_lacks_fail_in_one_line():
     from engine.launcher import _seq2seq_engine
     model = str(test_model_path("tiny-flan-t5"))
