@@ -253,15 +253,15 @@ def _falcon(raw: dict[str, Any], head_dim: int) -> dict[str, Any]:
 
 def _falcon_names(raw: dict[str, Any]) -> dict[str, Any]:
     """Falcon's config names as the common ones: KV heads by generation, the MLP's width."""
-    heads = raw.get("num_attention_heads", 71)
+    heads = raw.get("num_attention_heads") or raw.get("n_head") or 71     # n_*: the older RW-era names
     hidden = raw.get("hidden_size") or raw.get("n_embed")
     if raw.get("new_decoder_architecture"):
-        kv_heads = raw.get("num_kv_heads") or heads
+        kv_heads = raw.get("num_kv_heads") or raw.get("n_head_kv") or heads
     else:
         kv_heads = 1 if raw.get("multi_query", True) else heads
     return {**raw, "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
             "head_dim": hidden // heads, "intermediate_size": raw.get("ffn_hidden_size") or 4 * hidden,
-            "num_hidden_layers": raw.get("num_hidden_layers", 32)}
+            "num_hidden_layers": raw.get("num_hidden_layers") or raw.get("n_layer") or 32}
 
 
 def _bloom_names(raw: dict[str, Any]) -> dict[str, Any]:
