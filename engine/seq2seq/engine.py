@@ -140,7 +140,7 @@ class Seq2SeqEngine:
                 raise ValueError(f"{self.model_config.architecture} is an encoder-decoder model, which takes no {what}")
 
     # the step loop (one thread)
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: the sampler keeps buffers between steps that LLMEngine writes outside it
     def step(self) -> list[RequestOutput]:
         outputs = self._apply_aborts()
         batch, joined = self.batch, self._admit()

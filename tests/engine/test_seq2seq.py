@@ -53,6 +53,12 @@ def test_greedy_tokens_equal_transformers_alone_and_16_concurrent(engine, refere
     assert token_ids(outputs) == [reference(p, n) for p, n in zip(prompts, new_tokens)]
     assert all(out.finish_reason == "length" and out.num_prompt_tokens == len(p) for out, p in zip(outputs, prompts))
     assert not engine.has_unfinished_requests() and engine.stats().num_running == 0
+    # the sampler's per-thread buffers stay usable by a decoder-only engine stepping in this thread afterwards
+    from types import SimpleNamespace
+
+    from engine.sampler import sample
+    row = SimpleNamespace(params=SamplingParams(), token_ids=[1], num_prompt_tokens=1, seed=None, generator=None)
+    assert len(sample(torch.randn(2, 8), [row, row]).token_ids) == 2
 
 
 def test_abort_and_hostile_requests(engine):
