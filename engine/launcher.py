@@ -505,6 +505,17 @@ def _pooling_engine(config: EngineConfig, layout: Any) -> Any:
     return PoolingEngine(config, spec, workers=torch.get_num_threads() if cpu else 1)
 
 
+def _seq2seq_engine(config: EngineConfig, layout: Any) -> Any:
+    """An encoder-decoder (engine/seq2seq/: flan-t5) instead of LLMEngine, when config.json says it is one."""
+    from engine.seq2seq.engine import Seq2SeqEngine, is_seq2seq
+
+    if not is_seq2seq(config.model_id):
+        return None
+    if layout is not None:
+        raise ValueError("encoder-decoder models run on one device: no srun/torchrun ranks")
+    return Seq2SeqEngine(config)
+
+
 def _driven_engine(config: EngineConfig, layout: Any) -> Any:
     """Rank 0 of srun/torchrun-started ranks: the engine over a runner that drives all of them."""
     from engine.external_launch import DistributedRunner
@@ -564,8 +575,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.cpu_threads)
         logger.info("CPU: the model uses %d torch threads on %d cores", torch.get_num_threads(), available_cpus())
     try:
-        llm = _pooling_engine(config, layout) or (LLMEngine(config) if layout is None
-                                                  else _driven_engine(config, layout))
+        llm = _pooling_engine(config, layout) or _seq2seq_engine(config, layout) or (
+            LLMEngine(config) if layout is None else _driven_engine(config, layout))
     except (ValueError, FileNotFoundError) as exc:
         logger.error("cannot start the engine: %s", exc)
         return 1

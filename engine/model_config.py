@@ -16,7 +16,8 @@ SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
-    "Phi3ForCausalLM", "Olmo2ForCausalLM", "Starcoder2ForCausalLM", "GPT2LMHeadModel",
+    "Phi3ForCausalLM", "Olmo2ForCausalLM", "Starcoder2ForCausalLM", "GPT2LMHeadModel", "FalconForCausalLM",
+    "BloomForCausalLM",
 )
 # transformers' Gemma3TextConfig defaults: the Hub's multimodal Gemma 3 configs (4B, 12B, 27B) list only what differs
 GEMMA3_TEXT_DEFAULTS = {
@@ -56,13 +57,17 @@ class ModelConfig:
     # family knobs read by engine/models/decoder.py; the defaults are Llama's
     norm: str = "rms"                             # "rms" | "rms_gemma" (x * (1 + w)) | "layer" (LayerNorm + bias)
     norm_layout: str = "pre"                      # "pre" | "sandwich" (Gemma: also after each block) | "post" (OLMo 2)
+                                                  # | "parallel" (x + attn(n(x)) + mlp(n(x)): Falcon-7B) |
+                                                  # "parallel_two_norms" (x + attn(n1(x)) + mlp(n2(x)): Falcon-40B)
     qk_norm_scope: str = "head"                   # q/k norm over head_dim, or "all" heads at once (OLMo 2)
     mlp_gated: bool = True                        # False: up -> act -> down (StarCoder2, GPT-2)
     attention_scale: float | None = None          # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_logit_softcap: float | None = None       # Gemma 2: cap * tanh(scores / cap)
     final_logit_softcap: float | None = None
     embedding_multiplier: float | None = None     # Gemma: embeddings times sqrt(hidden_size)
-    position_embedding: str = "rope"              # "rope" | "learned" (GPT-2)
+    position_embedding: str = "rope"              # "rope" | "learned" (GPT-2) | "alibi" (BLOOM: a bias per head)
+    alibi_slope_scale: float = 1.0                # Falcon-RW scales ALiBi's bias with the scores (head_dim ** -0.5)
+    embedding_norm: bool = False                  # BLOOM: a LayerNorm right after the token embeddings
     partial_rotary_factor: float = 1.0            # fraction of head_dim that RoPE rotates (Phi-4-mini)
     local_rope_theta: float | None = None         # Gemma 3: RoPE base of the sliding-window layers
     # mixture of experts (num_experts == 0: dense)
@@ -106,7 +111,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         architecture = _architecture(raw, source)
-        raw = _gpt2_names(raw) if raw.get("model_type") == "gpt2" else raw
+        raw = {"gpt2": _gpt2_names, "falcon": _falcon_names, "bloom": _bloom_names}.get(
+            raw.get("model_type"), dict)(raw)
         if architecture == "Gemma3ForConditionalGeneration":
             raw = _gemma3_text(raw)
         model_type = raw.get("model_type", "llama")
@@ -210,12 +216,63 @@ def family_fields(raw: dict[str, Any], model_type: str, base: dict[str, Any]) ->
         return dict(norm="layer", mlp_gated=False, attention_bias=bias, o_proj_bias=bias, mlp_bias=bias,
                     rms_norm_eps=raw.get("norm_epsilon", 1e-5),
                     tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
+    if model_type == "falcon":
+        return _falcon(raw, hidden // base["num_attention_heads"])
+    if model_type == "bloom":
+        if raw.get("apply_residual_connection_post_layernorm"):
+            raise ValueError("BLOOM with apply_residual_connection_post_layernorm (a residual taken after the norm) "
+                             "is not supported")
+        return dict(norm="layer", mlp_gated=False, attention_bias=True, o_proj_bias=True, mlp_bias=True,
+                    position_embedding="alibi", embedding_norm=True, hidden_act="gelu_pytorch_tanh",
+                    rms_norm_eps=raw.get("layer_norm_epsilon", 1e-5),
+                    tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
     if model_type == "gpt2":
         return dict(norm="layer", mlp_gated=False, attention_bias=True, o_proj_bias=True, mlp_bias=True,
                     position_embedding="learned", hidden_act=raw.get("activation_function", "gelu_new"),
                     rms_norm_eps=raw.get("layer_norm_epsilon", 1e-5),
                     tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
     return {}
+
+
+def _falcon(raw: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Falcon's three generations: RW (ALiBi, one block after the other, biases), 7B (multi-query, attention and MLP
+    side by side over one norm), 40B/180B (`new_decoder_architecture`: grouped KV heads, a norm for each side)."""
+    bias = bool(raw.get("bias", False))
+    fields = dict(norm="layer", mlp_gated=False, attention_bias=bias, o_proj_bias=bias, mlp_bias=bias,
+                  hidden_act=raw.get("activation", "gelu"), rms_norm_eps=raw.get("layer_norm_epsilon", 1e-5),
+                  tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
+    if raw.get("alibi"):
+        fields.update(position_embedding="alibi", alibi_slope_scale=head_dim ** -0.5)
+    if raw.get("new_decoder_architecture"):
+        two = (raw.get("num_ln_in_parallel_attn") or 2) == 2
+        fields["norm_layout"] = "parallel_two_norms" if two else "parallel"
+    elif raw.get("parallel_attn", True):
+        fields["norm_layout"] = "parallel"
+    return fields
+
+
+def _falcon_names(raw: dict[str, Any]) -> dict[str, Any]:
+    """Falcon's config names as the common ones: KV heads by generation, the MLP's width."""
+    heads = raw.get("num_attention_heads") or raw.get("n_head") or 71     # n_*: the older RW-era names
+    hidden = raw.get("hidden_size") or raw.get("n_embed")
+    if raw.get("new_decoder_architecture"):
+        kv_heads = raw.get("num_kv_heads") or raw.get("n_head_kv") or heads
+    else:
+        kv_heads = 1 if raw.get("multi_query", True) else heads
+    return {**raw, "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "head_dim": hidden // heads, "intermediate_size": raw.get("ffn_hidden_size") or 4 * hidden,
+            "num_hidden_layers": raw.get("num_hidden_layers") or raw.get("n_layer") or 32}
+
+
+def _bloom_names(raw: dict[str, Any]) -> dict[str, Any]:
+    """BLOOM's config names (n_layer, n_head, n_embed) as the common ones; ALiBi needs no position limit, its
+    training context (2048) stands in for one."""
+    hidden = raw.get("hidden_size") or raw.get("n_embed")
+    heads = raw.get("n_head", raw.get("num_attention_heads"))
+    return {**raw, "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": heads,
+            "head_dim": hidden // heads, "intermediate_size": 4 * hidden,
+            "num_hidden_layers": raw.get("n_layer", raw.get("num_hidden_layers")),
+            "max_position_embeddings": raw.get("max_position_embeddings") or raw.get("seq_length") or 2048}
 
 
 def _moe(raw: dict[str, Any], expert_size: int, renormalize: bool) -> dict[str, Any]:

@@ -76,8 +76,7 @@ TINY_MODELS.update({
     "tiny-gpt2": ("GPT2Config", dict(_sizes=None, n_embd=64, n_layer=2, n_head=4, n_positions=512,
                                      initializer_range=0.1), {}),
 })
-# architectures without a native class, served by the transformers backend (engine/models/transformers_backend.py);
-# tiny-falcon and tiny-bloom have attention that bypasses transformers' interface: the backend refuses them
+# architectures without a native class, served by the transformers backend (engine/models/transformers_backend.py)
 _PLAIN = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
               initializer_range=0.1)
 TINY_MODELS.update({
@@ -100,8 +99,20 @@ TINY_MODELS.update({
                                      n_inner=176, initializer_range=0.1), {}),
     "tiny-exaone4": ("Exaone4Config", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                                            tie_word_embeddings=False), {}),
+})
+# Falcon's three generations (40B/180B, 7B, RW) and BLOOM: native classes (engine/models/falcon.py, bloom.py)
+TINY_MODELS.update({
     "tiny-falcon": ("FalconConfig", dict(_PLAIN, _sizes=None, new_decoder_architecture=True, num_kv_heads=2), {}),
+    "tiny-falcon-7b": ("FalconConfig", dict(_PLAIN, _sizes=None, multi_query=True, parallel_attn=True), {}),
+    "tiny-falcon-rw": ("FalconConfig", dict(_PLAIN, _sizes=None, alibi=True, multi_query=False, parallel_attn=False,
+                                            bias=True), {}),
     "tiny-bloom": ("BloomConfig", dict(_PLAIN, _sizes=None, n_layer=2, n_head=4), {}),
+})
+# attention that bypasses transformers' interface and no native class: refused (docs/models.md)
+TINY_MODELS.update({
+    "tiny-gpt-neo": ("GPTNeoConfig", dict(_PLAIN, _sizes=None, attention_types=[[["global", "local"], 1]],
+                                          window_size=8), {}),
+    "tiny-mpt": ("MptConfig", dict(_sizes=None, d_model=64, n_heads=4, n_layers=2, max_seq_len=512), {}),
 })
 _ENCODER = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=512, initializer_range=0.1)
@@ -130,12 +141,19 @@ POOLING_MODELS: dict[str, tuple[str, str, dict, dict | None]] = {
                               prompts={"query": "Instruct: find the passage\nQuery: ", "document": ""})),
     "tiny-bert-cross": ("BertConfig", "AutoModelForSequenceClassification", dict(_ENCODER, num_labels=1), None),
 }
+# encoder-decoders (engine/seq2seq/): flan-t5's shape (T5 v1.1: gated GELU, untied head, relative position buckets)
+SEQ2SEQ_MODELS: dict[str, tuple[str, dict]] = {
+    "tiny-flan-t5": ("T5Config", dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+                                      feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                                      relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                                      initializer_factor=2.0)),
+}
 POOLING_RECIPE = 2  # 2: no chat template (sentence-transformers 6 would feed pairs to a cross-encoder as chat)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_vlms import VLM_MODELS, build_vlm  # noqa: E402
 
 VLM_RECIPE = 1
-MODEL_NAMES = ["smollm2", *TINY_MODELS, *POOLING_MODELS, *VLM_MODELS]
+MODEL_NAMES = ["smollm2", *TINY_MODELS, *POOLING_MODELS, *VLM_MODELS, *SEQ2SEQ_MODELS]
 
 
 def cache_dir(cache_root: str | Path | None = None) -> Path:
@@ -181,6 +199,8 @@ def _build(name: str, root: Path, target: Path) -> Path:
             build_smollm2(tmp)
         elif name in POOLING_MODELS:
             build_pooling(name, tmp)
+        elif name in SEQ2SEQ_MODELS:
+            build_seq2seq(name, tmp)
         elif name in VLM_MODELS:
             build_vlm(name, tmp, train_tokenizer)
             _clean_tokenizer_config(tmp)
@@ -205,6 +225,8 @@ def recipe_hash(name: str) -> str:
         recipe["gguf"] = [gguf.name, gguf.stat().st_size]
     elif name in VLM_MODELS:
         recipe["vlm"] = [VLM_MODELS[name], VLM_RECIPE, TINY_VOCAB, (Path(__file__).parent / "tiny_vlms.py").read_text()]
+    elif name in SEQ2SEQ_MODELS:
+        recipe["seq2seq"] = [SEQ2SEQ_MODELS[name], TINY_VOCAB]
     else:
         recipe["tiny"] = [TINY_MODELS.get(name) or [POOLING_MODELS[name], POOLING_RECIPE], _COMMON, TINY_VOCAB]
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -292,6 +314,25 @@ def build_tiny(name: str, out: Path) -> None:
     _legacy_config(out, dtype="float32")
     eos_ids = sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")})
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=eos_ids, pad_token_id=tok.pad_token_id,
+                     do_sample=False, max_new_tokens=32).save_pretrained(out)
+
+
+def build_seq2seq(name: str, out: Path) -> None:
+    """A tiny random encoder-decoder; its inputs end with </s> as T5's do, its decoder starts from <unk> (id 0, T5's
+    pad)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForSeq2SeqLM, GenerationConfig
+
+    tok = train_tokenizer(out, eos=True)
+    _drop_chat_template(out)
+    config_cls, overrides = SEQ2SEQ_MODELS[name]
+    start = tok.convert_tokens_to_ids("<unk>")
+    config = getattr(transformers, config_cls)(**overrides, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                                               pad_token_id=start, decoder_start_token_id=start)
+    torch.manual_seed(0)
+    AutoModelForSeq2SeqLM.from_config(config).to(torch.float32).save_pretrained(out)
+    GenerationConfig(decoder_start_token_id=start, eos_token_id=tok.eos_token_id, pad_token_id=start,
                      do_sample=False, max_new_tokens=32).save_pretrained(out)
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
+from engine.attention.alibi import alibi_bias
 from engine.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ class AttentionBackend:
     default_block_size: ClassVar[int] = 16
     block_sizes: ClassVar[tuple[int, ...] | None] = None
     supports_cuda_graphs: ClassVar[bool] = False
+    supports_alibi: ClassVar[bool] = False  # applies Attention.alibi_slopes (engine/attention/alibi.py)
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -59,15 +61,20 @@ class AttentionBackend:
 def attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            mask: torch.Tensor | None) -> torch.Tensor:
     """q [B, heads, Q, d], k/v [B, kv_heads, K, d] -> [B, heads, Q, d]; mask None = causal, top-left
-    aligned (Q == K). Soft-capped scores (Gemma 2) cannot go through SDPA, so they take explicit math."""
+    aligned (Q == K). Soft-capped scores (Gemma 2) and ALiBi (BLOOM) cannot go through SDPA, so they take explicit
+    math."""
     if mask is None and layer.sliding_window is not None:
         mask = causal_mask(q.shape[2], k.shape[2] - q.shape[2], k.shape[2], layer.sliding_window, q.device)
     groups = layer.num_heads // layer.num_kv_heads
-    if layer.logit_softcap:
+    alibi = getattr(layer, "alibi_slopes", None)
+    if layer.logit_softcap or alibi is not None:
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * layer.scale
-        scores = layer.logit_softcap * torch.tanh(scores / layer.logit_softcap)
+        if layer.logit_softcap:
+            scores = layer.logit_softcap * torch.tanh(scores / layer.logit_softcap)
+        if alibi is not None:  # in float32: the bias grows with the distance
+            scores = scores.float() + alibi_bias(alibi, mask, q.shape[2], k.shape[2])
         if mask is None:
             mask = causal_mask(q.shape[2], k.shape[2] - q.shape[2], k.shape[2], None, q.device)
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)

@@ -41,6 +41,7 @@ class _Decode:
 
 class PortableBackend(AttentionBackend):
     name = "portable"
+    supports_alibi = True
     # it gathers context rows slot by slot, so the block size only changes bookkeeping: 16, 32 and 64 measured
     # the same on CPU, 128 slower (docs/benchmarks.md); 16 wastes the least cache per sequence and shares
     # prompt prefixes at the finest grain

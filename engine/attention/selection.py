@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.attention.alibi import alibi_slopes
 from engine.attention.backend import AttentionBackend
 from engine.attention.cpu_paged import CpuPagedBackend
 from engine.attention.flash import FlashBackend
@@ -58,6 +59,9 @@ def choose_backend(wanted: str, device: torch.device, dtype: torch.dtype, layers
 def _try(cls: type[AttentionBackend], device, dtype, layers, block_size) -> tuple:
     size = block_size or cls.default_block_size
     reason = cls.unavailable_reason(device, dtype)
+    if reason is None and not cls.supports_alibi and any(getattr(lay, "alibi_slopes", None) is not None
+                                                         for lay in layers):
+        reason = "it has no ALiBi (the model's attention bias)"
     if reason is None and (size & (size - 1) or (cls.block_sizes is not None and size not in cls.block_sizes)):
         reason = f"block size {size} is not one of {cls.block_sizes or 'the powers of two'}"
     if reason is not None:
@@ -83,11 +87,13 @@ def self_check(backend: AttentionBackend, device: torch.device, dtype: torch.dty
 
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     generator = torch.Generator(device=device).manual_seed(0)
-    shapes = {(lay.num_heads, lay.num_kv_heads, lay.head_dim, lay.sliding_window, lay.logit_softcap) for lay in layers}
-    for (heads, kv_heads, dim, window, softcap), (batch_name, lengths) in (
+    shapes = {(lay.num_heads, lay.num_kv_heads, lay.head_dim, lay.sliding_window, lay.logit_softcap,
+               getattr(lay, "alibi_slopes", None) is not None) for lay in layers}
+    for (heads, kv_heads, dim, window, softcap, alibi), (batch_name, lengths) in (
             (shape, batch) for shape in sorted(shapes, key=str) for batch in CHECK_BATCHES.items()):
         spans, num_blocks = _spans(lengths, block_size)
-        layer = Attention(heads, kv_heads, dim, dim ** -0.5, window, softcap)
+        slopes = alibi_slopes(heads).to(device) if alibi else None
+        layer = Attention(heads, kv_heads, dim, dim ** -0.5, window, softcap, slopes)
         layer.impl = backend
         cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=generator, device=device).to(dtype)
         layer.k_cache, layer.v_cache = cache[0], cache[1]
@@ -99,11 +105,12 @@ def self_check(backend: AttentionBackend, device: torch.device, dtype: torch.dty
         out = layer(q, k, v, meta).view(tokens, heads, dim).float()
         expected = paged_attention_reference(q, layer.k_cache, layer.v_cache, cu_seqlens_q=meta.cu_seqlens_q,
                                              seq_lens=meta.seq_lens, block_tables=meta.block_tables,
-                                             scale=layer.scale, window=window, softcap=softcap).float()
+                                             scale=layer.scale, window=window, softcap=softcap,
+                                             alibi_slopes=slopes).float()
         error = (out - expected).abs().max().item()
         if not error <= tolerance:  # also catches NaN
             return (f"differs from the reference by {error:.3g} ({batch_name} batch, {heads}/{kv_heads} heads of "
-                    f"{dim}, window {window}, softcap {softcap})")
+                    f"{dim}, window {window}, softcap {softcap}{', ALiBi' if alibi else ''})")
     return None
 
 

@@ -6,11 +6,13 @@ import torch
 
 
 def paged_attention_reference(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, scale: float,
-                              window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                              window: int | None = None, softcap: float | None = None,
+                              alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention in float64; returns [T, H, D] in q's dtype (see unified_attention).
 
     Query i of sequence b sits at position seq_lens[b] - q_len[b] + i; key j is visible from position p
-    iff j <= p and (no window or j > p - window); softcap maps scaled scores s to softcap * tanh(s / softcap).
+    iff j <= p and (no window or j > p - window); softcap maps scaled scores s to softcap * tanh(s / softcap);
+    ALiBi adds slope_h * (j - p) to head h's scores.
     """
     out = torch.empty_like(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -28,6 +30,8 @@ def paged_attention_reference(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, bl
             scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes.double().view(-1, 1, 1) * (k_pos - q_pos)
         visible = k_pos <= q_pos
         if window is not None and window > 0:
             visible &= k_pos > q_pos - window

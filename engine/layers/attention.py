@@ -18,12 +18,14 @@ __all__ = ["Attention", "AttentionMetadata"]
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
+                 sliding_window: int | None = None, logit_softcap: float | None = None,
+                 alibi_slopes: torch.Tensor | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap  # Gemma 2: scores = cap * tanh(scores / cap)
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)  # [heads] (BLOOM): attention/alibi.py
         self.impl: AttentionBackend = _PORTABLE
         self.k_cache = self.v_cache = torch.tensor([])  # set by the worker: [num_blocks, block_size, kv, d]
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from torch import nn
 
 from engine.model_config import ModelConfig
+from engine.models.bloom import BloomForCausalLM
+from engine.models.falcon import FalconForCausalLM
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
@@ -27,6 +29,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "FalconForCausalLM": FalconForCausalLM,
+    "BloomForCausalLM": BloomForCausalLM,
 }
 
 

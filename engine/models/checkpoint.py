@@ -1,14 +1,17 @@
 """How a family's checkpoint tensors map onto the engine's parameters (the `route_checkpoint_tensor` hook
-of engine/weights.py): renamed modules, fused q/k/v and gate/up to split, per-expert matrices into the
-stacked expert weights, GPT-2's Conv1D weights ([in, out]) transposed.
+of engine/weights.py): renamed modules, fused q/k/v (one after the other, or grouped per KV head) and gate/up to
+split, per-expert matrices into the stacked expert weights, GPT-2's Conv1D weights ([in, out]) transposed.
 
-Views stay lazy: a rank still reads only the rows of its own shard from the safetensors file.
+Views stay lazy: a rank still reads only the rows of its own shard from the safetensors file (a qkv tensor grouped
+per KV head is read whole, then picked).
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from engine.weights import shape_of
 
@@ -49,6 +52,26 @@ class Transposed:
         return self.base[tuple(reversed(index))].T if len(index) == 2 else self.base[index]
 
 
+class GroupedHeads:
+    """The q, k or v rows of a fused qkv tensor laid out per KV head: [kv_heads, q_per_kv + 2, head_dim, ...]
+    (each group's query heads, then its key and its value head: Falcon, BLOOM). Read whole, then picked."""
+
+    def __init__(self, base: Any, kv_heads: int, head_dim: int, part: str) -> None:
+        self.base, self.kv_heads, self.head_dim, self.part = base, kv_heads, head_dim, part
+        rows, *self.rest = shape_of(base)
+        self.per_group = rows // (kv_heads * head_dim) - 2
+
+    def get_shape(self) -> tuple[int, ...]:
+        heads = self.per_group if self.part == "q" else 1
+        return (self.kv_heads * heads * self.head_dim, *self.rest)
+
+    def __getitem__(self, index: Any):
+        grouped = torch.as_tensor(self.base[:]).view(self.kv_heads, self.per_group + 2, self.head_dim, *self.rest)
+        pick = {"q": slice(0, self.per_group), "k": slice(self.per_group, self.per_group + 1),
+                "v": slice(self.per_group + 1, self.per_group + 2)}[self.part]
+        return grouped[:, pick].reshape(self.get_shape())[index]
+
+
 def _as_tuple(index: Any, ndim: int) -> tuple[slice, ...]:
     index = index if isinstance(index, tuple) else (index,)
     return (*index, *[slice(None)] * (ndim - len(index)))
@@ -61,6 +84,7 @@ class CheckpointLayout:
     transposed: str | None = None                  # regex of the (renamed) names stored as [in, out]
     qkv_sizes: tuple[int, int, int] | None = None  # fused qkv_proj in the checkpoint: rows of q, k, v
     gate_up_size: int | None = None                # fused gate_up_proj in the checkpoint: rows of each half
+    qkv_groups: tuple[int, int] | None = None      # fused qkv_proj grouped per KV head: (kv heads, head_dim)
 
     def route(self, name: str, loaded: Any) -> list[tuple[str, Any, Any]]:
         for pattern, replacement in self.renames:
@@ -74,6 +98,8 @@ class CheckpointLayout:
         if match := _STACKED.match(name):
             part = _EXPERT_PARTS[match["part"]]
             return [(f"{match['prefix']}.{'w2' if part == 'down' else 'w13'}", (None, part), loaded)]
+        if self.qkv_groups and ".qkv_proj." in name:
+            return [(name, part, GroupedHeads(loaded, *self.qkv_groups, part)) for part in ("q", "k", "v")]
         if self.qkv_sizes and ".qkv_proj." in name:
             return _split(name, loaded, ("q", "k", "v"), self.qkv_sizes)
         if self.gate_up_size and ".gate_up_proj." in name:

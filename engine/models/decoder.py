@@ -1,11 +1,12 @@
 """A decoder-only transformer parameterised by ModelConfig's family knobs; the family files
-(engine/models/{moe,gemma,phi3,olmo2,starcoder2,gpt2}.py) add only their checkpoint layout and any
+(engine/models/{moe,gemma,phi3,olmo2,starcoder2,gpt2,falcon,bloom}.py) add only their checkpoint layout and any
 block of their own (the MoE MLP).
 
 Knobs: norm kind (RMSNorm, Gemma's (1 + w) RMSNorm, LayerNorm) and placement (pre, Gemma's sandwich,
-OLMo 2's post), q/k norm per head or over all heads, gated or plain MLP and its activation, biases,
-attention scale and logit soft-cap, sliding window per layer, RoPE (partial, per-layer base) or learned
-positions, scaled embeddings, final logit soft-cap. Its defaults are Llama's (engine/models/llama.py).
+OLMo 2's post, Falcon's parallel attention and MLP), q/k norm per head or over all heads, gated or plain MLP and
+its activation, biases, attention scale and logit soft-cap, sliding window per layer, RoPE (partial, per-layer
+base), learned positions or ALiBi, scaled or normed embeddings, final logit soft-cap. Its defaults are Llama's
+(engine/models/llama.py).
 
 Tensor-parallel in Megatron's layout: q/k/v and gate/up are column-parallel, o_proj and down_proj
 row-parallel, embedding and LM head split over the vocabulary.
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.attention.alibi import alibi_slopes
 from engine.distributed import layout, tp_rank, tp_size
 from engine.layers.activation import activation, gated_activation
 from engine.layers.attention import Attention, AttentionMetadata
@@ -50,8 +52,13 @@ class DecoderAttention(nn.Module):
             self.k_norm = ShardedRMSNorm(self.num_kv_heads * d, self.qkv_proj.kv_head_start * d, config.rms_norm_eps)
         elif self.qk_norm == "head":
             self.q_norm, self.k_norm = make_norm(config, d), make_norm(config, d)
+        slopes = None
+        if config.position_embedding == "alibi":  # this rank's heads' slopes
+            first = tp_rank() * self.num_heads
+            slopes = alibi_slopes(config.num_attention_heads)[first:first + self.num_heads] * config.alibi_slope_scale
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, config.attention_scale or d ** -0.5,
-                              config.layer_sliding_window(layer_idx), logit_softcap=config.attn_logit_softcap)
+                              config.layer_sliding_window(layer_idx), logit_softcap=config.attn_logit_softcap,
+                              alibi_slopes=slopes)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 meta: AttentionMetadata | None) -> torch.Tensor:
@@ -102,7 +109,10 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         if self.layout != "post":
             self.input_layernorm = make_norm(config, config.hidden_size)
-        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        if self.layout == "parallel_two_norms":
+            self.mlp_layernorm = make_norm(config, config.hidden_size)
+        elif self.layout != "parallel":
+            self.post_attention_layernorm = make_norm(config, config.hidden_size)
         if self.layout == "sandwich":
             self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
         if self.layout in ("sandwich", "post"):
@@ -114,6 +124,12 @@ class DecoderLayer(nn.Module):
             x = hidden_states if residual is None else hidden_states + residual
             x = x + self.post_attention_layernorm(self.self_attn(positions, x, meta))
             return self.post_feedforward_layernorm(self.mlp(x)), x
+        if self.layout.startswith("parallel"):  # Falcon: x + attn(norm(x)) + mlp(norm'(x)), side by side
+            x = hidden_states if residual is None else hidden_states + residual
+            mlp_in = attn_in = self.input_layernorm(x)
+            if self.layout == "parallel_two_norms":
+                mlp_in = self.mlp_layernorm(x)
+            return self.self_attn(positions, attn_in, meta) + self.mlp(mlp_in), x
         if residual is None:
             residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
         else:
@@ -142,6 +158,8 @@ class DecoderModel(nn.Module):
         self.embedding_multiplier = config.embedding_multiplier
         if stage.is_first_stage or (stage.is_last_stage and config.tie_word_embeddings):  # tied: the LM head's weight
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        if config.embedding_norm and stage.is_first_stage:  # BLOOM
+            self.embed_norm = make_norm(config, config.hidden_size)
         if config.position_embedding == "learned" and stage.is_first_stage:  # GPT-2; replicated on every rank
             self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
             self.embed_positions.weight.requires_grad_(False)
@@ -170,6 +188,8 @@ class DecoderModel(nn.Module):
             hidden_states = hidden_states * torch.tensor(self.embedding_multiplier, dtype=hidden_states.dtype)
         if hasattr(self, "embed_positions"):
             hidden_states = hidden_states + self.embed_positions(positions)
+        if hasattr(self, "embed_norm"):
+            hidden_states = self.embed_norm(hidden_states)
         return hidden_states
 
     def run_layers(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
@@ -230,7 +250,8 @@ class DecoderForCausalLM(nn.Module):
         """Parameter-name prefixes other pipeline stages hold: their checkpoint tensors are skipped here."""
         held = dict(self.named_modules())
         names = [f"model.layers.{i}." for i in range(self.config.num_hidden_layers) if i not in self.model.layer_range]
-        names += [f"{name}." for name in ("model.embed_tokens", "model.embed_positions", "model.norm", "lm_head")
+        names += [f"{name}." for name in ("model.embed_tokens", "model.embed_positions", "model.embed_norm",
+                                          "model.norm", "lm_head")
                   if name not in held]
         return tuple(names)
 

@@ -66,7 +66,8 @@ def image_token_id(hf_config: Any) -> int | None:
 def unsupported_reason(hf_config: Any) -> str | None:
     """Why the backend cannot serve this model (checked before any weight loads), or None."""
     if getattr(hf_config, "is_encoder_decoder", False):
-        return "it is an encoder-decoder (the paged decoder path serves decoder-only models)"
+        return ("it is an encoder-decoder (the paged decoder path serves decoder-only models; `python -m engine` "
+                "serves it on its encoder-decoder engine, engine/seq2seq/)")
     auto = auto_class(hf_config)
     model_cls = auto._model_mapping.get(type(hf_config), None)
     if model_cls is None:

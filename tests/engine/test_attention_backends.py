@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 
 from engine.attention import build_metadata  # noqa: E402
 from engine.attention import selection  # noqa: E402
+from engine.attention.alibi import alibi_slopes  # noqa: E402
 from engine.attention.flash import FlashBackend  # noqa: E402
 from engine.attention.portable import PortableBackend  # noqa: E402
 from engine.batch import SeqSpan  # noqa: E402
@@ -31,9 +32,10 @@ def random_batch(lengths, block_size, seed):
     return spans, 2 * sum(needed) + 2
 
 
-def run_backend(backend, spans, num_blocks, block_size, heads, kv_heads, dim, window, softcap, dtype, seed):
+def run_backend(backend, spans, num_blocks, block_size, heads, kv_heads, dim, window, softcap, dtype, seed,
+                alibi=None):
     generator = torch.Generator().manual_seed(seed)
-    layer = Attention(heads, kv_heads, dim, dim ** -0.5, window, softcap)
+    layer = Attention(heads, kv_heads, dim, dim ** -0.5, window, softcap, alibi)
     layer.impl = backend
     cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=generator).to(dtype)
     layer.k_cache, layer.v_cache = cache[0], cache[1]
@@ -44,7 +46,7 @@ def run_backend(backend, spans, num_blocks, block_size, heads, kv_heads, dim, wi
     out = layer(q, k, v, meta).view(tokens, heads, dim)
     expected = paged_attention_reference(q, layer.k_cache, layer.v_cache, cu_seqlens_q=meta.cu_seqlens_q,
                                          seq_lens=meta.seq_lens, block_tables=meta.block_tables, scale=layer.scale,
-                                         window=window, softcap=softcap)
+                                         window=window, softcap=softcap, alibi_slopes=alibi)
     return out, expected, layer
 
 
@@ -78,6 +80,30 @@ def test_portable_with_other_block_sizes_and_fp16(block_size):
     out, expected, _ = run_backend(PortableBackend(), spans, num_blocks, block_size, 6, 2, 64, None, None,
                                    torch.float16, seed=4)
     torch.testing.assert_close(out.float(), expected.float(), atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_portable_applies_alibi(mix):
+    """BLOOM's per-head bias over every kind of span; in fp16 too, where the bias's size (hundreds of positions back)
+    must not eat the precision of the near keys."""
+    slopes = alibi_slopes(8)
+    spans, num_blocks = random_batch(MIXES[mix], 16, seed=len(mix))
+    for dtype, tolerance in ((torch.float32, 2e-5), (torch.float16, 3e-3)):
+        out, expected, _ = run_backend(PortableBackend(), spans, num_blocks, 16, 8, 2, 64, None, None, dtype,
+                                       seed=9, alibi=slopes)
+        torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+        if dtype == torch.float32:
+            with_bias = expected
+    _, plain, _ = run_backend(PortableBackend(), spans, num_blocks, 16, 8, 2, 64, None, None, torch.float32, seed=9)
+    assert not torch.allclose(plain, with_bias)  # the bias changes the answer
+
+
+def test_alibi_models_skip_the_backends_without_it():
+    layers = [Attention(8, 2, 64, 0.125, alibi_slopes=alibi_slopes(8))]
+    backend, _, report = selection.choose_backend("auto", torch.device("cpu"), torch.float32, layers, None)
+    assert backend.name == "portable" and report["cpu_paged"] == "it has no ALiBi (the model's attention bias)"
+    with pytest.raises(ValueError, match="'cpu_paged' cannot run here: it has no ALiBi"):
+        selection.choose_backend("cpu_paged", torch.device("cpu"), torch.float32, layers, None)
 
 
 def test_the_reference_sees_what_it_should():

@@ -15,7 +15,7 @@ from test_transformers_backend import BACKEND_MODELS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-from make_models import _COMMON, _SIZES, TINY_MODELS, VLM_MODELS  # noqa: E402
+from make_models import _COMMON, _SIZES, SEQ2SEQ_MODELS, TINY_MODELS, VLM_MODELS  # noqa: E402
 from test_multimodal_models import VLMS  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def test_transformers_rows_are_served_by_the_backend_and_tested():
 
 def test_refused_rows_give_the_backends_reason():
     rows = [row for row in table_rows() if row[2].startswith("refused")]
-    assert {row[1] for row in rows} >= {"FalconForCausalLM", "BloomForCausalLM"}
+    assert {row[1] for row in rows} >= {"GPTNeoForCausalLM", "MptForCausalLM"}
     for _, architecture, runs_on, checkpoint in rows:
         reason = unsupported_reason(hf_config(checkpoint))
         assert reason is not None and runs_on.removeprefix("refused: ").removeprefix("its ") in reason, architecture
@@ -62,7 +62,8 @@ def test_refused_rows_give_the_backends_reason():
 
 def test_every_row_names_a_known_checkpoint():
     for _, architecture, _, checkpoint in table_rows():
-        assert checkpoint == "-" or checkpoint in TINY_MODELS or checkpoint in VLM_MODELS, architecture
+        assert checkpoint == "-" or checkpoint in TINY_MODELS or checkpoint in VLM_MODELS or \
+            checkpoint in SEQ2SEQ_MODELS, architecture
 
 
 def test_image_rows_are_the_tested_vision_language_models():
@@ -70,3 +71,13 @@ def test_image_rows_are_the_tested_vision_language_models():
     assert sorted(row[3] for row in rows) == sorted(VLMS)
     for _, architecture, _, checkpoint in rows:
         assert architecture not in MODEL_REGISTRY and VLM_MODELS[checkpoint][0] == architecture
+
+
+def test_encoder_decoder_rows_are_tested_seq2seq_checkpoints():
+    rows = [row for row in table_rows() if row[2] == "encoder-decoder engine"]
+    assert rows
+    for _, architecture, _, checkpoint in rows:
+        config_class, overrides = SEQ2SEQ_MODELS[checkpoint]
+        config = getattr(transformers, config_class)(**overrides)
+        assert config.is_encoder_decoder
+        assert transformers.AutoModelForSeq2SeqLM._model_mapping[type(config)].__name__ == architecture

@@ -14,7 +14,10 @@ from hf_reference import hf_greedy  # noqa: E402
 from test_model_runner import assert_logits_match, make_runner, random_sequences, run_schedule  # noqa: E402
 
 FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-gemma2", "tiny-gemma3", "tiny-phi3",
-            "tiny-olmo2", "tiny-starcoder2", "tiny-gpt2"]
+            "tiny-olmo2", "tiny-starcoder2", "tiny-gpt2", "tiny-falcon", "tiny-bloom"]
+# CI's time: Falcon-40B's and BLOOM's logits are checked by their generations (and on CUDA), Falcon's other
+# generations (7B: multi-query, one norm; RW: ALiBi, sequential blocks) by their logits only
+LOGITS = FAMILIES[:-2] + ["tiny-falcon-7b", "tiny-falcon-rw"]
 TEXT = ("The quick brown fox jumps over the lazy dog and then runs far away into the woods. "
         "def add(a, b):\n    return a + b\n\nprint(add(2, 3)) Hello world, said the compiler.")
 
@@ -56,7 +59,7 @@ def assert_generations_match(engine, name, hf_generate, prompts, new_tokens):
         assert [t.id for t in out.tokens] == hf_generate(name, ids, n), f"{name}: prompt of {len(ids)} tokens"
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", LOGITS)
 def test_logits_match_transformers(name):
     assert_logits_match(test_model_path(name))
 
@@ -70,7 +73,7 @@ def test_greedy_generations_match_transformers_alone_and_16_concurrent(name, hf_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES[:-2])  # Falcon and BLOOM pass too (by hand); out of CI for its time
 def test_two_shards_match_transformers(name, hf_generate):
     with engine_for(name, num_shard=2) as engine:
         assert len(engine.runner.worker_pids) == 1
@@ -190,3 +193,22 @@ def test_multimodal_gemma3_serves_its_language_model(tmp_path):
     for seq_id, positions in enumerate(seen):
         for pos, logits in positions.items():
             torch.testing.assert_close(logits, reference[seq_id][pos], atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-falcon", "tiny-falcon-rw", "tiny-bloom"])
+def test_gpu_falcon_and_bloom_match_transformers(model_path, name):
+    """On CUDA, ALiBi models (BLOOM, Falcon-RW) take the portable backend: Triton and flash-attn have no ALiBi."""
+    from transformers import AutoModelForCausalLM
+
+    path = model_path(name)
+    sequences = random_sequences(1024, [26, 23, 22])
+    with make_runner(path, device="cuda", dtype="float32", gpu_memory_utilization=0.05, block_size=None) as runner:
+        assert runner.device.type == "cuda" and (runner.attention_backend == "portable") == (name != "tiny-falcon")
+        seen = run_schedule(runner, sequences)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        for seq_id, positions in enumerate(seen):
+            reference = model(torch.tensor([sequences[seq_id]], device="cuda")).logits[0]
+            for pos, logits in positions.items():
+                torch.testing.assert_close(logits, reference[pos], atol=2e-3, rtol=0)

@@ -104,12 +104,19 @@ def test_server_reports_the_backend_and_grammars_constrain_it(sink_engine):
         engine.close()
 
 
-@pytest.mark.parametrize("name, reason", [("tiny-falcon", "bypasses transformers' attention interface"),
-                                          ("tiny-bloom", "bypasses transformers' attention interface")])
-def test_models_whose_attention_bypasses_the_interface_are_refused(name, reason):
-    with pytest.raises(ValueError, match=reason) as error:
+@pytest.mark.parametrize("name", ["tiny-gpt-neo", "tiny-mpt"])
+def test_models_whose_attention_bypasses_the_interface_are_refused(name):
+    with pytest.raises(ValueError, match="bypasses transformers' attention interface") as error:
         ModelConfig.from_pretrained(test_model_path(name))
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["tiny-falcon", "tiny-bloom"])
+def test_falcon_and_bloom_run_natively_and_the_backend_refuses_them(name):
+    """Their attention bypasses transformers' interface: auto picks our classes (engine/models/falcon.py, bloom.py)."""
+    assert ModelConfig.from_pretrained(test_model_path(name)).impl == "native"
+    with pytest.raises(ValueError, match="bypasses transformers' attention interface"):
+        ModelConfig.from_pretrained(test_model_path(name), "transformers")
 
 
 def test_image_text_models_are_judged_by_their_language_model():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tgi_hpc.models.config_names import common_names
 from tgi_hpc.models.known_models import known_model
 from tgi_hpc.models.quantization import linear_weight_bits
 from tgi_hpc.models.size import active_params_b, catalog_size_b, param_split
@@ -49,7 +50,7 @@ def footprint(model: str, config: dict | None, quantize: str | None = None,
     """From the snapshot's config.json when there is one, else from the table of known models."""
     if config is not None:
         try:
-            text = config.get("text_config", config)
+            text = common_names(config.get("text_config", config))
             heads = int(text.get("num_attention_heads", 1))
             head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
             kv = kv_bytes_per_token(int(text["num_hidden_layers"]), int(text.get("num_key_value_heads", heads)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+from tgi_hpc.models.config_names import common_names
 from tgi_hpc.models.quantization import linear_weight_bits
 
 _NAME_SIZE = re.compile(r"(?<![0-9.])(\d+(?:\.\d+)?)\s*([bBmM])(?![a-zA-Z])")
@@ -13,7 +14,7 @@ _NAME_SIZE = re.compile(r"(?<![0-9.])(\d+(?:\.\d+)?)\s*([bBmM])(?![a-zA-Z])")
 def param_split(config: dict) -> tuple[float, float]:
     """(decoder linear layers, embeddings + LM head + any vision tower) in billions: only the first are ever
     quantized."""
-    text = config.get("text_config", config)
+    text = common_names(config.get("text_config", config))
     hidden = int(text["hidden_size"])
     layers = int(text["num_hidden_layers"])
     inter = int(text.get("intermediate_size", 4 * hidden))
@@ -22,7 +23,7 @@ def param_split(config: dict) -> tuple[float, float]:
     kv_heads = int(text.get("num_key_value_heads", heads))
     head_dim = int(text.get("head_dim") or hidden // heads)
     attn = hidden * head_dim * (heads * 2 + kv_heads * 2)
-    mlp = moe_mlp_params(text)[0] if num_experts(text) else 3 * hidden * inter
+    mlp = moe_mlp_params(text)[0] if num_experts(text) else int(text.get("mlp_matrices", 3)) * hidden * inter
     embed = vocab * hidden * (1 if text.get("tie_word_embeddings") else 2)
     return layers * (attn + mlp) / 1e9, (embed + vision_params(config)) / 1e9
 
