@@ -402,10 +402,12 @@ class LLMEngine:
                 outputs.append(self._final_output(seq, [info], piece, pieces=[piece]))
                 continue
             prefill, seq.prefill_tokens = seq.prefill_tokens, None
-            outputs.append(RequestOutput(seq.request_id, [info], piece, num_prompt_tokens=num_prompt,
-                                         num_generated_tokens=num_tokens - num_prompt, seed=seq.seed,
-                                         prefill_tokens=prefill, num_cached_tokens=seq.num_cached_tokens or 0,
-                                         token_texts=[piece]))
+            # positional (keywords cost 2.5x here): request_id, tokens, text, finished, finish_reason,
+            # generated_text, stop_text, num_prompt_tokens, num_generated_tokens, seed, prefill_tokens,
+            # num_cached_tokens, error, token_texts (tests/engine/test_llm_engine.py checks the order)
+            outputs.append(RequestOutput(seq.request_id, [info], piece, False, None, None, "", num_prompt,
+                                         num_tokens - num_prompt, seq.seed, prefill, seq.num_cached_tokens or 0,
+                                         None, [piece]))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token_id: int, stopped: bool) -> FinishReason | None:
