@@ -1,6 +1,9 @@
 """Incremental detokenization: stable text pieces per new token that add up to the full decode."""
 from __future__ import annotations
 
+import weakref
+
+from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 
 try:  # tokenizers >= 0.21
@@ -13,6 +16,48 @@ except ImportError:  # pragma: no cover - older tokenizers: the Python path belo
 CONTEXT_TOKENS = 5
 
 
+class TokenPieces:
+    """Per token id, the text it adds when everything before it has been released: for a byte-level BPE
+    decoder (GPT-2, Llama 3, Qwen, SmolLM2) decode(ids) is the lossy UTF-8 decoding of the tokens' bytes put
+    together, so a token whose own bytes are complete UTF-8 adds exactly decode([id]), whatever precedes it
+    (an unfinished character before it ends at its first byte as it would at the end of the text). Empty
+    for a token that is not such (part of a character, U+FFFD, a skipped special, an id past the vocabulary):
+    those go through the incremental algorithm. Filled lazily, one decode per id ever seen."""
+
+    def __init__(self, backend: object, skip_special_tokens: bool):
+        self._backend, self._skip = backend, skip_special_tokens
+        self._texts: list[str | None] = [None] * backend.get_vocab_size(with_added_tokens=True)
+
+    def get(self, token_id: int) -> str:
+        texts = self._texts
+        if not 0 <= token_id < len(texts):
+            return ""
+        text = texts[token_id]
+        if text is None:
+            text = self._backend.decode([token_id], skip_special_tokens=self._skip)
+            text = texts[token_id] = "" if "\ufffd" in text else text
+        return text
+
+
+_pieces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # tokenizer -> {skip_special_tokens: TokenPieces}
+
+
+def token_pieces(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> TokenPieces | None:
+    """The tokenizer's shared TokenPieces, or None unless it decodes with a plain byte-level decoder and
+    no clean-up of spaces (which is not a per-token concatenation)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+            or type(backend.decoder) is not decoders.ByteLevel):
+        return None
+    try:
+        tables = _pieces.setdefault(tokenizer, {})
+    except TypeError:       # not weakly referenceable: no shared table
+        return None
+    if skip_special_tokens not in tables:
+        tables[skip_special_tokens] = TokenPieces(backend, skip_special_tokens)
+    return tables[skip_special_tokens]
+
+
 class IncrementalDetokenizer:
     """TGI's decode_token (prefix/read offsets): the new text is decode(ids[prefix:]) minus
     decode(ids[prefix:read]), held back while it ends in U+FFFD (an incomplete UTF-8 character
@@ -22,6 +67,9 @@ class IncrementalDetokenizer:
     that same algorithm in Rust (one decode per token while text comes out, not two plus the list
     slices); the offsets are mirrored here for `flush`. Should it ever refuse a step (its prefix check),
     this sequence goes on with the Python path from the same offsets.
+    With a byte-level decoder, a token that arrives with nothing held back and whose bytes are whole
+    characters is its own piece (`TokenPieces`, a list look-up): neither path runs, and the stream is made
+    again from the offsets when a token needs it.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, num_prompt_tokens: int,
@@ -37,12 +85,20 @@ class IncrementalDetokenizer:
         self._stream = None                   # created on the first token: it needs the prompt's tail
         self._use_stream = use_backend and DecodeStream is not None
         self._num_fed = num_prompt_tokens     # tokens the stream has seen
+        self._pieces = token_pieces(tokenizer, skip_special_tokens) if use_backend else None
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._decoder.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def decode_next(self, token_ids: list[int]) -> str:
         """Text that the tokens after the read offset add, or "" while it is not yet stable."""
+        num_tokens = len(token_ids)
+        if self._pieces is not None and self.read_offset == num_tokens - 1:
+            piece = self._pieces.get(token_ids[-1])
+            if piece:
+                self.prefix_offset, self.read_offset = self.read_offset, num_tokens
+                self._num_fed, self._stream = num_tokens, None
+                return piece
         if self._use_stream:
             return self._stream_next(token_ids)
         prefix_text = self._decode(token_ids[self.prefix_offset:self.read_offset])
@@ -53,8 +109,9 @@ class IncrementalDetokenizer:
         return ""
 
     def _stream_next(self, token_ids: list[int]) -> str:
-        if self._stream is None:
+        if self._stream is None:     # (again, after pieces) from the offsets, as TGI's algorithm starts
             self._stream = DecodeStream(token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+            self._num_fed = self.read_offset
         num_tokens = len(token_ids)
         if num_tokens <= self._num_fed:
             return ""

@@ -285,8 +285,7 @@ class LLMEngine:
             logits = last_logits if len(sampled) == len(last_logits) else last_logits[rows]
             bitmask = masks.for_rows(sampled) if masks is not None else None
             out = sample(logits, sampled, bitmask, counts=self._penalty_counts)
-            append = self._append_run
-            outputs += [append(seq, out, (j,)) for j, seq in enumerate(sampled)]
+            outputs += self._append_one_each(sampled, out)
         if drafted:
             outputs += self._append_verified(drafted, verify(drafted, [all_logits[s.seq_id] for s in drafted],
                                                              grammar_drafts))
@@ -380,6 +379,44 @@ class LLMEngine:
             pieces[-1] += tail + stop.flush()
         self.scheduler.finish(seq, reason)
         return self._final_output(seq, infos, "".join(pieces), pieces=pieces)
+
+    def _append_one_each(self, seqs: list[Sequence], out: SamplerOutput) -> list[RequestOutput]:
+        """`_append_run` of row j of `out` to `seqs[j]`, for every j: the common case (no grammar, and a token
+        that ends nothing) in one loop with everything looked up once; the rest through `_append_run`."""
+        text, special_ids, eos_ids = self.token_texts.text, self.token_texts.special_ids, self.eos_token_ids
+        token_ids_out, logprobs, top_token_ids, top_logprobs = out.token_ids, out.logprobs, out.top_token_ids, \
+            out.top_logprobs
+        outputs = []
+        for j, seq in enumerate(seqs):
+            params, token_id = seq.params, token_ids_out[j]
+            if seq.grammar is not None or (token_id in eos_ids and not params.ignore_eos):
+                outputs.append(self._append_run(seq, out, (j,)))
+                continue
+            token_ids = seq.token_ids
+            token_ids.append(token_id)
+            num_prompt, num_tokens = seq.num_prompt_tokens, len(token_ids)
+            if num_tokens - num_prompt >= params.max_new_tokens or num_tokens >= seq.max_tokens:
+                token_ids.pop()     # the length limit: _append_run's ending (flush, finish)
+                outputs.append(self._append_run(seq, out, (j,)))
+                continue
+            top_ids = top_token_ids[j]
+            top = [TokenInfo(t, text(t), lp, t in special_ids) for t, lp in zip(top_ids, top_logprobs[j])] \
+                if top_ids else []
+            info = TokenInfo(token_id, text(token_id), logprobs[j] if params.logprobs else None,
+                             token_id in special_ids, top)
+            piece, stopped = seq.stop.feed(seq.detokenizer.decode_next(token_ids))
+            if stopped:
+                self.scheduler.finish(seq, "stop_sequence")
+                outputs.append(self._final_output(seq, [info], piece, pieces=[piece]))
+                continue
+            prefill, seq.prefill_tokens = seq.prefill_tokens, None
+            # positional (keywords cost 2.5x here): request_id, tokens, text, finished, finish_reason,
+            # generated_text, stop_text, num_prompt_tokens, num_generated_tokens, seed, prefill_tokens,
+            # num_cached_tokens, error, token_texts (tests/engine/test_llm_engine.py checks the order)
+            outputs.append(RequestOutput(seq.request_id, [info], piece, False, None, None, "", num_prompt,
+                                         num_tokens - num_prompt, seq.seed, prefill, seq.num_cached_tokens or 0,
+                                         None, [piece]))
+        return outputs
 
     def _finish_reason(self, seq: Sequence, token_id: int, stopped: bool) -> FinishReason | None:
         if stopped:

@@ -52,22 +52,21 @@ class BlockTables:
             self._grow(max(len(spans), 2 * self.mirror.shape[0]), self.mirror.shape[1])
         order: list[int] = []
         changed: list[tuple[int, int, int]] = []       # (row, first column, last column + 1) written
-        rows, step = self.rows, self.step
+        get, step, append = self.rows.get, self.step, order.append
         for span in spans:
-            entry = rows.get(span.seq_id)
+            entry = get(span.seq_id)
             # unchanged since the last step (most decodes): only the row's last use is noted
-            if (entry is not None and entry[1] == getattr(span, "table_version", -1) >= 0
-                    and entry[2] == len(span.block_table)):
+            if entry is not None and entry[2] == len(span.block_table) and entry[1] == span.table_version >= 0:
                 entry[3] = step
-                order.append(entry[0])
+                append(entry[0])
             else:
-                order.append(self._update(span, changed))
-        if not self.pinned:
-            return torch.from_numpy(self.mirror_np[order, :width])
+                append(self._update(span, changed))
+        if not self.pinned:     # rows of a column slice by an index array: ~2x cheaper than [list, :width]
+            return torch.from_numpy(self.mirror_np[:, :width][np.array(order, dtype=np.intp)])
         return self._upload(order, changed, width)
 
     def _update(self, span: SeqSpan, changed: list[tuple[int, int, int]]) -> int:
-        table, version = span.block_table, getattr(span, "table_version", -1)
+        table, version = span.block_table, span.table_version
         entry = self.rows.get(span.seq_id)
         if entry is None:
             entry = self.rows[span.seq_id] = [self._take_row(), -2, 0, 0]

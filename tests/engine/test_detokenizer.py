@@ -144,12 +144,15 @@ def test_no_stop_strings_passes_text_through():
 
 
 # the DecodeStream path against the Python one, on hostile token sequences
-def stream_both(tokenizer, prompt_ids, generated_ids, skip_special_tokens=True):
-    """Pieces from the DecodeStream path and from the Python path; fails if the stream path is not taken."""
+def stream_both(tokenizer, prompt_ids, generated_ids, skip_special_tokens=True, pieces=True):
+    """Pieces from the DecodeStream path (with the per-token pieces of a byte-level decoder unless `pieces` is
+    False) and from the Python path; fails if the stream path is not taken."""
     fast = IncrementalDetokenizer(tokenizer, len(prompt_ids), skip_special_tokens)
     slow = IncrementalDetokenizer(tokenizer, len(prompt_ids), skip_special_tokens)
     assert fast._use_stream, "this tokenizer should take the DecodeStream path"
-    slow._use_stream = False
+    slow._use_stream, slow._pieces = False, None
+    if not pieces:
+        fast._pieces = None
     ids, fast_pieces, slow_pieces = list(prompt_ids), [], []
     for token in generated_ids:
         ids.append(token)
@@ -191,9 +194,28 @@ def test_stream_path_on_random_ids_specials_and_ids_past_the_vocab(smollm2):
             else:
                 generated.append(rng.randrange(vocab))
         for skip in (True, False):
-            fast, slow = stream_both(smollm2, smollm2.encode("Hi there"), generated, skip)
-            assert fast == slow, (trial, generated, skip)
-            assert "".join(fast) == "".join(slow)
+            for pieces in (True, False):
+                fast, slow = stream_both(smollm2, smollm2.encode("Hi there"), generated, skip, pieces)
+                assert fast == slow, (trial, generated, skip, pieces)
+
+
+def test_byte_level_pieces_only_for_whole_characters(smollm2):
+    from engine.detokenizer import token_pieces
+    table = token_pieces(smollm2, True)
+    assert table is not None and table is token_pieces(smollm2, True) is not token_pieces(smollm2, False)
+    split = smollm2.encode(" 😀", add_special_tokens=False)
+    assert all(table.get(i) == "" for i in split if "\ufffd" in smollm2.decode([i]))
+    assert table.get(smollm2.eos_token_id) == "" and token_pieces(smollm2, False).get(smollm2.eos_token_id)
+    assert table.get(-1) == table.get(len(smollm2) + 5) == ""
+    # a prompt that ends inside a character: the next whole-character token is still its own piece
+    prompt = smollm2.encode("Hi 😀", add_special_tokens=False)[:-1] + smollm2.encode(" there", add_special_tokens=False)
+    fast, slow = stream_both(smollm2, prompt[:-1], prompt[-1:] + smollm2.encode(" ok", add_special_tokens=False))
+    assert fast == slow
+
+
+def test_sentencepiece_decoders_take_no_pieces(sentencepiece_like):
+    from engine.detokenizer import token_pieces
+    assert token_pieces(sentencepiece_like, True) is None
 
 
 def test_stream_path_holds_an_emoji_split_over_byte_tokens(smollm2):

@@ -82,6 +82,40 @@ def test_streamed_text_adds_up_to_generated_text_and_counts(tokenizer):
     assert [t.text for o in outputs for t in o.tokens] == [tokenizer.decode([t]) for t in generated]
 
 
+def test_decode_loop_gives_the_outputs_of_the_general_append(tokenizer):
+    """_append_one_each (every decode step's loop) against _append_run per row, output for output: EOS,
+    length, stop strings (hit or not), top_n_tokens, logprobs off, prefill logprobs, seeded sampling."""
+    def requests():
+        yield "plain", SamplingParams(max_new_tokens=9)
+        yield "eos", SamplingParams(max_new_tokens=30)
+        yield "ignore", SamplingParams(max_new_tokens=7, ignore_eos=True)
+        yield "stop", SamplingParams(max_new_tokens=30, stop=["e", "zzq"])
+        yield "stop2", SamplingParams(max_new_tokens=30, stop=["th", "in"], top_n_tokens=2)
+        yield "nolp", SamplingParams(max_new_tokens=5, logprobs=False)
+        yield "prefill", SamplingParams(max_new_tokens=6, prefill_logprobs=True, top_n_tokens=3)
+        yield "seeded", SamplingParams(max_new_tokens=12, do_sample=True, temperature=0.7, seed=3, stop=["a"])
+        yield "one", SamplingParams(max_new_tokens=1)
+
+    runs = []
+    for general in (False, True):
+        engine, _ = make_engine(tokenizer, max_total_tokens=64)
+        engine.eos_token_ids = {reference_greedy(prompt(1, 8), 10, VOCAB)[4]}
+        if general:
+            engine._append_one_each = lambda seqs, out: [engine._append_run(seq, out, (j,))
+                                                         for j, seq in enumerate(seqs)]
+        for i, (rid, params) in enumerate(requests()):
+            engine.add_request(rid, prompt(1 if rid == "eos" else i, 8), params)
+        steps = []
+        while engine.has_unfinished_requests():
+            steps.append(engine.step())
+        runs.append(steps)
+    assert runs[0] == runs[1]
+    finals = {out.request_id: out for step in runs[0] for out in step if out.finished}
+    assert finals["eos"].finish_reason == "eos_token" and finals["one"].finish_reason == "length"
+    assert "stop_sequence" in {finals[r].finish_reason for r in ("stop", "stop2", "seeded")}
+    assert finals["nolp"].finish_reason == "length"
+
+
 def test_eos_ends_generation_unless_ignored(tokenizer):
     engine, _ = make_engine(tokenizer)
     ids = prompt(1, 8)
