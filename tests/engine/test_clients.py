@@ -115,6 +115,9 @@ def test_huggingface_hub_text_generation(server):
     assert out.details.generated_tokens == 6 and out.details.finish_reason == "length"
     pieces = list(client.text_generation(PROMPT, max_new_tokens=6, stream=True))
     assert "".join(pieces) == out.generated_text
+    events = list(client.text_generation(PROMPT, max_new_tokens=6, stream=True, details=True))
+    assert [e.token.id for e in events] == [t.id for t in out.details.tokens]
+    assert events[-1].details.finish_reason == "length" and events[-1].generated_text == out.generated_text
 
 
 def test_huggingface_hub_chat_completion(server):
