@@ -17,6 +17,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.multimodal.prompt import MultiModalPrompt
 from engine.outputs import FinishReason, RequestOutput, TokenInfo
 from engine.penalty_counts import PenaltyCounts
+from engine.request_checks import check_request
 from engine.sampler import SamplerOutput, pick_seed, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -210,32 +211,11 @@ class LLMEngine:
             return bool(self._live_ids)
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: at least one input token is needed")
-        if len(prompt_token_ids) > self.max_input_tokens:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, more than "
-                             f"max_input_tokens={self.max_input_tokens}")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        if params.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
-        if params.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {params.temperature} (use do_sample=false for greedy)")
-        if params.repetition_penalty is not None and params.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
-        for name in ("top_p", "typical_p"):
-            value = getattr(params, name)
-            if value is not None and not 0 < value <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {value}")
-        if params.top_k is not None and params.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {params.top_k}")
-        if not 0 <= params.top_n_tokens <= self.config.max_top_n_tokens:
-            raise ValueError(f"top_n_tokens must be in [0, {self.config.max_top_n_tokens}], got {params.top_n_tokens}")
+        check_request(prompt_token_ids, params, self.config, max_input_tokens=self.max_input_tokens,
+                      vocab_size=self.vocab_size)
         if params.adapter_id is not None and params.adapter_id not in self.adapter_names:
             known = ", ".join(n for n in self.adapter_names if n) or "none (start with --lora-adapters NAME=DIR)"
             raise ValueError(f"unknown LoRA adapter {params.adapter_id!r}; loaded adapters: {known}")
-        if len(params.stop) > self.config.max_stop_sequences:
-            raise ValueError(f"at most {self.config.max_stop_sequences} stop sequences, got {len(params.stop)}")
 
     # the step loop (one thread)
     def step(self) -> list[RequestOutput]:

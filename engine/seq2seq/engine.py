@@ -18,6 +18,7 @@ import torch
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import FinishReason, RequestOutput, TokenInfo
+from engine.request_checks import check_request
 from engine.sampler import pick_seed, sample
 from engine.sampling_params import SamplingParams
 from engine.seq2seq.batch import DecoderBatch
@@ -123,17 +124,8 @@ class Seq2SeqEngine:
             return bool(self._live)
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams, images: Any) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: at least one input token is needed")
-        if len(prompt_token_ids) > self.max_input_tokens:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, more than "
-                             f"max_input_tokens={self.max_input_tokens}")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        if params.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
-        if params.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {params.temperature} (use do_sample=false for greedy)")
+        check_request(prompt_token_ids, params, self.config, max_input_tokens=self.max_input_tokens,
+                      vocab_size=self.vocab_size)
         for what, used in (("grammars", params.grammar is not None), ("LoRA adapters", params.adapter_id is not None),
                            ("images", images is not None)):
             if used:
