@@ -29,14 +29,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 REPO = Path(__file__).resolve().parents[1]
 
 
 def serve(args: argparse.Namespace) -> None:
-    """The child: the InstantRunner engine behind the real app; per-thread CPU to --stats-file at SIGINT."""
+    """The child: the InstantRunner engine behind the real app until SIGINT; the ready file names its URL and
+    the native ids of its step and HTTP threads (the parent reads their CPU time from /proc)."""
     import cProfile
 
     import uvicorn
@@ -57,8 +57,7 @@ def serve(args: argparse.Namespace) -> None:
     engine = AsyncEngine(llm)
     app = build_app(engine, config)
     sock = bind_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", loop=args.loop,
-                                           http=args.http_impl))
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", http=args.http_impl))
     tids: dict[str, int] = {"step": threading.get_native_id()}
     profiles = {name: cProfile.Profile() for name in ("step", "http")} if args.profile else {}
 
@@ -108,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512, help="longest prompt, in tokens")
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--openai", action="store_true", help="stream /v1/completions instead of /generate_stream")
-    parser.add_argument("--loop", default="auto", help="uvicorn's --loop (auto, asyncio, uvloop)")
     parser.add_argument("--http-impl", default="auto", help="uvicorn's --http (auto, h11, httptools)")
     parser.add_argument("--profile", help="cProfile both server threads into this folder")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -123,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ready = work / "ready.json"
     cmd = [sys.executable, __file__, "--serve", "--ready-file", str(ready),
            "--model-id", args.model_id, "--concurrency", str(args.concurrency), "--new-tokens", str(args.new_tokens),
-           "--context", str(args.context), "--vocab", str(args.vocab), "--loop", args.loop,
-           "--http-impl", args.http_impl]
+           "--context", str(args.context), "--vocab", str(args.vocab), "--http-impl", args.http_impl]
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         cmd += ["--profile", str(Path(args.profile).resolve())]
@@ -153,11 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             child.kill()
     summary = summarize(records, args.concurrency)
-    if summary['failed']:
-        print('errors:', summary['errors'])
+    if summary["failed"]:
+        print("errors:", summary["errors"])
     tokens = sum(r.num_tokens for r in records if r.error is None)
     print(f"{args.concurrency} streams x {args.new_tokens} tokens, vocab {args.vocab}, "
-          f"{'/v1/completions' if args.openai else '/generate_stream'}, loop {args.loop}, http {args.http_impl}: "
+          f"{'/v1/completions' if args.openai else '/generate_stream'}, http {args.http_impl}: "
           f"{tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s; TPOT p50 "
           f"{summary['tpot_s']['p50'] * 1e3:.1f} ms; errors {sum(r.error is not None for r in records)}")
     used = {t: after[t] - before.get(t, 0.0) for t in after}
