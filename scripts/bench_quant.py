@@ -130,17 +130,15 @@ def bench(shapes: dict[str, tuple[int, int]], batches: list[int], device: torch.
                 except Exception as exc:  # noqa: BLE001 - one kernel that fails here must not hide the others
                     print(f"{name} {layer} batch {m}: raised {type(exc).__name__}: {exc}"[:400], file=sys.stderr)
             if fp8:
-                def fp8_gemm():
-                    xq, x_scale = quantize_tokens(x)
-                    return torch._scaled_mm(xq, w8.t(), scale_a=x_scale, scale_b=w8_scale.view(1, -1),
-                                            out_dtype=torch.bfloat16)
-                row["fp8_ms"] = measure(fp8_gemm)
-
-                def fp8_torch_quant():   # the same GEMM after torch's eight-op quantization: the kernel's A/B
-                    xq, x_scale = quantize_tokens_reference(x)
-                    return torch._scaled_mm(xq, w8.t(), scale_a=x_scale, scale_b=w8_scale.view(1, -1),
-                                            out_dtype=torch.bfloat16)
-                row["fp8-torch-quant_ms"] = measure(fp8_torch_quant)
+                def fp8_gemm(quantize):
+                    def gemm():
+                        xq, x_scale = quantize(x)
+                        return torch._scaled_mm(xq, w8.t(), scale_a=x_scale, scale_b=w8_scale.view(1, -1),
+                                                out_dtype=torch.bfloat16)
+                    return gemm
+                row["fp8_ms"] = measure(fp8_gemm(quantize_tokens))
+                # the same GEMM after torch's eight-op quantization: the kernel's A/B
+                row["fp8-torch-quant_ms"] = measure(fp8_gemm(quantize_tokens_reference))
             rows.append(row)
     return rows, info
 

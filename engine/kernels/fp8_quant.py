@@ -70,30 +70,30 @@ def self_check(device: torch.device) -> str:
     """Once per device: "ok" when the kernel gives the reference's bytes on random rows (bf16, fp16 and fp32;
     1, 3 and 70 rows; widths 64, 1000 and 4096, one row of zeros, one with a huge value), else why not."""
     if device not in _checks:
-        verdict = "ok"
-        generator = torch.Generator().manual_seed(0)
         try:
-            for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                for rows, width in ((1, 4096), (3, 1000), (70, 64)):
-                    x = torch.randn(rows, width, generator=generator) * 4
-                    if rows > 2:
-                        x[1] = 0.0
-                        x[2, width // 2] = 6e4
-                    x = x.to(device, dtype)
-                    got_q, got_s = quantize_tokens_triton(x)
-                    want_q, want_s = quantize_tokens_reference(x)
-                    if not torch.equal(got_s, want_s):
-                        verdict = f"scales differ from torch's ({dtype}, {rows} x {width})"
-                    elif not torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)):
-                        verdict = f"e4m3 values differ from torch's ({dtype}, {rows} x {width})"
-                    if verdict != "ok":
-                        break
-                if verdict != "ok":
-                    break
+            verdict = _compare_on(device)
         except Exception as error:  # a kernel that does not compile here must not take the engine down
             verdict = f"raised {type(error).__name__}: {error}"
         _checks[device] = verdict
     return _checks[device]
+
+
+def _compare_on(device: torch.device) -> str:
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for rows, width in ((1, 4096), (3, 1000), (70, 64)):
+            x = torch.randn(rows, width, generator=generator) * 4
+            if rows > 2:
+                x[1] = 0.0
+                x[2, width // 2] = 6e4
+            x = x.to(device, dtype)
+            got_q, got_s = quantize_tokens_triton(x)
+            want_q, want_s = quantize_tokens_reference(x)
+            if not torch.equal(got_s, want_s):
+                return f"scales differ from torch's ({dtype}, {rows} x {width})"
+            if not torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)):
+                return f"e4m3 values differ from torch's ({dtype}, {rows} x {width})"
+    return "ok"
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
