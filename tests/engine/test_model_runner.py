@@ -21,12 +21,20 @@ def make_runner(path, **overrides):
     return ModelRunner(config, ModelConfig.from_pretrained(path))
 
 
-def hf_logits(path, sequences):
+def hf_logits(path, sequences, device="cpu"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     with torch.no_grad():
-        return [model(torch.tensor([seq])).logits[0] for seq in sequences]
+        return [model(torch.tensor([seq], device=device)).logits[0] for seq in sequences]
+
+
+def assert_seen_match(seen, reference, atol, name=""):
+    """Every {position: logits} run_schedule saw equals the reference's row at that position."""
+    for seq_id, positions in enumerate(seen):
+        for pos, logits in positions.items():
+            torch.testing.assert_close(logits, reference[seq_id][pos], atol=atol, rtol=0,
+                                       msg=f"{name} seq {seq_id} position {pos}")
 
 
 def random_sequences(vocab, lengths, seed=0):
@@ -79,12 +87,8 @@ def assert_logits_match(path, reference_path=None, **overrides):
     sequences = random_sequences(ModelConfig.from_pretrained(path).vocab_size, [26, 23, 22])
     with make_runner(path, **overrides) as runner:
         seen = run_schedule(runner, sequences)
-    reference = hf_logits(reference_path or path, sequences)
-    for seq_id, positions in enumerate(seen):
-        assert len(positions) >= 10
-        for pos, logits in positions.items():
-            torch.testing.assert_close(logits, reference[seq_id][pos], atol=1e-4, rtol=0,
-                                       msg=f"{path.name} seq {seq_id} position {pos}")
+    assert all(len(positions) >= 10 for positions in seen)
+    assert_seen_match(seen, hf_logits(reference_path or path, sequences), 1e-4, path.name)
     return runner
 
 
@@ -211,20 +215,13 @@ GPU_BACKENDS = ["triton", "portable", pytest.param("flash-attn", marks=pytest.ma
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "portable"])
 def test_gpu_runner_matches_transformers(model_path, backend):
-    from transformers import AutoModelForCausalLM
-
     path = model_path("tiny-qwen3")
     sequences = random_sequences(1024, [26, 23, 22])
     with make_runner(path, device="cuda", dtype="float32", gpu_memory_utilization=0.05, block_size=None,
                      attention_backend=backend) as runner:
         assert runner.device.type == "cuda" and runner.attention_backend == backend
         seen = run_schedule(runner, sequences)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    with torch.no_grad():
-        for seq_id, positions in enumerate(seen):
-            reference = model(torch.tensor([sequences[seq_id]], device="cuda")).logits[0]
-            for pos, logits in positions.items():
-                torch.testing.assert_close(logits, reference[pos], atol=2e-3, rtol=0)
+    assert_seen_match(seen, hf_logits(path, sequences, "cuda"), 2e-3)
 
 
 def gpu_schedule(path, **overrides):

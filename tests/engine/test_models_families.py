@@ -11,7 +11,8 @@ from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from fakes import test_model_path  # noqa: E402
 from hf_reference import hf_greedy  # noqa: E402
-from test_model_runner import assert_logits_match, make_runner, random_sequences, run_schedule  # noqa: E402
+from test_model_runner import (assert_logits_match, assert_seen_match, hf_logits, make_runner,  # noqa: E402
+                               random_sequences, run_schedule)
 
 FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-gemma2", "tiny-gemma3", "tiny-phi3",
             "tiny-olmo2", "tiny-starcoder2", "tiny-gpt2", "tiny-falcon", "tiny-bloom"]
@@ -190,25 +191,16 @@ def test_multimodal_gemma3_serves_its_language_model(tmp_path):
         seen = run_schedule(runner, sequences)
     with torch.no_grad():
         reference = [model(input_ids=torch.tensor([seq])).logits[0] for seq in sequences]
-    for seq_id, positions in enumerate(seen):
-        for pos, logits in positions.items():
-            torch.testing.assert_close(logits, reference[seq_id][pos], atol=1e-4, rtol=0)
+    assert_seen_match(seen, reference, 1e-4)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-falcon", "tiny-falcon-rw", "tiny-bloom"])
 def test_gpu_falcon_and_bloom_match_transformers(model_path, name):
     """On CUDA, ALiBi models (BLOOM, Falcon-RW) take the portable backend: Triton and flash-attn have no ALiBi."""
-    from transformers import AutoModelForCausalLM
-
     path = model_path(name)
     sequences = random_sequences(1024, [26, 23, 22])
     with make_runner(path, device="cuda", dtype="float32", gpu_memory_utilization=0.05, block_size=None) as runner:
         assert runner.device.type == "cuda" and (runner.attention_backend == "portable") == (name != "tiny-falcon")
         seen = run_schedule(runner, sequences)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    with torch.no_grad():
-        for seq_id, positions in enumerate(seen):
-            reference = model(torch.tensor([sequences[seq_id]], device="cuda")).logits[0]
-            for pos, logits in positions.items():
-                torch.testing.assert_close(logits, reference[pos], atol=2e-3, rtol=0)
+    assert_seen_match(seen, hf_logits(path, sequences, "cuda"), 2e-3)
