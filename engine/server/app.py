@@ -209,7 +209,7 @@ async def _generate(state: ServerState, req: GenerateRequest, arrival: float, wr
 def _generate_stream(state: ServerState, req: GenerateRequest, arrival: float) -> Response:
     def render(ev: StreamEvent, valid: ValidRequest) -> list[bytes]:
         response = _stream_response(ev, valid)   # TGI leaves an empty top_tokens out (as `dump` does)
-        return [sse.encode_model(response, exclude=None if response.top_tokens else {"top_tokens"})]
+        return [sse.encode_model(response)]
     return open_stream(state, req, arrival, render)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -62,16 +61,16 @@ async def completions(request: Request) -> Response:
 
 
 def _chunk_builder(state: ServerState, req: CompletionRequest, rid: str,
-                   created: int) -> Callable[..., dict[str, Any]]:
+                   created: int) -> Callable[..., Completion]:
     offsets: dict[int, int] = {}    # per choice: where the next piece starts in its text
 
-    def chunk(ev: StreamEvent | None, usage: Usage | None, index: int = 0) -> dict[str, Any]:
+    def chunk(ev: StreamEvent | None, usage: Usage | None, index: int = 0) -> Completion:
         choices = []
         if ev is not None:
             offset = offsets.get(index, 0)
             logprobs = stream_logprobs(ev.token, ev.text, offset) if req.logprobs is not None else None
             offsets[index] = offset + len(ev.text)
             choices = [CompletionChoice(index=index, text=ev.text, logprobs=logprobs, finish_reason=finish(ev.end))]
-        return dump(Completion(id=rid, created=created, model=model_name(state, req), usage=usage,
-                               system_fingerprint=state.system_fingerprint, choices=choices))
+        return Completion(id=rid, created=created, model=model_name(state, req), usage=usage,
+                          system_fingerprint=state.system_fingerprint, choices=choices)
     return chunk

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
 
+from pydantic import BaseModel
 from starlette.responses import Response
 
 from engine.server import choices as fan
@@ -19,7 +19,7 @@ from engine.server.validation import ValidRequest
 from engine.structured.spec import GrammarSpec
 
 # a chunk builder gets (event or None for the usage chunk, usage or None)
-ChunkBuilder = Callable[[StreamEvent | None, Usage | None], dict[str, Any]]
+ChunkBuilder = Callable[[StreamEvent | None, Usage | None], BaseModel]
 
 
 def check_common(req: OpenAIRequest) -> None:
@@ -64,14 +64,14 @@ def renderer(chunk: ChunkBuilder, req: OpenAIRequest) -> Renderer:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def render(ev: StreamEvent, valid: ValidRequest) -> list[bytes]:
-        chunks = [sse.encode_event(chunk(ev, None), space=True)]
+        chunks = [sse.encode_model(chunk(ev, None), space=True)]
         if ev.end is not None and include_usage:  # OpenAI: one more chunk, no choices, just usage
-            chunks.append(sse.encode_event(chunk(None, usage_of(ev.end)), space=True))
+            chunks.append(sse.encode_model(chunk(None, usage_of(ev.end)), space=True))
         return chunks
     return render
 
 
-def stream_choices(state: ServerState, req: OpenAIRequest, arrival: float, chunk: Callable[..., dict[str, Any]],
+def stream_choices(state: ServerState, req: OpenAIRequest, arrival: float, chunk: Callable[..., BaseModel],
                    build_groups: Callable[[], list[list[ValidRequest]]]) -> Response:
     """Several choices in one stream: admitted and validated now (real 429/422), then interleaved chunks,
     each with its choice index, and the usage chunk once all have ended."""
@@ -85,8 +85,8 @@ def stream_choices(state: ServerState, req: OpenAIRequest, arrival: float, chunk
         raise
 
     def render(index: int, ev: StreamEvent) -> list[bytes]:
-        return [sse.encode_event(chunk(ev, None, index), space=True)]
+        return [sse.encode_model(chunk(ev, None, index), space=True)]
 
     def close(gens: list[list[Generation]]) -> list[bytes]:
-        return [sse.encode_event(chunk(None, fan.usage(gens, gens)), space=True)] if include_usage else []
+        return [sse.encode_model(chunk(None, fan.usage(gens, gens)), space=True)] if include_usage else []
     return open_choice_stream(state, groups, arrival, render, close, permit)

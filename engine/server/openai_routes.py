@@ -70,12 +70,12 @@ async def chat_completions(request: Request) -> Response:
         if req.stream:
             reasoning_streams: dict[int, Any] = {}
 
-            def chunk(ev: StreamEvent | None, usage: Usage | None, index: int = 0) -> dict[str, Any]:
+            def chunk(ev: StreamEvent | None, usage: Usage | None, index: int = 0) -> ChatCompletionChunk:
                 choices = [] if ev is None else [ChatChunkChoice(
                     index=index, delta=_delta(ev, thinks, reasoning_streams, index),
                     logprobs=chat_logprobs([ev.token]) if logprobs else None, finish_reason=finish(ev.end))]
-                return dump(ChatCompletionChunk(id=rid, created=created, model=model_name(state, req), usage=usage,
-                                                system_fingerprint=state.system_fingerprint, choices=choices))
+                return ChatCompletionChunk(id=rid, created=created, model=model_name(state, req), usage=usage,
+                                           system_fingerprint=state.system_fingerprint, choices=choices)
             if n > 1:
                 return stream_choices(state, req, arrival, chunk, lambda: [fan.fan_out(state.validator.validate(
                     GenerateRequest(inputs=prompt, parameters=params), stream=True, add_special_tokens=False),
@@ -131,9 +131,9 @@ def _tool_renderer(state: ServerState, req: ChatCompletionRequest, use: ToolUse,
 
     def chunk(delta: ChatDelta | None, finish: str | None, usage: Usage | None = None) -> bytes:
         choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
-        return sse.encode_event(dump(ChatCompletionChunk(
+        return sse.encode_model(ChatCompletionChunk(
             id=rid, created=created, model=model_name(state, req), usage=usage,
-            system_fingerprint=state.system_fingerprint, choices=choices)), space=True)
+            system_fingerprint=state.system_fingerprint, choices=choices), space=True)
 
     def delta(kind: str, text: str, index: int) -> ChatDelta:
         if kind == "content":

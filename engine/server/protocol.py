@@ -20,6 +20,16 @@ def _min(value: int) -> Any:
     return {"minimum": value}
 
 
+def _omitted_when_empty() -> Any:
+    """A field TGI and OpenAI leave out of the JSON when it is empty or absent (`top_tokens`, `tool_calls`...):
+    the rule lives on the field, so `dump` and `sse.encode_model` (pydantic-core's direct JSON) both follow it."""
+    return Field(default=None, exclude_if=_empty)
+
+
+def _empty(value: Any) -> bool:
+    return not value
+
+
 # --- TGI requests -------------------------------------------------------------------------------
 
 class GenerateParameters(_Wire):
@@ -90,7 +100,7 @@ class BestOfSequence(_Wire):
     seed: int | None = None
     prefill: list[PrefillToken]
     tokens: list[Token]
-    top_tokens: list[list[Token]] | None = None
+    top_tokens: list[list[Token]] | None = _omitted_when_empty()
 
 
 class Details(_Wire):
@@ -99,8 +109,8 @@ class Details(_Wire):
     seed: int | None = None
     prefill: list[PrefillToken]
     tokens: list[Token]
-    top_tokens: list[list[Token]] | None = None
-    best_of_sequences: list[BestOfSequence] | None = None
+    top_tokens: list[list[Token]] | None = _omitted_when_empty()
+    best_of_sequences: list[BestOfSequence] | None = _omitted_when_empty()
 
 
 class GenerateResponse(_Wire):
@@ -118,7 +128,7 @@ class StreamDetails(_Wire):
 class StreamResponse(_Wire):
     index: int
     token: Token
-    top_tokens: list[Token] | None = None
+    top_tokens: list[Token] | None = _omitted_when_empty()
     generated_text: str | None = None
     details: StreamDetails | None = None
 
@@ -329,8 +339,8 @@ class ChatToolCall(_Wire):
 class ChatCompletionMessage(_Wire):
     role: str = "assistant"
     content: str | None
-    tool_calls: list[ChatToolCall] | None = None
-    reasoning_content: str | None = None        # a reasoning model's <think> span (--reasoning-parser)
+    tool_calls: list[ChatToolCall] | None = _omitted_when_empty()
+    reasoning_content: str | None = _omitted_when_empty()   # a reasoning model's <think> span (--reasoning-parser)
 
 
 class ChatCompletionChoice(_Wire):
@@ -353,8 +363,8 @@ class ChatCompletion(_Wire):
 class ChatDelta(_Wire):
     role: str = "assistant"
     content: str | None
-    tool_calls: list[dict[str, Any]] | None = None     # OpenAI's pieces: index, then id/type/name once, arguments
-    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = _omitted_when_empty()  # OpenAI's pieces: index, then id/type/name once, arguments
+    reasoning_content: str | None = _omitted_when_empty()
 
 
 class ChatChunkChoice(_Wire):
