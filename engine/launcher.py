@@ -488,6 +488,15 @@ async def _serve(server: Any, sock: socket.socket, ready_file: str | None, engin
     draining.cancel()
 
 
+def build_engine(config: EngineConfig, layout: Any = None) -> Any:
+    """The engine this snapshot needs: an embedder or cross-encoder, an encoder-decoder, or LLMEngine (over srun or
+    torchrun ranks when `layout` says there are some). The server and the offline batch both start theirs here."""
+    from engine.llm_engine import LLMEngine
+
+    return _pooling_engine(config, layout) or _seq2seq_engine(config, layout) or (
+        LLMEngine(config) if layout is None else _driven_engine(config, layout))
+
+
 def _pooling_engine(config: EngineConfig, layout: Any) -> Any:
     """An embedder or cross-encoder (engine/pooling/) instead of LLMEngine, when the snapshot is one."""
     from engine.pooling.spec import detect
@@ -562,7 +571,6 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from engine.async_engine import AsyncEngine
-    from engine.llm_engine import LLMEngine
     from engine.server.app import build_app
     from engine.server.drain import Drain, DrainMiddleware
     from engine.worker import available_cpus, resolve_device
@@ -575,8 +583,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.cpu_threads)
         logger.info("CPU: the model uses %d torch threads on %d cores", torch.get_num_threads(), available_cpus())
     try:
-        llm = _pooling_engine(config, layout) or _seq2seq_engine(config, layout) or (
-            LLMEngine(config) if layout is None else _driven_engine(config, layout))
+        llm = build_engine(config, layout)
     except (ValueError, FileNotFoundError) as exc:
         logger.error("cannot start the engine: %s", exc)
         return 1

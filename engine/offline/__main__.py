@@ -61,14 +61,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from engine.llm_engine import LLMEngine
     from engine.offline.requests import OfflineState
     from engine.offline.runner import BatchRunner
     if args.cpu_threads is not None:
         torch.set_num_threads(args.cpu_threads)
-    from engine.launcher import _pooling_engine
+    from engine.launcher import build_engine
     try:
-        llm = _pooling_engine(config, None) or LLMEngine(config)   # an embedder: /v1/embeddings lines
+        llm = build_engine(config)   # an embedder: /v1/embeddings lines; an encoder-decoder: completions
     except (ValueError, FileNotFoundError) as exc:
         logger.error("cannot start the engine: %s", exc)
         return 1

@@ -76,7 +76,11 @@ class OfflineState:
                         max_total_tokens=llm.max_total_tokens, max_new_tokens_default=config.max_new_tokens_default,
                         vocab_size=getattr(llm, "vocab_size", None))
         name = config.served_model_name or config.model_id
-        return cls(llm.tokenizer, Validator(llm.tokenizer, limits, (), name), config, name, Driven(llm))
+        validator = Validator(llm.tokenizer, limits, (), name)
+        if getattr(getattr(llm, "model_config", None), "image_token_id", None) is not None:
+            from engine.server.app import vision_processor   # a vision-language model: image_url parts, as served
+            validator.vision = vision_processor(llm.model_config, config)
+        return cls(llm.tokenizer, validator, config, name, Driven(llm))
 
 
 @dataclass(slots=True)

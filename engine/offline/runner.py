@@ -126,7 +126,7 @@ class BatchRunner:
                 continue
             assert prep.valid is not None
             try:
-                self.llm.add_request(rid, prep.valid.prompt_token_ids, prep.valid.params)
+                self.llm.add_request(rid, prep.valid.prompt_token_ids, prep.valid.params, prep.valid.images)
             except Exception as exc:  # noqa: BLE001 - the engine's own checks (ValueError) and anything odd
                 self._finish(index, pos, error_line(prep.custom_id, "invalid_request", str(exc)), failed=True)
                 continue

@@ -479,3 +479,68 @@ def test_two_workers_give_the_answers_of_one_engine(llm, tmp_path):
     expected = llm.generate([PROMPTS[i % 6] for i in range(12)], SamplingParams(max_new_tokens=5))
     assert [o["custom_id"] for o in out] == [f"w{i}" for i in range(12)]
     assert [o["response"]["body"]["choices"][0]["text"] for o in out] == [e.text for e in expected]
+
+
+def test_image_lines_on_a_vision_language_model_give_transformers_greedy_tokens(model_path, tmp_path):
+    """Chat lines with data-URL images (one, two, none) through a tiny LLaVA: the server's validator loads them and
+    the model's processor expands them, and each answer is transformers' greedy continuation of that processor
+    output; a broken image is an error line with the reason, and the other lines complete."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("PIL")
+    from transformers import AutoModelForImageTextToText
+
+    from images import data_url, png
+
+    path = model_path("tiny-llava")
+    vlm = LLMEngine(EngineConfig(model_id=str(path), device="cpu", dtype="float32", cpu_kv_cache_bytes=8 * 2**20,
+                                 max_batch_prefill_tokens=7))   # chunks end inside the images
+
+    def line(cid, *urls, text="Describe"):
+        content = [{"type": "text", "text": text}] + [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        return json.dumps({"custom_id": cid, "url": "/v1/chat/completions", "body": {
+            "messages": [{"role": "user", "content": content}], "max_tokens": 5, "temperature": 0}})
+    lines = [line("one", data_url(png(1))), line("two", data_url(png(2, 50, 35)), data_url(png(3))),
+             line("text", text="no picture here"), line("broken", "data:image/png;base64,bm90IGFuIGltYWdl")]
+    try:
+        state = OfflineState.of(vlm, vlm.config)
+        prepared = [prepare(state, cid, text) for cid, text in zip(("one", "two", "text"), lines)]
+        assert [p.valid.images is not None for p in prepared] == [True, True, False]
+        summary, out = run(vlm, batch(tmp_path, "vlm", lines, shard_size=2), window=3)
+    finally:
+        vlm.close()
+    assert summary.requests == 4 and summary.failed == 1
+    assert [o["custom_id"] for o in out] == ["one", "two", "text", "broken"]
+    assert out[3]["response"] is None and out[3]["error"]["code"] == "invalid_request"
+    assert "image" in out[3]["error"]["message"]
+    reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    for prep, o in zip(prepared, out):
+        ids, images = prep.valid.prompt_token_ids, prep.valid.images
+        inputs = dict(images.encoder_inputs) if images is not None else {}
+        with torch.no_grad():
+            want = reference.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                      **inputs, max_new_tokens=5, do_sample=False)[0, len(ids):].tolist()
+        body = o["response"]["body"]
+        assert body["usage"]["prompt_tokens"] == len(ids) and body["usage"]["completion_tokens"] == 5
+        assert body["choices"][0]["message"]["content"] == vlm.tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_an_encoder_decoder_batch_runs_through_python_m_engine_offline(model_path, tmp_path):
+    """`python -m engine.offline` starts the engine the snapshot needs (here flan-t5's Seq2SeqEngine): completion lines
+    get its greedy answers, a chat line an error line (the model has no chat template)."""
+    from engine.offline.__main__ import main
+    from engine.seq2seq.engine import Seq2SeqEngine
+
+    path = str(model_path("tiny-flan-t5"))
+    prompts = ["translate English to German: hello", "summarize: a b c d"]
+    lines = [json.dumps({"custom_id": f"p{i}", "url": "/v1/completions",
+                         "body": {"prompt": p, "max_tokens": 6, "temperature": 0}}) for i, p in enumerate(prompts)]
+    lines.append(json.dumps({"custom_id": "chat", "url": "/v1/chat/completions",
+                             "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}}))
+    ledger = batch(tmp_path, "t5", lines, shard_size=2)
+    assert main(["--batch-dir", str(ledger.root), "--holder", "t", "--model-id", path, "--device", "cpu",
+                 "--dtype", "float32"]) == 0
+    out = [json.loads(x) for x in (tmp_path / "t5.out.jsonl").read_text().splitlines()]
+    with Seq2SeqEngine(EngineConfig(model_id=path, device="cpu", dtype="float32")) as t5:
+        expected = t5.generate([t5.tokenizer.encode(p) for p in prompts], [SamplingParams(max_new_tokens=6)] * 2)
+    assert [o["response"]["body"]["choices"][0]["text"] for o in out[:2]] == [e.text for e in expected]
+    assert out[2]["response"] is None and "chat template" in out[2]["error"]["message"]
