@@ -17,6 +17,8 @@ __all__ = ["Attention", "AttentionMetadata"]
 
 
 class Attention(nn.Module):
+    bidirectional_images = False  # image tokens also see their image's later tokens (Gemma 3): portable backend only
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, logit_softcap: float | None = None,
                  alibi_slopes: torch.Tensor | None = None) -> None:
