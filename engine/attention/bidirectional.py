@@ -4,8 +4,12 @@ transformers builds Gemma 3's mask as causal OR (same image run), and for slidin
 window AND (causal OR same run), where the window keeps keys after key > query - window: later keys of a query's
 own run are always visible, earlier ones as causal attention sees them. So a prefill chunk's mask is its causal
 (windowed) mask plus, for each query inside a run, the run's keys after it. The scheduler never ends a chunk
-inside a run (engine/multimodal/prompt.py), so those keys are in the chunk; only the portable backend applies
-this (`AttentionBackend.supports_bidirectional_images`), and it runs such chunks as prefill chunks.
+inside a run (engine/multimodal/prompt.py), so those keys are in the chunk.
+
+The step's AttentionMetadata.bidirectional names the spans with such runs. The portable backend runs them as
+prefill chunks (never batched with the decodes) with widened masks, and cpu_paged sends them through the same
+SDPA chunks (`AttentionBackend.supports_bidirectional_images`); on other backends (Triton, flash-attn) a step
+that has such spans runs on the portable backend (engine/model_inputs.py, engine/layers/attention.py).
 """
 from __future__ import annotations
 

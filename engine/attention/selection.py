@@ -62,8 +62,6 @@ def _try(cls: type[AttentionBackend], device, dtype, layers, block_size) -> tupl
     if reason is None and not cls.supports_alibi and any(getattr(lay, "alibi_slopes", None) is not None
                                                          for lay in layers):
         reason = "it has no ALiBi (the model's attention bias)"
-    if reason is None and not cls.supports_bidirectional_images and any(lay.bidirectional_images for lay in layers):
-        reason = "it has no bidirectional attention inside images (the model's image tokens see each other)"
     if reason is None and (size & (size - 1) or (cls.block_sizes is not None and size not in cls.block_sizes)):
         reason = f"block size {size} is not one of {cls.block_sizes or 'the powers of two'}"
     if reason is not None:

@@ -17,8 +17,8 @@ Vision-language models (`AutoModelForImageTextToText`: LLaVA, LLaVA-NeXT, Idefic
 model's attention is ours (the vision tower and other sub-models keep SDPA); `encode_images` runs the model's own
 `get_image_features` on the processor's tensors, and `forward` takes those outputs placed at rows of the step
 (engine/multimodal/encoder_cache.py) into the language model's input embeddings, as the model's own forward does.
-Gemma 3's image tokens attend to each other both ways (BIDIRECTIONAL_IMAGE_MODELS): its layers then say so
-(`Attention.bidirectional_images`), which only the portable attention backend applies.
+Gemma 3's image tokens attend to each other both ways (BIDIRECTIONAL_IMAGE_MODELS): see
+engine/attention/bidirectional.py.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ from engine.model_config import ModelConfig
 ATTN_IMPLEMENTATION = "tgi_paged"
 KV_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 # image-text models whose image tokens attend to each other both ways, one run of image tokens at a time (transformers
-# builds that mask from token_type_ids): the scheduler keeps each run in one prefill chunk, the portable attention
-# backend widens its causal mask (engine/attention/bidirectional.py)
+# builds that mask from token_type_ids): the scheduler keeps each run in one prefill chunk, whose causal mask the
+# attention widens (engine/attention/bidirectional.py)
 BIDIRECTIONAL_IMAGE_MODELS = ("gemma3",)
 _RECORDING = "tgi_probe"
 
@@ -335,7 +335,6 @@ class TransformersForCausalLM(nn.Module):
                                  f"{shape['head_dim']} (config: {self.config.num_key_value_heads} of "
                                  f"{self.config.head_dim}); the transformers backend needs one KV shape")
             layer = Attention(**shape)
-            layer.bidirectional_images = self.config.bidirectional_images
             module.__dict__["tgi_attention"] = layer  # not a submodule: the HF module tree stays as built
             layers.append(layer)
         return layers
