@@ -3,7 +3,8 @@ tiny random LLaVA, LLaVA-NeXT, Idefics3, Idefics2, VipLLaVA, LightOnOCR (Pixtral
 (SigLIP + an aligner on Llama) with their real processors (scripts/tiny_vlms.py). Requests with 1 and 2 images and a
 text-only one in one batch, under a prefill budget small enough that chunk boundaries fall inside images, give
 transformers' greedy tokens for the same processor output; the encoder runs once per request; the prefix cache
-shares the blocks of a repeated image and not those of a different one."""
+shares the blocks of a repeated image and not those of a different one. Gemma 3, whose image tokens attend to each
+other both ways, is computed one whole image per prefill chunk and matches transformers' logprobs too."""
 import pytest
 
 torch = pytest.importorskip("torch")
