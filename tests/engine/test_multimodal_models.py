@@ -109,7 +109,7 @@ def test_images_attending_both_ways_give_transformers_tokens(name):
     from transformers import AutoModelForImageTextToText
 
     path = test_model_path(name)
-    with engine_for(name, model_impl="transformers") as engine:
+    with engine_for(name, model_impl="transformers", block_size=4) as engine:
         assert engine.model_config.bidirectional_images
         vision = VisionProcessor.from_pretrained(path, engine.model_config.image_token_id, ImageLimits(), 4)
         pictures = [decode(png(seed, 40 + 10 * seed, 30 + 5 * seed), ImageLimits()) for seed in range(2)]
@@ -127,6 +127,10 @@ def test_images_attending_both_ways_give_transformers_tokens(name):
             for out in engine.step():
                 outputs[int(out.request_id)].tokens += out.tokens
                 outputs[int(out.request_id)].prefill_tokens += out.prefill_tokens or []
+        # again: its first 8 tokens come from the prefix cache, and its chunk starts inside the image
+        again = engine.generate([one[0]], SamplingParams(max_new_tokens=NEW_TOKENS), [one[1]])
+        assert again[0].num_cached_tokens == 8 and runs == [(6, 10)]
+        assert token_ids(again) == token_ids(outputs[:1])
         too_long = MultiModalPrompt({}, list(range(1, 9)), [(1, 1)], 1)  # an image of 8 tokens, chunks of 7
         with pytest.raises(ValueError, match=r"an image of 8 tokens .*--max-batch-prefill-tokens"):
             engine.add_request("too-long", list(range(12)), params, too_long)
