@@ -45,7 +45,7 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device,
         slots = [span.block_table[span.start_pos // block_size] * block_size + span.start_pos % block_size
                  for span in spans]
         cu_seqlens = list(range(len(spans) + 1))
-        bidirectional = {}  # a one-token span sees no later key, not even inside an image
+        bidirectional: dict[int, list[tuple[int, int]]] = {}  # a one-token span sees no later key, not in an image
     else:
         seq_lens = [span.start_pos + length for span, length in zip(spans, query_lens)]
         slots = []
