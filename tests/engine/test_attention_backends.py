@@ -129,29 +129,44 @@ def test_image_tokens_attend_both_ways_as_transformers_masks_them(backend, windo
     """Gemma 3: transformers' mask is (causal OR same image run) AND window, the run ids from token_type_ids. Image
     chunks from scratch, over a cached context, starting inside a cached run, short ones (which would otherwise
     batch with the decodes), next to a decode and a text chunk."""
+    check_image_attention(backend, window, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_gpu_step_with_images_attending_both_ways_runs_on_the_portable_backend(window):
+    """Triton has no widened masks: such a step runs on the portable backend over the same cache, on CUDA."""
+    from engine.attention.triton_backend import TritonBackend
+
+    check_image_attention(TritonBackend(), window, torch.device("cuda"))
+
+
+def check_image_attention(backend, window, device):
     from engine.model_inputs import prepare_inputs
     from engine.multimodal.prompt import MultiModalPrompt
 
     lengths = [(12, 0), (6, 5), (1, 20), (5, 9), (9, 3)]          # (new tokens, cached tokens)
     image_runs = [[(3, 9)], [(2, 8)], [(4, 7)], [(10, 14)], []]  # the decode's and the text chunk's runs are past
-    spans, num_blocks = random_batch(lengths, 4, seed=11)
+    spans, num_blocks = random_batch(lengths, 16, seed=11)
     for span, runs in zip(spans, image_runs):
         positions = [p for start, end in runs for p in range(start, end)]
         if positions:
             span.images = MultiModalPrompt({}, positions, [(runs[0][0], 1)], len(runs), bidirectional=True)
-    inputs = prepare_inputs(spans, 4, torch.device("cpu"), backend, {window})
+    inputs = prepare_inputs(spans, 16, device, backend, {window})
     generator = torch.Generator().manual_seed(12)
     layer = Attention(4, 2, 16, 0.25, window)
     layer.impl = backend
-    cache = torch.randn(2, num_blocks, 4, 2, 16, generator=generator)
+    cache = torch.randn(2, num_blocks, 16, 2, 16, generator=generator).to(device)
     layer.k_cache, layer.v_cache = cache[0], cache[1]
-    q, k, v = (torch.randn(sum(n for n, _ in lengths), heads, 16, generator=generator) for heads in (4, 2, 2))
-    out = layer(q, k, v, inputs.attention).view(q.shape)
+    q, k, v = (torch.randn(sum(n for n, _ in lengths), heads, 16, generator=generator).to(device)
+               for heads in (4, 2, 2))
+    out = layer(q, k, v, inputs.attention).view(q.shape).cpu()
+    q, cache = q.cpu(), cache.cpu()
     row = 0
     for span, (num_new, cached), runs in zip(spans, lengths, image_runs):
         seq_len = num_new + cached
-        slots = torch.tensor([span.block_table[p // 4] * 4 + p % 4 for p in range(seq_len)])
-        keys, values = (c.view(-1, 2, 16)[slots].repeat_interleave(2, dim=1) for c in (layer.k_cache, layer.v_cache))
+        slots = torch.tensor([span.block_table[p // 16] * 16 + p % 16 for p in range(seq_len)])
+        keys, values = (c.view(-1, 2, 16)[slots].repeat_interleave(2, dim=1) for c in cache)
         run_id = torch.full((seq_len,), -1)
         for i, (start, end) in enumerate(runs):
             run_id[start:end] = i
