@@ -175,6 +175,8 @@ class LLMEngine:
         self._validate(prompt_token_ids, params)
         if images is not None and self.model_config.image_token_id is None:
             raise ValueError(f"{self.model_config.architecture} is a text-only model: it takes no images")
+        if images is not None and self.model_config.bidirectional_images:
+            images = images.attending_both_ways(self.max_batch_prefill_tokens)
         num_prompt = len(prompt_token_ids)
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params,
                        max_tokens=min(num_prompt + params.max_new_tokens, self.max_total_tokens))

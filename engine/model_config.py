@@ -85,6 +85,7 @@ class ModelConfig:
     impl: str = "native"                          # "native" (engine/models/) | "transformers" (its backend)
     source: str = ""                              # the snapshot directory (the transformers backend reads it)
     image_token_id: int | None = None             # vision-language models (engine/multimodal): the image token
+    bidirectional_images: bool = False            # an image's tokens attend to each other both ways (Gemma 3)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, impl: str = "auto") -> ModelConfig:

@@ -9,7 +9,11 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, build_metadata
 from engine.attention.block_tables import BlockTables
+from engine.attention.portable import PortableBackend
 from engine.batch import SeqSpan
+
+
+STEP_FALLBACK = PortableBackend()
 
 
 @dataclass(slots=True)
@@ -73,6 +77,8 @@ def prepare_inputs(spans: list[SeqSpan], block_size: int, device: torch.device, 
             elif span.logits == "last":
                 logits_rows.append(len(input_ids) - 1)
     meta = build_metadata(spans, block_size, device, tables)
+    if meta.bidirectional and not backend.supports_bidirectional_images:
+        backend = STEP_FALLBACK   # the step's layers run on it (engine/layers/attention.py)
     backend.prepare(meta, windows)
     return ModelInputs(_tensor(input_ids, device), _tensor(positions, device), meta, _tensor(logits_rows, device))
 

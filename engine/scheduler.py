@@ -39,6 +39,10 @@ class Scheduler:
     request's whole max_new_tokens up front, blocks are taken as tokens arrive (hence preemption),
     and TGI's waiting_served_ratio is not needed: prefill chunks ride along with the decodes.
 
+    A prefill chunk never ends inside an image whose tokens attend to each other both ways (Gemma 3): it stops
+    before the image, which waits for a budget that takes it whole (LLMEngine refuses an image longer than the
+    budget), so no image token is computed before its image's later tokens.
+
     Speculation (`propose` set): a decode span carries up to `num_speculative_tokens` draft tokens
     after the real one (logits "all"). Drafts take prefill budget and only spare blocks, so they never
     cause a preemption. Their K/V counts as computed only once `commit_draft` says how many were
@@ -128,7 +132,10 @@ class Scheduler:
         capacity = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
         if capacity <= 0:
             capacity = bm.block_size
-        return min(num_uncomputed, budget, capacity)
+        num_new = _whole_images(seq, seq.num_computed_tokens, min(num_uncomputed, budget, capacity))
+        if num_new == 0:  # the free blocks end inside an image: preempt for it rather than stall
+            num_new = _whole_images(seq, seq.num_computed_tokens, min(num_uncomputed, budget))
+        return num_new
 
     def _draft(self, seq: Sequence, budget: int, num_after: int) -> list[int]:
         """Draft tokens for a decode of `seq`: none that could pass max_tokens (all accepted plus the
@@ -161,7 +168,9 @@ class Scheduler:
                 break
             seq = self.waiting[0]
             num_cached = bm.num_cached_tokens(seq)
-            num_new = min(seq.num_tokens - num_cached, budget)
+            num_new = _whole_images(seq, num_cached, min(seq.num_tokens - num_cached, budget))
+            if num_new == 0:  # the budget left ends inside an image: the next step's budget takes it whole
+                break
             if not bm.can_allocate(seq, num_cached + num_new) or self._prefix_in_flight(seq, num_cached):
                 break
             # Admit only what the cache can carry on with: the whole prompt, and a block of growth for each
@@ -247,3 +256,11 @@ class Scheduler:
         seq.draft_token_ids = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def _whole_images(seq: Sequence, start: int, num_new: int) -> int:
+    """`num_new` cut back so that the chunk ends outside the image runs that attend both ways (Gemma 3)."""
+    images = seq.images
+    if images is None or not images.runs:
+        return num_new
+    return images.chunk_end(start, start + num_new) - start

@@ -19,6 +19,7 @@ _IDEFICS_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end
 _PIXTRAL_TOKENS = {"image_token": "<|image_pad|>", "image_break_token": "<|vision_pad|>",
                    "image_end_token": "<|vision_end|>"}
 _AYA_TOKENS = ["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
+_GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
 # name -> (model class, special tokens added, image token)
 VLM_MODELS: dict[str, tuple[str, list[str], str]] = {
     "tiny-llava": ("LlavaForConditionalGeneration", ["<image>"], "<image>"),
@@ -29,6 +30,7 @@ VLM_MODELS: dict[str, tuple[str, list[str], str]] = {
     "tiny-lightonocr": ("LightOnOcrForConditionalGeneration", list(_PIXTRAL_TOKENS.values()), "<|image_pad|>"),
     "tiny-aya-vision": ("AyaVisionForConditionalGeneration", _AYA_TOKENS, "<|IMG_PATCH|>"),
     "tiny-deepseek-vl": ("DeepseekVLForConditionalGeneration", ["<image_placeholder>"], "<image_placeholder>"),
+    "tiny-gemma3-vision": ("Gemma3ForConditionalGeneration", list(_GEMMA3_TOKENS.values()), "<image_soft_token>"),
 }
 
 
@@ -89,6 +91,20 @@ def _config_and_processor(name: str, tok, image_id: int):
                                     image_token_id=image_id, tie_word_embeddings=False)
         images = T.DeepseekVLImageProcessorPil(size={"height": 32, "width": 32})  # the torch one needs torchvision
         return config, T.DeepseekVLProcessor(image_processor=images, tokenizer=tok, num_image_tokens=16)
+    if name == "tiny-gemma3-vision":  # SigLIP + average pooling on a Gemma 3 text model; an image's tokens attend
+        # to each other both ways, and its 4 tokens outnumber the sliding layers' window of 3
+        tok._set_model_specific_special_tokens(special_tokens=_GEMMA3_TOKENS)
+        ids = {k: tok.convert_tokens_to_ids(v) for k, v in _GEMMA3_TOKENS.items()}
+        gemma3 = T.Gemma3TextConfig(**{k: v for k, v in _TEXT.items() if k != "tie_word_embeddings"},
+                                    vocab_size=len(tok), sliding_window=3, query_pre_attn_scalar=16,
+                                    layer_types=["sliding_attention", "full_attention"],
+                                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                    pad_token_id=tok.pad_token_id)
+        config = T.Gemma3Config(vision_config=T.SiglipVisionConfig(**_VISION), text_config=gemma3,
+                                mm_tokens_per_image=4, image_token_index=image_id, boi_token_index=ids["boi_token"],
+                                eoi_token_index=ids["eoi_token"], initializer_range=0.1)
+        images = T.Gemma3ImageProcessorPil(size={"height": 32, "width": 32})  # the torch one needs torchvision
+        return config, T.Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4)
     # tiny-idefics2: a perceiver resampler on a Mistral text model
     mistral = T.MistralConfig(**_TEXT, vocab_size=len(tok), sliding_window=None, bos_token_id=tok.bos_token_id,
                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

@@ -28,6 +28,9 @@ class AttentionBackend:
     block_sizes: ClassVar[tuple[int, ...] | None] = None
     supports_cuda_graphs: ClassVar[bool] = False
     supports_alibi: ClassVar[bool] = False  # applies Attention.alibi_slopes (engine/attention/alibi.py)
+    # applies AttentionMetadata.bidirectional (image tokens that see their image's later tokens: Gemma 3); a step
+    # that has such spans runs on the portable backend otherwise (Attention.forward)
+    supports_bidirectional_images: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:

@@ -20,6 +20,7 @@ from engine.kernels import cpu_attention, cpu_prefill_attention
 class CpuPagedBackend(AttentionBackend):
     name = "cpu_paged"
     default_block_size = 16  # 16, 32 and 64 measured within noise (scripts/bench_cpu_attention.py)
+    supports_bidirectional_images = True  # through the portable prefill chunks
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -46,7 +47,8 @@ class CpuPagedBackend(AttentionBackend):
         starts = row_starts(meta.query_lens_host)
         work = _work(meta, batched, starts)
         chunks = [b for b in range(meta.num_seqs) if b not in set(batched)]
-        kernel = bool(chunks and self.prefill_layouts and cpu_prefill_attention.allowed())
+        # image tokens attending both ways (Gemma 3) need the SDPA path's widened masks
+        kernel = bool(chunks and self.prefill_layouts and cpu_prefill_attention.allowed() and not meta.bidirectional)
         # the SDPA path's masks and slots only when a layer needs them (a layout the kernel was not checked on)
         sdpa = None if kernel else prefill_chunks(meta, set(batched), starts, windows)
         meta.extra["cpu_paged"] = [work, _work(meta, chunks, starts) if kernel else None, sdpa, batched, starts,

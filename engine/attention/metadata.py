@@ -31,6 +31,8 @@ class AttentionMetadata:
     query_lens_host: list[int] = field(default_factory=list)
     seq_lens_host: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # a backend's per-step precomputation
+    # sequence index -> the [start, end) image runs its span touches whose tokens attend both ways (Gemma 3)
+    bidirectional: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device,
@@ -43,6 +45,7 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device,
         slots = [span.block_table[span.start_pos // block_size] * block_size + span.start_pos % block_size
                  for span in spans]
         cu_seqlens = list(range(len(spans) + 1))
+        bidirectional: dict[int, list[tuple[int, int]]] = {}  # a one-token span sees no later key, not in an image
     else:
         seq_lens = [span.start_pos + length for span, length in zip(spans, query_lens)]
         slots = []
@@ -53,6 +56,8 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device,
         cu_seqlens = [0]
         for length in query_lens:
             cu_seqlens.append(cu_seqlens[-1] + length)
+        bidirectional = {b: runs for b, span in enumerate(spans) if span.images is not None
+                         and (runs := span.images.runs_in(span.start_pos, span.start_pos + len(span.token_ids)))}
     if tables is not None:
         block_tables = tables.gather(spans)
     else:
@@ -65,7 +70,8 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device,
         seq_lens=_to(_host(seq_lens, np.int32), device),
         block_tables=block_tables,
         block_size=block_size, num_seqs=len(spans), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_lens_host=query_lens, seq_lens_host=seq_lens)
+        query_lens_host=query_lens, seq_lens_host=seq_lens,
+        bidirectional=bidirectional)
 
 
 def _host(values: list[int], dtype: type) -> torch.Tensor:

@@ -4,7 +4,8 @@ Decode rows (one new token) of all sequences attend in one batched SDPA over the
 (padded to the longest context, masked). Short spans over a cached context (speculative verification:
 a decode token and its drafts) join that batch, their queries padded to the longest such span. Each
 prefill chunk runs its own causal SDPA: a chunk with no cached context attends to its fresh K/V
-directly, without touching the cache; a later chunk gathers its context from the cache.
+directly, without touching the cache; a later chunk gathers its context from the cache. A chunk with image
+tokens that attend both ways (Gemma 3) is always a prefill chunk, its mask widened (bidirectional.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.backend import AttentionBackend, attend, causal_mask
+from engine.attention.bidirectional import widen
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -42,6 +44,7 @@ class _Decode:
 class PortableBackend(AttentionBackend):
     name = "portable"
     supports_alibi = True
+    supports_bidirectional_images = True
     # it gathers context rows slot by slot, so the block size only changes bookkeeping: 16, 32 and 64 measured
     # the same on CPU, 128 slower (docs/benchmarks.md); 16 wastes the least cache per sequence and shares
     # prompt prefixes at the finest grain
@@ -86,9 +89,9 @@ class PortableBackend(AttentionBackend):
 
 def batched_seqs(meta: AttentionMetadata) -> list[int]:
     """The sequences attending as decode rows or short spans over a cached context (the rest are prefill chunks)."""
-    lengths, seq_lens = meta.query_lens_host, meta.seq_lens_host
+    lengths, seq_lens, images = meta.query_lens_host, meta.seq_lens_host, meta.bidirectional
     return [b for b, length in enumerate(lengths)
-            if length == 1 or (length <= MAX_BATCHED_QUERY and seq_lens[b] > length)]
+            if length == 1 or (length <= MAX_BATCHED_QUERY and seq_lens[b] > length and b not in images)]
 
 
 def row_starts(lengths: list[int]) -> list[int]:
@@ -109,7 +112,11 @@ def prefill_chunks(meta: AttentionMetadata, batched: set[int], starts: list[int]
         seq_len = meta.seq_lens_host[b]
         start_pos = seq_len - length
         rows = slice(starts[b], starts[b + 1])
-        if start_pos == 0:
+        runs = meta.bidirectional.get(b)
+        if runs:  # image tokens that also see their image's later tokens
+            masks = {w: widen(causal_mask(length, start_pos, seq_len, w, device), runs, start_pos) for w in windows}
+            prefills.append(_Prefill(rows, None if start_pos == 0 else _context_slots(meta, [b], seq_len)[0], masks))
+        elif start_pos == 0:
             masks = {w: None if w is None else causal_mask(length, 0, length, w, device) for w in windows}
             prefills.append(_Prefill(rows, None, masks))
         else:

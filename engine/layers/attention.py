@@ -35,7 +35,10 @@ class Attention(nn.Module):
         if meta is None or self.k_cache.numel() == 0:
             out = attend(self, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None)
             return out[0].transpose(0, 1).reshape(q.shape[0], -1)
-        return self.impl.forward(self, q, k, v, meta)
+        impl = self.impl
+        if meta.bidirectional and not impl.supports_bidirectional_images:  # images attending both ways (Gemma 3)
+            impl = _PORTABLE
+        return impl.forward(self, q, k, v, meta)
 
 
 _PORTABLE = PortableBackend()

@@ -17,6 +17,8 @@ Vision-language models (`AutoModelForImageTextToText`: LLaVA, LLaVA-NeXT, Idefic
 model's attention is ours (the vision tower and other sub-models keep SDPA); `encode_images` runs the model's own
 `get_image_features` on the processor's tensors, and `forward` takes those outputs placed at rows of the step
 (engine/multimodal/encoder_cache.py) into the language model's input embeddings, as the model's own forward does.
+Gemma 3's image tokens attend to each other both ways (BIDIRECTIONAL_IMAGE_MODELS): see
+engine/attention/bidirectional.py.
 """
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ from engine.model_config import ModelConfig
 
 ATTN_IMPLEMENTATION = "tgi_paged"
 KV_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+# image-text models whose image tokens attend to each other both ways, one run of image tokens at a time (transformers
+# builds that mask from token_type_ids): the scheduler keeps each run in one prefill chunk, whose causal mask the
+# attention widens (engine/attention/bidirectional.py)
+BIDIRECTIONAL_IMAGE_MODELS = ("gemma3",)
 _RECORDING = "tgi_probe"
 
 
@@ -44,11 +50,13 @@ def load_hf_config(path: str | Path) -> Any:
 
 
 def auto_class(hf_config: Any) -> Any:
-    """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model that has no causal-LM class."""
+    """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model that has no causal-LM class
+    or whose causal-LM class is its image-text class (Gemma 3's Gemma3ForConditionalGeneration)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    if AutoModelForCausalLM._model_mapping.get(type(hf_config), None) is None and \
-            AutoModelForImageTextToText._model_mapping.get(type(hf_config), None) is not None:
+    causal = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    image_text = AutoModelForImageTextToText._model_mapping.get(type(hf_config), None)
+    if image_text is not None and causal in (None, image_text):
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
 
@@ -120,7 +128,8 @@ def model_config(path: str | Path, raw: dict[str, Any]) -> ModelConfig:
         torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch."),
         bos_token_id=raw.get("bos_token_id"), eos_token_id=list(eos) if isinstance(eos, list) else
         ([] if eos is None else [eos]), quantization_config=raw.get("quantization_config"),
-        impl="transformers", source=str(path), image_token_id=image_token_id(hf_config))
+        impl="transformers", source=str(path), image_token_id=image_token_id(hf_config),
+        bidirectional_images=hf_config.model_type in BIDIRECTIONAL_IMAGE_MODELS)
 
 
 def check_engine_options(num_shard: int, lora_adapters: list, quantize: str | None,

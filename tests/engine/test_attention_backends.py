@@ -106,6 +106,82 @@ def test_alibi_models_skip_the_backends_without_it():
         selection.choose_backend("cpu_paged", torch.device("cpu"), torch.float32, layers, None)
 
 
+class CausalOnly(PortableBackend):
+    """A backend without bidirectional image attention: steps with such spans must not reach it."""
+    name = "causal-only"
+    supports_bidirectional_images = False
+
+    def forward(self, layer, q, k, v, meta):
+        assert not meta.bidirectional, "a step with images attending both ways reached a causal-only backend"
+        return super().forward(layer, q, k, v, meta)
+
+
+def image_backends():
+    from engine.attention.cpu_paged import CpuPagedBackend
+
+    cpu_paged = [] if CpuPagedBackend.unavailable_reason(torch.device("cpu"), torch.float32) else [CpuPagedBackend()]
+    return [PortableBackend(), CausalOnly(), *cpu_paged]
+
+
+@pytest.mark.parametrize("backend", image_backends(), ids=lambda backend: backend.name)
+@pytest.mark.parametrize("window", [None, 4])
+def test_image_tokens_attend_both_ways_as_transformers_masks_them(backend, window):
+    """Gemma 3: transformers' mask is (causal OR same image run) AND window, the run ids from token_type_ids. Image
+    chunks from scratch, over a cached context, starting inside a cached run, short ones (which would otherwise
+    batch with the decodes), next to a decode and a text chunk."""
+    check_image_attention(backend, window, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_gpu_step_with_images_attending_both_ways_runs_on_the_portable_backend(window):
+    """Triton has no widened masks: such a step runs on the portable backend over the same cache, on CUDA."""
+    from engine.attention.triton_backend import TritonBackend
+
+    check_image_attention(TritonBackend(), window, torch.device("cuda"))
+
+
+def check_image_attention(backend, window, device):
+    from engine.model_inputs import prepare_inputs
+    from engine.multimodal.prompt import MultiModalPrompt
+
+    lengths = [(12, 0), (6, 5), (1, 20), (5, 9), (9, 3)]          # (new tokens, cached tokens)
+    image_runs = [[(3, 9)], [(2, 8)], [(4, 7)], [(10, 14)], []]  # the decode's and the text chunk's runs are past
+    spans, num_blocks = random_batch(lengths, 16, seed=11)
+    for span, runs in zip(spans, image_runs):
+        positions = [p for start, end in runs for p in range(start, end)]
+        if positions:
+            span.images = MultiModalPrompt({}, positions, [(runs[0][0], 1)], len(runs), bidirectional=True)
+    inputs = prepare_inputs(spans, 16, device, backend, {window})
+    generator = torch.Generator().manual_seed(12)
+    layer = Attention(4, 2, 16, 0.25, window)
+    layer.impl = backend
+    cache = torch.randn(2, num_blocks, 16, 2, 16, generator=generator).to(device)
+    layer.k_cache, layer.v_cache = cache[0], cache[1]
+    q, k, v = (torch.randn(sum(n for n, _ in lengths), heads, 16, generator=generator).to(device)
+               for heads in (4, 2, 2))
+    out = layer(q, k, v, inputs.attention).view(q.shape).cpu()
+    q, cache = q.cpu(), cache.cpu()
+    row = 0
+    for span, (num_new, cached), runs in zip(spans, lengths, image_runs):
+        seq_len = num_new + cached
+        slots = torch.tensor([span.block_table[p // 16] * 16 + p % 16 for p in range(seq_len)])
+        keys, values = (c.view(-1, 2, 16)[slots].repeat_interleave(2, dim=1) for c in cache)
+        run_id = torch.full((seq_len,), -1)
+        for i, (start, end) in enumerate(runs):
+            run_id[start:end] = i
+        query_pos = torch.arange(cached, seq_len)[:, None]
+        key_pos = torch.arange(seq_len)[None, :]
+        same_run = (run_id[query_pos] == run_id[key_pos]) & (run_id[query_pos] >= 0)
+        mask = (key_pos <= query_pos) | same_run
+        if window is not None:
+            mask &= key_pos > query_pos - window
+        scores = torch.einsum("qhd,khd->hqk", q[row:row + num_new], keys) * 0.25
+        expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), values)
+        torch.testing.assert_close(out[row:row + num_new], expected, atol=1e-5, rtol=1e-5)
+        row += num_new
+
+
 def test_the_reference_sees_what_it_should():
     """The reference itself can fail: a window or another block table changes its answer."""
     spans, num_blocks = random_batch(MIXES["chunked + decode"], 16, seed=5)

@@ -16,7 +16,7 @@ from test_transformers_backend import BACKEND_MODELS  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 from make_models import _COMMON, _SIZES, SEQ2SEQ_MODELS, TINY_MODELS, VLM_MODELS  # noqa: E402
-from test_multimodal_models import VLMS  # noqa: E402
+from test_multimodal_models import BIDIRECTIONAL_VLMS, VLMS  # noqa: E402
 
 
 def table_rows():
@@ -71,6 +71,13 @@ def test_image_rows_are_the_tested_vision_language_models():
     assert sorted(row[3] for row in rows) == sorted(VLMS)
     for _, architecture, _, checkpoint in rows:
         assert architecture not in MODEL_REGISTRY and VLM_MODELS[checkpoint][0] == architecture
+
+
+def test_image_rows_behind_the_model_impl_flag_are_native_text_models_tested_with_images():
+    rows = [row for row in table_rows() if row[2] == "--model-impl transformers, images"]
+    assert sorted(row[3] for row in rows) == sorted(BIDIRECTIONAL_VLMS)
+    for _, architecture, _, checkpoint in rows:
+        assert architecture in MODEL_REGISTRY and VLM_MODELS[checkpoint][0] == architecture  # auto: text, natively
 
 
 def test_encoder_decoder_rows_are_tested_seq2seq_checkpoints():

@@ -3,7 +3,8 @@ tiny random LLaVA, LLaVA-NeXT, Idefics3, Idefics2, VipLLaVA, LightOnOCR (Pixtral
 (SigLIP + an aligner on Llama) with their real processors (scripts/tiny_vlms.py). Requests with 1 and 2 images and a
 text-only one in one batch, under a prefill budget small enough that chunk boundaries fall inside images, give
 transformers' greedy tokens for the same processor output; the encoder runs once per request; the prefix cache
-shares the blocks of a repeated image and not those of a different one."""
+shares the blocks of a repeated image and not those of a different one. Gemma 3, whose image tokens attend to each
+other both ways, is computed one whole image per prefill chunk and matches transformers' logprobs too."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,6 +14,8 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.multimodal.image_source import ImageLimits, decode  # noqa: E402
 from engine.multimodal.processor import VisionProcessor  # noqa: E402
+from engine.multimodal.prompt import MultiModalPrompt  # noqa: E402
+from engine.outputs import RequestOutput  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from fakes import test_model_path  # noqa: E402
 from images import png  # noqa: E402
@@ -88,9 +91,64 @@ def test_prefix_cache_shares_a_repeated_image_not_a_different_one():
 
 
 def test_text_only_model_refuses_images():
-    from engine.multimodal.prompt import MultiModalPrompt
-
     with engine_for("tiny-llama") as engine:
         images = MultiModalPrompt({}, [1], [(1, 7)], 1)
         with pytest.raises(ValueError, match="text-only model"):
             engine.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=2), images)
+
+
+BIDIRECTIONAL_VLMS = ["tiny-gemma3-vision"]  # an image's tokens attend to each other both ways
+
+
+@pytest.mark.parametrize("name", BIDIRECTIONAL_VLMS)
+def test_images_attending_both_ways_give_transformers_tokens(name):
+    """Gemma 3 (--model-impl transformers): each image is computed in one prefill chunk, its tokens seeing the whole
+    image as transformers' mask from token_type_ids lets them (on CPU's default backend, cpu_paged: the image chunks
+    take its SDPA path); a budget of 7 tokens would have cut the first request's image. Prompt logprobs are
+    compared too: greedy tokens alone hardly depend on the image rows."""
+    from transformers import AutoModelForImageTextToText
+
+    path = test_model_path(name)
+    with engine_for(name, model_impl="transformers", block_size=4) as engine:
+        assert engine.model_config.bidirectional_images
+        vision = VisionProcessor.from_pretrained(path, engine.model_config.image_token_id, ImageLimits(), 4)
+        pictures = [decode(png(seed, 40 + 10 * seed, 30 + 5 * seed), ImageLimits()) for seed in range(2)]
+        one = vision.process(f"See {vision.placeholder}", pictures[:1])
+        two = vision.process(f"First {vision.placeholder} then {vision.placeholder}: compare", pictures)
+        runs = one[1].attending_both_ways(7).runs
+        assert any(start < cut < end for cut in range(7, len(one[0]), 7) for start, end in runs)
+        text = (engine.tokenizer.encode("just some text, no image at all"), None)
+        requests = [one, two, text]
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, prefill_logprobs=True)  # the image rows' logprobs too
+        for i, (ids, images) in enumerate(requests):
+            engine.add_request(str(i), ids, params, images)
+        outputs = [RequestOutput(str(i), [], "", prefill_tokens=[]) for i in range(len(requests))]
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[int(out.request_id)].tokens += out.tokens
+                outputs[int(out.request_id)].prefill_tokens += out.prefill_tokens or []
+        # again: its first 8 tokens come from the prefix cache, and its chunk starts inside the image
+        again = engine.generate([one[0]], SamplingParams(max_new_tokens=NEW_TOKENS), [one[1]])
+        assert again[0].num_cached_tokens == 8 and runs == [(6, 10)]
+        assert token_ids(again) == token_ids(outputs[:1])
+        too_long = MultiModalPrompt({}, list(range(1, 9)), [(1, 1)], 1)  # an image of 8 tokens, chunks of 7
+        with pytest.raises(ValueError, match=r"an image of 8 tokens .*--max-batch-prefill-tokens"):
+            engine.add_request("too-long", list(range(12)), params, too_long)
+    reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    image_id = reference.config.image_token_id
+    for (ids, images), output in zip(requests, outputs):
+        kinds = {"token_type_ids": (torch.tensor([ids]) == image_id).long()} if images is not None else {}
+        with torch.no_grad():
+            logits = reference(input_ids=torch.tensor([ids]), **(dict(images.encoder_inputs) if images else {}),
+                               **kinds).logits[0, :-1]
+        prompt_logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+        assert [t.logprob for t in output.prefill_tokens[1:]] == pytest.approx(prompt_logprobs, abs=1e-4)
+        with torch.no_grad():
+            out = reference.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)).long(),
+                                     **(dict(images.encoder_inputs) if images else {}), **kinds,
+                                     max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True)
+        expected = out.sequences[0, len(ids):].tolist()
+        assert [t.id for t in output.tokens] == expected, f"{name}: prompt of {len(ids)} tokens"
+        logprobs = [torch.log_softmax(step[0], -1)[token].item() for step, token in zip(out.logits, expected)]
+        assert [t.logprob for t in output.tokens] == pytest.approx(logprobs, abs=1e-4)

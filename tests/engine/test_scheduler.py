@@ -300,3 +300,43 @@ def test_the_plain_decode_path_schedules_what_the_general_path_does():
     plain, general = workload(True), workload(False)
     assert plain == general
     assert plain[-1][4] > 0                  # the workload did preempt
+
+
+def with_image(seq, positions):
+    """`seq` with image tokens at `positions` that attend to each other both ways (Gemma 3)."""
+    from engine.multimodal.prompt import MultiModalPrompt
+
+    seq.images = MultiModalPrompt({}, list(positions), [(positions[0], 1)], 1, bidirectional=True)
+    return seq
+
+
+def test_image_runs_and_where_a_chunk_may_end():
+    from engine.multimodal.prompt import MultiModalPrompt
+
+    images = MultiModalPrompt({}, [3, 4, 5, 9, 10], [(3, 1), (9, 2)], 2, bidirectional=True)
+    assert images.runs == [(3, 6), (9, 11)] and images.longest_run == 3
+    assert [images.chunk_end(0, end) for end in range(12)] == [0, 1, 2, 3, 3, 3, 6, 7, 8, 9, 9, 11]
+    assert images.chunk_end(4, 5) == 4 and images.chunk_end(4, 8) == 8  # a chunk starting inside a cached run
+    assert images.runs_in(6, 9) == [] and images.runs_in(5, 10) == [(3, 6), (9, 11)]
+    causal = MultiModalPrompt({}, [3, 4, 5], [(3, 1)], 1)
+    assert causal.runs == [] and causal.chunk_end(0, 4) == 4
+    assert causal.attending_both_ways(3).runs == [(3, 6)]
+    with pytest.raises(ValueError, match=r"an image of 3 tokens .* at most 2 tokens \(--max-batch-prefill-tokens\)"):
+        causal.attending_both_ways(2)
+
+
+def test_a_chunk_never_ends_inside_an_image_that_attends_both_ways():
+    sched = make_scheduler(budget=8)
+    a = with_image(make_seq(20, first=1), range(5, 11))
+    b = with_image(make_seq(10, first=100), range(2, 6))
+    c = with_image(make_seq(4, first=200), range(0, 4))
+    for seq in (a, b, c):
+        sched.add(seq)
+    # each stops before its image: a at 5, b at 2; c's image does not fit the 1 token left, so c waits
+    assert spans_by_seq(run_step(sched)) == {a.seq_id: (0, 5, "none"), b.seq_id: (0, 2, "none")}
+    assert list(sched.waiting) == [c]
+    assert spans_by_seq(run_step(sched)) == {a.seq_id: (5, 8, "none")}  # a's whole image takes the budget
+    assert spans_by_seq(run_step(sched)) == {a.seq_id: (13, 7, "last")}  # the token left cannot start an image
+    assert spans_by_seq(run_step(sched)) == {a.seq_id: (20, 1, "last"), b.seq_id: (2, 8, "last")}
+    assert spans_by_seq(run_step(sched)) == {a.seq_id: (21, 1, "last"), b.seq_id: (10, 1, "last"),
+                                             c.seq_id: (0, 4, "last")}
