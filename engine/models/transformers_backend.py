@@ -31,6 +31,7 @@ from engine.attention.backend import causal_mask
 from engine.distributed import layout
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.model_config import ModelConfig
+from engine.multimodal import mrope
 
 ATTN_IMPLEMENTATION = "tgi_paged"
 KV_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
@@ -74,6 +75,9 @@ def unsupported_reason(hf_config: Any) -> str | None:
         return f"transformers has no AutoModelForCausalLM class for model_type {hf_config.model_type!r}"
     if auto.__name__ != "AutoModelForCausalLM" and image_token_id(hf_config) is None:
         return "it is an image-text model without an image token id in its config"
+    if _has_mrope(hf_config) and hf_config.model_type not in mrope.MODEL_TYPES:
+        return (f"its M-RoPE positions (get_rope_index) follow {hf_config.model_type}'s own rules, which the engine "
+                f"implements only for {', '.join(mrope.MODEL_TYPES)} (engine/multimodal/mrope.py)")
     text = hf_config.get_text_config()
     other = sorted(set(getattr(text, "layer_types", None) or ()) - KV_LAYER_TYPES)
     if other:
@@ -85,6 +89,13 @@ def unsupported_reason(hf_config: Any) -> str | None:
     if getattr(text, "attn_temperature_tuning", False) and 0 in (getattr(text, "no_rope_layers", None) or ()):
         return "its NoPE layers scale queries by positions counted from transformers' own cache"
     return None
+
+
+def _has_mrope(hf_config: Any) -> bool:
+    """Whether the model's positions come in sections computed from its image grids (Qwen2-VL's M-RoPE)."""
+    from transformers import AutoModel
+
+    return hasattr(AutoModel._model_mapping.get(type(hf_config), None), "get_rope_index")
 
 
 def _language_model_class(hf_config: Any, model_cls: Any) -> Any:
@@ -332,15 +343,17 @@ class TransformersForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None,
                 image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """`image_embeds`: (rows, vectors) that replace those rows' token embeddings (engine/multimodal)."""
+        """`positions`: [tokens], or [3, tokens] for M-RoPE (engine/multimodal/mrope.py). `image_embeds`: (rows,
+        vectors) that replace those rows' token embeddings (engine/multimodal)."""
         self.attention_layers()
+        position_ids = positions[None] if positions.dim() == 1 else positions[:, None]  # [1, T] or [3, 1, T]
         if image_embeds is None:
-            out = self.base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False, tgi_meta=meta)
+            out = self.base(input_ids=input_ids[None], position_ids=position_ids, use_cache=False, tgi_meta=meta)
         else:
             rows, vectors = image_embeds
             embeds = self.base.get_input_embeddings()(input_ids)
             embeds = embeds.index_copy(0, rows, vectors.to(embeds.dtype))
-            out = self.base(inputs_embeds=embeds[None], position_ids=positions[None], use_cache=False, tgi_meta=meta)
+            out = self.base(inputs_embeds=embeds[None], position_ids=position_ids, use_cache=False, tgi_meta=meta)
         return out.last_hidden_state[0]
 
     @torch.inference_mode()

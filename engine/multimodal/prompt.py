@@ -13,13 +13,17 @@ class MultiModalPrompt:
     `positions`: the prompt positions of the image tokens, in order; the encoder's output rows (all images
     flattened) go there one for one. `keys`: (position of an image's first token, content hash) per image; the
     prefix-cache block holding that position mixes the hash into its key, and the hash chain carries it to
-    every later block, so equal token ids with different images never share KV.
+    every later block, so equal token ids with different images never share KV. `rope_positions` and
+    `rope_delta`: the prompt's M-RoPE positions [3, prompt tokens] and the offset of every later token's
+    (engine/multimodal/mrope.py), for models with M-RoPE (Qwen2-VL); else None and 0.
     """
 
     encoder_inputs: dict[str, Any]      # the processor's tensors for the vision encoder (pixel_values, ...)
     positions: list[int]
     keys: list[tuple[int, int]]
     num_images: int
+    rope_positions: Any = None          # torch.Tensor [3, prompt tokens]
+    rope_delta: int = 0
 
     @property
     def end(self) -> int:

@@ -18,7 +18,7 @@ from fakes import test_model_path  # noqa: E402
 from images import png  # noqa: E402
 
 VLMS = ["tiny-llava", "tiny-llava-next", "tiny-idefics3", "tiny-idefics2", "tiny-vipllava", "tiny-lightonocr",
-        "tiny-aya-vision", "tiny-deepseek-vl"]
+        "tiny-aya-vision", "tiny-deepseek-vl", "tiny-qwen2-vl", "tiny-qwen2.5-vl"]
 NEW_TOKENS = 6
 
 
@@ -29,6 +29,8 @@ def engine_for(name, **config):
 
 def hf_greedy(model, ids, images, max_new_tokens):
     inputs = dict(images.encoder_inputs) if images is not None else {}
+    if "image_grid_thw" in inputs:  # M-RoPE: transformers places the image grids by the token types
+        inputs["mm_token_type_ids"] = (torch.tensor([ids]) == model.config.image_token_id).long()
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              **inputs, max_new_tokens=max_new_tokens, do_sample=False)
