@@ -3,7 +3,8 @@
 Each recipe: the text model (a tiny Llama, Mistral, Qwen3 or Cohere2), a tiny vision tower, the family's processor
 over the tiny BPE tokenizer with the family's image special tokens added. Families whose processors need torchvision
 (Mistral3's PixtralProcessor, SmolVLM, which also needs num2words) are left out: the engine does not install them
-(docs/models.md says which families do not work and why). Qwen2-VL's processor is built without its video processor.
+(docs/models.md says which families do not work and why). The Qwen-VL processors are built without their video
+processor.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ VLM_MODELS: dict[str, tuple[str, list[str], str]] = {
     "tiny-deepseek-vl": ("DeepseekVLForConditionalGeneration", ["<image_placeholder>"], "<image_placeholder>"),
     "tiny-qwen2-vl": ("Qwen2VLForConditionalGeneration", _QWEN_VL_TOKENS, "<|image_pad|>"),
     "tiny-qwen2.5-vl": ("Qwen2_5_VLForConditionalGeneration", _QWEN_VL_TOKENS, "<|image_pad|>"),
+    "tiny-qwen3-vl": ("Qwen3VLForConditionalGeneration", _QWEN_VL_TOKENS, "<|image_pad|>"),
 }
 
 
@@ -93,7 +95,7 @@ def _config_and_processor(name: str, tok, image_id: int):
                                     image_token_id=image_id, tie_word_embeddings=False)
         images = T.DeepseekVLImageProcessorPil(size={"height": 32, "width": 32})  # the torch one needs torchvision
         return config, T.DeepseekVLProcessor(image_processor=images, tokenizer=tok, num_image_tokens=16)
-    if name in ("tiny-qwen2-vl", "tiny-qwen2.5-vl"):
+    if name in ("tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"):
         return _qwen_vl(name, tok, image_id)
     # tiny-idefics2: a perceiver resampler on a Mistral text model
     mistral = T.MistralConfig(**_TEXT, vocab_size=len(tok), sliding_window=None, bos_token_id=tok.bos_token_id,
@@ -119,11 +121,20 @@ def _qwen_vl(name: str, tok, image_id: int):
         vision = T.Qwen2VLVisionConfig(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=8)
         config = T.Qwen2VLConfig(text_config=T.Qwen2VLTextConfig(**text), vision_config=vision, **ids)
         processor_cls = T.Qwen2VLProcessor
-    else:  # window attention in the vision tower but in its full-attention blocks
+    elif name == "tiny-qwen2.5-vl":  # window attention in the vision tower but in its full-attention blocks
         vision = T.Qwen2_5_VLVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
                                           out_hidden_size=64, patch_size=8, window_size=32, fullatt_block_indexes=[1])
         config = T.Qwen2_5_VLConfig(text_config=T.Qwen2_5_VLTextConfig(**text), vision_config=vision, **ids)
         processor_cls = T.Qwen2_5_VLProcessor
+    else:  # interleaved M-RoPE, q/k norms; DeepStack: vision layers 0 and 1 also feed the first two text layers
+        rope = dict(_MROPE, mrope_section=[4, 2, 2], mrope_interleaved=True)
+        text = {**{k: v for k, v in text.items() if k not in ("bos_token_id", "eos_token_id")}, "head_dim": 16,
+                "rope_parameters": rope}
+        vision = T.Qwen3VLVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                       patch_size=8, num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
+                                       initializer_range=0.2)
+        config = T.Qwen3VLConfig(text_config=T.Qwen3VLTextConfig(**text), vision_config=vision, **ids)
+        processor_cls = T.Qwen3VLProcessor
     config.tie_word_embeddings = False
     images = T.Qwen2VLImageProcessorPil(patch_size=8, merge_size=2,
                                         size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})

@@ -17,6 +17,8 @@ Vision-language models (`AutoModelForImageTextToText`: LLaVA, LLaVA-NeXT, Idefic
 model's attention is ours (the vision tower and other sub-models keep SDPA); `encode_images` runs the model's own
 `get_image_features` on the processor's tensors, and `forward` takes those outputs placed at rows of the step
 (engine/multimodal/encoder_cache.py) into the language model's input embeddings, as the model's own forward does.
+M-RoPE models (Qwen2-VL) take [3, tokens] positions (engine/multimodal/mrope.py); Qwen3-VL's DeepStack features ride
+beside the image embeddings and reach its first layers through the language model's own kwargs.
 """
 from __future__ import annotations
 
@@ -351,19 +353,28 @@ class TransformersForCausalLM(nn.Module):
             out = self.base(input_ids=input_ids[None], position_ids=position_ids, use_cache=False, tgi_meta=meta)
         else:
             rows, vectors = image_embeds
+            vectors, *deepstack = vectors.split(self.config.hidden_size, dim=-1)
+            extra = {}
+            if deepstack:  # added to the hidden states at those rows after each of the first layers
+                mask = torch.zeros(1, input_ids.shape[0], dtype=torch.bool, device=rows.device)
+                extra = dict(visual_pos_masks=mask.index_fill_(1, rows, True), deepstack_visual_embeds=deepstack)
             embeds = self.base.get_input_embeddings()(input_ids)
             embeds = embeds.index_copy(0, rows, vectors.to(embeds.dtype))
-            out = self.base(inputs_embeds=embeds[None], position_ids=position_ids, use_cache=False, tgi_meta=meta)
+            out = self.base(inputs_embeds=embeds[None], position_ids=position_ids, use_cache=False, tgi_meta=meta,
+                            **extra)
         return out.last_hidden_state[0]
 
     @torch.inference_mode()
     def encode_images(self, encoder_inputs: dict[str, Any]) -> torch.Tensor:
-        """The vision encoder (+ projector) on the processor's tensors: [image tokens, hidden], in token order."""
+        """The vision encoder (+ projector) on the processor's tensors: [image tokens, hidden], in token order.
+        DeepStack models (Qwen3-VL) append each of their extra per-layer features as `hidden` more columns."""
         device = self.lm_head.weight.device
         dtype = self.lm_head.weight.dtype
         inputs = {k: v.to(device, dtype if v.is_floating_point() else None) for k, v in encoder_inputs.items()}
-        features = self.hf.model.get_image_features(**inputs, return_dict=True).pooler_output
-        return torch.cat([f.reshape(-1, f.shape[-1]) for f in features]).to(dtype)
+        out = self.hf.model.get_image_features(**inputs, return_dict=True)
+        layers = [out.pooler_output, *(getattr(out, "deepstack_features", None) or ())]
+        return torch.cat([torch.cat([f.reshape(-1, f.shape[-1]) for f in features]) for features in layers],
+                         dim=-1).to(dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden_states)

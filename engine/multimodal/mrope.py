@@ -1,4 +1,4 @@
-"""M-RoPE positions (Qwen2-VL, Qwen2.5-VL): three rotary positions per token, (time, height, width).
+"""M-RoPE positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): three rotary positions per token, (time, height, width).
 
 A text token has the same position in all three sections, one more than the token before. An image's tokens take
 its merged patch grid: (start, start + row, start + column), where `start` is the position after the text before
@@ -15,7 +15,7 @@ import torch
 
 from engine.batch import SeqSpan
 
-MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # whose images' positions follow these rules (transformers' get_rope_index)
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # their images follow these rules (transformers: get_rope_index)
 
 
 def prompt_positions(token_ids: list[int], image_token_id: int, image_grid_thw: torch.Tensor,

@@ -1,6 +1,7 @@
 """Vision-language models on the transformers backend (engine/multimodal) against transformers itself (fp32, CPU):
-tiny random LLaVA, LLaVA-NeXT, Idefics3, Idefics2, VipLLaVA, LightOnOCR (Pixtral vision), Aya Vision and DeepSeek-VL
-(SigLIP + an aligner on Llama) with their real processors (scripts/tiny_vlms.py). Requests with 1 and 2 images and a
+tiny random LLaVA, LLaVA-NeXT, Idefics3, Idefics2, VipLLaVA, LightOnOCR (Pixtral vision), Aya Vision, DeepSeek-VL
+(SigLIP + an aligner on Llama) and Qwen2-VL, Qwen2.5-VL, Qwen3-VL (M-RoPE; Qwen3-VL's DeepStack) with their real
+processors (scripts/tiny_vlms.py). Requests with 1 and 2 images and a
 text-only one in one batch, under a prefill budget small enough that chunk boundaries fall inside images, give
 transformers' greedy tokens for the same processor output; the encoder runs once per request; the prefix cache
 shares the blocks of a repeated image and not those of a different one."""
@@ -18,7 +19,7 @@ from fakes import test_model_path  # noqa: E402
 from images import png  # noqa: E402
 
 VLMS = ["tiny-llava", "tiny-llava-next", "tiny-idefics3", "tiny-idefics2", "tiny-vipllava", "tiny-lightonocr",
-        "tiny-aya-vision", "tiny-deepseek-vl", "tiny-qwen2-vl", "tiny-qwen2.5-vl"]
+        "tiny-aya-vision", "tiny-deepseek-vl", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 NEW_TOKENS = 6
 
 
