@@ -97,3 +97,21 @@ def test_text_only_model_refuses_images():
         images = MultiModalPrompt({}, [1], [(1, 7)], 1)
         with pytest.raises(ValueError, match="text-only model"):
             engine.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=2), images)
+
+
+def test_prefix_cache_hit_past_an_image_keeps_the_mrope_positions():
+    """A repeated Qwen2-VL prompt resumes after its cached image blocks: positions there are flat + the prompt's
+    delta, and the tokens are the first run's."""
+    path = test_model_path("tiny-qwen2-vl")
+    with engine_for("tiny-qwen2-vl", max_batch_prefill_tokens=64) as engine:
+        vision = VisionProcessor.from_pretrained(path, engine.model_config.image_token_id, ImageLimits(), 4)
+
+        def run():
+            text = f"Look: {vision.placeholder} and then tell me, in a few words, what you see in it"
+            ids, images = vision.process(text, [decode(png(3, 64, 48), ImageLimits())])
+            return engine.generate([ids], SamplingParams(max_new_tokens=NEW_TOKENS), [images])[0], images
+
+        first, images = run()
+        again, _ = run()
+        assert images.rope_delta < 0 and again.num_cached_tokens > images.end  # resumes past the image
+        assert token_ids([again]) == token_ids([first])
