@@ -45,7 +45,8 @@ class VisionProcessor:
     def __init__(self, processor: Any, image_token_id: int, limits: ImageLimits, max_images: int,
                  markers: tuple[str, str] = ("", ""), mrope_merge_size: int | None = None) -> None:
         self.processor = processor
-        self.placeholder: str = markers[0] + processor.image_token + markers[1]
+        self.image_token: str = processor.image_token
+        self.placeholder = markers[0] + self.image_token + markers[1]   # what each markdown image becomes
         self.image_token_id = image_token_id
         self.mrope_merge_size = mrope_merge_size    # M-RoPE models: patches per token along each side
         self.limits = limits
@@ -109,8 +110,8 @@ class VisionProcessor:
         if len(urls) > self.max_images:
             raise ImageError(f"the request has {len(urls)} images, more than --max-images-per-request "
                              f"{self.max_images}")
-        if self.processor.image_token in MARKDOWN_IMAGE.sub("", text):
-            raise ImageError(f"the text itself contains the image placeholder {self.processor.image_token!r}")
+        if self.image_token in MARKDOWN_IMAGE.sub("", text):
+            raise ImageError(f"the text itself contains the image placeholder {self.image_token!r}")
         images = [load_image(url, self.limits) for url in urls]
         return self.process(MARKDOWN_IMAGE.sub(lambda _: self.placeholder, text), images, add_special_tokens)
 
