@@ -142,13 +142,14 @@ class VisionProcessor:
 
 
 def _without_videos(processor_cls: type) -> type:
-    """`processor_cls` (one whose __init__ takes image_processor, tokenizer, video_processor) without its video
-    processor: transformers' video processors need torchvision, and the engine serves no video."""
+    """`processor_cls` without its video processor (transformers' video processors need torchvision, and the engine
+    serves no video): its own __init__ gets video_processor=None and passes the mixin one processor fewer."""
 
     class ImagesOnly(processor_cls):  # type: ignore[misc, valid-type]
         def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
                      **kwargs: Any) -> None:
-            super().__init__(image_processor, tokenizer, None, chat_template, **kwargs)
+            super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                             chat_template=chat_template, **kwargs)
 
     ImagesOnly.__name__ = ImagesOnly.__qualname__ = processor_cls.__name__
     return ImagesOnly
