@@ -23,3 +23,4 @@ class SeqSpan:
     adapter: int = 0            # LoRA adapter index (engine/lora), 0 = the base model
     table_version: int = -1     # Sequence.block_table_version; -1: unknown (engine/attention/block_tables.py)
     images: Any = None          # engine.multimodal.MultiModalPrompt while the span's prefill has image tokens left
+    rope_delta: int = 0         # M-RoPE: added to the positions of tokens past the prompt's images (multimodal/mrope)

@@ -119,7 +119,7 @@ class Scheduler:
         batch.spans.append(SeqSpan(seq.seq_id, [token_ids[start]], start, table,
                                    "all" if seq.wants_prefill_logprobs else "last", seq.adapter,
                                    seq.block_table_version, images if images is not None and start < images.end
-                                   else None))
+                                   else None, 0 if images is None else images.rope_delta))
         batch.num_decode_tokens += 1
         return True
 
@@ -210,7 +210,8 @@ class Scheduler:
         batch.seqs.append(seq)
         images = seq.images if seq.images is not None and start < seq.images.end else None
         batch.spans.append(SeqSpan(seq.seq_id, seq.token_ids[start:end] + seq.draft_token_ids, start,
-                                   seq.block_table, logits, seq.adapter, seq.block_table_version, images))
+                                   seq.block_table, logits, seq.adapter, seq.block_table_version, images,
+                                   0 if seq.images is None else seq.images.rope_delta))
         batch.num_draft_tokens += len(seq.draft_token_ids)
         if end - start == 1 and start >= seq.num_prompt_tokens:
             batch.num_decode_tokens += 1

@@ -31,6 +31,7 @@ from engine.lora.batch import order_by_adapter
 from engine.lora.stack import AdapterSet
 from engine.model_config import ModelConfig
 from engine.model_inputs import prepare_inputs
+from engine.multimodal import mrope
 from engine.multimodal.encoder_cache import EncoderCache
 from engine.models import model_class
 from engine.parallel_layout import ParallelLayout
@@ -327,7 +328,7 @@ class RankWorker:
             if draft:
                 hidden = self.draft.forward(inputs)
             elif self.encoder_cache is not None and num_layers is None:
-                hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention,
+                hidden = self.model(inputs.input_ids, mrope.step_positions(spans, inputs.positions), inputs.attention,
                                     self.encoder_cache.embeddings(spans))
             elif num_layers is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)

@@ -2,8 +2,9 @@
 
 Each recipe: the text model (a tiny Llama, Mistral, Qwen3 or Cohere2), a tiny vision tower, the family's processor
 over the tiny BPE tokenizer with the family's image special tokens added. Families whose processors need torchvision
-(Qwen2-VL, Mistral3's PixtralProcessor, SmolVLM, which also needs num2words) are left out: the engine does not
-install them (docs/models.md says which families do not work and why).
+(Mistral3's PixtralProcessor, SmolVLM, which also needs num2words) are left out: the engine does not install them
+(docs/models.md says which families do not work and why). The Qwen-VL processors are built without their video
+processor.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ _PIXTRAL_TOKENS = {"image_token": "<|image_pad|>", "image_break_token": "<|visio
                    "image_end_token": "<|vision_end|>"}
 _AYA_TOKENS = ["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
 _GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+_QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+_MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])  # (time, height, width) of head_dim / 2
 # name -> (model class, special tokens added, image token)
 VLM_MODELS: dict[str, tuple[str, list[str], str]] = {
     "tiny-llava": ("LlavaForConditionalGeneration", ["<image>"], "<image>"),
@@ -31,6 +34,9 @@ VLM_MODELS: dict[str, tuple[str, list[str], str]] = {
     "tiny-aya-vision": ("AyaVisionForConditionalGeneration", _AYA_TOKENS, "<|IMG_PATCH|>"),
     "tiny-deepseek-vl": ("DeepseekVLForConditionalGeneration", ["<image_placeholder>"], "<image_placeholder>"),
     "tiny-gemma3-vision": ("Gemma3ForConditionalGeneration", list(_GEMMA3_TOKENS.values()), "<image_soft_token>"),
+    "tiny-qwen2-vl": ("Qwen2VLForConditionalGeneration", _QWEN_VL_TOKENS, "<|image_pad|>"),
+    "tiny-qwen2.5-vl": ("Qwen2_5_VLForConditionalGeneration", _QWEN_VL_TOKENS, "<|image_pad|>"),
+    "tiny-qwen3-vl": ("Qwen3VLForConditionalGeneration", _QWEN_VL_TOKENS, "<|image_pad|>"),
 }
 
 
@@ -105,6 +111,8 @@ def _config_and_processor(name: str, tok, image_id: int):
                                 eoi_token_index=ids["eoi_token"], initializer_range=0.1)
         images = T.Gemma3ImageProcessorPil(size={"height": 32, "width": 32})  # the torch one needs torchvision
         return config, T.Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4)
+    if name in ("tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"):
+        return _qwen_vl(name, tok, image_id)
     # tiny-idefics2: a perceiver resampler on a Mistral text model
     mistral = T.MistralConfig(**_TEXT, vocab_size=len(tok), sliding_window=None, bos_token_id=tok.bos_token_id,
                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -113,6 +121,46 @@ def _config_and_processor(name: str, tok, image_id: int):
                                                     resampler_n_heads=2, resampler_head_dim=8, num_key_value_heads=1))
     images = T.Idefics2ImageProcessor(do_image_splitting=False, size={"longest_edge": 32, "shortest_edge": 16})
     return config, T.Idefics2Processor(image_processor=images, tokenizer=tok, image_seq_len=4)
+
+
+def _qwen_vl(name: str, tok, image_id: int):
+    """M-RoPE text model, a native-resolution vision tower (2x2 patches merged per token), the image processor alone:
+    the video processor needs torchvision."""
+    import transformers as T
+
+    tokens = dict(image_token_id="<|image_pad|>", video_token_id="<|video_pad|>",
+                  vision_start_token_id="<|vision_start|>", vision_end_token_id="<|vision_end|>")
+    ids = {key: tok.convert_tokens_to_ids(token) for key, token in tokens.items()}
+    text = dict(**{k: v for k, v in _TEXT.items() if k != "head_dim"}, vocab_size=len(tok), rope_parameters=_MROPE,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if name == "tiny-qwen2-vl":
+        vision = T.Qwen2VLVisionConfig(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=8)
+        config = T.Qwen2VLConfig(text_config=T.Qwen2VLTextConfig(**text), vision_config=vision, **ids)
+        processor_cls = T.Qwen2VLProcessor
+    elif name == "tiny-qwen2.5-vl":  # window attention in the vision tower but in its full-attention blocks
+        vision = T.Qwen2_5_VLVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                          out_hidden_size=64, patch_size=8, window_size=32, fullatt_block_indexes=[1])
+        config = T.Qwen2_5_VLConfig(text_config=T.Qwen2_5_VLTextConfig(**text), vision_config=vision, **ids)
+        processor_cls = T.Qwen2_5_VLProcessor
+    else:  # interleaved M-RoPE, q/k norms; DeepStack: vision layers 0 and 1 also feed the first two text layers
+        rope = dict(_MROPE, mrope_section=[4, 2, 2], mrope_interleaved=True)
+        text = {**{k: v for k, v in text.items() if k not in ("bos_token_id", "eos_token_id")}, "head_dim": 16,
+                "rope_parameters": rope}
+        vision = T.Qwen3VLVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                       patch_size=8, num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
+                                       initializer_range=0.2)
+        config = T.Qwen3VLConfig(text_config=T.Qwen3VLTextConfig(**text), vision_config=vision, **ids)
+        processor_cls = T.Qwen3VLProcessor
+    config.tie_word_embeddings = False
+    images = T.Qwen2VLImageProcessorPil(patch_size=8, merge_size=2,
+                                        size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})
+
+    class ImagesOnly(processor_cls):  # its own __init__ wants a video processor, which needs torchvision
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template, **kwargs)
+
+    ImagesOnly.__name__ = processor_cls.__name__  # saved as the family's processor class, as checkpoints are
+    return config, ImagesOnly(image_processor=images, tokenizer=tok)
 
 
 def build_vlm(name: str, out: Path, train_tokenizer) -> None:

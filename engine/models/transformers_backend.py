@@ -19,6 +19,8 @@ model's attention is ours (the vision tower and other sub-models keep SDPA); `en
 (engine/multimodal/encoder_cache.py) into the language model's input embeddings, as the model's own forward does.
 Gemma 3's image tokens attend to each other both ways (BIDIRECTIONAL_IMAGE_MODELS): see
 engine/attention/bidirectional.py.
+M-RoPE models (Qwen2-VL) take [3, tokens] positions (engine/multimodal/mrope.py); Qwen3-VL's DeepStack features ride
+beside the image embeddings and reach its first layers through the language model's own kwargs.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from engine.attention.backend import causal_mask
 from engine.distributed import layout
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.model_config import ModelConfig
+from engine.multimodal import mrope
 
 ATTN_IMPLEMENTATION = "tgi_paged"
 KV_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
@@ -82,6 +85,9 @@ def unsupported_reason(hf_config: Any) -> str | None:
         return f"transformers has no AutoModelForCausalLM class for model_type {hf_config.model_type!r}"
     if auto.__name__ != "AutoModelForCausalLM" and image_token_id(hf_config) is None:
         return "it is an image-text model without an image token id in its config"
+    if _has_mrope(hf_config) and hf_config.model_type not in mrope.MODEL_TYPES:
+        return (f"its M-RoPE positions (get_rope_index) follow {hf_config.model_type}'s own rules, which the engine "
+                f"implements only for {', '.join(mrope.MODEL_TYPES)} (engine/multimodal/mrope.py)")
     text = hf_config.get_text_config()
     other = sorted(set(getattr(text, "layer_types", None) or ()) - KV_LAYER_TYPES)
     if other:
@@ -93,6 +99,13 @@ def unsupported_reason(hf_config: Any) -> str | None:
     if getattr(text, "attn_temperature_tuning", False) and 0 in (getattr(text, "no_rope_layers", None) or ()):
         return "its NoPE layers scale queries by positions counted from transformers' own cache"
     return None
+
+
+def _has_mrope(hf_config: Any) -> bool:
+    """Whether the model's positions come in sections computed from its image grids (Qwen2-VL's M-RoPE)."""
+    from transformers import AutoModel
+
+    return hasattr(AutoModel._model_mapping.get(type(hf_config), None), "get_rope_index")
 
 
 def _language_model_class(hf_config: Any, model_cls: Any) -> Any:
@@ -341,25 +354,36 @@ class TransformersForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None,
                 image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """`image_embeds`: (rows, vectors) that replace those rows' token embeddings (engine/multimodal)."""
+        """`positions`: [tokens], or [3, tokens] for M-RoPE (engine/multimodal/mrope.py). `image_embeds`: (rows,
+        vectors) that replace those rows' token embeddings (engine/multimodal)."""
         self.attention_layers()
+        position_ids = positions[None] if positions.dim() == 1 else positions[:, None]  # [1, T] or [3, 1, T]
         if image_embeds is None:
-            out = self.base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False, tgi_meta=meta)
+            out = self.base(input_ids=input_ids[None], position_ids=position_ids, use_cache=False, tgi_meta=meta)
         else:
             rows, vectors = image_embeds
+            vectors, *deepstack = vectors.split(self.config.hidden_size, dim=-1)
+            extra = {}
+            if deepstack:  # added to the hidden states at those rows after each of the first layers
+                mask = torch.zeros(1, input_ids.shape[0], dtype=torch.bool, device=rows.device)
+                extra = dict(visual_pos_masks=mask.index_fill_(1, rows, True), deepstack_visual_embeds=deepstack)
             embeds = self.base.get_input_embeddings()(input_ids)
             embeds = embeds.index_copy(0, rows, vectors.to(embeds.dtype))
-            out = self.base(inputs_embeds=embeds[None], position_ids=positions[None], use_cache=False, tgi_meta=meta)
+            out = self.base(inputs_embeds=embeds[None], position_ids=position_ids, use_cache=False, tgi_meta=meta,
+                            **extra)
         return out.last_hidden_state[0]
 
     @torch.inference_mode()
     def encode_images(self, encoder_inputs: dict[str, Any]) -> torch.Tensor:
-        """The vision encoder (+ projector) on the processor's tensors: [image tokens, hidden], in token order."""
+        """The vision encoder (+ projector) on the processor's tensors: [image tokens, hidden], in token order.
+        DeepStack models (Qwen3-VL) append each of their extra per-layer features as `hidden` more columns."""
         device = self.lm_head.weight.device
         dtype = self.lm_head.weight.dtype
         inputs = {k: v.to(device, dtype if v.is_floating_point() else None) for k, v in encoder_inputs.items()}
-        features = self.hf.model.get_image_features(**inputs, return_dict=True).pooler_output
-        return torch.cat([f.reshape(-1, f.shape[-1]) for f in features]).to(dtype)
+        out = self.hf.model.get_image_features(**inputs, return_dict=True)
+        layers = [out.pooler_output, *(getattr(out, "deepstack_features", None) or ())]
+        return torch.cat([torch.cat([f.reshape(-1, f.shape[-1]) for f in features]) for features in layers],
+                         dim=-1).to(dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden_states)

@@ -2,7 +2,10 @@
 
 Images reach the prompt as TGI's markdown `![](URL)` (the chat routes write each `image_url` part that way, as
 TGI's router does); each becomes the processor's image placeholder, which the processor expands into the
-model's image tokens (their number depends on the image for some families).
+model's image tokens (their number depends on the image for some families). Families whose chat template wraps
+each image in marker tokens (Qwen2-VL's <|vision_start|>...<|vision_end|>) get the wrapped placeholder. A processor
+that also takes videos (Qwen2-VL's) is built without its video processor, which needs torchvision: the engine serves
+no video.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from engine.multimodal import mrope
 from engine.multimodal.image_source import ImageData, ImageError, ImageLimits, load_image
 from engine.multimodal.prompt import MultiModalPrompt
 
@@ -38,10 +42,13 @@ class VisionProcessor:
     validation calls on the event loop. A prompt nobody prefetched is prepared in place, as before.
     """
 
-    def __init__(self, processor: Any, image_token_id: int, limits: ImageLimits, max_images: int) -> None:
+    def __init__(self, processor: Any, image_token_id: int, limits: ImageLimits, max_images: int,
+                 markers: tuple[str, str] = ("", ""), mrope_merge_size: int | None = None) -> None:
         self.processor = processor
-        self.placeholder: str = processor.image_token
+        self.image_token: str = processor.image_token
+        self.placeholder = markers[0] + self.image_token + markers[1]   # what each markdown image becomes
         self.image_token_id = image_token_id
+        self.mrope_merge_size = mrope_merge_size    # M-RoPE models: patches per token along each side
         self.limits = limits
         self.max_images = max_images
         # (text, add_special_tokens) -> outcomes made by prefetch, taken by prepare (one per request)
@@ -52,9 +59,19 @@ class VisionProcessor:
     @classmethod
     def from_pretrained(cls, path: str | Path, image_token_id: int, limits: ImageLimits,
                         max_images: int) -> VisionProcessor:
-        from transformers import AutoProcessor
+        from transformers import AutoConfig, AutoProcessor
+        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 
-        return cls(AutoProcessor.from_pretrained(str(path)), image_token_id, limits, max_images)
+        config = AutoConfig.from_pretrained(str(path))
+        processor_cls = PROCESSOR_MAPPING.get(type(config), None)
+        if processor_cls is not None and "video_processor" in processor_cls.get_attributes():
+            processor = _without_videos(processor_cls).from_pretrained(str(path))
+        else:
+            processor = AutoProcessor.from_pretrained(str(path))
+        markers = [getattr(config, f"vision_{side}_token_id", None) for side in ("start", "end")]
+        return cls(processor, image_token_id, limits, max_images,
+                   tuple(processor.tokenizer.convert_ids_to_tokens(markers)) if None not in markers else ("", ""),
+                   config.vision_config.spatial_merge_size if config.model_type in mrope.MODEL_TYPES else None)
 
     def has_images(self, text: str) -> bool:
         return MARKDOWN_IMAGE.search(text) is not None
@@ -93,8 +110,8 @@ class VisionProcessor:
         if len(urls) > self.max_images:
             raise ImageError(f"the request has {len(urls)} images, more than --max-images-per-request "
                              f"{self.max_images}")
-        if self.placeholder in MARKDOWN_IMAGE.sub("", text):
-            raise ImageError(f"the text itself contains the image placeholder {self.placeholder!r}")
+        if self.image_token in MARKDOWN_IMAGE.sub("", text):
+            raise ImageError(f"the text itself contains the image placeholder {self.image_token!r}")
         images = [load_image(url, self.limits) for url in urls]
         return self.process(MARKDOWN_IMAGE.sub(lambda _: self.placeholder, text), images, add_special_tokens)
 
@@ -111,8 +128,31 @@ class VisionProcessor:
         positions = [i for i, token in enumerate(ids) if token == self.image_token_id]
         if not positions:
             raise ImageError("the model's processor placed no image tokens (is the image too small for this model?)")
-        encoder_inputs = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids")}
-        return ids, MultiModalPrompt(encoder_inputs, positions, _image_keys(positions, images), len(images))
+        encoder_inputs = {k: v for k, v in out.items()
+                          if k not in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")}
+        prompt = MultiModalPrompt(encoder_inputs, positions, _image_keys(positions, images), len(images))
+        if self.mrope_merge_size is not None:
+            try:
+                prompt.rope_positions, prompt.rope_delta = mrope.prompt_positions(
+                    ids, self.image_token_id, out["image_grid_thw"], self.mrope_merge_size)
+            except ValueError as exc:
+                raise ImageError(f"the model's processor placed image tokens that its image grids do not "
+                                 f"explain: {exc}") from None
+        return ids, prompt
+
+
+def _without_videos(processor_cls: type) -> type:
+    """`processor_cls` without its video processor (transformers' video processors need torchvision, and the engine
+    serves no video): its own __init__ gets video_processor=None and passes the mixin one processor fewer."""
+
+    class ImagesOnly(processor_cls):  # type: ignore[misc, valid-type]
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                             chat_template=chat_template, **kwargs)
+
+    ImagesOnly.__name__ = ImagesOnly.__qualname__ = processor_cls.__name__
+    return ImagesOnly
 
 
 def _image_keys(positions: list[int], images: list[ImageData]) -> list[tuple[int, int]]:

@@ -19,6 +19,9 @@ class MultiModalPrompt:
     mask from `token_type_ids` does; `runs` are those [start, end) ranges. A prefill chunk then must not end inside
     a run (`chunk_end`), else the run's first tokens would miss its later ones; a chunk may start inside one (the
     prefix cache holds the run's earlier blocks, computed over the whole run).
+
+    `rope_positions` and `rope_delta`: the prompt's M-RoPE positions [3, prompt tokens] and the offset of every
+    later token's (engine/multimodal/mrope.py), for models with M-RoPE (Qwen2-VL); else None and 0.
     """
 
     encoder_inputs: dict[str, Any]      # the processor's tensors for the vision encoder (pixel_values, ...)
@@ -26,6 +29,8 @@ class MultiModalPrompt:
     keys: list[tuple[int, int]]
     num_images: int
     bidirectional: bool = False
+    rope_positions: Any = None          # torch.Tensor [3, prompt tokens]
+    rope_delta: int = 0
     runs: list[tuple[int, int]] = field(init=False)
 
     def __post_init__(self) -> None:

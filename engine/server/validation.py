@@ -125,7 +125,7 @@ class Validator:
         else:
             ids = self._tokenize(req.inputs, p.truncate, add_special_tokens)
         if images is None and self.vision is not None and self.vision.image_token_id in ids:
-            raise ValidationError(f"the prompt has the image token {self.vision.placeholder!r} but no image: send "
+            raise ValidationError(f"the prompt has the image token {self.vision.image_token!r} but no image: send "
                                   "images as image_url parts or markdown ![](URL)")
         max_new_tokens = self._check_lengths(len(ids), p.max_new_tokens, max_new_tokens_default)
         params = SamplingParams(

@@ -1,6 +1,7 @@
 """Vision-language models on the transformers backend (engine/multimodal) against transformers itself (fp32, CPU):
-tiny random LLaVA, LLaVA-NeXT, Idefics3, Idefics2, VipLLaVA, LightOnOCR (Pixtral vision), Aya Vision and DeepSeek-VL
-(SigLIP + an aligner on Llama) with their real processors (scripts/tiny_vlms.py). Requests with 1 and 2 images and a
+tiny random LLaVA, LLaVA-NeXT, Idefics3, Idefics2, VipLLaVA, LightOnOCR (Pixtral vision), Aya Vision, DeepSeek-VL
+(SigLIP + an aligner on Llama) and Qwen2-VL, Qwen2.5-VL, Qwen3-VL (M-RoPE; Qwen3-VL's DeepStack) with their real
+processors (scripts/tiny_vlms.py). Requests with 1 and 2 images and a
 text-only one in one batch, under a prefill budget small enough that chunk boundaries fall inside images, give
 transformers' greedy tokens for the same processor output; the encoder runs once per request; the prefix cache
 shares the blocks of a repeated image and not those of a different one. Gemma 3, whose image tokens attend to each
@@ -21,7 +22,7 @@ from fakes import test_model_path  # noqa: E402
 from images import png  # noqa: E402
 
 VLMS = ["tiny-llava", "tiny-llava-next", "tiny-idefics3", "tiny-idefics2", "tiny-vipllava", "tiny-lightonocr",
-        "tiny-aya-vision", "tiny-deepseek-vl"]
+        "tiny-aya-vision", "tiny-deepseek-vl", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 NEW_TOKENS = 6
 
 
@@ -32,6 +33,8 @@ def engine_for(name, **config):
 
 def hf_greedy(model, ids, images, max_new_tokens):
     inputs = dict(images.encoder_inputs) if images is not None else {}
+    if "image_grid_thw" in inputs:  # M-RoPE: transformers places the image grids by the token types
+        inputs["mm_token_type_ids"] = (torch.tensor([ids]) == model.config.image_token_id).long()
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              **inputs, max_new_tokens=max_new_tokens, do_sample=False)
@@ -152,3 +155,21 @@ def test_images_attending_both_ways_give_transformers_tokens(name):
         assert [t.id for t in output.tokens] == expected, f"{name}: prompt of {len(ids)} tokens"
         logprobs = [torch.log_softmax(step[0], -1)[token].item() for step, token in zip(out.logits, expected)]
         assert [t.logprob for t in output.tokens] == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_prefix_cache_hit_past_an_image_keeps_the_mrope_positions():
+    """A repeated Qwen2-VL prompt resumes after its cached image blocks: positions there are flat + the prompt's
+    delta, and the tokens are the first run's."""
+    path = test_model_path("tiny-qwen2-vl")
+    with engine_for("tiny-qwen2-vl", max_batch_prefill_tokens=64) as engine:
+        vision = VisionProcessor.from_pretrained(path, engine.model_config.image_token_id, ImageLimits(), 4)
+
+        def run():
+            text = f"Look: {vision.placeholder} and then tell me, in a few words, what you see in it"
+            ids, images = vision.process(text, [decode(png(3, 64, 48), ImageLimits())])
+            return engine.generate([ids], SamplingParams(max_new_tokens=NEW_TOKENS), [images])[0], images
+
+        first, images = run()
+        again, _ = run()
+        assert images.rope_delta < 0 and again.num_cached_tokens > images.end  # resumes past the image
+        assert token_ids([again]) == token_ids([first])
