@@ -16,10 +16,12 @@ from engine.multimodal.processor import VisionProcessor  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from fakes import test_model_path  # noqa: E402
 from images import png  # noqa: E402
+from make_models import TORCHVISION_VLMS, torchvision_works  # noqa: E402
 
 VLMS = ["tiny-llava", "tiny-llava-next", "tiny-idefics3", "tiny-idefics2", "tiny-vipllava", "tiny-lightonocr",
-        "tiny-aya-vision", "tiny-deepseek-vl"]
+        "tiny-aya-vision", "tiny-deepseek-vl", "tiny-mistral3", "tiny-smolvlm", "tiny-command-a-vision"]
 NEW_TOKENS = 6
+NO_TORCHVISION = "torchvision does not import beside this torch"   # tests/support/skip_guard.py ALLOWED
 
 
 def engine_for(name, **config):
@@ -43,6 +45,8 @@ def token_ids(outputs):
 def test_greedy_tokens_equal_transformers_with_one_and_two_images(name):
     from transformers import AutoModelForImageTextToText
 
+    if name in TORCHVISION_VLMS and not torchvision_works():
+        pytest.skip(NO_TORCHVISION)
     path = test_model_path(name)
     with engine_for(name) as engine:
         assert engine.model_config.impl == "transformers" and engine.model_config.image_token_id is not None
