@@ -54,7 +54,13 @@ class VisionProcessor:
                         max_images: int) -> VisionProcessor:
         from transformers import AutoProcessor
 
-        return cls(AutoProcessor.from_pretrained(str(path)), image_token_id, limits, max_images)
+        try:
+            processor = AutoProcessor.from_pretrained(str(path))
+        except ImportError as exc:  # e.g. PixtralProcessor without torchvision, SmolVLM's without num2words
+            reason = " ".join(str(exc).split()).split(". ")[0].rstrip(".") or type(exc).__name__
+            raise ValueError(f"the model's processor cannot load: {reason} (docs/models.md says what each "
+                             "family needs)") from None
+        return cls(processor, image_token_id, limits, max_images)
 
     def has_images(self, text: str) -> bool:
         return MARKDOWN_IMAGE.search(text) is not None
