@@ -1,6 +1,7 @@
 """Vision-language models on the transformers backend (engine/multimodal) against transformers itself (fp32, CPU):
 tiny random LLaVA, LLaVA-NeXT, Idefics3, Idefics2, VipLLaVA, LightOnOCR (Pixtral vision), Aya Vision and DeepSeek-VL
-(SigLIP + an aligner on Llama) with their real processors (scripts/tiny_vlms.py). Requests with 1 and 2 images and a
+(SigLIP + an aligner on Llama), and where torchvision imports Mistral 3, SmolVLM and Command A Vision, with their
+real processors (scripts/tiny_vlms.py). Requests with 1 and 2 images and a
 text-only one in one batch, under a prefill budget small enough that chunk boundaries fall inside images, give
 transformers' greedy tokens for the same processor output; the encoder runs once per request; the prefix cache
 shares the blocks of a repeated image and not those of a different one."""
