@@ -590,7 +590,12 @@ def main(argv: list[str] | None = None) -> int:
     # The model runs in the main thread (faster CPU kernels, see AsyncEngine.run_here); HTTP in a thread.
     engine = AsyncEngine(llm)
     drain = Drain(args.drain_timeout)
-    app = DrainMiddleware(build_app(engine, config), drain)
+    try:
+        app = DrainMiddleware(build_app(engine, config), drain)
+    except ValueError as exc:  # the model's processor cannot load (engine/multimodal/processor.py)
+        logger.error("cannot start the engine: %s", exc)
+        engine.close()
+        return 1
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", timeout_graceful_shutdown=5))
     http = threading.Thread(target=lambda: asyncio.run(_serve(server, sock, args.ready_file, engine, drain)),
                             name="http", daemon=True)

@@ -150,7 +150,7 @@ SEQ2SEQ_MODELS: dict[str, tuple[str, dict]] = {
 }
 POOLING_RECIPE = 2  # 2: no chat template (sentence-transformers 6 would feed pairs to a cross-encoder as chat)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_vlms import VLM_MODELS, build_vlm  # noqa: E402
+from tiny_vlms import TORCHVISION_VLMS, VLM_MODELS, build_vlm, torchvision_works  # noqa: E402
 
 VLM_RECIPE = 1
 MODEL_NAMES = ["smollm2", *TINY_MODELS, *POOLING_MODELS, *VLM_MODELS, *SEQ2SEQ_MODELS]
@@ -445,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-path", action="store_true", help="print only the snapshot paths")
     args = parser.parse_args(argv)
     names = MODEL_NAMES if args.names == ["all"] else args.names
+    if args.names == ["all"] and not torchvision_works():   # their processors need it (scripts/tiny_vlms.py)
+        names = [name for name in names if name not in TORCHVISION_VLMS]
+        print(f"make_models: torchvision does not import here: {', '.join(TORCHVISION_VLMS)} not built",
+              file=sys.stderr)
     for name in names:
         path = ensure_model(name, args.cache_root)
         print(path if args.print_path else f"{name}: {path}")

@@ -16,7 +16,10 @@ case "${TGI_HPC_DEPS:-pinned}" in
 esac
 # torch is pinned in every install command: an unpinned requirement would pull ~3 GB of CUDA wheels.
 "${PIP[@]}" "$TORCH"
-"${PIP[@]}" "$TORCH" -e ".[engine,test]"
+# torchvision (the `vision` extra) only beside another torch: PyPI's does not import beside the CPU 2.13.0 wheel
+EXTRAS=engine,test
+[ "${TGI_HPC_TORCH:-2.13.0}" = 2.13.0 ] || EXTRAS+=,vision
+"${PIP[@]}" "$TORCH" -e ".[$EXTRAS]"
 # Triton runs the GPU kernels' tests on the CPU (TRITON_INTERPRET=1); CUDA torch ships its own.
 "${PIP[@]}" "$TORCH" "triton>=3.2"
 # text-generation 0.7 pins huggingface_hub<1 (only for its Hub helpers, which tests do not use);

@@ -1,10 +1,9 @@
 """Tiny random vision-language models with their real processor classes (offline, for scripts/make_models.py).
 
 Each recipe: the text model (a tiny Llama, Mistral, Qwen3 or Cohere2), a tiny vision tower, the family's processor
-over the tiny BPE tokenizer with the family's image special tokens added. Families whose processors need torchvision
-(Mistral3's PixtralProcessor, SmolVLM, which also needs num2words) are left out: the engine does not install them
-(docs/models.md says which families do not work and why). The Qwen-VL processors are built without their video
-processor.
+over the tiny BPE tokenizer with the family's image special tokens added. The Qwen-VL processors are built without
+their video processor. Mistral 3 (PixtralProcessor), SmolVLM (which also needs num2words) and Command A Vision have
+processors that need torchvision (TORCHVISION_VLMS).
 """
 from __future__ import annotations
 
@@ -37,7 +36,21 @@ VLM_MODELS: dict[str, tuple[str, list[str], str]] = {
     "tiny-qwen2-vl": ("Qwen2VLForConditionalGeneration", _QWEN_VL_TOKENS, "<|image_pad|>"),
     "tiny-qwen2.5-vl": ("Qwen2_5_VLForConditionalGeneration", _QWEN_VL_TOKENS, "<|image_pad|>"),
     "tiny-qwen3-vl": ("Qwen3VLForConditionalGeneration", _QWEN_VL_TOKENS, "<|image_pad|>"),
+    "tiny-mistral3": ("Mistral3ForConditionalGeneration", ["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]"),
+    "tiny-smolvlm": ("SmolVLMForConditionalGeneration", _IDEFICS_TOKENS, "<image>"),
+    "tiny-command-a-vision": ("Cohere2VisionForConditionalGeneration", _AYA_TOKENS, "<|IMG_PATCH|>"),
 }
+TORCHVISION_VLMS = ["tiny-mistral3", "tiny-smolvlm", "tiny-command-a-vision"]
+
+
+def torchvision_works() -> bool:
+    """Whether torchvision imports here: PyPI's wheel is built against PyPI's (CUDA) torch of the same release and
+    does not import beside a CPU torch wheel ('operator torchvision::nms does not exist')."""
+    try:
+        import torchvision  # noqa: F401
+    except (ImportError, RuntimeError):
+        return False
+    return True
 
 
 def _config_and_processor(name: str, tok, image_id: int):
@@ -113,6 +126,8 @@ def _config_and_processor(name: str, tok, image_id: int):
         return config, T.Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4)
     if name in ("tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"):
         return _qwen_vl(name, tok, image_id)
+    if name in TORCHVISION_VLMS:
+        return _torchvision_family(name, tok, text, image_id)
     # tiny-idefics2: a perceiver resampler on a Mistral text model
     mistral = T.MistralConfig(**_TEXT, vocab_size=len(tok), sliding_window=None, bos_token_id=tok.bos_token_id,
                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -161,6 +176,39 @@ def _qwen_vl(name: str, tok, image_id: int):
 
     ImagesOnly.__name__ = processor_cls.__name__  # saved as the family's processor class, as checkpoints are
     return config, ImagesOnly(image_processor=images, tokenizer=tok)
+
+
+def _torchvision_family(name: str, tok, text, image_id: int):
+    import transformers as T
+
+    if name == "tiny-mistral3":  # Pixtral's vision tower + patch merger on a Mistral text model
+        mistral = T.MistralConfig(**_TEXT, vocab_size=len(tok), sliding_window=None, bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        config = T.Mistral3Config(vision_config=T.PixtralVisionConfig(**{**_VISION, "head_dim": 16}),
+                                  text_config=mistral, image_token_index=image_id, spatial_merge_size=2,
+                                  tie_word_embeddings=False)
+        images = T.PixtralImageProcessor(size={"longest_edge": 48}, patch_size=8)
+        return config, T.PixtralProcessor(image_processor=images, tokenizer=tok, patch_size=8, spatial_merge_size=2)
+    if name == "tiny-smolvlm":  # Idefics3's architecture; its processor splits an image into tiles + a global one
+        config = T.SmolVLMConfig(vision_config=T.SmolVLMVisionConfig(**_VISION), text_config=text,
+                                 image_token_id=image_id, scale_factor=2)
+        images = T.SmolVLMImageProcessor(do_image_splitting=True, size={"longest_edge": 64},
+                                         max_image_size={"longest_edge": 32})
+        videos = T.SmolVLMVideoProcessor(size={"longest_edge": 32}, max_image_size={"longest_edge": 32})
+        return config, T.SmolVLMProcessor(image_processor=images, tokenizer=tok, video_processor=videos,
+                                          image_seq_len=4)
+    # tiny-command-a-vision: SigLIP + pixel shuffle on a Cohere2 text model, tiles by aspect ratio
+    tok._set_model_specific_special_tokens(special_tokens={
+        "image_token": "<|IMG_PATCH|>", "boi_token": "<|START_OF_IMG|>", "eoi_token": "<|END_OF_IMG|>",
+        "img_line_break_token": "<|IMG_LINE_BREAK|>"})
+    cohere2 = T.Cohere2Config(**{k: v for k, v in _TEXT.items() if k != "rms_norm_eps"}, vocab_size=len(tok),
+                              sliding_window=64, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id)
+    config = T.Cohere2VisionConfig(vision_config=T.SiglipVisionConfig(**_VISION), text_config=cohere2,
+                                   image_token_id=image_id, downsample_factor=2, alignment_intermediate_size=64,
+                                   tie_word_embeddings=False)
+    images = T.Cohere2VisionImageProcessor(size={"height": 32, "width": 32}, patch_size=2, max_patches=2)
+    return config, T.Cohere2VisionProcessor(image_processor=images, tokenizer=tok)
 
 
 def build_vlm(name: str, out: Path, train_tokenizer) -> None:

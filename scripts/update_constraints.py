@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RELEASE = ROOT / "tgi_hpc" / "release" / "constraints.txt"
 TEST = ROOT / "scripts" / "constraints-test.txt"
 ENGINE_ROOTS = ("transformers", "tokenizers", "safetensors", "starlette", "uvicorn", "prometheus-client", "jinja2",
-                "llguidance", "jsonschema", "pydantic", "huggingface-hub", "pillow")
-NEVER = {"torch", "tgi-hpc", "pip", "setuptools", "wheel"}
+                "llguidance", "jsonschema", "pydantic", "huggingface-hub", "pillow", "num2words")
+NEVER = {"torch", "torchvision", "tgi-hpc", "pip", "setuptools", "wheel"}   # torchvision follows torch
 NEVER_IN_RELEASE = {"numpy", "typing-extensions"}
 
 

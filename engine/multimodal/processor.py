@@ -64,10 +64,15 @@ class VisionProcessor:
 
         config = AutoConfig.from_pretrained(str(path))
         processor_cls = PROCESSOR_MAPPING.get(type(config), None)
-        if processor_cls is not None and "video_processor" in processor_cls.get_attributes():
-            processor = _without_videos(processor_cls).from_pretrained(str(path))
-        else:
-            processor = AutoProcessor.from_pretrained(str(path))
+        try:
+            if processor_cls is not None and "video_processor" in processor_cls.get_attributes():
+                processor = _without_videos(processor_cls).from_pretrained(str(path))
+            else:
+                processor = AutoProcessor.from_pretrained(str(path))
+        except ImportError as exc:  # e.g. PixtralProcessor without torchvision, SmolVLM's without num2words
+            reason = " ".join(str(exc).split()).split(". ")[0].rstrip(".") or type(exc).__name__
+            raise ValueError(f"the model's processor cannot load: {reason} (docs/models.md says what each "
+                             "family needs)") from None
         markers = [getattr(config, f"vision_{side}_token_id", None) for side in ("start", "end")]
         return cls(processor, image_token_id, limits, max_images,
                    tuple(processor.tokenizer.convert_ids_to_tokens(markers)) if None not in markers else ("", ""),

@@ -141,3 +141,21 @@ def test_a_shared_encoder_call_that_fails_is_retried_per_request():
     assert rows.tolist() == [0, 1, 2, 3] and vectors[:, 0].tolist() == [1, 1, 5, 5]
     with pytest.raises(ValueError, match="failed on this request's images"):
         cache.embeddings(spans[1:2])  # a caller that did not drop the failed request gets its error
+
+
+def test_a_processor_that_needs_a_missing_package_is_refused_in_one_line(monkeypatch):
+    """Mistral 3's PixtralProcessor without torchvision, SmolVLM's without num2words: transformers raises a
+    multi-line ImportError at load; the server refuses to start with one line naming the package."""
+    import transformers
+
+    message = ("\nPixtralProcessor requires the Torchvision library but it was not found in your environment. "
+               "Check out the instructions on the\ninstallation page: https://pytorch.org/get-started/locally/\n")
+
+    def missing(*args, **kwargs):
+        raise ImportError(message)
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", missing)
+    with pytest.raises(ValueError) as refused:
+        VisionProcessor.from_pretrained("/no/such/model", 1, ImageLimits(), 4)
+    assert "\n" not in str(refused.value)
+    assert "processor cannot load: PixtralProcessor requires the Torchvision library" in str(refused.value)

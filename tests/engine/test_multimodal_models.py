@@ -1,7 +1,8 @@
 """Vision-language models on the transformers backend (engine/multimodal) against transformers itself (fp32, CPU):
 tiny random LLaVA, LLaVA-NeXT, Idefics3, Idefics2, VipLLaVA, LightOnOCR (Pixtral vision), Aya Vision, DeepSeek-VL
-(SigLIP + an aligner on Llama) and Qwen2-VL, Qwen2.5-VL, Qwen3-VL (M-RoPE; Qwen3-VL's DeepStack) with their real
-processors (scripts/tiny_vlms.py). Requests with 1 and 2 images and a
+(SigLIP + an aligner on Llama) and Qwen2-VL, Qwen2.5-VL, Qwen3-VL (M-RoPE; Qwen3-VL's DeepStack), and where torchvision
+imports Mistral 3, SmolVLM and Command A Vision, with their real processors (scripts/tiny_vlms.py). Requests with 1
+and 2 images and a
 text-only one in one batch, under a prefill budget small enough that chunk boundaries fall inside images, give
 transformers' greedy tokens for the same processor output; the encoder runs once per request; the prefix cache
 shares the blocks of a repeated image and not those of a different one. Gemma 3, whose image tokens attend to each
@@ -20,10 +21,13 @@ from engine.outputs import RequestOutput  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from fakes import test_model_path  # noqa: E402
 from images import png  # noqa: E402
+from make_models import TORCHVISION_VLMS, torchvision_works  # noqa: E402
 
 VLMS = ["tiny-llava", "tiny-llava-next", "tiny-idefics3", "tiny-idefics2", "tiny-vipllava", "tiny-lightonocr",
-        "tiny-aya-vision", "tiny-deepseek-vl", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
+        "tiny-aya-vision", "tiny-deepseek-vl", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-mistral3",
+        "tiny-smolvlm", "tiny-command-a-vision"]
 NEW_TOKENS = 6
+NO_TORCHVISION = "torchvision does not import beside this torch"   # tests/support/skip_guard.py ALLOWED
 
 
 def engine_for(name, **config):
@@ -49,6 +53,8 @@ def token_ids(outputs):
 def test_greedy_tokens_equal_transformers_with_one_and_two_images(name):
     from transformers import AutoModelForImageTextToText
 
+    if name in TORCHVISION_VLMS and not torchvision_works():
+        pytest.skip(NO_TORCHVISION)
     path = test_model_path(name)
     with engine_for(name) as engine:
         assert engine.model_config.impl == "transformers" and engine.model_config.image_token_id is not None

@@ -19,6 +19,8 @@ GPU_REASON = "needs CUDA"   # tests/conftest.py's skip for the `gpu` marker
 ALLOWED = {
     "neither flash_attn nor vllm_flash_attn is importable": "flash-attn is the optional `gpu` extra, never required",
     "flash-attn is importable here: auto picks it": "a test of the default where flash-attn is not installed",
+    "torchvision does not import beside this torch": "the `vision` extra: PyPI's torchvision needs PyPI's torch "
+    "build, and scripts/setup.sh's default is the CPU wheel on disk (docs/models.md, Mistral 3 / SmolVLM rows)",
 }
 
 
