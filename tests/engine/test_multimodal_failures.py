@@ -156,6 +156,6 @@ def test_a_processor_that_needs_a_missing_package_is_refused_in_one_line(monkeyp
 
     monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", missing)
     with pytest.raises(ValueError) as refused:
-        VisionProcessor.from_pretrained("/no/such/model", 1, ImageLimits(), 4)
+        VisionProcessor.from_pretrained(test_model_path("tiny-llava"), 1, ImageLimits(), 4)
     assert "\n" not in str(refused.value)
     assert "processor cannot load: PixtralProcessor requires the Torchvision library" in str(refused.value)
