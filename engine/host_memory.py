@@ -48,17 +48,19 @@ def memory_limit(environ: dict[str, str] | None = None, proc: Path = Path("/proc
 
 
 def cpu_kv_budget(bytes_per_token: int, max_tokens: int, local_ranks: int = 1,
-                  memory: MemoryLimit | None = None) -> int:
+                  memory: MemoryLimit | None = None, fraction: float = 1.0) -> int:
     """Bytes for one rank's KV cache: its share of `KV_SHARE` of the memory available now (the model is
-    loaded, so its weights are already out of it), never more than `max_tokens` tokens need."""
+    loaded, so its weights are already out of it), never more than `max_tokens` tokens need. `fraction`: this
+    engine's part of the node when several engines share it (`--cuda-memory-fraction`, which the offline batch's
+    `--workers N` sets to 1/N), so that together they stay within `KV_SHARE`."""
     memory = memory or memory_limit()
-    share = int(memory.available * KV_SHARE / max(local_ranks, 1))
+    share = int(memory.available * KV_SHARE * fraction / max(local_ranks, 1))
     needed = bytes_per_token * max_tokens
     budget = min(max(share, MIN_KV_BYTES), needed)
     logger.info("KV cache sized from the machine: %d MiB of the %d MiB available (limit %d MiB, from %s; "
                 "share %.0f%% over %d rank(s); the most the engine can hold is %d MiB); --kv-cache-bytes overrides",
-                budget // _MIB, memory.available // _MIB, memory.limit // _MIB, memory.source, KV_SHARE * 100,
-                local_ranks, needed // _MIB)
+                budget // _MIB, memory.available // _MIB, memory.limit // _MIB, memory.source,
+                KV_SHARE * fraction * 100, local_ranks, needed // _MIB)
     return budget
 
 

@@ -205,7 +205,8 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
      dict(default=True, type=_bool, help="share the KV blocks of equal prompt prefixes between requests "
                                          "(true|false); the hits show as usage.prompt_tokens_details.cached_tokens")),
     (("--cuda-memory-fraction",), "CUDA_MEMORY_FRACTION",
-     dict(default=1.0, type=float, help="share of the GPU this process may use")),
+     dict(default=1.0, type=float, help="share of the GPU this process may use; on CPU, its share of the memory the "
+                                         "KV cache is sized from (engines sharing a node)")),
     (("--kv-cache-bytes",), "KV_CACHE_BYTES", dict(type=_size, help="KV-cache budget on CPU, e.g. 512MiB (default: half the memory available to the job, from its cgroup, Slurm or the machine)")),
     (("--cuda-graphs",), "CUDA_GRAPHS", dict(type=_batch_sizes, help="decode batch sizes captured as CUDA graphs, "
                                              "e.g. 1,2,4,8; 0 = none (default: 1,2,4,...,256 on one GPU "

@@ -258,7 +258,7 @@ class RankWorker:
         else:  # this rank's share of the node's memory, no more than max_total_tokens per concurrent request
             per_token = bytes_per_block // self.block_size
             most = self.config.max_concurrent_requests * (self.config.max_total_tokens or cfg.max_position_embeddings)
-            budget = cpu_kv_budget(per_token, most, self.layout.tp_size)
+            budget = cpu_kv_budget(per_token, most, self.layout.tp_size, fraction=self.config.cuda_memory_fraction)
         scratch = 1 if self.graph_sizes else 0  # one block past the scheduler's: padding rows of decode graphs
         num_blocks = distributed.all_reduce_min(int(budget // bytes_per_block), self.device) - scratch
         if num_blocks < 1:

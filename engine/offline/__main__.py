@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         threads = shares(args.cpu_threads or len(os.sched_getaffinity(0)), ours.workers)
         windows = shares(ours.window or config.max_concurrent_requests, ours.workers)
         return run_workers([worker_argv(ours.batch_dir, ours.holder, k, windows[k], threads[k], ours.lease_s,
-                                        engine_argv) for k in range(ours.workers)])
+                                        engine_argv, ours.workers) for k in range(ours.workers)])
 
     import torch
 

@@ -77,12 +77,16 @@ def _die_with_parent() -> None:
 
 
 def worker_argv(batch_dir: str, holder: str, k: int, window: int, threads: int, lease_s: float | None,
-                engine_argv: Sequence[str]) -> list[str]:
-    """Worker k's command line (the last --cpu-threads wins over one in `engine_argv`)."""
+                engine_argv: Sequence[str], workers: int = 1) -> list[str]:
+    """Worker k's command line (the last --cpu-threads wins over one in `engine_argv`). Each of the `workers` sizes
+    its KV cache from 1/workers of the node's share (`--cuda-memory-fraction`, unless the flags set one): started
+    together, they would otherwise each take the share that the free memory allows one engine."""
     argv = [sys.executable, "-m", "engine.offline", "--batch-dir", batch_dir, "--holder", f"{holder}/w{k}",
             "--window", str(window), "--workers", "1"]
     if lease_s is not None:
         argv += ["--lease-s", str(lease_s)]
+    if workers > 1 and not any(a.split("=")[0] == "--cuda-memory-fraction" for a in engine_argv):
+        argv += ["--cuda-memory-fraction", f"{1 / workers:.6g}"]
     return argv + [*engine_argv, "--cpu-threads", str(threads)]
 
 

@@ -70,6 +70,8 @@ def test_the_budget_is_a_share_of_what_is_available_split_over_ranks(caplog):
         assert cpu_kv_budget(1 << 10, 1 << 40, memory=memory) == int(20 * GIB * KV_SHARE)
     assert "SLURM_MEM_PER_NODE" in caplog.text and "--kv-cache-bytes" in caplog.text
     assert cpu_kv_budget(1 << 10, 1 << 40, 2, memory) == int(20 * GIB * KV_SHARE / 2)
+    # engines sharing the node (offline batch --workers 4: --cuda-memory-fraction 0.25) together keep to the share
+    assert cpu_kv_budget(1 << 10, 1 << 40, 1, memory, fraction=0.25) == int(20 * GIB * KV_SHARE * 0.25)
 
 
 def test_never_more_than_the_engine_can_hold():

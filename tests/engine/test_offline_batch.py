@@ -399,6 +399,10 @@ def test_workers_split_threads_and_window_and_pass_the_rest_on():
     argv = worker_argv("/b", "n:1", 1, 64, 1, None, ["--model-id", "m", "--cpu-threads", "8"])
     assert argv[1:] == ["-m", "engine.offline", "--batch-dir", "/b", "--holder", "n:1/w1", "--window", "64",
                         "--workers", "1", "--model-id", "m", "--cpu-threads", "8", "--cpu-threads", "1"]
+    two = worker_argv("/b", "n:1", 0, 32, 1, None, ["--model-id", "m"], workers=2)   # half the KV share each
+    assert two[two.index("--cuda-memory-fraction") + 1] == "0.5"
+    given = worker_argv("/b", "n:1", 0, 32, 1, None, ["--cuda-memory-fraction=0.2"], workers=2)
+    assert given.count("--cuda-memory-fraction") == 0 and "--cuda-memory-fraction=0.2" in given
     from engine.offline.workers import on_cpu
     assert on_cpu("cpu") and not on_cpu("cuda") and not on_cpu("cuda:1")
 
