@@ -19,7 +19,8 @@ from tgi_hpc.models.adapter import same_base
 from tgi_hpc.slurm.cluster import open_cluster
 from tgi_hpc.slurm.jobspec import ShellPath
 from tgi_hpc.slurm.render import render_job
-from tgi_hpc.workflows.engines import ModelPlan, gpu_slices, memory_shares
+from tgi_hpc.profiles.schema import Resources
+from tgi_hpc.workflows.engines import ModelPlan, gpu_slices, memory_shares, plan_engines
 from tgi_hpc.workflows.serve import ServeOptions, build_serve_spec, check_before_submit
 
 BIG, SMALL = "meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"
@@ -62,6 +63,15 @@ def test_gpus_are_split_when_there_is_one_per_model_else_shared_by_size():
         memory_shares(plans, [0.5])
     with pytest.raises(UsageError, match=r"\(0, 1\]"):
         memory_shares(plans, [0.0, 0.5])
+
+
+def test_cpu_engines_share_the_node_memory_by_size_and_its_threads():
+    plans = [ModelPlan("a/big", ShellPath(), 8.0), ModelPlan("a/small", ShellPath(), 2.0)]
+    engines = plan_engines(plans, [(), ()], Resources(gpus=0, cpus_per_task=8), (), [])
+    assert [e.engine_args for e in engines] == [("--cuda-memory-fraction", "0.8", "--cpu-threads", "4"),
+                                                ("--cuda-memory-fraction", "0.2", "--cpu-threads", "4")]
+    alone = plan_engines(plans[:1], [()], Resources(gpus=0, cpus_per_task=8), (), [])
+    assert alone[0].engine_args == ("--cpu-threads", "8")   # one engine: the whole node, no fraction
 
 
 def test_several_models_render_one_engine_each_on_every_profile():

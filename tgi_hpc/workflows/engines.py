@@ -2,7 +2,8 @@
 
 - At least one GPU per model: each engine gets its own GPUs (an equal slice of the job's CUDA_VISIBLE_DEVICES,
   tensor-parallel over them); fewer GPUs than models: every engine sees every GPU and gets a share of its
-  memory (`--cuda-memory-fraction`, from the models' sizes unless given per model); no GPU: CPU engines.
+  memory (`--cuda-memory-fraction`, from the models' sizes unless given per model); no GPU: CPU engines, each
+  with such a share of the node's memory for its KV cache.
 - The CPU threads of the allocation are split between the engines (unless --engine-arg --cpu-threads).
 - Ports are picked in the job: the job's port for the first model, then the next free ones.
 """
@@ -103,7 +104,8 @@ def plan_engines(plans: list[ModelPlan], loras: list[tuple[LoraAdapter, ...]], r
     gpus = resources.gpus or 0
     slices = gpu_slices(gpus, len(plans))
     shared = gpus > 0 and slices[0][0] is None
-    shares = memory_shares(plans, fractions) if shared or fractions else []
+    # CPU engines share the node's memory too: each sizes its KV cache from its part (engine/host_memory.py)
+    shares = memory_shares(plans, fractions) if shared or fractions or (gpus == 0 and len(plans) > 1) else []
     threads = []
     if "--cpu-threads" not in args and resources.cpus_per_task:
         threads = ["--cpu-threads", str(max(1, resources.cpus_per_task // len(plans)))]
