@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -94,6 +95,15 @@ class AsyncEngine:
                        images: Any = None) -> AsyncIterator[RequestOutput]:
         """Yield the engine's incremental outputs for one request until the finished one; `images`: the
         prompt's engine.multimodal.MultiModalPrompt, if any."""
+        async with contextlib.aclosing(self.generate_runs(request_id, prompt_token_ids, params, images)) as runs:
+            async for run in runs:
+                for out in run:
+                    yield out
+
+    async def generate_runs(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                            images: Any = None) -> AsyncIterator[list[RequestOutput]]:
+        """As `generate`, but each yield is every output already waiting (one step's, or several when the event
+        loop fell behind the steps): a stream can then write them to its socket at once."""
         if not self.is_alive:
             raise EngineDeadError(self._dead_reason())
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -111,14 +121,28 @@ class AsyncEngine:
                 self.engine.add_request(request_id, prompt_token_ids, params, images)
             self._wakeup.set()
             while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise RequestFailedError(f"engine stopped: {item}") from item
-                if item.error is not None:
-                    finished = True
-                    raise RequestFailedError(item.error)
-                finished = item.finished
-                yield item
+                run = [await stream.queue.get()]
+                while not stream.queue.empty():
+                    run.append(stream.queue.get_nowait())
+                ready: list[RequestOutput] = []
+                failed: BaseException | None = None
+                for item in run:
+                    if isinstance(item, BaseException):
+                        failed = RequestFailedError(f"engine stopped: {item}")
+                        failed.__cause__ = item
+                        break
+                    if item.error is not None:
+                        finished = True
+                        failed = RequestFailedError(item.error)
+                        break
+                    ready.append(item)
+                    if item.finished:
+                        finished = True
+                        break
+                if ready:       # what came before a failure still reaches the stream, as one output at a time did
+                    yield ready
+                if failed is not None:
+                    raise failed
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)

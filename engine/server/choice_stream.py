@@ -31,17 +31,24 @@ async def _events(state: ServerState, groups: list[list[ValidRequest]], arrival:
     try:
         num_done = 0
         while num_done < len(tasks):
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            index, ev = item
-            if ev is None:
-                num_done += 1
-                continue
-            if ev.end is not None:
-                ends[index] = ev.end
-            for chunk in render(index, ev):
-                yield chunk
+            items = [await queue.get()]
+            while not queue.empty():        # the events already waiting go out in one write
+                items.append(queue.get_nowait())
+            held: list[bytes] = []
+            for item in items:
+                if isinstance(item, BaseException):
+                    if held:
+                        yield b"".join(held)
+                    raise item
+                index, ev = item
+                if ev is None:
+                    num_done += 1
+                    continue
+                if ev.end is not None:
+                    ends[index] = ev.end
+                held += render(index, ev)
+            if held:
+                yield b"".join(held)
         index = 0
         by_prompt = []
         for group in groups:

@@ -79,12 +79,14 @@ class Generation:
 
 @dataclass(slots=True)
 class StreamEvent:
-    """One generated token with the text it completes; `end` is set on the last one."""
+    """One generated token with the text it completes; `end` is set on the last one. `flush`: no further event of
+    this request is ready yet (the last of the outputs that were waiting), so a stream writes what it holds."""
 
     index: int
     token: TokenInfo
     text: str
     end: Generation | None = None
+    flush: bool = True
 
 
 @dataclass(slots=True)
@@ -189,21 +191,30 @@ class Infer:
         self._observe(valid)
         collector = Collector(valid.input_length, Timings(arrival))
         index, last_token = 0, None
-        async with contextlib.aclosing(self._outputs(valid, collector.timings)) as outputs:
-            async for out in outputs:
-                end = collector.add(out)
-                tokens = list(out.tokens)
-                if end is not None and not tokens and last_token is not None:
-                    # the end came without a new token: close on the last token with the remaining text
-                    tokens = [replace(last_token, text="")]
-                # several tokens in one step (speculation): one event each, with its own text
-                texts = out.token_texts if out.token_texts is not None and len(out.token_texts) == len(tokens) \
-                    else [""] * (len(tokens) - 1) + [out.text]
-                for i, token in enumerate(tokens):
-                    index += 1
-                    last = i == len(tokens) - 1
-                    yield StreamEvent(index, token, texts[i], end if last else None)
-                    last_token = token
+        async with contextlib.aclosing(self._runs(valid, collector.timings)) as runs:
+            async for run in runs:
+                events: list[StreamEvent] = []
+                end: Generation | None = None
+                for out in run:
+                    end = collector.add(out)
+                    tokens = list(out.tokens)
+                    if end is not None and not tokens and last_token is not None:
+                        # the end came without a new token: close on the last token with the remaining text
+                        tokens = [replace(last_token, text="")]
+                    # several tokens in one step (speculation): one event each, with its own text
+                    texts = out.token_texts if out.token_texts is not None and len(out.token_texts) == len(tokens) \
+                        else [""] * (len(tokens) - 1) + [out.text]
+                    for i, token in enumerate(tokens):
+                        index += 1
+                        events.append(StreamEvent(index, token, texts[i], end if i == len(tokens) - 1 else None,
+                                                  flush=False))
+                        last_token = token
+                    if end is not None:
+                        break
+                if events:
+                    events[-1].flush = True
+                for event in events:
+                    yield event
                 if end is not None:
                     self._record_success(end)
                     return
@@ -219,14 +230,21 @@ class Infer:
         raise IncompleteGenerationError()
 
     async def _outputs(self, valid: ValidRequest, timings: Timings) -> AsyncIterator[RequestOutput]:
+        async with contextlib.aclosing(self._runs(valid, timings)) as runs:
+            async for run in runs:
+                for out in run:
+                    yield out
+
+    async def _runs(self, valid: ValidRequest, timings: Timings) -> AsyncIterator[list[RequestOutput]]:
+        """The request's engine outputs, as many at a time as are waiting (AsyncEngine.generate_runs)."""
         request_id = uuid.uuid4().hex
         timings.queued = time.monotonic()
         params = replace(valid.params, stop=list(valid.params.stop))
         try:
-            async with contextlib.aclosing(self.engine.generate(request_id, valid.prompt_token_ids, params,
-                                                                   valid.images)) as outs:
-                async for out in outs:
-                    yield out
+            async with contextlib.aclosing(self.engine.generate_runs(request_id, valid.prompt_token_ids, params,
+                                                                        valid.images)) as runs:
+                async for run in runs:
+                    yield run
         except (RequestFailedError, EngineDeadError) as exc:
             raise GenerationError(str(exc)) from None
         except ValueError as exc:  # LLMEngine.add_request's own checks on a request we let through

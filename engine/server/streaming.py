@@ -92,13 +92,18 @@ def admit(state: ServerState, validate: Callable[[], T]) -> tuple[T, Callable[[]
 
 async def _events(state: ServerState, valid: ValidRequest, arrival: float, render: Renderer,
                   openai: bool) -> AsyncIterator[bytes]:
+    held: list[bytes] = []   # the events of outputs that were waiting together go out in one write
     try:
         async with contextlib.aclosing(state.infer.stream(valid, arrival)) as events:
             async for ev in events:
-                for chunk in render(ev, valid):
-                    yield chunk
+                held += render(ev, valid)
+                if ev.flush:
+                    yield b"".join(held)
+                    held.clear()
     except Exception as exc:  # noqa: BLE001 - the client gets an error event, not a traceback
-        yield stream_error(state, exc, space=openai)
+        held.append(stream_error(state, exc, space=openai))
+    if held:
+        yield b"".join(held)
     if openai:
         yield sse.DONE
 

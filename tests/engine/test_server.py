@@ -19,7 +19,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from starlette.testclient import TestClient  # noqa: E402
 
-from engine.async_engine import AsyncEngine  # noqa: E402
+from engine.async_engine import AsyncEngine, RequestFailedError  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.outputs import RequestOutput, TokenInfo  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -871,3 +871,63 @@ def test_non_streaming_client_disconnect_aborts():
         assert fake.stats().num_free_blocks == fake.num_total_blocks
         assert 'tgi_request_failure{err="client_disconnected"} 1.0' in httpx.get(f"{url}/metrics").text
     engine.close()
+
+
+def test_outputs_that_wait_together_come_out_together_and_those_before_a_failure_still_arrive():
+    """AsyncEngine.generate_runs gives a stream every output already waiting (so its events can go out in one
+    socket write when the event loop falls behind the steps); outputs queued before the engine failed are still
+    delivered, then the failure."""
+    import asyncio
+
+    fake = FakeEngine(step_delay_s=0.002)
+    engine = AsyncEngine(fake).start()
+    prompt = CharTokenizer().encode("hello")
+
+    async def first_runs(crash_after: bool, runs: list) -> None:
+        gen = engine.generate_runs("r-crash" if crash_after else "r", prompt,
+                                   SamplingParams(max_new_tokens=200 if crash_after else 30))
+        try:
+            runs.append(await gen.__anext__())      # the first step's output, then the loop is held up...
+            time.sleep(0.1)                          # ...while the engine runs ~50 more steps
+            if crash_after:
+                fake.crash = True
+                time.sleep(0.1)
+            async for run in gen:
+                runs.append(run)
+        finally:
+            await gen.aclose()
+
+    try:
+        runs: list = []
+        asyncio.run(first_runs(False, runs))
+        texts = "".join(out.text for run in runs for out in run)
+        assert texts == SCRIPT[:30] and runs[-1][-1].finished
+        assert len(runs) < 30 and max(len(run) for run in runs) > 5   # the waiting ones in one run
+        before_crash: list = []
+        with pytest.raises(RequestFailedError, match="engine stopped"):
+            asyncio.run(first_runs(True, before_crash))
+        delivered = [out for run in before_crash for out in run]
+        assert len(delivered) > 10 and not delivered[-1].finished    # the steps before the crash reached the stream
+        assert "".join(out.text for out in delivered) == (SCRIPT * 5)[:len(delivered)]
+    finally:
+        engine.close()
+
+
+def test_a_stream_writes_the_events_that_came_together_in_one_chunk(served):
+    """The SSE response joins the events of outputs that were waiting together into one body chunk (one write);
+    a client reads the same events."""
+    from engine.server import streaming
+    from engine.server.infer import StreamEvent
+
+    class Infer:
+        async def stream(self, valid, arrival):
+            for i, (text, flush) in enumerate([("a", False), ("b", False), ("c", True), ("d", True)]):
+                yield StreamEvent(i + 1, TokenInfo(i, text, -0.5, False), text, flush=flush)
+
+    import asyncio
+
+    async def chunks():
+        state = SimpleNamespace(infer=Infer())
+        return [c async for c in streaming._events(state, None, 0.0, lambda ev, valid: [ev.text.encode()], False)]
+
+    assert asyncio.run(chunks()) == [b"abc", b"d"]
