@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -25,6 +26,12 @@ def _has_cuda() -> bool:
 # variable is read when a kernel is decorated, so it must be set before any engine module imports.
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# A shell without job control starts a background command (`bash scripts/test.sh &`, a CI runner's
+# step) with SIGINT ignored, and every child inherits that: the tests that press Ctrl-C (serve --tunnel, the
+# metrics live view, --stop-on-exit) then wait out their timeouts and fail. Children get the default back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # `tgi-hpc ... --wait` backs off to one poll every 5 s; 1 s here notices a READY job sooner (tgi_hpc/slurm/jobs.py).
 os.environ.setdefault("TGI_HPC_MAX_POLL_S", "1")

@@ -103,8 +103,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# A requeued job may restart only cred_expire s later (default 120).
-AuthInfo=cred_expire=10
+# A requeued job may restart only cred_expire s later (default 120; 5 is Slurm's least).
+AuthInfo=cred_expire=5
 SlurmctldPort=$CTLD_PORT
 SlurmdPort=$SLURMD_PORT
 StateSaveLocation=$DIR/state
@@ -132,8 +132,8 @@ SelectTypeParameters=CR_Core_Memory
 SchedulerType=sched/backfill
 # batch_sched_delay: the default 3 s makes every submit->start take 2-3 s. The intervals: a
 # requeued or preempted job becomes eligible cred_expire s later, but only an event or a
-# periodic pass (defaults 60 s main, 30 s backfill) starts it; 2 s keeps restarts at ~12 s.
-SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=2
+# periodic pass (defaults 60 s main, 30 s backfill) starts it; 1 s keeps restarts at ~6 s.
+SchedulerParameters=batch_sched_delay=0,sched_interval=1,bf_interval=1
 ReturnToService=2
 # Finished jobs stay in squeue -t all / scontrol for an hour (then only sacct knows them).
 MinJobAge=3600

@@ -64,7 +64,7 @@ def test_requeue_on_long_keeps_job_id_and_counts_restarts(local_cluster, tmp_pat
     try:
         wait_for_file_text(out, f"run id={job} restart=0", timeout=15)
         local_cluster.run("scontrol", "requeue", job)
-        # ~12 s: cred_expire=10 plus a 2 s scheduler pass (Slurm defaults: 120 s, then up to 60 s)
+        # ~6 s: cred_expire=5 plus a 1 s scheduler pass (Slurm defaults: 120 s, then up to 60 s)
         wait_for_file_text(out, f"run id={job} restart=1", timeout=40)
         assert local_cluster.show_job(job)["Restarts"] == "1"
     finally:

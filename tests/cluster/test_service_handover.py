@@ -114,10 +114,11 @@ def test_handover_before_the_time_limit_loses_no_request(service_cli, local_clus
     name = "handover"
     # made while the first job loads (not after: `adapter load` must come before the successor is READY)
     making = ThreadPoolExecutor(1).submit(make_adapter, model_path("tiny-llama"), tmp_path / "checkpoint", seed=7)
-    # a lead of 80 s (the profile's floor is 60 s): the successor may start 40 s into the 2-minute job, not 60 s,
-    # and its own successor 40 s after it, still after this test is done with it
+    # a lead of 90 s (the profile's floor is 60 s): the successor may start 30 s into the 2-minute job, not 60 s
+    # (the client loops start ~15 s in; the first drains only once the successor has loaded), and its own
+    # successor 30 s after it, still after this test is done with it (~5 s after the successor is READY)
     started = _serve(service_cli, model_path, name, "--keep-alive", "--time", "2:00",
-                     "--engine-arg=--enable-runtime-lora", "--set", "slurm.handover_floor_s=80")
+                     "--engine-arg=--enable-runtime-lora", "--set", "slurm.handover_floor_s=90")
     first = started["job_ids"][0]
     tunnel = loops = None
     try:
@@ -132,7 +133,7 @@ def test_handover_before_the_time_limit_loses_no_request(service_cli, local_clus
             loop.start()
         states = {j["job_id"]: j["state"] for j in service_cli.state(name)["jobs"]}
         assert states[first] == "ready", f"the first job began to drain before the client loops started: {states}"
-        # the first job submits its successor, which becomes READY before the 2-minute limit (lead: the 80 s
+        # the first job submits its successor, which becomes READY before the 2-minute limit (lead: the 90 s
         # floor); the first drains
         deadline = time.monotonic() + 240
         while True:
