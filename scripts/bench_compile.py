@@ -283,6 +283,8 @@ def main() -> None:
         same = bool((compiled_logits.argmax(-1) == eager_logits.argmax(-1)).all())
         print(f"{name}: first compiled step {wall:.1f} s wall ({cpu:.1f} CPU s); logits max|diff| {diff:.2e}, "
               f"argmax equal: {same}", flush=True)
+        counters = torch._dynamo.utils.counters
+        print(f"  caches: {dict(counters['inductor'])} {dict(counters['aot_autograd'])}", flush=True)
         restore()
         times = {"eager": ([], []), "compiled": ([], [])}
         for _ in range(5 * args.repeat):
