@@ -20,7 +20,7 @@ from engine.attention.flash import flash_version
 from engine.attention.selection import choose_backend
 from engine.batch import SeqSpan
 from engine.config import EngineConfig
-from engine.host_memory import cpu_kv_budget
+from engine.host_memory import cpu_kv_budget, prefault
 from engine.kv_budget import kv_budget
 from engine.kernels import cpu_elementwise
 from engine.layers import cpu_gemm, quantization
@@ -267,6 +267,8 @@ class RankWorker:
         self.kv_cache = torch.empty(2, num_layers, num_blocks + scratch, self.block_size,
                                     layer0.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
         self.kv_cache[:, :, 0].zero_()  # padded gathers read block 0: keep it finite
+        if self.device.type == "cpu":
+            self.kv_prefault = prefault(self.kv_cache)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         if self.draft is not None:
