@@ -142,6 +142,10 @@ def prefault(tensor: Any) -> threading.Thread | None:
     end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
 
     def run() -> None:
+        try:    # background work: below the step loop and HTTP (a short-lived engine needs none of it)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError):
+            pass
         began = time.monotonic()
         for at in range(start, end, PREFAULT_CHUNK):
             if madvise(at, min(PREFAULT_CHUNK, end - at), MADV_POPULATE_WRITE) != 0:
