@@ -57,6 +57,8 @@ OPTIONAL = {
     "flash_attn": "an optional attention backend; selection falls back to the Triton kernels",
     "bitsandbytes": "only for --quantize bitsandbytes*, refused with a message when absent",
     "openai": "used only by a CPU test of test_lora.py (the server's OpenAI routes), not by a gpu test",
+    "torchvision": "the `vision` extra (Mistral 3, SmolVLM, Command A Vision processors); scripts/tiny_vlms.py only "
+                   "checks whether it imports, and no gpu test builds those models",
 }
 
 MACHINE_BUILDS = {"torch", "triton", "numpy"}
