@@ -7,14 +7,10 @@ what the kernel says is available now (`MemAvailable`).
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +20,6 @@ logger = logging.getLogger(__name__)
 KV_SHARE = 0.5
 MIN_KV_BYTES = 16 << 20
 _MIB = 1 << 20
-MADV_POPULATE_WRITE = 23        # Linux 5.14+: fault pages in, writable, leaving their contents as they are
-PREFAULT_CHUNK = 256 << 20
-_PAGE = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,37 +117,3 @@ def _read_int(path: Path) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
-
-
-def prefault(tensor: Any) -> threading.Thread | None:
-    """Fault a CPU tensor's pages in from a background thread, its contents unchanged (MADV_POPULATE_WRITE, in
-    chunks; the engine may write blocks meanwhile). Why: the KV cache is allocated untouched, the block manager
-    hands out never-used blocks first (its free list is FIFO, to keep cached prefixes longest), so until every block
-    has been used once each new block's first write page-faults inside a step. With a default-sized cache (11 GiB on
-    the 2-core VM) that cost the served 128-token row 10-17% of its throughput (docs/benchmarks.md, "Peer").
-    None where the kernel cannot (not Linux, or older than 5.14): the cache then faults in as it is used."""
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    start = tensor.data_ptr() // _PAGE * _PAGE
-    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
-
-    def run() -> None:
-        try:    # background work: below the step loop and HTTP (a short-lived engine needs none of it)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (OSError, AttributeError):
-            pass
-        began = time.monotonic()
-        for at in range(start, end, PREFAULT_CHUNK):
-            if madvise(at, min(PREFAULT_CHUNK, end - at), MADV_POPULATE_WRITE) != 0:
-                logger.info("KV cache pages not faulted in ahead (madvise: %s); they fault in as blocks are used",
-                            os.strerror(ctypes.get_errno()))
-                return
-        logger.info("KV cache pages faulted in: %d MiB in %.1f s, in the background", (end - start) // _MIB,
-                    time.monotonic() - began)
-
-    thread = threading.Thread(target=run, name="kv-prefault", daemon=True)
-    thread.start()
-    return thread

@@ -20,8 +20,9 @@ from engine.attention.flash import flash_version
 from engine.attention.selection import choose_backend
 from engine.batch import SeqSpan
 from engine.config import EngineConfig
-from engine.host_memory import cpu_kv_budget, prefault
+from engine.host_memory import cpu_kv_budget
 from engine.kv_budget import kv_budget
+from engine.kv_prefault import KVPrefault
 from engine.kernels import cpu_elementwise
 from engine.layers import cpu_gemm, quantization
 from engine.layers.quantization import fp8, wna16
@@ -120,6 +121,7 @@ class RankWorker:
         self.attention_layers = self.model.attention_layers()
         self.windows = {layer.sliding_window for layer in self.attention_layers}
         self.block_tables = BlockTables(self.device)   # kept on the device, updated by what changed
+        self.kv_prefault: KVPrefault | None = None     # CPU: the cache's pages fault in just ahead of use
         if self.draft is not None:
             self.windows |= self.draft.windows
         self.attention, self.block_size, self.attention_report = self._choose_backend()
@@ -268,7 +270,7 @@ class RankWorker:
                                     layer0.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
         self.kv_cache[:, :, 0].zero_()  # padded gathers read block 0: keep it finite
         if self.device.type == "cpu":
-            self.kv_prefault = prefault(self.kv_cache)
+            self.kv_prefault = KVPrefault(self.kv_cache, block_dim=2)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         if self.draft is not None:
@@ -314,6 +316,9 @@ class RankWorker:
         """Forward the spans; rank 0 gets float32 logits of the requested rows, other ranks None.
         `num_layers`: only the first layers, then the final norm and LM head (layer-skip drafting).
         `draft`: the draft model alone; else the draft model (if any) follows the target on the same spans."""
+        if self.kv_prefault is not None and not self.kv_prefault.done and spans:
+            self.kv_prefault.note(max(span.block_table[(span.start_pos + len(span.token_ids) - 1) // self.block_size]
+                                      for span in spans))
         if self.layout.pp_size > 1:
             return pipeline.run_stage(self, spans)
         if num_layers is None and not draft and self.graphs is not None and self.graphs.can_run(spans):
@@ -364,6 +369,8 @@ class RankWorker:
             spans, self.block_size, self.device, self.attention, self.windows, self.block_tables))
 
     def close(self) -> None:
+        if self.kv_prefault is not None:
+            self.kv_prefault.close()
         self.graphs = None
         self.heads = None
         for layer in self.attention_layers:

@@ -95,27 +95,3 @@ def test_the_engine_sizes_its_cache_from_the_machine(model_path, monkeypatch, av
         assert engine.block_manager.num_blocks == int(budget // per_block)
     finally:
         engine.close()
-
-
-def test_prefault_makes_the_cache_resident_and_leaves_its_contents():
-    """The KV cache's pages are faulted in ahead, in a background thread, without touching what is written in
-    them (the engine may already be writing blocks)."""
-    import torch
-
-    from engine.host_memory import prefault
-
-    def rss() -> int:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS")
-
-    cache = torch.empty(64 << 20, dtype=torch.uint8)       # 64 MiB, untouched
-    cache[:4096] = 7
-    cache[-3:] = 9
-    before = rss()
-    thread = prefault(cache)
-    assert thread is not None
-    thread.join(30)
-    assert rss() - before > 48 << 20                        # resident now
-    assert bool((cache[:4096] == 7).all()) and cache[-3:].tolist() == [9, 9, 9]
