@@ -174,7 +174,7 @@ class LLMEngine:
         """`images`: the prompt's images as the model's processor prepared them (engine/multimodal)."""
         self._validate(prompt_token_ids, params)
         if images is not None and self.model_config.image_token_id is None:
-            raise ValueError(f"{self.model_config.architecture} is a text-only model: it takes no images")
+            raise ValueError(f"{self.model_config.architecture}: {self.model_config.text_only_reason()}")
         if images is not None and self.model_config.bidirectional_images:
             images = images.attending_both_ways(self.max_batch_prefill_tokens)
         num_prompt = len(prompt_token_ids)

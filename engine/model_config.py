@@ -19,6 +19,9 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM", "Olmo2ForCausalLM", "Starcoder2ForCausalLM", "GPT2LMHeadModel", "FalconForCausalLM",
     "BloomForCausalLM",
 )
+# vision-language checkpoints our native classes serve text-only (their tower skipped): images need the transformers
+# backend, which the refusal of an image names
+VISION_ON_TRANSFORMERS_BACKEND = ("Gemma3ForConditionalGeneration",)
 # transformers' Gemma3TextConfig defaults: the Hub's multimodal Gemma 3 configs (4B, 12B, 27B) list only what differs
 GEMMA3_TEXT_DEFAULTS = {
     "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -161,6 +164,15 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"{source}: num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
+
+    def text_only_reason(self) -> str:
+        """Why a request's images are refused (this model has no image token): a text-only model, or a vision
+        checkpoint served by a native class that skips its tower, where the message names the flag that serves it."""
+        if self.impl == "native" and self.architecture in VISION_ON_TRANSFORMERS_BACKEND:
+            return (f"this model is served text-only: {self.architecture}'s vision tower runs on the transformers "
+                    "backend; start the server with --model-impl transformers (tgi-hpc serve: --engine-arg "
+                    "--model-impl=transformers) to send images")
+        return "this model is text-only: it takes no images"
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The sliding window of one layer, None for full attention."""

@@ -88,8 +88,11 @@ def _build_state(engine: AsyncEngine, config: EngineConfig) -> ServerState:
                           config.served_model_name or config.model_id)
     thinks = reasoning_format(config.reasoning_parser, getattr(llm.tokenizer, "chat_template", None))
     validator.skip_special_tokens = thinks is None or thinks.name != "gpt_oss"   # harmony's markers are special
-    if getattr(getattr(llm, "model_config", None), "image_token_id", None) is not None:
-        validator.vision = vision_processor(llm.model_config, config)
+    model_config = getattr(llm, "model_config", None)
+    if getattr(model_config, "image_token_id", None) is not None:
+        validator.vision = vision_processor(model_config, config)
+    elif hasattr(model_config, "text_only_reason"):
+        validator.text_only = model_config.text_only_reason()
     grammars = getattr(llm, "grammars", None)
     if grammars is not None:    # the token table is checked (and a refusal logged) at start-up
         grammars.prepare_in_background()

@@ -72,7 +72,7 @@ def images_as_markdown(state: Any, req: ChatCompletionRequest) -> ChatCompletion
         for part in message.content:
             if part.type == "image_url":
                 if vision is None:
-                    raise ValidationError("this model is text-only: it takes no images (image_url parts)")
+                    raise ValidationError(f"{state.validator.text_only} (image_url parts)")
                 if part.image_url is None:
                     raise ValidationError("an `image_url` part needs `image_url.url`")
                 try:

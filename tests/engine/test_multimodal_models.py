@@ -102,8 +102,36 @@ def test_prefix_cache_shares_a_repeated_image_not_a_different_one():
 def test_text_only_model_refuses_images():
     with engine_for("tiny-llama") as engine:
         images = MultiModalPrompt({}, [1], [(1, 7)], 1)
-        with pytest.raises(ValueError, match="text-only model"):
+        with pytest.raises(ValueError, match="text-only: it takes no images"):
             engine.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=2), images)
+
+
+def test_gemma3_served_natively_names_the_flag_that_serves_its_images():
+    """`--model-impl auto` serves a multimodal Gemma 3 checkpoint text-only on the native class: the refusal of an
+    image says how to get the vision tower, in the engine (offline batch) and in the server's 422."""
+    from starlette.testclient import TestClient
+
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.server.app import build_app
+
+    config = EngineConfig(model_id=str(test_model_path("tiny-gemma3-vision")), device="cpu", dtype="float32",
+                          cpu_kv_cache_bytes=8 * 2**20)
+    engine = AsyncEngine(LLMEngine(config)).start()
+    try:
+        assert engine.engine.model_config.impl == "native"
+        with pytest.raises(ValueError, match="served text-only.*--model-impl transformers"):
+            engine.engine.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=2),
+                                      MultiModalPrompt({}, [1], [(1, 7)], 1))
+        with TestClient(build_app(engine, config)) as client:
+            body = {"max_tokens": 2, "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+            answer = client.post("/v1/chat/completions", json=body)
+            assert answer.status_code == 422 and answer.json()["error_type"] == "validation"
+            assert "--model-impl transformers" in answer.json()["error"]
+    finally:
+        engine.close()
 
 
 BIDIRECTIONAL_VLMS = ["tiny-gemma3-vision"]  # an image's tokens attend to each other both ways
