@@ -26,7 +26,9 @@
 # scripts/make_models.py), ROWS, KV_GIB (default 1; "default" leaves each engine's own KV sizing: no
 # VLLM_CPU_KVCACHE_SPACE, no --kv-cache-bytes; several values run the rows once per value), PORT (default 8791), OUT (results dir; point it at an
 # earlier run's with ENGINES=ours to re-measure one side only), ENGINES (default "vllm ours"), REPEAT (default 3:
-# each row is loaded REPEAT times with seeds 1..REPEAT, so no run hits the prompts of another; the tables
+# each row is loaded REPEAT times with seeds 100 x its place in ROWS + 1..REPEAT, so no run hits the prompts of
+# another, not even a row of the same prompt length (the random dataset draws the same prompts from the same seed:
+# a 1-concurrent row after a 16-concurrent one at 128 tokens was served from the prefix cache); the tables
 # give the median of the runs per metric),
 # VLLM_ARGS / ENGINE_ARGS (extra server flags), VLLM_CPU_OMP_THREADS_BIND (passed through to vLLM).
 set -euo pipefail
@@ -113,9 +115,10 @@ wait_ready() {  # $1 = name, $2 = log file
 }
 
 load() {  # $1 = engine name, $2 = KV setting; runs every row against the server on $PORT
-    local row in out conc num prefix name
+    local row in out conc num prefix name index=0
     for row in $ROWS; do
         IFS=: read -r in out conc num prefix <<< "$row"
+        index=$((index + 1))
         prefix=${prefix:-0}
         name=$(row_name "$row")$(kv_tag "$2")
         for rep in $(seq "$REPEAT"); do
@@ -124,7 +127,7 @@ load() {  # $1 = engine name, $2 = KV setting; runs every row against the server
                 --base-url "http://127.0.0.1:$PORT" --model smollm2 --tokenizer "$MODEL" \
                 --dataset-name random --random-input-len "$in" --random-output-len "$out" --ignore-eos \
                 --random-prefix-len "$prefix" \
-                --max-concurrency "$conc" --num-prompts "$num" --num-warmups 2 --seed "$rep" --disable-tqdm \
+                --max-concurrency "$conc" --num-prompts "$num" --num-warmups 2 --seed "$((index * 100 + rep))" --disable-tqdm \
                 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
                 --save-result --result-dir "$OUT" --result-filename "$1-$name-r$rep.json" > "$OUT/$1-$name-r$rep.txt" 2>&1 \
                 || { tail -n 30 "$OUT/$1-$name-r$rep.txt" >&2; die "vllm bench serve failed against $1"; }
