@@ -37,6 +37,11 @@ class _Shared:
         self.wake, self.stop = threading.Event(), threading.Event()
         self.wake.set()
 
+    def request_stop(self) -> None:
+        """The thread returns at its next check (between slabs, or when it wakes)."""
+        self.stop.set()
+        self.wake.set()
+
 
 class KVPrefault:
     """`note(block_id)` after the engine hands out `block_id`; the thread keeps `AHEAD_BYTES` of blocks past it
@@ -87,52 +92,44 @@ class KVPrefault:
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread (it ends the slab it is faulting) and wait for it: before the cache is freed, and at exit
         (a daemon thread still inside a call when the interpreter ends is not a clean exit)."""
-        self._shared.stop.set()
-        self._shared.wake.set()
+        self._shared.request_stop()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     def __del__(self) -> None:
-        self._shared.stop.set()
-        self._shared.wake.set()
+        self._shared.request_stop()
 
 
 @atexit.register
 def _stop_all() -> None:
     for thread, shared in list(_RUNNING.items()):
-        shared.stop.set()
-        shared.wake.set()
+        shared.request_stop()
         thread.join(10)
 
 
 def _fault_ahead(shared: _Shared, slabs: list[int], block_bytes: int, num_blocks: int, total_bytes: int,
                  madvise: Any) -> None:
     try:
-        _fault_until_stopped(shared, slabs, block_bytes, num_blocks, total_bytes, madvise)
+        while not shared.stop.is_set():
+            shared.wake.wait()
+            shared.wake.clear()
+            target = shared.wanted
+            if shared.stop.is_set() or target <= shared.faulted:
+                continue
+            for slab in slabs:
+                start = (slab + shared.faulted * block_bytes) // _PAGE * _PAGE
+                end = slab + target * block_bytes
+                if madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
+                    logger.info("KV cache pages not faulted in ahead (madvise: %s); they fault in as blocks are used",
+                                os.strerror(ctypes.get_errno()))
+                    shared.failed = True
+                    return
+                if shared.stop.is_set():
+                    return
+            shared.faulted = target
+            if target >= num_blocks:
+                logger.info("KV cache resident: all %d blocks (%d MiB) faulted in, ahead of use", num_blocks,
+                            total_bytes >> 20)
+                return
     finally:
         _RUNNING.pop(threading.current_thread(), None)
-
-
-def _fault_until_stopped(shared: _Shared, slabs: list[int], block_bytes: int, num_blocks: int, total_bytes: int,
-                         madvise: Any) -> None:
-    while not shared.stop.is_set():
-        shared.wake.wait()
-        shared.wake.clear()
-        target = shared.wanted
-        if shared.stop.is_set() or target <= shared.faulted:
-            continue
-        for slab in slabs:
-            start = (slab + shared.faulted * block_bytes) // _PAGE * _PAGE
-            end = slab + target * block_bytes
-            if madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
-                logger.info("KV cache pages not faulted in ahead (madvise: %s); they fault in as blocks are used",
-                            os.strerror(ctypes.get_errno()))
-                shared.failed = True
-                return
-            if shared.stop.is_set():
-                return
-        shared.faulted = target
-        if target >= num_blocks:
-            logger.info("KV cache resident: all %d blocks (%d MiB) faulted in, ahead of use", num_blocks,
-                        total_bytes >> 20)
-            return

@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = (
 # vision-language checkpoints our native classes serve text-only (their tower skipped): images need the transformers
 # backend, which the refusal of an image names
 VISION_ON_TRANSFORMERS_BACKEND = ("Gemma3ForConditionalGeneration",)
+TEXT_ONLY = "this model is text-only: it takes no images"
 # transformers' Gemma3TextConfig defaults: the Hub's multimodal Gemma 3 configs (4B, 12B, 27B) list only what differs
 GEMMA3_TEXT_DEFAULTS = {
     "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -172,7 +173,7 @@ class ModelConfig:
             return (f"this model is served text-only: {self.architecture}'s vision tower runs on the transformers "
                     "backend; start the server with --model-impl transformers (tgi-hpc serve: --engine-arg "
                     "--model-impl=transformers) to send images")
-        return "this model is text-only: it takes no images"
+        return TEXT_ONLY
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The sliding window of one layer, None for full attention."""

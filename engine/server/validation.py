@@ -7,6 +7,7 @@ from typing import Any
 
 import pydantic
 
+from engine.model_config import TEXT_ONLY
 from engine.sampling_params import SamplingParams
 from engine.server.errors import ValidationError
 from engine.server.grammar import tgi_grammar
@@ -81,7 +82,7 @@ class Validator:
         self.grammar_unavailable: Callable[[], str | None] = lambda: None
         self.skip_special_tokens = True     # off for gpt-oss: its harmony channel markers are special tokens
         self.vision: Any = None     # engine.multimodal.VisionProcessor of a vision-language model
-        self.text_only = "this model is text-only: it takes no images"    # the refusal of images, without `vision`
+        self.text_only = TEXT_ONLY  # the refusal of images, without `vision` (set from the model's config)
 
     def adapter(self, adapter_id: str | None) -> str | None:
         """The LoRA adapter a request names (None = the base model); 422 naming the loaded ones if unknown."""
