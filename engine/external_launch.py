@@ -117,6 +117,7 @@ class DistributedRunner:
         self.num_kv_blocks, self.attention_backend = worker.num_kv_blocks, worker.attention_backend
         self.attention_checks, self.linear_backend = worker.attention_report, worker.linear_backend
         self.elementwise_backend, self.quant_checks = worker.elementwise_backend, worker.quant_report
+        self.decode_step_report = worker.decode_step_report
         self.cuda_graph_sizes: list[int] = []
         logger.info("%d ranks ready: %d pipeline stage(s) x %d tensor shard(s), layers %s on rank 0, "
                     "%d KV blocks of %d tokens", layout.world_size, layout.pp_size, layout.tp_size,

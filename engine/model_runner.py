@@ -64,15 +64,16 @@ class ModelRunner:
         self.attention_checks: dict[str, str] = self._rank0.attention_report  # candidate -> "ok" or why not
         self.linear_backend: str = self._rank0.linear_backend
         self.elementwise_backend: str = self._rank0.elementwise_backend
+        self.decode_step_report: str = self._rank0.decode_step_report  # engine/cpu_decode_step.py: fused or why not
         self.lora_backend: str = self._rank0.lora_backend            # "none" without adapters
         self.lora_checks: dict[str, str] = self._rank0.lora_report
         self.quant_checks: dict[str, str] = self._rank0.quant_report
         graphs = self._rank0.graphs
         self.cuda_graph_sizes: list[int] = graphs.batch_sizes if graphs is not None else []
         logger.info("model runner ready: %s on %s x%d, %s, attention %s, linear %s, element-wise %s, decode CUDA "
-                    "graphs %s, %d KV blocks of %d tokens", model_config.architecture, self.device, config.num_shard,
-                    self.dtype, self.attention_backend, self.linear_backend, self.elementwise_backend,
-                    self.cuda_graph_sizes or "none",
+                    "graphs %s, decode step %s, %d KV blocks of %d tokens", model_config.architecture, self.device,
+                    config.num_shard, self.dtype, self.attention_backend, self.linear_backend, self.elementwise_backend,
+                    self.cuda_graph_sizes or "none", self.decode_step_report,
                     self.num_kv_blocks, self.block_size)
 
     def _start(self, config: EngineConfig, model_config: ModelConfig) -> None:

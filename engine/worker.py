@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from engine import cuda_graphs, distributed, pipeline
+from engine import cpu_decode_step, cuda_graphs, distributed, pipeline
 from engine.attention.block_tables import BlockTables
 from engine.attention.flash import flash_version
 from engine.attention.selection import choose_backend
 from engine.batch import SeqSpan
 from engine.config import EngineConfig
-from engine.host_memory import cpu_kv_budget
+from engine.host_memory import cpu_kv_budget, memory_limit
 from engine.kv_budget import kv_budget
 from engine.kv_prefault import KVPrefault
 from engine.kernels import cpu_elementwise
@@ -129,6 +129,8 @@ class RankWorker:
         self.graph_sizes = self._graph_sizes()
         self.num_kv_blocks = self._allocate_kv_cache()
         self.graphs = self._capture_graphs() if self.graph_sizes else None
+        self.decode_step, self.decode_step_report = cpu_decode_step.build(self, memory_limit().limit) \
+            if self.device.type == "cpu" else (None, "eager (not a CPU engine)")
 
     def _choose_elementwise(self) -> str:
         """Fused norm / RoPE / SiLU-and-mul kernels for this device ("fused" C++ on CPU, "triton" on CUDA),
@@ -337,6 +339,8 @@ class RankWorker:
             elif self.encoder_cache is not None and num_layers is None:
                 hidden = self.model(inputs.input_ids, mrope.step_positions(spans, inputs.positions), inputs.attention,
                                     self.encoder_cache.embeddings(spans))
+            elif num_layers is None and self.decode_step is not None and self.decode_step.can_run(spans):
+                hidden = self.decode_step.run(inputs)  # no LoRA, drafts or heads: the step is not built with them
             elif num_layers is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
                 if self.draft is not None:

@@ -168,6 +168,7 @@ class Info(_Wire):
     attention_checks: dict[str, str] = Field(default_factory=dict)  # each candidate tried: "ok" or why not
     linear_backend: str = "unknown"
     elementwise_backend: str = "unknown"  # "fused" (kernels/cpu_elementwise.py) | "triton" (kernels/triton_elementwise.py) | "aten"
+    decode_step: str = "eager"  # CPU: "fused (...)" (engine/cpu_decode_step.py) or "eager (why not)"
     # quantized kernels on CUDA: "gemm"/"gemv" (W4A16/W8A16 Triton), "fp8_scaled_mm" -> "ok" or why not;
     # "gemv_layers" -> "N of M" layers that take the GEMV at decode
     quant_kernels: dict[str, str] = Field(default_factory=dict)

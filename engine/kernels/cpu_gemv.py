@@ -1,0 +1,157 @@
+"""Float32 linear layers for a few rows on CPU (decode steps): y[M, N] = x[M, K] W^T (+ b) for M <= 16 in one
+pass over the weight, more rows in passes of 16.
+
+Why: at a decode step the weight is streamed from memory once for every row of the batch. oneDNN's packed
+GEMM (engine/layers/cpu_gemm.py) does that near the memory floor, but each call goes through ideep's set-up
+(~20 us a call, 121 calls a SmolLM2 step), and at one row it reads ~15% slower than the plain loop here. The
+weight is packed once into panels of 16 output features, [ceil(N / 16)][K][16], zero-padded; a panel is read
+front to back, and each of its 64-byte rows is multiplied into all M rows at once (one fused broadcast-FMA per
+row, the accumulators in registers). Panels are spread over OpenMP threads.
+
+No torch headers: plain C++ built by engine/kernels/cpp_build.py. The fused decode step
+(engine/cpu_decode_step.py) calls `tgi_gemv` by address; `linear` is the Python entry for tests and the
+self-check. Reference: `F.linear`.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cpp_build import Library
+
+logger = logging.getLogger(__name__)
+
+PANEL = 16  # output features per panel: one 64-byte vector of float32
+
+SOURCE = r"""
+#include <omp.h>
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+typedef float f16x __attribute__((vector_size(64), aligned(4)));
+
+// one panel (16 output features) for M rows; KU interleaved accumulator sets hide the FMA latency when
+// M is small (few independent chains)
+template <int M, int KU>
+inline void panel(const float* xt, const float* w, int64_t K, const float* bias, float* y, int64_t y_stride,
+                  int64_t cols) {
+  f16x acc[KU][M];
+  for (int u = 0; u < KU; ++u)
+    for (int m = 0; m < M; ++m) acc[u][m] = f16x{};
+  int64_t k = 0;
+  for (; k + KU <= K; k += KU)
+    for (int u = 0; u < KU; ++u) {
+      const f16x wv = *reinterpret_cast<const f16x*>(w + (k + u) * 16);
+      const float* xk = xt + (k + u) * 16;
+      for (int m = 0; m < M; ++m) acc[u][m] += xk[m] * wv;
+    }
+  for (; k < K; ++k) {
+    const f16x wv = *reinterpret_cast<const f16x*>(w + k * 16);
+    for (int m = 0; m < M; ++m) acc[0][m] += xt[k * 16 + m] * wv;
+  }
+  f16x b = {};
+  if (bias != nullptr)
+    for (int64_t c = 0; c < cols; ++c) b[c] = bias[c];
+  for (int m = 0; m < M; ++m) {
+    f16x s = acc[0][m];
+    for (int u = 1; u < KU; ++u) s += acc[u][m];
+    s += b;
+    if (cols == 16) *reinterpret_cast<f16x*>(y + m * y_stride) = s;
+    else for (int64_t c = 0; c < cols; ++c) y[m * y_stride + c] = s[c];
+  }
+}
+
+template <int M>
+void panels(const float* xt, const float* w, const float* bias, int64_t N, int64_t K, float* y, int64_t y_stride,
+            int threads) {
+  const int64_t count = (N + 15) / 16;
+#pragma omp parallel for num_threads(threads) schedule(static) if (count > 1)
+  for (int64_t p = 0; p < count; ++p) {
+    const int64_t cols = std::min<int64_t>(16, N - p * 16);
+    const float* wp = w + p * K * 16;
+    const float* bp = bias == nullptr ? nullptr : bias + p * 16;
+    if (M <= 2) panel<M, 4>(xt, wp, K, bp, y + p * 16, y_stride, cols);
+    else if (M <= 6) panel<M, 2>(xt, wp, K, bp, y + p * 16, y_stride, cols);
+    else panel<M, 1>(xt, wp, K, bp, y + p * 16, y_stride, cols);
+  }
+}
+
+}  // namespace
+
+// y [M, N] (row stride y_stride) = x [M, K] (row stride x_stride) W^T + bias, W packed [ceil(N/16)][K][16];
+// bias may be null. Rows go in passes of 16.
+extern "C" void tgi_gemv(const float* x, int64_t x_stride, int64_t M, const float* w, const float* bias, int64_t N,
+                         int64_t K, float* y, int64_t y_stride, int threads) {
+  thread_local std::vector<float> xt;
+  if (static_cast<int64_t>(xt.size()) < K * 16) xt.resize(K * 16);
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, M - m0);
+    for (int64_t k = 0; k < K; ++k)  // x transposed: each k's 16 row values in one 64-byte line
+      for (int64_t m = 0; m < 16; ++m) xt[k * 16 + m] = m < rows ? x[(m0 + m) * x_stride + k] : 0.0f;
+    float* yr = y + m0 * y_stride;
+    switch (rows) {
+#define TGI_ROWS(n) case n: panels<n>(xt.data(), w, bias, N, K, yr, y_stride, threads); break;
+      TGI_ROWS(1) TGI_ROWS(2) TGI_ROWS(3) TGI_ROWS(4) TGI_ROWS(5) TGI_ROWS(6) TGI_ROWS(7) TGI_ROWS(8)
+      TGI_ROWS(9) TGI_ROWS(10) TGI_ROWS(11) TGI_ROWS(12) TGI_ROWS(13) TGI_ROWS(14) TGI_ROWS(15) TGI_ROWS(16)
+#undef TGI_ROWS
+    }
+  }
+}
+"""
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_LIBRARY = Library("cpu_gemv", SOURCE, {
+    "tgi_gemv": (None, [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, ctypes.c_int]),
+}, logger)
+
+
+def load() -> ctypes.CDLL:
+    """The compiled kernel: built once per CPU type and compiler into the cache, loaded once per process."""
+    return _LIBRARY.load()
+
+
+def address() -> int:
+    """`tgi_gemv`'s address, for C++ callers."""
+    return ctypes.cast(load().tgi_gemv, ctypes.c_void_p).value
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 -> panels [ceil(N / 16), K, 16], the last one zero-padded."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
+    padded[:n] = weight
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+           threads: int | None = None) -> torch.Tensor:
+    """x [M, K] (rows evenly strided, K contiguous) -> [M, out_features], as F.linear with the packed weight."""
+    assert x.dtype == packed.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and packed.is_contiguous()
+    assert packed.shape[1] == x.shape[1] and packed.shape[0] * PANEL >= out_features
+    assert bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.numel() == out_features)
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    load().tgi_gemv(x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(),
+                    None if bias is None else bias.data_ptr(), out_features, x.shape[1], y.data_ptr(),
+                    out_features, threads or max(1, torch.get_num_threads()))
+    return y
+
+
+def self_check() -> str | None:
+    """None when the kernel builds and agrees with F.linear on odd shapes; else why not."""
+    try:
+        generator = torch.Generator().manual_seed(0)
+        for rows, n, k, with_bias in ((1, 40, 24, True), (5, 17, 33, False), (16, 48, 64, True), (19, 35, 7, True)):
+            weight = torch.randn(n, k, generator=generator)
+            bias = torch.randn(n, generator=generator) if with_bias else None
+            x = torch.randn(rows, k, generator=generator)
+            if not torch.allclose(linear(x, pack(weight), n, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-4):
+                return f"disagrees with F.linear at {rows} x {k} -> {n}"
+    except Exception as error:  # a build or load failure: the caller falls back, never fails the load
+        return f"{type(error).__name__}: {error}"
+    return None

@@ -1,0 +1,104 @@
+"""The fused CPU decode step (engine/cpu_decode_step.py): chosen for Llama-layout models, the same greedy tokens as
+transformers and as the eager model on real and tiny models (decode batches under and over its row limit, mixed
+with prefill chunks), its logits close to the eager forward's, and eager with the reason wherever it does not
+apply or disagrees."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from engine import cpu_decode_step  # noqa: E402
+from engine.batch import SeqSpan  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.kernels.cpp_build import compiler  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
+from engine.model_runner import ModelRunner  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from fakes import test_model_path  # noqa: E402
+from hf_reference import hf_greedy  # noqa: E402
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler (g++) here")
+
+
+def engine(name, **config):
+    config.setdefault("cpu_kv_cache_bytes", 32 * 1024**2)
+    config.setdefault("dtype", "float32")
+    return LLMEngine(EngineConfig(model_id=str(test_model_path(name)), device="cpu", **config))
+
+
+def prompts_for(vocab, count):
+    """`count` prompts of 1-40 tokens: more sequences than the step's row limit, of every length."""
+    return [[(17 * i + 5 * j) % (vocab - 10) + 5 for j in range(1 + (7 * i) % 40)] for i in range(count)]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-llama3-rope"])
+def test_fused_step_gives_the_eager_and_transformers_tokens(name):
+    from transformers import AutoModelForCausalLM
+
+    with engine(name, enforce_eager=True) as eager:
+        assert eager.runner.decode_step_report == "eager (--enforce-eager)"
+        prompts = prompts_for(eager.model_config.vocab_size, 2 * cpu_decode_step.MAX_ROWS + 3)
+        want = [[t.id for t in out.tokens] for out in eager.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))]
+    with engine(name) as fused:
+        assert fused.runner.decode_step_report.startswith("fused"), fused.runner.decode_step_report
+        got = [[t.id for t in out.tokens] for out in fused.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))]
+    assert got == want
+    model = AutoModelForCausalLM.from_pretrained(test_model_path(name), dtype=torch.float32).eval()
+    for ids, tokens in list(zip(prompts, got))[:3]:
+        reference = hf_greedy(model, ids, 12)
+        assert tokens[:len(reference)] == reference
+
+
+def test_smollm2_decode_logits_match_the_eager_forward():
+    """Real weights: a prompt's prefill, then decode steps of 1 and of 16 sequences over scattered blocks, logits
+    of both paths within float32 reordering."""
+    path = test_model_path("smollm2")
+    results = []
+    for eager in (True, False):
+        config = EngineConfig(model_id=str(path), device="cpu", block_size=16, cpu_kv_cache_bytes=128 * 2**20,
+                              enforce_eager=eager)
+        with ModelRunner(config, ModelConfig.from_pretrained(path)) as runner:
+            assert runner.decode_step_report.startswith("eager" if eager else "fused")
+            seqs = [[(31 * i + 7 * j) % 40000 + 100 for j in range(20 + 9 * i)] for i in range(16)]
+            # each sequence's blocks in reverse order: never one run of blocks lying one after another
+            tables = [list(range(2 + 10 * i, 2 + 10 * i + -(-(len(seq) + 1) // 16)))[::-1] for i, seq in enumerate(seqs)]
+            runner.run([SeqSpan(i, seq, 0, tables[i]) for i, seq in enumerate(seqs)])
+            step1, _ = runner.run([SeqSpan(3, [901], len(seqs[3]), tables[3])])
+            step16, _ = runner.run([SeqSpan(i, [900 + i], len(seq), tables[i]) for i, seq in enumerate(seqs)])
+            results.append((step1, step16))
+    for eager_logits, fused_logits in zip(*results):
+        torch.testing.assert_close(fused_logits, eager_logits, atol=2e-3, rtol=0)
+        assert torch.equal(fused_logits.argmax(-1), eager_logits.argmax(-1))
+
+
+@pytest.mark.parametrize("name,config,reason", [
+    ("tiny-qwen3", {}, "not the Llama layout"),                  # q/k norm
+    ("tiny-mistral", {}, "sliding windows"),
+    ("tiny-gemma2", {}, "not the Llama layout"),                 # Gemma's (1 + w) norms, sandwich layout
+    ("tiny-gemma", {}, "not a native decoder"),                  # on the transformers backend
+    ("tiny-mixtral", {}, "a layer outside the Llama layout"),    # MoE
+    ("tiny-llama", {"dtype": "bfloat16"}, "dtype torch.bfloat16"),
+    ("tiny-llama", {"attention_backend": "portable"}, "cpu_paged"),
+    ("tiny-llama", {"enforce_eager": True}, "--enforce-eager"),
+])
+def test_where_it_does_not_apply_the_engine_stays_eager_and_says_why(name, config, reason):
+    with engine(name, **config) as eager:
+        report = eager.runner.decode_step_report
+        assert report.startswith("eager (") and reason in report, report
+        ids = prompts_for(eager.model_config.vocab_size, 2)
+        assert all(len(out.tokens) == 3 for out in eager.generate(ids, SamplingParams(max_new_tokens=3,
+                                                                                         ignore_eos=True)))
+
+
+def test_a_step_that_disagrees_with_the_eager_forward_is_not_used(monkeypatch):
+    run = cpu_decode_step.CpuDecodeStep.run
+    monkeypatch.setattr(cpu_decode_step.CpuDecodeStep, "run", lambda self, inputs: run(self, inputs) + 0.5)
+    with engine("tiny-llama") as eager:
+        assert "disagrees with the eager forward" in eager.runner.decode_step_report
+        assert eager.runner._rank0.decode_step is None
+
+
+def test_a_weight_copy_over_its_share_of_memory_is_not_made(monkeypatch):
+    monkeypatch.setattr(cpu_decode_step, "COPY_SHARE", 1e-9)
+    with engine("tiny-llama") as eager:
+        assert "of the memory budget" in eager.runner.decode_step_report

@@ -1,0 +1,50 @@
+"""The few-row float32 linear (engine/kernels/cpu_gemv.py) against F.linear: random shapes around its panel
+and row-pass edges, strided rows, biases, and hostile values; and its self-check."""
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+from engine.kernels import cpu_gemv  # noqa: E402
+from engine.kernels.cpp_build import compiler  # noqa: E402
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler (g++) here")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_matches_f_linear_on_random_shapes(seed):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    rows = rng.choice([1, 2, 3, 5, 8, 15, 16, 17, 31, 33])
+    out_features = rng.choice([1, 15, 16, 17, 40, 96, 130])
+    in_features = rng.choice([1, 7, 16, 64, 100, 576])
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if rng.random() < 0.5 else None
+    wide = torch.randn(rows, in_features + 9, generator=gen)
+    x = wide[:, 4:4 + in_features]  # rows evenly strided, as a slice of a wider activation
+    got = cpu_gemv.linear(x, cpu_gemv.pack(weight), out_features, bias, threads=rng.choice([1, 2]))
+    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+
+
+def test_pack_pads_the_last_panel_with_zeros():
+    weight = torch.arange(17 * 3, dtype=torch.float32).view(17, 3)
+    packed = cpu_gemv.pack(weight)
+    assert packed.shape == (2, 3, 16)
+    assert torch.equal(packed[0].t(), weight[:16]) and torch.equal(packed[1, :, 0], weight[16])
+    assert torch.count_nonzero(packed[1, :, 1:]) == 0
+
+
+def test_huge_and_tiny_values_stay_as_f_linear_has_them():
+    weight = torch.tensor([[1e30, -1e30], [1e-30, 1e-30]] * 9)
+    x = torch.tensor([[1.0, 1.0], [float("inf"), 0.0]])
+    got = cpu_gemv.linear(x, cpu_gemv.pack(weight), 18)
+    want = F.linear(x, weight)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    torch.testing.assert_close(got[~torch.isnan(got)], want[~torch.isnan(want)])
+
+
+def test_self_check_passes_here_and_reports_a_wrong_kernel(monkeypatch):
+    assert cpu_gemv.self_check() is None
+    monkeypatch.setattr(cpu_gemv, "linear", lambda x, packed, n, bias=None, threads=None: torch.zeros(x.shape[0], n))
+    assert "disagrees with F.linear" in cpu_gemv.self_check()
