@@ -197,7 +197,7 @@ def make_prompts(tokenizer: Any, num: int, length: int, vocab_size: int) -> list
 # --- the engine -----------------------------------------------------------------------------------
 
 def build_engine(model_dir: Path, args: argparse.Namespace, device: torch.device, dtype: str,
-                 max_batch: int, max_prompts: int) -> Any:
+                 max_batch: int, max_prompts: int, enforce_eager: bool = False) -> Any:
     """An LLMEngine whose prefill budget takes the largest batch in one step and whose KV cache holds it."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
@@ -207,7 +207,8 @@ def build_engine(model_dir: Path, args: argparse.Namespace, device: torch.device
     config = EngineConfig(model_id=str(model_dir), dtype=dtype, load_format=args.load_format,
                           device=device.type, max_batch_prefill_tokens=most * args.prompt_len,
                           max_total_tokens=args.prompt_len + args.new_tokens + 16, max_batch_size=most,
-                          cpu_gemm=args.cpu_gemm, gpu_elementwise=args.gpu_elementwise, cuda_graphs=args.cuda_graphs)
+                          cpu_gemm=args.cpu_gemm, gpu_elementwise=args.gpu_elementwise, cuda_graphs=args.cuda_graphs,
+                          enforce_eager=enforce_eager)
     if device.type == "cpu":
         config.cpu_kv_cache_bytes = max(config.cpu_kv_cache_bytes or 0, int(kv_bytes_per_token(model_dir, dtype)
                                                                        * (total_tokens + 64 * most) * 1.1))

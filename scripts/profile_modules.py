@@ -10,7 +10,9 @@ points) with a wall clock, runs `--batch` prompts of `--context` tokens through 
 ms per step and calls per step; "model, outside the rows" is the model's forward less its timed leaves
 (module calls, reshapes, the residual stream); "runner, outside the model and LM head" is the step's input
 preparation and logits handling.
-The clocks add ~0.3 us a call: read differences above ~0.1 ms a step.
+The clocks add ~0.3 us a call: read differences above ~0.1 ms a step. Where the fused CPU decode step
+(engine/cpu_decode_step.py) serves the step, its one call is a row and the per-module rows stay empty;
+`--enforce-eager` profiles the eager model.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ LEAVES = {  # module class -> row
     "GemmaRMSNorm": "norm (+ residual add)", "LayerNorm": "norm (+ residual add)", "RotaryEmbedding": "RoPE",
     "SiluAndMul": "activation", "GatedActivation": "activation",
 }
+FUSED = "fused decode step (all layers, C++)"
 
 
 class Clocks:
@@ -71,6 +74,9 @@ def instrument(engine: Any, clocks: Clocks) -> torch.nn.Module:
     inner = next(m for m in model.modules() if type(m).__name__ == "DecoderModel")
     inner.forward = clocks.wrap(inner.forward, "model")
     engine.runner.run = clocks.wrap(engine.runner.run, "runner")
+    worker = engine.runner._rank0
+    if worker.decode_step is not None:  # engine/cpu_decode_step.py: the layers in one C++ call, no module runs
+        worker.decode_step.run = clocks.wrap(worker.decode_step.run, FUSED)
     cpu_attention.paged_attention = clocks.wrap(cpu_attention.paged_attention, "attention: kernel + its wrapper")
     library = cpu_attention.load()
     library.tgi_paged_attention = clocks.wrap(library.tgi_paged_attention, "attention: kernel alone")
@@ -82,8 +88,10 @@ def instrument(engine: Any, clocks: Clocks) -> torch.nn.Module:
 def report(clocks: Clocks, steps: int, wall: float) -> None:
     per = {row: 1e3 * s / steps for row, s in clocks.seconds.items()}
     leaves = sum(v for row, v in per.items() if row in LEAVES.values() and row != "LM head")
-    per["model, outside the rows"] = per.get("model", 0.0) - leaves
-    per["runner, outside the model and LM head"] = per.get("runner", 0.0) - per.get("model", 0.0) - per.get("LM head", 0.0)
+    if "model" in per:
+        per["model, outside the rows"] = per["model"] - leaves
+    per["runner, outside the model and LM head"] = (per.get("runner", 0.0) - per.get("model", 0.0)
+                                                    - per.get("LM head", 0.0) - per.get(FUSED, 0.0))
     print(f"| row | ms / step | calls / step |\n|---|---|---|\n| **step** | {1e3 * wall / steps:.2f} | 1 |")
     for row, ms in sorted(per.items(), key=lambda kv: -kv[1]):
         print(f"| {row} | {ms:.2f} | {clocks.calls[row] / steps:.0f} |")
@@ -96,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="the eager model at every step (no fused CPU decode step): the per-module rows")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -103,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_args = bench_engine.parse_args(["--model-id", args.model_id, "--prompt-len", str(args.context),
                                           "--new-tokens", str(args.steps + 8), "--device", "cpu"])
     model_dir, _ = bench_engine.prepare_model_dir(bench_args, device)
-    engine = bench_engine.build_engine(model_dir, bench_args, device, "float32", args.batch, args.batch)
+    engine = bench_engine.build_engine(model_dir, bench_args, device, "float32", args.batch, args.batch,
+                                       enforce_eager=args.enforce_eager)
     from transformers import AutoTokenizer
     prompts = bench_engine.make_prompts(AutoTokenizer.from_pretrained(model_dir), args.batch, args.context,
                                         engine.runner.model_config.vocab_size)

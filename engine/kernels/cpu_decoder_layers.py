@@ -40,9 +40,9 @@ typedef void (*norm_fn)(const float*, int64_t, const float*, int64_t, const floa
                         double, int);
 typedef void (*rope_fn)(float*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, const float*, int64_t, int);
 typedef void (*silu_fn)(const float*, int64_t, float*, int64_t, int64_t, int);
-typedef int (*attention_fn)(int, void*, const void*, int64_t, int64_t, const void*, const void*, const int32_t*, int64_t,
-                            const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, double, int64_t,
-                            int);
+typedef int (*attention_fn)(int, void*, const void*, int64_t, int64_t, const void*, const void*, const int32_t*,
+                            int64_t, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t,
+                            double, int64_t, int);
 typedef void (*gemv_fn)(const float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t, float*, int64_t,
                         int);
 

@@ -18,6 +18,7 @@ from fakes import test_model_path  # noqa: E402
 from hf_reference import hf_greedy  # noqa: E402
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler (g++) here")
+GREEDY_12 = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
 def engine(name, **config):
@@ -38,10 +39,10 @@ def test_fused_step_gives_the_eager_and_transformers_tokens(name):
     with engine(name, enforce_eager=True) as eager:
         assert eager.runner.decode_step_report == "eager (--enforce-eager)"
         prompts = prompts_for(eager.model_config.vocab_size, 2 * cpu_decode_step.MAX_ROWS + 3)
-        want = [[t.id for t in out.tokens] for out in eager.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))]
+        want = [[t.id for t in out.tokens] for out in eager.generate(prompts, GREEDY_12)]
     with engine(name) as fused:
         assert fused.runner.decode_step_report.startswith("fused"), fused.runner.decode_step_report
-        got = [[t.id for t in out.tokens] for out in fused.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))]
+        got = [[t.id for t in out.tokens] for out in fused.generate(prompts, GREEDY_12)]
     assert got == want
     model = AutoModelForCausalLM.from_pretrained(test_model_path(name), dtype=torch.float32).eval()
     for ids, tokens in list(zip(prompts, got))[:3]:
@@ -61,7 +62,8 @@ def test_smollm2_decode_logits_match_the_eager_forward():
             assert runner.decode_step_report.startswith("eager" if eager else "fused")
             seqs = [[(31 * i + 7 * j) % 40000 + 100 for j in range(20 + 9 * i)] for i in range(16)]
             # each sequence's blocks in reverse order: never one run of blocks lying one after another
-            tables = [list(range(2 + 10 * i, 2 + 10 * i + -(-(len(seq) + 1) // 16)))[::-1] for i, seq in enumerate(seqs)]
+            tables = [list(range(2 + 10 * i, 2 + 10 * i + -(-(len(seq) + 1) // 16)))[::-1]
+                      for i, seq in enumerate(seqs)]
             runner.run([SeqSpan(i, seq, 0, tables[i]) for i, seq in enumerate(seqs)])
             step1, _ = runner.run([SeqSpan(3, [901], len(seqs[3]), tables[3])])
             step16, _ = runner.run([SeqSpan(i, [900 + i], len(seq), tables[i]) for i, seq in enumerate(seqs)])
