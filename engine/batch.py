@@ -24,3 +24,15 @@ class SeqSpan:
     table_version: int = -1     # Sequence.block_table_version; -1: unknown (engine/attention/block_tables.py)
     images: Any = None          # engine.multimodal.MultiModalPrompt while the span's prefill has image tokens left
     rope_delta: int = 0         # M-RoPE: added to the positions of tokens past the prompt's images (multimodal/mrope)
+
+
+def probe_decode_spans(lengths: list[int], block_size: int, first_token: int) -> tuple[list[SeqSpan], int]:
+    """Decode spans (one new token each, `first_token` + i) of sequences of `lengths` tokens over the first
+    blocks of the cache, one after another: the start-up checks of a decode path against the eager forward.
+    Returns the spans and how many blocks they use."""
+    spans, next_block = [], 0
+    for seq_id, length in enumerate(lengths):
+        blocks = list(range(next_block, next_block + -(-length // block_size)))
+        next_block += len(blocks)
+        spans.append(SeqSpan(seq_id, [first_token + seq_id], length - 1, blocks))
+    return spans, next_block

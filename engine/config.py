@@ -50,7 +50,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9     # of what cuda_memory_fraction leaves
     cpu_kv_cache_bytes: int | None = None  # KV budget on CPU; None = sized from the machine (engine/host_memory.py)
     block_size: int | None = None           # tokens per KV block; None = the attention backend's default
-    enforce_eager: bool = False             # no CUDA graphs
+    enforce_eager: bool = False             # no CUDA graphs, no fused CPU decode step (--enforce-eager)
     cuda_graphs: list[int] | None = None    # decode batch sizes to capture; None = 1,2,4..256; [] = none
     attention_backend: str = "auto"         # "auto" | "cpu_paged" | "portable" | "triton" | "flash-attn"
     cpu_gemm: str = "auto"                  # "auto" | "onednn" | "aten": linear layers on CPU

@@ -22,10 +22,11 @@ import logging
 import torch
 
 from engine.attention.cpu_paged import CpuPagedBackend
+from engine.batch import SeqSpan, probe_decode_spans
 from engine.kernels import cpu_attention, cpu_decoder_layers, cpu_elementwise, cpu_gemv
 from engine.layers.activation import SiluAndMul
 from engine.layers.layernorm import RMSNorm
-from engine.model_inputs import ModelInputs, SeqSpan, prepare_inputs
+from engine.model_inputs import ModelInputs, prepare_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -206,12 +207,7 @@ def _matches_eager(step: CpuDecodeStep, worker, tolerance: float = 1e-3) -> str 
     """Run a decode batch through the eager model and the fused step on the first blocks of the cache
     (start-up: no request owns a block yet); None when they agree, else what differed."""
     bs = worker.block_size
-    lengths = (1, bs + 3, 2 * bs - 1, 3 * bs)
-    spans, next_block = [], 0
-    for seq_id, length in enumerate(lengths):
-        blocks = list(range(next_block, next_block + -(-length // bs)))
-        next_block += len(blocks)
-        spans.append(SeqSpan(seq_id, [11 + seq_id], length - 1, blocks))
+    spans, next_block = probe_decode_spans([1, bs + 3, 2 * bs - 1, 3 * bs], bs, first_token=11)
     if next_block > worker.num_kv_blocks:
         return f"a KV cache of {worker.num_kv_blocks} blocks is too small to check it on"
     generator = torch.Generator().manual_seed(0)

@@ -27,7 +27,7 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.block_tables import BlockTables
-from engine.batch import SeqSpan
+from engine.batch import SeqSpan, probe_decode_spans
 from engine.model_inputs import prepare_inputs
 
 logger = logging.getLogger(__name__)
@@ -168,11 +168,7 @@ def matches_eager(graphs: DecodeGraphs, attention_layers: list, windows: set[int
     """
     bs, device = graphs.block_size, graphs.device
     lengths = [min(n, graphs.max_blocks * bs) for n in (1, bs + 3, 2 * bs - 1)][:graphs.max_batch_size]
-    spans, next_block = [], 0
-    for seq_id, length in enumerate(lengths):
-        blocks = list(range(next_block, next_block + -(-length // bs)))
-        next_block += len(blocks)
-        spans.append(SeqSpan(seq_id, [7 + seq_id], length - 1, blocks))
+    spans, next_block = probe_decode_spans(lengths, bs, first_token=7)
     if next_block > graphs.scratch_block:
         return True  # a cache this small is no test bed; the graphs themselves still stand
     generator = torch.Generator(device=device).manual_seed(0)

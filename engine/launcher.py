@@ -229,6 +229,10 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--cpu-gemm",), "CPU_GEMM", dict(default="auto", choices=["auto", "onednn", "aten"],
                                        help="linear layers on CPU: oneDNN with weights reordered at load, or "
                                             "torch's F.linear; auto = oneDNN when it passes a self-check")),
+    (("--enforce-eager",), "ENFORCE_EAGER",
+     dict(default=False, type=_bool, nargs="?", const=True,
+          help="run every step module by module: no decode CUDA graphs on GPU, no fused decode step on CPU "
+               "(engine/cpu_decode_step.py); for debugging and comparisons")),
     (("--cpu-elementwise",), "CPU_ELEMENTWISE",
      dict(default="auto", choices=["auto", "fused", "aten"],
           help="RMSNorm (+ residual), RoPE and SiLU-and-mul on CPU in float32: one-pass C++ kernels, or torch's "
@@ -331,7 +335,7 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         speculative_model=args.speculative_model or None,
         max_grammar_bytes=args.max_grammar_bytes, grammar_timeout_s=args.grammar_timeout,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-        model_impl=args.model_impl)
+        model_impl=args.model_impl, enforce_eager=bool(args.enforce_eager))
     if args.kv_cache_bytes is not None:
         config.cpu_kv_cache_bytes = args.kv_cache_bytes
     config.max_client_batch_size = int(args.max_client_batch_size)

@@ -104,3 +104,13 @@ def test_a_weight_copy_over_its_share_of_memory_is_not_made(monkeypatch):
     monkeypatch.setattr(cpu_decode_step, "COPY_SHARE", 1e-9)
     with engine("tiny-llama") as eager:
         assert "of the memory budget" in eager.runner.decode_step_report
+
+
+def test_enforce_eager_is_a_launcher_flag_with_its_environment_twin_and_passes_through_serve():
+    from engine.launcher import parse_args, to_config
+    from tgi_hpc.workflows.engine_flags import engine_args
+
+    assert to_config(parse_args(["--model-id", "m", "--enforce-eager"]), "m").enforce_eager is True
+    assert to_config(parse_args(["--model-id", "m"], {"ENFORCE_EAGER": "true"}), "m").enforce_eager is True
+    assert to_config(parse_args(["--model-id", "m"], {}), "m").enforce_eager is False
+    assert engine_args(["--enforce-eager"]) == ["--enforce-eager"]

@@ -1,6 +1,7 @@
 """The CPU KV cache's pages fault in just ahead of the blocks in use, in a background thread, contents unchanged."""
 from __future__ import annotations
 
+import mmap
 import time
 
 import numpy as np
@@ -30,13 +31,22 @@ def wait_for(check, seconds=30.0):
         time.sleep(0.01)
 
 
+def fresh_empty(*shape: int) -> tuple[torch.Tensor, mmap.mmap]:
+    """A float32 tensor over a new anonymous mapping: no page resident until touched. (torch.empty may reuse memory
+    the process freed before, already resident: glibc serves a large request from a free chunk when one fits.)"""
+    mapping = mmap.mmap(-1, int(np.prod(shape)) * 4)
+    return torch.frombuffer(mapping, dtype=torch.float32).view(*shape), mapping
+
+
 @pytest.fixture
 def cache():
     # [k/v, layer, block, 16 tokens, 2 heads, 64] float32: 8 KiB per block per slab, 6 slabs, 1024 blocks = 48 MiB
-    tensor = torch.empty(2, 3, 1024, 16, 2, 64)
+    tensor, mapping = fresh_empty(2, 3, 1024, 16, 2, 64)
     tensor[1, 2, 5] = 7.0           # written before the thread gets there: kept
     tensor[0, 0, -1] = 9.0
     yield tensor
+    del tensor
+    mapping.close()
 
 
 def test_only_the_margin_is_resident_at_start_and_more_follows_use(cache):

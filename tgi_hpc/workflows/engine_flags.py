@@ -17,7 +17,7 @@ VALUE_FLAGS = {
     "--tool-call-parser", "--max-loras", "--max-lora-rank",
     "--max-images-per-request", "--max-image-bytes", "--image-fetch-timeout", "--image-fetch",
 }
-SWITCH_FLAGS = {"--json-output", "--enable-runtime-lora"}
+SWITCH_FLAGS = {"--json-output", "--enable-runtime-lora", "--enforce-eager"}
 # Set by the job itself; --api-key in particular must never be on a command line.
 RESERVED = {"--model-id", "--port", "--port-attempts", "--hostname", "--master-port", "--master-addr", "--num-shard",
             "--api-key", "--pipeline-parallel-size"}
