@@ -67,12 +67,41 @@ inline void panel(const float* xt, const float* w, int64_t K, const float* bias,
   }
 }
 
+// three whole panels (48 output features) for MR <= 8 rows from r0: 24 accumulators, and each broadcast of a row
+// value feeds three FMAs (at 9-16 rows this ran 120 SmolLM2 linears in 22.4 ms against 25.1 one panel at a time)
+template <int MR>
+inline void triple(const float* xt, const float* w, int64_t K, const float* bias, float* y, int64_t y_stride, int r0) {
+  f16x acc[3][MR];
+  for (int p = 0; p < 3; ++p)
+    for (int m = 0; m < MR; ++m) acc[p][m] = bias == nullptr ? f16x{} : *reinterpret_cast<const f16x*>(bias + 16 * p);
+  for (int64_t k = 0; k < K; ++k) {
+    f16x wv[3];
+    for (int p = 0; p < 3; ++p) wv[p] = *reinterpret_cast<const f16x*>(w + p * K * 16 + k * 16);
+    const float* xk = xt + k * 16 + r0;
+    for (int m = 0; m < MR; ++m) {
+      const float xm = xk[m];
+      for (int p = 0; p < 3; ++p) acc[p][m] += xm * wv[p];
+    }
+  }
+  for (int p = 0; p < 3; ++p)
+    for (int m = 0; m < MR; ++m) *reinterpret_cast<f16x*>(y + (r0 + m) * y_stride + 16 * p) = acc[p][m];
+}
+
 template <int M>
 void panels(const float* xt, const float* w, const float* bias, int64_t N, int64_t K, float* y, int64_t y_stride,
             int threads) {
   const int64_t count = (N + 15) / 16;
-#pragma omp parallel for num_threads(threads) schedule(static) if (count > 1)
-  for (int64_t p = 0; p < count; ++p) {
+  const int64_t triples = M > 8 ? N / 48 : 0;  // 9-16 rows: whole panels three at a time, rows in two groups
+  const int64_t tasks = triples + count - 3 * triples;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1)
+  for (int64_t t = 0; t < tasks; ++t) {
+    if (t < triples) {
+      const float* bt = bias == nullptr ? nullptr : bias + t * 48;
+      triple<8>(xt, w + t * 3 * K * 16, K, bt, y + t * 48, y_stride, 0);
+      triple<(M > 8 ? M - 8 : 1)>(xt, w + t * 3 * K * 16, K, bt, y + t * 48, y_stride, 8);
+      continue;
+    }
+    const int64_t p = 3 * triples + (t - triples);
     const int64_t cols = std::min<int64_t>(16, N - p * 16);
     const float* wp = w + p * K * 16;
     const float* bp = bias == nullptr ? nullptr : bias + p * 16;

@@ -27,6 +27,19 @@ def test_matches_f_linear_on_random_shapes(seed):
     torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rows", range(9, 17))
+def test_nine_to_sixteen_rows_take_three_panels_at_a_time_with_any_tail(rows):
+    gen = torch.Generator().manual_seed(rows)
+    for out_features in (48, 100, 130, 3 * 48 + 16):
+        weight = torch.randn(out_features, 72, generator=gen)
+        bias = torch.randn(out_features, generator=gen)
+        x = torch.randn(rows, 72, generator=gen)
+        got = cpu_gemv.linear(x, cpu_gemv.pack(weight), out_features, bias)
+        torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(cpu_gemv.linear(x, cpu_gemv.pack(weight), out_features), F.linear(x, weight),
+                                   atol=1e-4, rtol=1e-4)
+
+
 def test_pack_pads_the_last_panel_with_zeros():
     weight = torch.arange(17 * 3, dtype=torch.float32).view(17, 3)
     packed = cpu_gemv.pack(weight)
