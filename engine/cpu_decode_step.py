@@ -2,7 +2,7 @@
 counterpart of the decode CUDA graphs (engine/cuda_graphs.py), for the same reason: the host work between
 kernels.
 
-It serves a step when every span decodes one token and there are at most MAX_ROWS of them, for a native
+It serves a step when every span decodes one token and there are at most MAX_ROWS of them (32), for a native
 Llama-layout model (pre-norm RMSNorm, gated SiLU MLP, RoPE, no q/k norm, no sliding window or soft-cap,
 optional q/k/v/o/MLP biases) in float32 on one CPU rank, with the fused element-wise kernels and the cpu_paged
 attention, and without LoRA, speculation, quantized layers or images. Other steps (prefill chunks, larger
@@ -30,7 +30,7 @@ from engine.model_inputs import ModelInputs, prepare_inputs
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 16       # rows one pass of the few-row linears serves; larger decode batches run the eager model
+MAX_ROWS = 32       # decode batches up to this run fused (the GEMV in passes of 16 rows); larger ones run the eager model
 COPY_SHARE = 0.25   # the packed weights' copy may take at most this share of the memory budget
 
 
