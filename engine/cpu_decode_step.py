@@ -7,8 +7,8 @@ Llama-layout model (pre-norm RMSNorm, gated SiLU MLP, RoPE, no q/k norm, no slid
 optional q/k/v/o/MLP biases) in float32 on one CPU rank, with the fused element-wise kernels and the cpu_paged
 attention, and without LoRA, speculation, quantized layers or images. Other steps (prefill chunks, larger
 batches) run the eager model as before. The linears read their own copy of the weights, packed for few rows
-(engine/kernels/cpu_gemv.py); it is made only when it fits COPY_SHARE of the memory the KV budget was taken
-from. `--enforce-eager` turns the step off.
+(engine/kernels/cpu_gemv.py); it is made only when it fits COPY_SHARE of the process's memory limit
+(engine/host_memory.py). `--enforce-eager` turns the step off.
 
 At start-up, before any request owns a block, `build` runs a decode batch through both paths on the first
 blocks of the cache and keeps the fused step only when it matches the eager forward. What it chose and why
@@ -23,7 +23,9 @@ import torch
 
 from engine.attention.cpu_paged import CpuPagedBackend
 from engine.batch import SeqSpan, probe_decode_spans
+from engine.host_memory import memory_limit
 from engine.kernels import cpu_attention, cpu_decoder_layers, cpu_elementwise, cpu_gemv
+from engine.kernels.cpp_build import address
 from engine.layers.activation import SiluAndMul
 from engine.layers.layernorm import RMSNorm
 from engine.model_inputs import ModelInputs, prepare_inputs
@@ -31,12 +33,12 @@ from engine.model_inputs import ModelInputs, prepare_inputs
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 32       # decode batches up to this run fused (the GEMV in passes of 16 rows); larger ones run the eager model
-COPY_SHARE = 0.25   # the packed weights' copy may take at most this share of the memory budget
+COPY_SHARE = 0.25   # the packed weights' copy may take at most this share of the memory limit
 
 
-def unsupported_reason(model: torch.nn.Module, worker) -> str | None:
+def unsupported_reason(worker) -> str | None:
     """Why this worker's model cannot take the fused step (None when it can)."""
-    config = worker.config
+    config, model = worker.config, worker.model
     if worker.device.type != "cpu":
         return "not a CPU engine"
     if config.enforce_eager:
@@ -101,20 +103,19 @@ class CpuDecodeStep:
         table = []
         for layer, attn in zip(inner.layers, attention_layers):
             a, mlp = layer.self_attn, layer.mlp
-            table += [self._address(layer.input_layernorm.weight.detach()),
-                      *self._linear(a.qkv_proj), *self._linear(a.o_proj),
-                      self._address(layer.post_attention_layernorm.weight.detach()),
-                      *self._linear(mlp.gate_up_proj), *self._linear(mlp.down_proj),
-                      attn.k_cache.data_ptr(), attn.v_cache.data_ptr()]
+            pointers = {"input_norm": self._address(layer.input_layernorm.weight.detach()),
+                        "post_norm": self._address(layer.post_attention_layernorm.weight.detach()),
+                        "k_cache": attn.k_cache.data_ptr(), "v_cache": attn.v_cache.data_ptr()}
+            for name, linear in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", mlp.gate_up_proj),
+                                 ("down", mlp.down_proj)):
+                pointers[f"{name}_weight"] = self._address(cpu_gemv.pack(plain_weight(linear)))
+                pointers[f"{name}_bias"] = self._address(None if linear.bias is None else linear.bias.detach())
+            table += [pointers[field] for field in cpu_decoder_layers.FIELDS]
         self.weights = torch.tensor(table, dtype=torch.int64)
         self.final_norm = inner.norm.weight.detach().contiguous()
-        kernels = cpu_elementwise.load(), cpu_attention.load()
-        self.kernels = torch.tensor([
-            ctypes.cast(kernels[0].tgi_add_rms_norm, ctypes.c_void_p).value,
-            ctypes.cast(kernels[0].tgi_rope, ctypes.c_void_p).value,
-            ctypes.cast(kernels[0].tgi_silu_and_mul, ctypes.c_void_p).value,
-            ctypes.cast(kernels[1].tgi_paged_attention, ctypes.c_void_p).value,
-            cpu_gemv.address()], dtype=torch.int64)
+        libraries = {"tgi_paged_attention": cpu_attention.load(), "tgi_gemv": cpu_gemv.load()}
+        self.kernels = torch.tensor([address(libraries.get(name) or cpu_elementwise.load(), name)
+                                     for name in cpu_decoder_layers.KERNELS], dtype=torch.int64)
         s = self.shape
         qkv_n = (s.heads + 2 * s.kv_heads) * s.head_dim
         widths = {"x": s.hidden, "res_a": s.hidden, "res_b": s.hidden, "h": s.hidden, "qkv": qkv_n,
@@ -138,10 +139,6 @@ class CpuDecodeStep:
         tensor = tensor.float().contiguous()
         self._keep.append(tensor)
         return tensor.data_ptr()
-
-    def _linear(self, linear: torch.nn.Module) -> tuple[int, int]:
-        return (self._address(cpu_gemv.pack(plain_weight(linear).float())),
-                self._address(None if linear.bias is None else linear.bias.detach()))
 
     @staticmethod
     def can_run(spans: list[SeqSpan]) -> bool:
@@ -174,18 +171,19 @@ class CpuDecodeStep:
         return b["x"][:rows].clone()
 
 
-def build(worker, memory_budget: int | None) -> tuple[CpuDecodeStep | None, str]:
+def build(worker) -> tuple[CpuDecodeStep | None, str]:
     """The fused step for this worker, or None; and what /info shows about the choice."""
     model = worker.model
-    reason = unsupported_reason(model, worker)
+    reason = unsupported_reason(worker)
     if reason is None:
         reason = cpu_gemv.self_check()
         reason = None if reason is None else f"the few-row GEMM failed its self-check ({reason})"
+    copy = CpuDecodeStep.copy_bytes(model) if reason is None else 0
     if reason is None:
-        copy = CpuDecodeStep.copy_bytes(model)
-        if memory_budget is not None and copy > COPY_SHARE * memory_budget:
+        budget = memory_limit().limit
+        if copy > COPY_SHARE * budget:
             reason = (f"its weight copy ({copy / 2**20:.0f} MiB) is over {COPY_SHARE:.0%} of the memory budget "
-                      f"({memory_budget / 2**20:.0f} MiB)")
+                      f"({budget / 2**20:.0f} MiB)")
     if reason is not None:
         logger.info("fused CPU decode step off: %s", reason)
         return None, f"eager ({reason})"
@@ -198,9 +196,8 @@ def build(worker, memory_budget: int | None) -> tuple[CpuDecodeStep | None, str]
         logger.warning("fused CPU decode step off: %s", mismatch)
         return None, f"eager ({mismatch})"
     logger.info("fused CPU decode step on for decode batches of up to %d rows (weight copy %.0f MiB)", MAX_ROWS,
-                CpuDecodeStep.copy_bytes(model) / 2**20)
-    return step, f"fused (decode batches of 1-{MAX_ROWS} rows; weight copy " \
-                 f"{CpuDecodeStep.copy_bytes(model) / 2**20:.0f} MiB)"
+                copy / 2**20)
+    return step, f"fused (decode batches of 1-{MAX_ROWS} rows; weight copy {copy / 2**20:.0f} MiB)"
 
 
 def _matches_eager(step: CpuDecodeStep, worker, tolerance: float = 1e-3) -> str | None:
@@ -215,22 +212,12 @@ def _matches_eager(step: CpuDecodeStep, worker, tolerance: float = 1e-3) -> str 
     with torch.inference_mode():
         for cache in caches:  # a finite context (an untouched cache may hold any bit pattern)
             cache[:next_block] = torch.randn(cache[:next_block].shape, generator=generator)
-        eager = worker.model(*_inputs(worker, spans)).float()
-        for cache in caches:  # the same context again: the eager pass wrote its k, v at the new slots
-            cache[:next_block] = 0.0
-        generator.manual_seed(0)
-        for cache in caches:
-            cache[:next_block] = torch.randn(cache[:next_block].shape, generator=generator)
         inputs = prepare_inputs(spans, bs, worker.device, worker.attention, worker.windows)
-        fused = step.run(inputs)
+        eager = worker.model(inputs.input_ids, inputs.positions, inputs.attention).float()
+        fused = step.run(inputs)  # both write the new tokens' k, v at the same slots before reading them
         for cache in caches:
             cache[:next_block] = 0.0
     error = (eager - fused).abs().max().item()
     if not error <= tolerance * (1.0 + eager.abs().max().item()):
         return f"it disagrees with the eager forward (max error {error:.3g})"
     return None
-
-
-def _inputs(worker, spans: list[SeqSpan]) -> tuple:
-    inputs = prepare_inputs(spans, worker.block_size, worker.device, worker.attention, worker.windows)
-    return inputs.input_ids, inputs.positions, inputs.attention

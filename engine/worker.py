@@ -20,7 +20,7 @@ from engine.attention.flash import flash_version
 from engine.attention.selection import choose_backend
 from engine.batch import SeqSpan
 from engine.config import EngineConfig
-from engine.host_memory import cpu_kv_budget, memory_limit
+from engine.host_memory import cpu_kv_budget
 from engine.kv_budget import kv_budget
 from engine.kv_prefault import KVPrefault
 from engine.kernels import cpu_elementwise
@@ -129,8 +129,7 @@ class RankWorker:
         self.graph_sizes = self._graph_sizes()
         self.num_kv_blocks = self._allocate_kv_cache()
         self.graphs = self._capture_graphs() if self.graph_sizes else None
-        self.decode_step, self.decode_step_report = cpu_decode_step.build(self, memory_limit().limit) \
-            if self.device.type == "cpu" else (None, "eager (not a CPU engine)")
+        self.decode_step, self.decode_step_report = cpu_decode_step.build(self)
 
     def _choose_elementwise(self) -> str:
         """Fused norm / RoPE / SiLU-and-mul kernels for this device ("fused" C++ on CPU, "triton" on CUDA),

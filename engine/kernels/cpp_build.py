@@ -71,6 +71,11 @@ def build(name: str, source: str, log: logging.Logger = logger) -> ctypes.CDLL:
     return ctypes.CDLL(str(path))
 
 
+def address(library: ctypes.CDLL, function: str) -> int:
+    """Where `function` of a loaded library is, for C++ code that calls it by address."""
+    return ctypes.cast(getattr(library, function), ctypes.c_void_p).value
+
+
 class Library:
     """One kernel library: built (or found in the cache) on first use, loaded once per process, with the
     ctypes signatures of its functions set: {"fn": (restype, [argtypes...])}."""

@@ -26,10 +26,11 @@ from engine.kernels.cpp_build import Library
 
 logger = logging.getLogger(__name__)
 
-PER_LAYER = 12  # pointers per layer in the table `run` takes, in this order:
+# the pointers of one layer in the table `tgi_decoder_layers` reads (`weights + l * 12`), in this order
 FIELDS = ("input_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "post_norm", "gate_up_weight",
           "gate_up_bias", "down_weight", "down_bias", "k_cache", "v_cache")
-KERNELS = ("add_rms_norm", "rope", "silu_and_mul", "paged_attention", "gemv")  # addresses, in this order
+# the kernels it calls, by the name of their C function, in the order of its `kernels` table
+KERNELS = ("tgi_add_rms_norm", "tgi_rope", "tgi_silu_and_mul", "tgi_paged_attention", "tgi_gemv")
 
 SOURCE = r"""
 #include <cstdint>

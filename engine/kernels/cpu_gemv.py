@@ -145,11 +145,6 @@ def load() -> ctypes.CDLL:
     return _LIBRARY.load()
 
 
-def address() -> int:
-    """`tgi_gemv`'s address, for C++ callers."""
-    return ctypes.cast(load().tgi_gemv, ctypes.c_void_p).value
-
-
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] float32 -> panels [ceil(N / 16), K, 16], the last one zero-padded."""
     n, k = weight.shape
