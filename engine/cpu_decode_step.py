@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from engine import huge_pages
 from engine.attention.cpu_paged import CpuPagedBackend
 from engine.batch import SeqSpan, probe_decode_spans
 from engine.host_memory import memory_limit
@@ -108,7 +109,7 @@ class CpuDecodeStep:
                         "k_cache": attn.k_cache.data_ptr(), "v_cache": attn.v_cache.data_ptr()}
             for name, linear in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", mlp.gate_up_proj),
                                  ("down", mlp.down_proj)):
-                pointers[f"{name}_weight"] = self._address(cpu_gemv.pack(plain_weight(linear)))
+                pointers[f"{name}_weight"] = self._address(huge_pages.copy(cpu_gemv.pack(plain_weight(linear))))
                 pointers[f"{name}_bias"] = self._address(None if linear.bias is None else linear.bias.detach())
             table += [pointers[field] for field in cpu_decoder_layers.FIELDS]
         self.weights = torch.tensor(table, dtype=torch.int64)

@@ -68,7 +68,8 @@ inline void panel(const float* xt, const float* w, int64_t K, const float* bias,
 }
 
 // three whole panels (48 output features) for MR <= 8 rows from r0: 24 accumulators, and each broadcast of a row
-// value feeds three FMAs (at 9-16 rows this ran 120 SmolLM2 linears in 22.4 ms against 25.1 one panel at a time)
+// value feeds three FMAs (on the Zen 4 VM at 9-16 rows this ran 120 SmolLM2 linears in 22.4 ms against 25.1 one
+// panel at a time; on a Zen 5 VM at 8 rows, 13.0 ms against 16.2)
 template <int MR>
 inline void triple(const float* xt, const float* w, int64_t K, const float* bias, float* y, int64_t y_stride, int r0) {
   f16x acc[3][MR];
@@ -91,14 +92,16 @@ template <int M>
 void panels(const float* xt, const float* w, const float* bias, int64_t N, int64_t K, float* y, int64_t y_stride,
             int threads) {
   const int64_t count = (N + 15) / 16;
-  const int64_t triples = M > 8 ? N / 48 : 0;  // 9-16 rows: whole panels three at a time, rows in two groups
+  // 3-16 rows: whole panels three at a time, rows in groups of 8 (the second group reads the triple from cache;
+  // one pass of 16 rows over one panel, or over K in chunks of both groups, measured slower)
+  const int64_t triples = M > 2 ? N / 48 : 0;
   const int64_t tasks = triples + count - 3 * triples;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1)
   for (int64_t t = 0; t < tasks; ++t) {
     if (t < triples) {
       const float* bt = bias == nullptr ? nullptr : bias + t * 48;
-      triple<8>(xt, w + t * 3 * K * 16, K, bt, y + t * 48, y_stride, 0);
-      triple<(M > 8 ? M - 8 : 1)>(xt, w + t * 3 * K * 16, K, bt, y + t * 48, y_stride, 8);
+      triple<(M < 8 ? (M > 2 ? M : 3) : 8)>(xt, w + t * 3 * K * 16, K, bt, y + t * 48, y_stride, 0);
+      if (M > 8) triple<(M > 8 ? M - 8 : 1)>(xt, w + t * 3 * K * 16, K, bt, y + t * 48, y_stride, 8);
       continue;
     }
     const int64_t p = 3 * triples + (t - triples);

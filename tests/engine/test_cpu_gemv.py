@@ -27,8 +27,8 @@ def test_matches_f_linear_on_random_shapes(seed):
     torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", range(9, 17))
-def test_nine_to_sixteen_rows_take_three_panels_at_a_time_with_any_tail(rows):
+@pytest.mark.parametrize("rows", range(1, 17))
+def test_every_row_count_to_sixteen_with_three_panel_groups_and_any_tail(rows):
     gen = torch.Generator().manual_seed(rows)
     for out_features in (48, 100, 130, 3 * 48 + 16):
         weight = torch.randn(out_features, 72, generator=gen)
