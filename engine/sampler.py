@@ -21,6 +21,7 @@ import random
 import threading
 from array import array
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -97,11 +98,11 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
         # greedy rows only and nothing processes the scores: argmax, and the log_softmax only when a row
         # reports logprobs (on CPU the fused log_softmax beats logsumexp + gather)
         scores = logits.float()
-        next_ids = greedy_ids(scores)
-        if any(p.logprobs or p.top_n_tokens for p in params):
+        if any(map(_top_n_tokens, params)):
+            next_ids = greedy_ids(scores)
             return report(log_softmax(scores), next_ids, params)
-        return SamplerOutput(next_ids.tolist(), [float("nan")] * len(params), [[] for _ in params],
-                             [[] for _ in params])
+        next_ids, chosen = greedy_chosen(scores, any(p.logprobs for p in params))
+        return SamplerOutput(next_ids, chosen, [[] for _ in params], [[] for _ in params])
     processed = process(logits, rows, bitmask, counts)
     logprobs, sampling = processed.logprobs, processed.sampling
     next_ids = processed.scores.argmax(dim=-1)
@@ -116,6 +117,33 @@ def greedy_ids(scores: torch.Tensor) -> torch.Tensor:
     if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2 and scores.shape[-1]:
         return torch.from_numpy(scores.numpy().argmax(axis=-1))
     return scores.argmax(dim=-1)
+
+
+_top_n_tokens = attrgetter("top_n_tokens")
+
+GREEDY_CHUNK = 1 << 20   # scores per chunk of rows in greedy_chosen (4 MB of float32)
+
+
+def greedy_chosen(scores: torch.Tensor, logprobs: bool) -> tuple[list[int], list[float]]:
+    """Each row's argmax and, with `logprobs`, its log_softmax value (else nan): `greedy_ids` and `log_softmax`
+    (the same values, bit for bit) on chunks of rows of GREEDY_CHUNK scores at most, so that a wide vocabulary
+    is read from memory once, into the cache, for both, and the log_softmax buffer written stays small."""
+    n, vocab = scores.shape
+    step = max(1, GREEDY_CHUNK // max(vocab, 1))
+    if step >= n or scores.device.type != "cpu":
+        next_ids = greedy_ids(scores)
+        if not logprobs:
+            return next_ids.tolist(), [float("nan")] * n
+        return next_ids.tolist(), log_softmax(scores).gather(1, next_ids[:, None]).squeeze(1).tolist()
+    ids: list[int] = []
+    chosen: list[float] = []
+    for start in range(0, n, step):
+        chunk = scores[start:start + step]
+        chunk_ids = greedy_ids(chunk)
+        ids += chunk_ids.tolist()
+        if logprobs:
+            chosen += log_softmax(chunk).gather(1, chunk_ids[:, None]).squeeze(1).tolist()
+    return ids, chosen if logprobs else [float("nan")] * n
 
 
 _workspace = threading.local()   # per step thread: a float32 buffer the CPU log_softmax writes into
