@@ -43,10 +43,16 @@ class SampleRow(Protocol):
 
 @dataclass(slots=True)
 class SamplerOutput:
+    """Read-only for its consumers: the rows without alternatives may share one empty list (no 2 x batch
+    allocations per step for nothing)."""
+
     token_ids: list[int]
     logprobs: list[float]                 # nan for all rows when no row asked for logprobs (greedy shortcut)
     top_token_ids: list[list[int]]        # per row, its top_n_tokens best ids (empty if 0)
     top_logprobs: list[list[float]]
+
+
+NO_TOP: list = []   # the empty row of top_token_ids / top_logprobs that rows without alternatives share
 
 
 def is_sampling(params: SamplingParams) -> bool:
@@ -102,7 +108,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
             next_ids = greedy_ids(scores)
             return report(log_softmax(scores), next_ids, params)
         next_ids, chosen = greedy_chosen(scores, any(p.logprobs for p in params))
-        return SamplerOutput(next_ids, chosen, [[] for _ in params], [[] for _ in params])
+        return SamplerOutput(next_ids, chosen, [NO_TOP] * len(params), [NO_TOP] * len(params))
     processed = process(logits, rows, bitmask, counts)
     logprobs, sampling = processed.logprobs, processed.sampling
     next_ids = processed.scores.argmax(dim=-1)
@@ -171,8 +177,8 @@ def report(logprobs: torch.Tensor, token_ids: torch.Tensor, params: list[Samplin
     """The chosen tokens' logprobs and each row's top_n_tokens alternatives."""
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     top_n = max((p.top_n_tokens for p in params), default=0)
-    top_ids: list[list[int]] = [[] for _ in params]
-    top_lps: list[list[float]] = [[] for _ in params]
+    top_ids: list[list[int]] = [NO_TOP] * len(params)
+    top_lps: list[list[float]] = [NO_TOP] * len(params)
     if top_n > 0:
         top = logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1)
         all_ids, all_lps = top.indices.tolist(), top.values.tolist()
