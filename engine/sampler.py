@@ -140,7 +140,8 @@ def greedy_chosen(scores: torch.Tensor, logprobs: bool) -> tuple[list[int], list
         next_ids = greedy_ids(scores)
         if not logprobs:
             return next_ids.tolist(), [float("nan")] * n
-        return next_ids.tolist(), log_softmax(scores).gather(1, next_ids[:, None]).squeeze(1).tolist()
+        chosen = log_softmax(scores).gather(1, next_ids[:, None]).squeeze(1)    # queued before the first sync
+        return next_ids.tolist(), chosen.tolist()
     ids: list[int] = []
     chosen: list[float] = []
     for start in range(0, n, step):
