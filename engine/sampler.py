@@ -13,7 +13,8 @@ Each sampling row draws from its own (CPU) torch.Generator, so a seeded request 
 tokens whatever else is in the batch; across devices too, unless a uniform falls within float32 rounding
 of a token's boundary (the draw's probabilities are float32: `inverse_cdf_blocked`).
 On a GPU, with the engine's `PenaltyCounts`, penalties read token counts kept on the device between steps
-instead of copying each history there (on CPU the per-history path is faster and stays).
+instead of copying each history there (on CPU the per-history path is faster and stays, its histories kept
+as arrays between steps: `TokenHistories`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 from engine.penalty_counts import PenaltyCounts
 from engine.sampling_params import SamplingParams
 from engine.structured.masks import TokenBitmask, apply_token_bitmask
+from engine.token_histories import TokenHistories
 
 
 class SampleRow(Protocol):
@@ -81,14 +83,16 @@ def process(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitma
     `counts`: the engine's token counts kept between steps (else each history is counted afresh)."""
     params = [row.params for row in rows]
     scores = logits.float()
+    histories = None
     if counts is not None and scores.device.type == "cpu":
-        counts = None   # on CPU the sparse per-history path wins (kept counts cost vocabulary-wide passes)
+        # on CPU the sparse per-history path wins (kept counts cost vocabulary-wide passes); its histories are kept
+        histories, counts = counts.histories, None
     if bitmask is not None:
         scores = apply_token_bitmask(scores, bitmask)
     if any(p.repetition_penalty not in (None, 1.0) for p in params):
-        scores = apply_repetition_penalty(scores, rows, counts)
+        scores = apply_repetition_penalty(scores, rows, counts, histories)
     if any(p.frequency_penalty for p in params):
-        scores = apply_frequency_penalty(scores, rows, counts)
+        scores = apply_frequency_penalty(scores, rows, counts, histories)
     sampling = [is_sampling(p) for p in params]
     if any(sampling):
         scores = apply_warpers(scores, params, sampling)
@@ -248,8 +252,11 @@ def _draw(logprobs: torch.Tensor, next_ids: torch.Tensor, rows: Sequence[SampleR
 
 
 def _padded_ids(rows: Sequence[SampleRow], which: list[int], generated_only: bool,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[len(which), max_len] token ids per row, padded with that row's first id, and a 0/1 mask."""
+                device: torch.device, histories: TokenHistories | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[len(which), max_len] token ids per row, padded with that row's first id, and a 0/1 mask; from
+    `histories` (kept between steps) when given."""
+    if histories is not None:
+        return histories.padded(rows, which, generated_only, device)
     lists = [rows[r].token_ids[rows[r].num_prompt_tokens:] if generated_only else rows[r].token_ids
              for r in which]
     width = max(1, max(len(ids) for ids in lists))
@@ -264,8 +271,8 @@ def _padded_ids(rows: Sequence[SampleRow], which: list[int], generated_only: boo
     return ids.to(device), mask.to(device)
 
 
-def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow],
-                             counts: PenaltyCounts | None = None) -> torch.Tensor:
+def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow], counts: PenaltyCounts | None = None,
+                             histories: TokenHistories | None = None) -> torch.Tensor:
     which = [r for r, row in enumerate(rows) if row.params.repetition_penalty not in (None, 1.0)]
     penalty = torch.tensor([rows[r].params.repetition_penalty for r in which],
                            dtype=scores.dtype, device=scores.device)[:, None]
@@ -275,7 +282,7 @@ def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow],
         picked = scores[index]
         picked = torch.where(present, torch.where(picked < 0, picked * penalty, picked / penalty), picked)
         return scores.index_copy(0, index, picked)      # out of place: the caller's logits stay
-    ids, _ = _padded_ids(rows, which, generated_only=False, device=scores.device)
+    ids, _ = _padded_ids(rows, which, generated_only=False, device=scores.device, histories=histories)
     row_ids = torch.tensor(which, device=scores.device)[:, None].expand_as(ids)
     picked = scores[row_ids, ids]       # only the penalised entries: no copy of the penalised rows
     picked = torch.where(picked < 0, picked * penalty, picked / penalty)
@@ -283,15 +290,15 @@ def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow],
     return scores.index_put((row_ids, ids), picked)
 
 
-def apply_frequency_penalty(scores: torch.Tensor, rows: Sequence[SampleRow],
-                            counts: PenaltyCounts | None = None) -> torch.Tensor:
+def apply_frequency_penalty(scores: torch.Tensor, rows: Sequence[SampleRow], counts: PenaltyCounts | None = None,
+                            histories: TokenHistories | None = None) -> torch.Tensor:
     which = [r for r, row in enumerate(rows) if row.params.frequency_penalty]
     penalty = torch.tensor([rows[r].params.frequency_penalty for r in which],
                            dtype=scores.dtype, device=scores.device)[:, None]
     if counts is not None:
         times = counts.generated(rows, which, scores.shape[-1], scores.device).to(scores.dtype)
     else:
-        ids, mask = _padded_ids(rows, which, generated_only=True, device=scores.device)
+        ids, mask = _padded_ids(rows, which, generated_only=True, device=scores.device, histories=histories)
         times = torch.zeros(len(which), scores.shape[-1], dtype=scores.dtype, device=scores.device)
         times.scatter_add_(1, ids, mask.to(scores.dtype))
     scores = scores.clone()
