@@ -365,40 +365,39 @@ class LLMEngine:
     def _append_one_each(self, seqs: list[Sequence], out: SamplerOutput) -> list[RequestOutput]:
         """`_append_run` of row j of `out` to `seqs[j]`, for every j: the common case (no grammar, and a token
         that ends nothing) in one loop with everything looked up once; the rest through `_append_run`."""
-        token_texts, eos_ids = self.token_texts, self.eos_token_ids
-        known_text, text, special_ids = token_texts.known.get, token_texts.text, token_texts.special_ids
+        text, special_ids, eos_ids = self.token_texts.text, self.token_texts.special_ids, self.eos_token_ids
+        token_ids_out, logprobs, top_token_ids, top_logprobs = out.token_ids, out.logprobs, out.top_token_ids, \
+            out.top_logprobs
         outputs = []
-        append = outputs.append
-        for j, (seq, token_id, logprob, top_ids) in enumerate(zip(seqs, out.token_ids, out.logprobs,
-                                                                  out.top_token_ids)):
-            params = seq.params
+        for j, seq in enumerate(seqs):
+            params, token_id = seq.params, token_ids_out[j]
             if seq.grammar is not None or (token_id in eos_ids and not params.ignore_eos):
-                append(self._append_run(seq, out, (j,)))
+                outputs.append(self._append_run(seq, out, (j,)))
                 continue
             token_ids = seq.token_ids
-            num_prompt, num_tokens = seq.num_prompt_tokens, len(token_ids) + 1
-            if num_tokens - num_prompt >= params.max_new_tokens or num_tokens >= seq.max_tokens:
-                append(self._append_run(seq, out, (j,)))    # the length limit: _append_run's ending
-                continue
             token_ids.append(token_id)
-            top = [TokenInfo(t, text(t), lp, t in special_ids) for t, lp in zip(top_ids, out.top_logprobs[j])] \
+            num_prompt, num_tokens = seq.num_prompt_tokens, len(token_ids)
+            if num_tokens - num_prompt >= params.max_new_tokens or num_tokens >= seq.max_tokens:
+                token_ids.pop()     # the length limit: _append_run's ending (flush, finish)
+                outputs.append(self._append_run(seq, out, (j,)))
+                continue
+            top_ids = top_token_ids[j]
+            top = [TokenInfo(t, text(t), lp, t in special_ids) for t, lp in zip(top_ids, top_logprobs[j])] \
                 if top_ids else []
-            info = TokenInfo(token_id, known_text(token_id) or text(token_id),
-                             logprob if params.logprobs else None, token_id in special_ids, top)
+            info = TokenInfo(token_id, text(token_id), logprobs[j] if params.logprobs else None,
+                             token_id in special_ids, top)
             piece, stopped = seq.stop.feed(seq.detokenizer.decode_next(token_ids))
             if stopped:
                 self.scheduler.finish(seq, "stop_sequence")
-                append(self._final_output(seq, [info], piece, pieces=[piece]))
+                outputs.append(self._final_output(seq, [info], piece, pieces=[piece]))
                 continue
-            prefill = seq.prefill_tokens
-            if prefill is not None:
-                seq.prefill_tokens = None
+            prefill, seq.prefill_tokens = seq.prefill_tokens, None
             # positional (keywords cost 2.5x here): request_id, tokens, text, finished, finish_reason,
             # generated_text, stop_text, num_prompt_tokens, num_generated_tokens, seed, prefill_tokens,
             # num_cached_tokens, error, token_texts (tests/engine/test_llm_engine.py checks the order)
-            append(RequestOutput(seq.request_id, [info], piece, False, None, None, "", num_prompt,
-                                 num_tokens - num_prompt, seq.seed, prefill, seq.num_cached_tokens or 0,
-                                 None, [piece]))
+            outputs.append(RequestOutput(seq.request_id, [info], piece, False, None, None, "", num_prompt,
+                                         num_tokens - num_prompt, seq.seed, prefill, seq.num_cached_tokens or 0,
+                                         None, [piece]))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token_id: int, stopped: bool) -> FinishReason | None:

@@ -61,12 +61,12 @@ class TokenTexts:
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
         self.special_ids = set(tokenizer.all_special_ids)
-        self.known: dict[int, str] = {}     # the texts decoded so far (a hot loop reads it before calling text)
+        self._texts: dict[int, str] = {}
 
     def text(self, token_id: int) -> str:
-        text = self.known.get(token_id)
+        text = self._texts.get(token_id)
         if text is None:
-            text = self.known[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
     def is_special(self, token_id: int) -> bool:
