@@ -26,10 +26,10 @@ class TokenPieces:
 
     def __init__(self, backend: object, skip_special_tokens: bool):
         self._backend, self._skip = backend, skip_special_tokens
-        self._texts: list[str | None] = [None] * backend.get_vocab_size(with_added_tokens=True)
+        self.texts: list[str | None] = [None] * backend.get_vocab_size(with_added_tokens=True)   # None: not yet
 
     def get(self, token_id: int) -> str:
-        texts = self._texts
+        texts = self.texts
         if not 0 <= token_id < len(texts):
             return ""
         text = texts[token_id]
@@ -86,6 +86,7 @@ class IncrementalDetokenizer:
         self._use_stream = use_backend and DecodeStream is not None
         self._num_fed = num_prompt_tokens     # tokens the stream has seen
         self._pieces = token_pieces(tokenizer, skip_special_tokens) if use_backend else None
+        self._piece_texts = self._pieces.texts if self._pieces is not None else None
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._decoder.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
@@ -93,11 +94,18 @@ class IncrementalDetokenizer:
     def decode_next(self, token_ids: list[int]) -> str:
         """Text that the tokens after the read offset add, or "" while it is not yet stable."""
         num_tokens = len(token_ids)
-        if self._pieces is not None and self.read_offset == num_tokens - 1:
-            piece = self._pieces.get(token_ids[-1])
+        read_offset = self.read_offset
+        if self._piece_texts is not None and read_offset == num_tokens - 1:
+            # TokenPieces.get with its list read here (one call less per token)
+            token_id, texts = token_ids[-1], self._piece_texts
+            piece = texts[token_id] if 0 <= token_id < len(texts) else ""
+            if piece is None:
+                piece = self._pieces.get(token_id)
             if piece:
-                self.prefix_offset, self.read_offset = self.read_offset, num_tokens
-                self._num_fed, self._stream = num_tokens, None
+                self.prefix_offset = read_offset
+                self.read_offset = self._num_fed = num_tokens
+                if self._stream is not None:
+                    self._stream = None
                 return piece
         if self._use_stream:
             return self._stream_next(token_ids)

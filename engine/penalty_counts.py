@@ -7,6 +7,7 @@ into tensors. A row is rebuilt from the history when the sequence is new to the 
 got shorter than what was counted, or when its row was given to another sequence meanwhile (least
 recently used first, when the table is full). Rows without a `seq_id` (the verifier's draft positions)
 are counted from their history each time. One instance per engine: sequence ids are its own.
+On CPU the sampler reads the histories themselves instead, kept as arrays between steps by `histories`.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from array import array
 from typing import Sequence
 
 import torch
+
+from engine.token_histories import TokenHistories
 
 
 class PenaltyCounts:
@@ -23,6 +26,7 @@ class PenaltyCounts:
         self.tables: dict[str, torch.Tensor] = {}
         self.free: dict[str, list[int]] = {}
         self.calls = 0
+        self.histories = TokenHistories()    # the CPU path's (engine/token_histories.py)
 
     def presence(self, rows: Sequence, which: list[int], vocab: int, device: torch.device) -> torch.Tensor:
         """[len(which), vocab] bool: the ids in each row's prompt + generated tokens."""

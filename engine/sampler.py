@@ -13,7 +13,8 @@ Each sampling row draws from its own (CPU) torch.Generator, so a seeded request 
 tokens whatever else is in the batch; across devices too, unless a uniform falls within float32 rounding
 of a token's boundary (the draw's probabilities are float32: `inverse_cdf_blocked`).
 On a GPU, with the engine's `PenaltyCounts`, penalties read token counts kept on the device between steps
-instead of copying each history there (on CPU the per-history path is faster and stays).
+instead of copying each history there (on CPU the per-history path is faster and stays, its histories kept
+as arrays between steps: `TokenHistories`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import random
 import threading
 from array import array
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -28,6 +30,7 @@ import torch
 from engine.penalty_counts import PenaltyCounts
 from engine.sampling_params import SamplingParams
 from engine.structured.masks import TokenBitmask, apply_token_bitmask
+from engine.token_histories import TokenHistories
 
 
 class SampleRow(Protocol):
@@ -42,10 +45,16 @@ class SampleRow(Protocol):
 
 @dataclass(slots=True)
 class SamplerOutput:
+    """Read-only for its consumers: the rows without alternatives may share one empty list (no 2 x batch
+    allocations per step for nothing)."""
+
     token_ids: list[int]
     logprobs: list[float]                 # nan for all rows when no row asked for logprobs (greedy shortcut)
     top_token_ids: list[list[int]]        # per row, its top_n_tokens best ids (empty if 0)
     top_logprobs: list[list[float]]
+
+
+NO_TOP: list = []   # the empty row of top_token_ids / top_logprobs that rows without alternatives share
 
 
 def is_sampling(params: SamplingParams) -> bool:
@@ -74,14 +83,16 @@ def process(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitma
     `counts`: the engine's token counts kept between steps (else each history is counted afresh)."""
     params = [row.params for row in rows]
     scores = logits.float()
+    histories = None
     if counts is not None and scores.device.type == "cpu":
-        counts = None   # on CPU the sparse per-history path wins (kept counts cost vocabulary-wide passes)
+        # on CPU the sparse per-history path wins (kept counts cost vocabulary-wide passes); its histories are kept
+        histories, counts = counts.histories, None
     if bitmask is not None:
         scores = apply_token_bitmask(scores, bitmask)
     if any(p.repetition_penalty not in (None, 1.0) for p in params):
-        scores = apply_repetition_penalty(scores, rows, counts)
+        scores = apply_repetition_penalty(scores, rows, counts, histories)
     if any(p.frequency_penalty for p in params):
-        scores = apply_frequency_penalty(scores, rows, counts)
+        scores = apply_frequency_penalty(scores, rows, counts, histories)
     sampling = [is_sampling(p) for p in params]
     if any(sampling):
         scores = apply_warpers(scores, params, sampling)
@@ -97,11 +108,11 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
         # greedy rows only and nothing processes the scores: argmax, and the log_softmax only when a row
         # reports logprobs (on CPU the fused log_softmax beats logsumexp + gather)
         scores = logits.float()
-        next_ids = greedy_ids(scores)
-        if any(p.logprobs or p.top_n_tokens for p in params):
+        if any(map(_top_n_tokens, params)):
+            next_ids = greedy_ids(scores)
             return report(log_softmax(scores), next_ids, params)
-        return SamplerOutput(next_ids.tolist(), [float("nan")] * len(params), [[] for _ in params],
-                             [[] for _ in params])
+        next_ids, chosen = greedy_chosen(scores, any(p.logprobs for p in params))
+        return SamplerOutput(next_ids, chosen, [NO_TOP] * len(params), [NO_TOP] * len(params))
     processed = process(logits, rows, bitmask, counts)
     logprobs, sampling = processed.logprobs, processed.sampling
     next_ids = processed.scores.argmax(dim=-1)
@@ -116,6 +127,34 @@ def greedy_ids(scores: torch.Tensor) -> torch.Tensor:
     if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2 and scores.shape[-1]:
         return torch.from_numpy(scores.numpy().argmax(axis=-1))
     return scores.argmax(dim=-1)
+
+
+_top_n_tokens = attrgetter("top_n_tokens")
+
+GREEDY_CHUNK = 1 << 20   # scores per chunk of rows in greedy_chosen (4 MB of float32)
+
+
+def greedy_chosen(scores: torch.Tensor, logprobs: bool) -> tuple[list[int], list[float]]:
+    """Each row's argmax and, with `logprobs`, its log_softmax value (else nan): `greedy_ids` and `log_softmax`
+    (the same values, bit for bit) on chunks of rows of GREEDY_CHUNK scores at most, so that a wide vocabulary
+    is read from memory once, into the cache, for both, and the log_softmax buffer written stays small."""
+    n, vocab = scores.shape
+    step = max(1, GREEDY_CHUNK // max(vocab, 1))
+    if step >= n or scores.device.type != "cpu":
+        next_ids = greedy_ids(scores)
+        if not logprobs:
+            return next_ids.tolist(), [float("nan")] * n
+        chosen = log_softmax(scores).gather(1, next_ids[:, None]).squeeze(1)    # queued before the first sync
+        return next_ids.tolist(), chosen.tolist()
+    ids: list[int] = []
+    chosen: list[float] = []
+    for start in range(0, n, step):
+        chunk = scores[start:start + step]
+        chunk_ids = greedy_ids(chunk)
+        ids += chunk_ids.tolist()
+        if logprobs:
+            chosen += log_softmax(chunk).gather(1, chunk_ids[:, None]).squeeze(1).tolist()
+    return ids, chosen if logprobs else [float("nan")] * n
 
 
 _workspace = threading.local()   # per step thread: a float32 buffer the CPU log_softmax writes into
@@ -143,8 +182,8 @@ def report(logprobs: torch.Tensor, token_ids: torch.Tensor, params: list[Samplin
     """The chosen tokens' logprobs and each row's top_n_tokens alternatives."""
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     top_n = max((p.top_n_tokens for p in params), default=0)
-    top_ids: list[list[int]] = [[] for _ in params]
-    top_lps: list[list[float]] = [[] for _ in params]
+    top_ids: list[list[int]] = [NO_TOP] * len(params)
+    top_lps: list[list[float]] = [NO_TOP] * len(params)
     if top_n > 0:
         top = logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1)
         all_ids, all_lps = top.indices.tolist(), top.values.tolist()
@@ -213,8 +252,11 @@ def _draw(logprobs: torch.Tensor, next_ids: torch.Tensor, rows: Sequence[SampleR
 
 
 def _padded_ids(rows: Sequence[SampleRow], which: list[int], generated_only: bool,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[len(which), max_len] token ids per row, padded with that row's first id, and a 0/1 mask."""
+                device: torch.device, histories: TokenHistories | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[len(which), max_len] token ids per row, padded with that row's first id, and a 0/1 mask; from
+    `histories` (kept between steps) when given."""
+    if histories is not None:
+        return histories.padded(rows, which, generated_only, device)
     lists = [rows[r].token_ids[rows[r].num_prompt_tokens:] if generated_only else rows[r].token_ids
              for r in which]
     width = max(1, max(len(ids) for ids in lists))
@@ -229,8 +271,8 @@ def _padded_ids(rows: Sequence[SampleRow], which: list[int], generated_only: boo
     return ids.to(device), mask.to(device)
 
 
-def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow],
-                             counts: PenaltyCounts | None = None) -> torch.Tensor:
+def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow], counts: PenaltyCounts | None = None,
+                             histories: TokenHistories | None = None) -> torch.Tensor:
     which = [r for r, row in enumerate(rows) if row.params.repetition_penalty not in (None, 1.0)]
     penalty = torch.tensor([rows[r].params.repetition_penalty for r in which],
                            dtype=scores.dtype, device=scores.device)[:, None]
@@ -240,7 +282,7 @@ def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow],
         picked = scores[index]
         picked = torch.where(present, torch.where(picked < 0, picked * penalty, picked / penalty), picked)
         return scores.index_copy(0, index, picked)      # out of place: the caller's logits stay
-    ids, _ = _padded_ids(rows, which, generated_only=False, device=scores.device)
+    ids, _ = _padded_ids(rows, which, generated_only=False, device=scores.device, histories=histories)
     row_ids = torch.tensor(which, device=scores.device)[:, None].expand_as(ids)
     picked = scores[row_ids, ids]       # only the penalised entries: no copy of the penalised rows
     picked = torch.where(picked < 0, picked * penalty, picked / penalty)
@@ -248,15 +290,15 @@ def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow],
     return scores.index_put((row_ids, ids), picked)
 
 
-def apply_frequency_penalty(scores: torch.Tensor, rows: Sequence[SampleRow],
-                            counts: PenaltyCounts | None = None) -> torch.Tensor:
+def apply_frequency_penalty(scores: torch.Tensor, rows: Sequence[SampleRow], counts: PenaltyCounts | None = None,
+                            histories: TokenHistories | None = None) -> torch.Tensor:
     which = [r for r, row in enumerate(rows) if row.params.frequency_penalty]
     penalty = torch.tensor([rows[r].params.frequency_penalty for r in which],
                            dtype=scores.dtype, device=scores.device)[:, None]
     if counts is not None:
         times = counts.generated(rows, which, scores.shape[-1], scores.device).to(scores.dtype)
     else:
-        ids, mask = _padded_ids(rows, which, generated_only=True, device=scores.device)
+        ids, mask = _padded_ids(rows, which, generated_only=True, device=scores.device, histories=histories)
         times = torch.zeros(len(which), scores.shape[-1], dtype=scores.dtype, device=scores.device)
         times.scatter_add_(1, ids, mask.to(scores.dtype))
     scores = scores.clone()

@@ -12,10 +12,11 @@ class StopMatcher:
 
     def __init__(self, stop: list[str] | tuple[str, ...] = ()):
         self.stop = [s for s in stop if s]
+        self._matching = bool(self.stop)
         self._text = ""
         self._pieces: list[str] = []    # without stop strings: pieces not yet joined into `text`
         self.cut = ""
-        self.num_released = 0
+        self._num_released = 0          # with stop strings (without, every piece is released as it comes)
 
     @property
     def text(self) -> str:
@@ -31,10 +32,10 @@ class StopMatcher:
         self._text = value
 
     def feed(self, piece: str) -> tuple[str, bool]:
-        if not self.stop:
-            # nothing to match: the piece is kept in a list (text += piece per token copies the whole text)
+        if not self._matching:
+            # nothing to match: the piece is released at once and kept in a list (text += piece per token
+            # copies the whole text); nothing read from the piece itself (the step's loop never touches it)
             self._pieces.append(piece)
-            self.num_released += len(piece)
             return piece, False
         old_len = len(self.text)
         self.text += piece
@@ -55,11 +56,11 @@ class StopMatcher:
         return 0
 
     def _release(self, end: int) -> str:
-        end = max(end, self.num_released)
-        out = self.text[self.num_released:end]
-        self.num_released = end
+        end = max(end, self._num_released)
+        out = self.text[self._num_released:end]
+        self._num_released = end
         return out
 
     def flush(self) -> str:
         """Release the held-back tail (generation ended for another reason)."""
-        return self._release(len(self.text))
+        return self._release(len(self.text)) if self._matching else ""

@@ -502,6 +502,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     host.add_argument("--sampling", choices=["greedy", "mixed"], default="greedy",
                       help="greedy: TGI's default request; mixed: half the rows sample (seeded, "
                       "temperature, top-k, top-p, repetition penalty)")
+    host.add_argument("--evict-mb", type=int, default=0,
+                      help="also read this many MiB inside the full-width sample call (its time taken off with "
+                      "that call's): at --vocab 4096, 125 evicts the caches as 128k logits do")
     return parser.parse_args(argv)
 
 

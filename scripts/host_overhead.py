@@ -29,6 +29,10 @@ that those wrappers' cost stays out of the other figures. `outputs` is what is l
 Host overhead = timed step - sample + sample at 4096 columns (per step, then the median): what the step
 costs the host when the vocabulary-wide math runs elsewhere. Both figures are
 printed; the last line is the host one.
+
+`--evict-mb N` reads an N MiB array inside the timed full-width sample call (so its time goes with that call's):
+at `--vocab 4096 --evict-mb 125` the other phases run on caches evicted as by 256 x 128k float32 logits, which
+tells what the 128k figure owes to this CPU doing the vocabulary-wide work a GPU host leaves to the device.
 """
 from __future__ import annotations
 
@@ -91,9 +95,10 @@ class ModelShape:
 class PhaseTimers:
     """Wraps the engine's phase entry points with timers (installed only for the phase steps)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, evict_mb: int = 0):
         import engine.llm_engine as llm_engine_module
         self.engine, self.module = engine, llm_engine_module
+        self.evict = torch.ones(evict_mb * 2**18) if evict_mb else None    # float32: 2^18 a MiB
         self.schedule_s = self.sample_s = self.detok_s = self.sample_host_s = self.harness_s = 0.0
         self._schedule, self._sample = engine.scheduler.schedule, llm_engine_module.sample
         self._wrapped: list[tuple[Any, str, Any]] = []
@@ -126,6 +131,8 @@ class PhaseTimers:
                     row.generator.set_state(state)
             start = time.process_time()
             try:
+                if timers.evict is not None:
+                    timers.evict.numpy().max()      # read through: the caches hold this array, not the step's data
                 return timers._sample(logits, rows, bitmask, counts=counts)
             finally:
                 end = time.process_time()
@@ -193,7 +200,7 @@ def request_params(mode: str, i: int) -> Any:
     return SamplingParams(max_new_tokens=10**6, ignore_eos=True)
 
 
-def measure(engine: Any, steps: int) -> dict[str, Any]:
+def measure(engine: Any, steps: int, evict_mb: int = 0) -> dict[str, Any]:
     """CPU microseconds per decode step: the plain total; then, on as many steps each, the step with its
     schedule/prepare/sample timers, and the detokenizer's share (timed per call, on steps of their own)."""
     totals = []
@@ -205,7 +212,7 @@ def measure(engine: Any, steps: int) -> dict[str, Any]:
     phases: dict[str, list[float]] = {name: [] for name in ("schedule", "prepare", "sample", "detokenize",
                                                             "timed step", "sample, host", "host")}
     for detokenize in (False, True):
-        timers = PhaseTimers(engine)
+        timers = PhaseTimers(engine, evict_mb)
         timers.install(detokenize)
         try:
             for _ in range(steps):
@@ -248,7 +255,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.warmup):
         engine.step()
     print(f"prefill + {args.warmup} warm-up steps: {time.perf_counter() - start:.1f} s wall", flush=True)
-    us = measure(engine, args.steps)
+    evict_mb = getattr(args, "evict_mb", 0)
+    if evict_mb:
+        print(f"{evict_mb} MiB read inside each timed full-width sample call (--evict-mb)", flush=True)
+    us = measure(engine, args.steps, evict_mb)
     engine.close()
     print(f"{'phase':<22}{'us/step':>10}")
     for name in ("schedule", "prepare", "sample", "detokenize", "outputs", "timed step"):

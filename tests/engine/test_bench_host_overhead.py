@@ -28,6 +28,25 @@ def test_host_overhead_reports_phases_and_the_last_line(capsys):
     assert int(lines[-1].split()[2]) > 0
 
 
+def test_evict_reads_inside_the_full_width_sample_and_still_reports(capsys):
+    """--evict-mb: the read goes with the full-width sample call, whose time the host figure takes off."""
+    test_model_path("smollm2")
+    import bench_engine
+    import torch
+    threads = torch.get_num_threads()
+    try:
+        code = bench_engine.main(["--host-overhead", "--batch", "4", "--context", "40", "--vocab", "4096",
+                                  "--steps", "3", "--warmup", "1", "--evict-mb", "64"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "64 MiB read inside each timed full-width sample call (--evict-mb)" in lines
+    sample = next(int(line.split()[1]) for line in lines if re.match(r"sample\s+\d+", line))
+    host = int(lines[-1].split()[2])
+    assert sample > host > 0       # 64 MiB read per call (milliseconds), left out of the host figure
+
+
 def test_stand_in_runner_returns_a_fresh_view_per_step():
     test_model_path("smollm2")
     from engine.batch import SeqSpan

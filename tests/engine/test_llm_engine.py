@@ -116,6 +116,58 @@ def test_decode_loop_gives_the_outputs_of_the_general_append(tokenizer):
     assert finals["nolp"].finish_reason == "length"
 
 
+def test_greedy_batch_gives_the_outputs_of_the_general_sampler(tokenizer, monkeypatch):
+    """A greedy-only batch (argmax and chosen logprob per chunk of rows, then the decode loop) against the
+    general sampler path and _append_run per row, output for output: EOS as the first token, max_new_tokens 1,
+    a stop string split across two tokens, logprobs off, preemption, an abort mid-batch."""
+    import engine.sampler as sampler
+    split_prompt = prompt(5, 8)
+    texts = [tokenizer.decode([t]) for t in reference_greedy(split_prompt, 12, VOCAB)]
+    k = next(k for k in range(1, 11) if texts[k].strip() and texts[k + 1].strip())
+    split = texts[k][-1] + texts[k + 1][0]      # ends one token's text, starts the next one's
+    first_eos = reference_greedy(prompt(1, 8), 1, VOCAB)[0]     # "eos-first" is request 1
+
+    def requests():
+        yield "plain", SamplingParams(max_new_tokens=9)
+        yield "eos-first", SamplingParams(max_new_tokens=9)
+        yield "one", SamplingParams(max_new_tokens=1)
+        yield "split", SamplingParams(max_new_tokens=12, stop=[split])
+        yield "nolp", SamplingParams(max_new_tokens=6, logprobs=False)
+        yield "aborted", SamplingParams(max_new_tokens=40)
+        for i in range(6):
+            yield f"long{i}", SamplingParams(max_new_tokens=30, ignore_eos=True)
+
+    runs = []
+    for general in (False, True):
+        engine, _ = make_engine(tokenizer, num_kv_blocks=40, max_total_tokens=64)
+        engine.eos_token_ids = {first_eos}
+        monkeypatch.setattr(sampler, "GREEDY_CHUNK", 3 * VOCAB)     # chunks of 3 rows, the last one short
+        if general:
+            monkeypatch.setattr(sampler, "_changes_scores", lambda p: True)   # process + report, whole batch
+            engine._append_one_each = lambda seqs, out: [engine._append_run(seq, out, (j,))
+                                                         for j, seq in enumerate(seqs)]
+        for i, (rid, params) in enumerate(requests()):
+            engine.add_request(rid, split_prompt if rid == "split" else prompt(i, 8), params)
+        steps = []
+        while engine.has_unfinished_requests():
+            steps.append(engine.step())
+            if len(steps) == 4:
+                engine.abort("aborted")
+        runs.append((steps, engine.stats().num_preempted_total))
+        monkeypatch.undo()
+    assert runs[0] == runs[1]
+    assert runs[0][1] > 0
+    finals = {out.request_id: out for step in runs[0][0] for out in step if out.finished}
+    assert finals["eos-first"].finish_reason == "eos_token" and finals["eos-first"].num_generated_tokens == 1
+    assert finals["one"].finish_reason == "length" and finals["one"].num_generated_tokens == 1
+    assert finals["split"].finish_reason == "stop_sequence" and finals["split"].stop_text.startswith(split)
+    assert finals["aborted"].finish_reason == "aborted"
+    lps = [t.logprob for step in runs[0][0] for out in step if out.request_id == "plain" for t in out.tokens]
+    assert lps and all(lp is not None and lp < 0 for lp in lps)
+    assert all(t.logprob is None for step in runs[0][0] for out in step if out.request_id == "nolp"
+               for t in out.tokens)
+
+
 def test_eos_ends_generation_unless_ignored(tokenizer):
     engine, _ = make_engine(tokenizer)
     ids = prompt(1, 8)

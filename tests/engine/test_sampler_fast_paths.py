@@ -118,6 +118,26 @@ def test_cpu_greedy_ids_match_torch_argmax_on_ties_nan_and_infinities():
     assert torch.equal(greedy_ids(scores.double()), scores.double().argmax(dim=-1))
 
 
+@pytest.mark.parametrize("rows_per_chunk", [1, 3, 8, 100])
+def test_greedy_in_chunks_of_rows_gives_torch_values_bit_for_bit(monkeypatch, rows_per_chunk):
+    """Greedy rows take the argmax and its log_softmax chunk by chunk (a wide vocabulary is read once): the ids
+    and logprobs are torch's on the whole batch, whatever the chunk size, on ties, NaN and -inf rows too."""
+    monkeypatch.setattr(sampler, "GREEDY_CHUNK", rows_per_chunk * VOCAB)
+    logits = logits_for(8, seed=3)
+    logits[0, 10] = logits[0, 20] = 99.0                 # a tie: the first wins
+    logits[4, 5] = float("nan")
+    logits[7] = float("-inf")                            # nothing allowed: index 0, logprob nan
+    expected_ids = logits.argmax(dim=-1)
+    expected = torch.log_softmax(logits, dim=-1).gather(1, expected_ids[:, None]).squeeze(1)
+    rows = [row(logprobs=r % 3 != 1) for r in range(8)]  # mixed: the rows without logprobs get them too
+    out = sample(logits, rows)
+    assert out.token_ids == expected_ids.tolist()
+    assert all(a == b or (a != a and b != b) for a, b in zip(out.logprobs, expected.tolist(), strict=True))
+    assert out.top_token_ids == [[]] * 8 and out.top_logprobs == [[]] * 8
+    none = sample(logits, [row(logprobs=False) for _ in range(8)])
+    assert none.token_ids == expected_ids.tolist() and all(lp != lp for lp in none.logprobs)
+
+
 def test_cpu_log_softmax_buffer_gives_torch_values_whatever_came_before():
     from engine.sampler import log_softmax
     big, small = logits_for(8, seed=1), logits_for(3, seed=2)
