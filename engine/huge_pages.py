@@ -1,11 +1,12 @@
-"""Host tensors on transparent huge pages: the arrays a CPU step streams through (the KV cache, the fused decode
-step's packed weights).
+"""Host tensors on transparent huge pages: the fused CPU decode step's packed weights (engine/cpu_decode_step.py).
 
-Why: a CPU decode step is bound by memory bandwidth. It reads every weight once and each sequence's KV blocks
-(12 KiB per layer for SmolLM2) scattered over a cache of gigabytes. On 4 KiB pages every 4 KiB is a TLB entry, a
-page walk when it misses, and a boundary where the hardware prefetchers stop; on 2 MiB pages the same bytes are
-512 times fewer entries. Linux gives a region huge pages when transparent huge pages are `always`, or `madvise` (the
-usual default, and this VM's) and the region asked with `madvise(MADV_HUGEPAGE)`. torch's CPU allocator does not ask.
+Why: a CPU decode step streams every weight once. On 4 KiB pages every 4 KiB is a TLB entry, a page walk when it
+misses, and a boundary where the hardware prefetchers stop; on 2 MiB pages the same bytes are 512 times fewer
+entries. Linux gives a region huge pages when transparent huge pages are `always`, or `madvise` (the usual default,
+and this VM's) and the region asked with `madvise(MADV_HUGEPAGE)`. torch's CPU allocator does not ask. The few-row
+GEMV over SmolLM2's 121 linears: 9.9 -> 8.9 ms at one row, 14.9 -> 13.9 ms at 16 (docs/benchmarks.md).
+The KV cache stays on torch's allocator: on huge pages, a served run that keeps writing fresh blocks was slower
+(each first touch zeroes 2 MiB inside the step; measured in docs/benchmarks.md).
 
 How: an anonymous mapping, its start rounded up to 2 MiB, advised `MADV_HUGEPAGE` before the first touch, and a
 tensor over it (`torch.frombuffer` holds the mapping until the last view of it is gone). The memory is zeroed and

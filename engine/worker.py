@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine import cpu_decode_step, cuda_graphs, distributed, huge_pages, pipeline
+from engine import cpu_decode_step, cuda_graphs, distributed, pipeline
 from engine.attention.block_tables import BlockTables
 from engine.attention.flash import flash_version
 from engine.attention.selection import choose_backend
@@ -267,9 +267,8 @@ class RankWorker:
         if num_blocks < 1:
             raise RuntimeError(f"no memory left for the KV cache (one block needs {bytes_per_block} bytes); "
                                "raise --cuda-memory-fraction / cpu_kv_cache_bytes or use more shards")
-        shape = (2, num_layers, num_blocks + scratch, self.block_size, layer0.num_kv_heads, cfg.head_dim)
-        self.kv_cache = huge_pages.empty(*shape, dtype=self.dtype) if self.device.type == "cpu" else \
-            torch.empty(*shape, dtype=self.dtype, device=self.device)  # CPU: on 2 MiB pages (engine/huge_pages.py)
+        self.kv_cache = torch.empty(2, num_layers, num_blocks + scratch, self.block_size,
+                                    layer0.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
         self.kv_cache[:, :, 0].zero_()  # padded gathers read block 0: keep it finite
         if self.device.type == "cpu":
             self.kv_prefault = KVPrefault(self.kv_cache, block_dim=2)

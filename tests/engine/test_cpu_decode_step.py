@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine import cpu_decode_step  # noqa: E402
+from engine import cpu_decode_step, huge_pages  # noqa: E402
 from engine.batch import SeqSpan  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.kernels.cpp_build import compiler  # noqa: E402
@@ -60,6 +60,9 @@ def test_smollm2_decode_logits_match_the_eager_forward():
                               enforce_eager=eager)
         with ModelRunner(config, ModelConfig.from_pretrained(path)) as runner:
             assert runner.decode_step_report.startswith("eager" if eager else "fused")
+            if not eager:  # the packed weights (tens of MiB each) sit on 2 MiB pages (engine/huge_pages.py)
+                packed = [t for t in runner._rank0.decode_step._keep if t.numel() * 4 >= huge_pages.HUGE_PAGE]
+                assert packed and all(t.data_ptr() % huge_pages.HUGE_PAGE == 0 for t in packed)
             seqs = [[(31 * i + 7 * j) % 40000 + 100 for j in range(20 + 9 * i)] for i in range(16)]
             # each sequence's blocks in reverse order: never one run of blocks lying one after another
             tables = [list(range(2 + 10 * i, 2 + 10 * i + -(-(len(seq) + 1) // 16)))[::-1]

@@ -1,4 +1,4 @@
-"""engine/huge_pages.py: tensors on 2 MiB pages for the CPU KV cache and the fused decode step's packed weights."""
+"""engine/huge_pages.py: tensors on 2 MiB pages for the fused CPU decode step's packed weights."""
 from __future__ import annotations
 
 import gc
@@ -67,18 +67,3 @@ def test_a_failing_mapping_falls_back(monkeypatch):
     t = huge_pages.empty(1 << 22)
     assert t.shape == (1 << 22,)
 
-
-def test_the_cpu_kv_cache_lives_on_huge_pages():
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from fakes import test_model_path
-
-    config = EngineConfig(model_id=str(test_model_path("tiny-llama")), device="cpu", dtype="float32",
-                          cpu_kv_cache_bytes=32 << 20)
-    with LLMEngine(config) as engine:
-        worker = engine.runner._rank0
-        engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True))
-        assert worker.kv_cache.data_ptr() % huge_pages.HUGE_PAGE == 0
-        if thp_mode() in ("always", "madvise"):
-            assert huge_pages.huge_bytes(worker.kv_cache) > 0
