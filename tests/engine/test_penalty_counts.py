@@ -5,8 +5,6 @@ rows without a sequence id."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -14,27 +12,9 @@ torch = pytest.importorskip("torch")
 from engine.penalty_counts import PenaltyCounts  # noqa: E402
 from engine.sampler import apply_frequency_penalty, apply_repetition_penalty, sample  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from sampler_rows import AnonymousRow, Row  # noqa: E402
 
 VOCAB = 97
-
-
-@dataclass(eq=False)
-class Row:
-    seq_id: int
-    params: SamplingParams
-    token_ids: list[int]
-    num_prompt_tokens: int
-    seed: int | None = None
-    generator: torch.Generator | None = field(default=None)
-
-
-@dataclass(eq=False)
-class AnonymousRow:     # as the verifier's draft positions: no seq_id
-    params: SamplingParams
-    token_ids: list[int]
-    num_prompt_tokens: int
-    seed: int | None = None
-    generator: torch.Generator | None = None
 
 
 def params(rng: random.Random) -> SamplingParams:

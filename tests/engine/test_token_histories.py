@@ -4,8 +4,6 @@ converting each history afresh, step after step, while sequences join, grow, lea
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -15,27 +13,9 @@ from engine.penalty_counts import PenaltyCounts  # noqa: E402
 from engine.sampler import _padded_ids, sample  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.token_histories import TokenHistories  # noqa: E402
+from sampler_rows import AnonymousRow, Row  # noqa: E402
 
 VOCAB = 61
-
-
-@dataclass(eq=False)
-class Row:
-    seq_id: int
-    params: SamplingParams
-    token_ids: list[int]
-    num_prompt_tokens: int
-    seed: int | None = None
-    generator: torch.Generator | None = field(default=None)
-
-
-@dataclass(eq=False)
-class AnonymousRow:     # as the verifier's draft positions: no seq_id
-    params: SamplingParams
-    token_ids: list[int]
-    num_prompt_tokens: int
-    seed: int | None = None
-    generator: torch.Generator | None = None
 
 
 def penalised(rng: random.Random) -> SamplingParams:
