@@ -9,19 +9,24 @@ pytest.importorskip("torch")
 from fakes import SCRIPTS, test_model_path  # noqa: E402
 
 
-def test_host_overhead_reports_phases_and_the_last_line(capsys):
+def run_bench(capsys, *args: str) -> list[str]:
+    """`bench_engine.py --host-overhead` at batch 4 over 40-token contexts, 3 steps; its output lines."""
     test_model_path("smollm2")                    # puts scripts/ on sys.path and builds the snapshot once
     assert str(SCRIPTS) in sys.path
     import bench_engine
     import torch
     threads = torch.get_num_threads()              # the benchmark sets 1 thread: leave the session as it was
     try:
-        code = bench_engine.main(["--host-overhead", "--batch", "4", "--context", "40", "--vocab", "5000",
-                                  "--steps", "3", "--warmup", "1", "--sampling", "mixed"])
+        code = bench_engine.main(["--host-overhead", "--batch", "4", "--context", "40", "--steps", "3",
+                                  "--warmup", "1", *args])
     finally:
         torch.set_num_threads(threads)
     assert code == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+    return capsys.readouterr().out.strip().splitlines()
+
+
+def test_host_overhead_reports_phases_and_the_last_line(capsys):
+    lines = run_bench(capsys, "--vocab", "5000", "--sampling", "mixed")
     for phase in ("schedule", "prepare", "sample", "detokenize", "outputs", "sample, host"):
         assert any(re.match(rf"{phase}\s+\d+", line) for line in lines), phase
     assert re.fullmatch(r"host overhead: \d+ us/step at batch 4", lines[-1])
@@ -30,17 +35,7 @@ def test_host_overhead_reports_phases_and_the_last_line(capsys):
 
 def test_evict_reads_inside_the_full_width_sample_and_still_reports(capsys):
     """--evict-mb: the read goes with the full-width sample call, whose time the host figure takes off."""
-    test_model_path("smollm2")
-    import bench_engine
-    import torch
-    threads = torch.get_num_threads()
-    try:
-        code = bench_engine.main(["--host-overhead", "--batch", "4", "--context", "40", "--vocab", "4096",
-                                  "--steps", "3", "--warmup", "1", "--evict-mb", "64"])
-    finally:
-        torch.set_num_threads(threads)
-    assert code == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+    lines = run_bench(capsys, "--vocab", "4096", "--evict-mb", "64")
     assert "64 MiB read inside each timed full-width sample call (--evict-mb)" in lines
     sample = next(int(line.split()[1]) for line in lines if re.match(r"sample\s+\d+", line))
     host = int(lines[-1].split()[2])
