@@ -68,8 +68,8 @@ def test_batch_survives_scancel_and_sigkill_then_completes_on_rerun(local_cluste
     assert re.fullmatch(rf"batch \d+/{NUM} done, 0 failed, \d+ tok/s, ETA \d+[sm]"
                         rf"(; shard \d+ \d+/2 \({array}_[01]@[^)]+\))(, shard \d+ \d+/2 \({array}_[01]@[^)]+\))*"
                         r"( \(\+\d+ more\))?", row["detail"]), row
-    assert row["batch"]["total"] == NUM and {s["holder"].split("@")[0] for s in row["batch"]["open_shards"]} == {
-        job_a, job_b}
+    holding = {s["holder"].split("@")[0] for s in row["batch"]["open_shards"]}
+    assert row["batch"]["total"] == NUM and holding and holding <= {job_a, job_b}, row  # a job may be between shards
     tgi("stop", job_a)                                   # scancel: its open shards are given back
     pid = wait_until(lambda: engine_pid(f"{job_b}@", batch_dir), 30, "job b's engine")
     os.kill(pid, signal.SIGKILL)                         # no word: its shards wait for their leases to expire
