@@ -109,7 +109,7 @@ class CpuDecodeStep:
                         "k_cache": attn.k_cache.data_ptr(), "v_cache": attn.v_cache.data_ptr()}
             for name, linear in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", mlp.gate_up_proj),
                                  ("down", mlp.down_proj)):
-                pointers[f"{name}_weight"] = self._address(huge_pages.copy(cpu_gemv.pack(plain_weight(linear))))
+                pointers[f"{name}_weight"] = self._address(cpu_gemv.pack(plain_weight(linear), empty=huge_pages.empty))
                 pointers[f"{name}_bias"] = self._address(None if linear.bias is None else linear.bias.detach())
             table += [pointers[field] for field in cpu_decoder_layers.FIELDS]
         self.weights = torch.tensor(table, dtype=torch.int64)

@@ -44,13 +44,6 @@ def empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return raw[start:start + nbytes].view(dtype).view(shape)
 
 
-def copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a CPU tensor on huge pages (see `empty`)."""
-    out = empty(*tensor.shape, dtype=tensor.dtype)
-    out.copy_(tensor)
-    return out
-
-
 def huge_bytes(tensor: torch.Tensor) -> int:
     """Bytes of huge pages (AnonHugePages in /proc/self/smaps) in the mapping that holds `tensor`'s memory."""
     address = tensor.data_ptr()

@@ -148,12 +148,15 @@ def load() -> ctypes.CDLL:
     return _LIBRARY.load()
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 -> panels [ceil(N / 16), K, 16], the last one zero-padded."""
+def pack(weight: torch.Tensor, empty=torch.empty) -> torch.Tensor:
+    """weight [N, K] float32 -> panels [ceil(N / 16), K, 16], the last one zero-padded, in memory from
+    `empty(*shape, dtype=...)` (e.g. engine/huge_pages.py's)."""
     n, k = weight.shape
     padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
     padded[:n] = weight
-    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+    packed = empty(padded.shape[0] // PANEL, k, PANEL, dtype=torch.float32)
+    packed.copy_(padded.view(-1, PANEL, k).transpose(1, 2))
+    return packed
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,

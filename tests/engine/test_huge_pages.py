@@ -52,14 +52,6 @@ def test_small_tensors_and_the_switch_fall_back_to_torch_empty(monkeypatch):
     assert plain.shape == (1 << 22,) and torch.count_nonzero(plain.zero_()) == 0
 
 
-def test_copy_is_equal_and_independent():
-    src = torch.randn(700, 1000)
-    dst = huge_pages.copy(src)
-    assert torch.equal(dst, src) and dst.data_ptr() % huge_pages.HUGE_PAGE == 0
-    src.zero_()
-    assert torch.count_nonzero(dst) > 0
-
-
 def test_a_failing_mapping_falls_back(monkeypatch):
     def refuse(*args, **kwargs):
         raise OSError("no mapping")
