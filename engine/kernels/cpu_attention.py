@@ -17,6 +17,7 @@ import logging
 import torch
 
 from engine.kernels.cpp_build import Library, compiler  # noqa: F401  (compiler: callers check for g++)
+from engine.kernels.cpu_simd import VECTORS
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +71,7 @@ inline void store(float x, bf16* dst) {  // round to nearest even, as torch does
   dst->bits = std::isnan(x) ? 0x7fc0 : static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-// 16 floats, loaded unaligned; gcc lowers it to one zmm, two ymm or four xmm registers as -march allows
-typedef float f16x __attribute__((vector_size(64), aligned(4)));
-
+""" + VECTORS + r"""
 inline float dot(const float* a, const float* b, int64_t n) {
   if (n % 16 == 0) {  // a tree sum: gcc's own reduction ends in 16 dependent scalar adds
     f16x acc = {};
@@ -107,16 +106,49 @@ inline float hsum(f16x acc) {
   return acc[0] + acc[1];
 }
 
-// NR rows that read the same kv head, scored together: each K row [DS * 16] is loaded once for all of them
+// the next run's K and V lines, prefetched a few at a time while this run is scored and summed: a burst of
+// prefetches stalls the core once its miss buffers are full (the arithmetic waits behind it), spread ones overlap it
+struct Ahead {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t k_left = 0, v_left = 0, per = 0;  // lines left; lines per key and kv head visited
+  void set(const void* k_next, const void* v_next, int64_t bytes, int64_t visits) {
+    k = static_cast<const char*>(k_next);
+    v = static_cast<const char*>(v_next);
+    k_left = v_left = (bytes + 63) / 64;
+    per = (k_left + v_left + visits - 1) / std::max<int64_t>(visits, 1);
+  }
+  inline void step(int64_t lines) {
+    for (; lines > 0 && k_left > 0; --lines, --k_left, k += 64) __builtin_prefetch(k, 0, 1);
+    for (; lines > 0 && v_left > 0; --lines, --v_left, v += 64) __builtin_prefetch(v, 0, 1);
+  }
+  void rest() { step(k_left + v_left); }
+};
+
+// NR rows that read the same kv head, scored together: 4 keys at a time, their sums reduced together (hsum4)
 template <int DS, int NR>
 inline void score_group(const float* q, const int64_t* rows, int64_t D, const float* k, int64_t n, int64_t stride,
-                        float* s, int64_t s_stride) {
+                        float* s, int64_t s_stride, Ahead& ahead) {
   f16x qv[NR][DS];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < DS; ++i) qv[r][i] = *reinterpret_cast<const f16x*>(q + rows[r] * D + 16 * i);
-  for (int64_t t = 0; t < n; ++t) {
+  int64_t t0 = 0;
+  for (; t0 + 4 <= n; t0 += 4) {
+    ahead.step(4 * ahead.per);
+    for (int r = 0; r < NR; ++r) {
+      f16x a[4];
+      for (int j = 0; j < 4; ++j) {
+        const float* kj = k + (t0 + j) * stride;
+        a[j] = qv[r][0] * load16(kj);
+        for (int i = 1; i < DS; ++i) a[j] += qv[r][i] * load16(kj + 16 * i);
+      }
+      *reinterpret_cast<f4x*>(s + rows[r] * s_stride + t0) = hsum4(a[0], a[1], a[2], a[3]);
+    }
+  }
+  for (int64_t t = t0; t < n; ++t) {
+    ahead.step(ahead.per);
     f16x kv[DS];
-    for (int i = 0; i < DS; ++i) kv[i] = *reinterpret_cast<const f16x*>(k + t * stride + 16 * i);
+    for (int i = 0; i < DS; ++i) kv[i] = load16(k + t * stride + 16 * i);
     for (int r = 0; r < NR; ++r) {
       f16x acc = qv[r][0] * kv[0];
       for (int i = 1; i < DS; ++i) acc += qv[r][i] * kv[i];
@@ -128,11 +160,12 @@ inline void score_group(const float* q, const int64_t* rows, int64_t D, const fl
 // acc rows += sum over t of p[row][t] * V row t, NR rows of one kv head: each V row is loaded once
 template <int DS, int NR>
 inline void accumulate_group(float* acc, const int64_t* rows, int64_t D, const float* p, int64_t p_stride,
-                             const float* v, int64_t n, int64_t stride) {
+                             const float* v, int64_t n, int64_t stride, Ahead& ahead) {
   f16x sum[NR][DS];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < DS; ++i) sum[r][i] = *reinterpret_cast<const f16x*>(acc + rows[r] * D + 16 * i);
   for (int64_t t = 0; t < n; ++t) {
+    ahead.step(ahead.per);
     f16x vv[DS];
     for (int i = 0; i < DS; ++i) vv[i] = *reinterpret_cast<const f16x*>(v + t * stride + 16 * i);
     for (int r = 0; r < NR; ++r) {
@@ -146,23 +179,23 @@ inline void accumulate_group(float* acc, const int64_t* rows, int64_t D, const f
 
 template <int DS>
 inline void score_rows(const float* q, const int64_t* rows, int nr, int64_t D, const float* k, int64_t n,
-                       int64_t stride, float* s, int64_t s_stride) {
+                       int64_t stride, float* s, int64_t s_stride, Ahead& ahead) {
   switch (nr) {
-    case 1: score_group<DS, 1>(q, rows, D, k, n, stride, s, s_stride); break;
-    case 2: score_group<DS, 2>(q, rows, D, k, n, stride, s, s_stride); break;
-    case 3: score_group<DS, 3>(q, rows, D, k, n, stride, s, s_stride); break;
-    default: score_group<DS, 4>(q, rows, D, k, n, stride, s, s_stride); break;
+    case 1: score_group<DS, 1>(q, rows, D, k, n, stride, s, s_stride, ahead); break;
+    case 2: score_group<DS, 2>(q, rows, D, k, n, stride, s, s_stride, ahead); break;
+    case 3: score_group<DS, 3>(q, rows, D, k, n, stride, s, s_stride, ahead); break;
+    default: score_group<DS, 4>(q, rows, D, k, n, stride, s, s_stride, ahead); break;
   }
 }
 
 template <int DS>
 inline void accumulate_rows(float* acc, const int64_t* rows, int nr, int64_t D, const float* p, int64_t p_stride,
-                            const float* v, int64_t n, int64_t stride) {
+                            const float* v, int64_t n, int64_t stride, Ahead& ahead) {
   switch (nr) {
-    case 1: accumulate_group<DS, 1>(acc, rows, D, p, p_stride, v, n, stride); break;
-    case 2: accumulate_group<DS, 2>(acc, rows, D, p, p_stride, v, n, stride); break;
-    case 3: accumulate_group<DS, 3>(acc, rows, D, p, p_stride, v, n, stride); break;
-    default: accumulate_group<DS, 4>(acc, rows, D, p, p_stride, v, n, stride); break;
+    case 1: accumulate_group<DS, 1>(acc, rows, D, p, p_stride, v, n, stride, ahead); break;
+    case 2: accumulate_group<DS, 2>(acc, rows, D, p, p_stride, v, n, stride, ahead); break;
+    case 3: accumulate_group<DS, 3>(acc, rows, D, p, p_stride, v, n, stride, ahead); break;
+    default: accumulate_group<DS, 4>(acc, rows, D, p, p_stride, v, n, stride, ahead); break;
   }
 }
 
@@ -178,12 +211,6 @@ inline void head_groups(int64_t kvh, int64_t group, int64_t q_len, int64_t H, F&
       for (int j = 0; j < nr; ++j) rows[j] = ((x0 + j) / group) * H + g * group + (x0 + j) % group;
       fn(rows, nr, g);
     }
-}
-
-// blocks sit anywhere in the cache, beyond the hardware prefetcher's guess: ask for the next one early
-inline void prefetch(const void* start, int64_t bytes) {
-  const char* p = static_cast<const char*>(start);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 1);
 }
 
 template <typename T>
@@ -232,16 +259,16 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
     for (run = 1; blk + run < end && (run + 1) * BS <= L && table[blk + run] == table[blk] + run;) ++run;
     const int64_t base = blk * BS, n = std::min(run * BS, seq_len - base);
     const int64_t slot0 = static_cast<int64_t>(table[blk]) * BS;
+    Ahead ahead;  // blocks sit anywhere in the cache, beyond the hardware prefetcher's guess: the next one early
     if (blk + run < end) {
       const int64_t next = static_cast<int64_t>(table[blk + run]) * BS * row, count = std::min(BS, seq_len - base - run * BS);
-      prefetch(a.k + next, count * row * sizeof(T));
-      prefetch(a.v + next, count * row * sizeof(T));
+      ahead.set(a.k + next, a.v + next, count * row * sizeof(T), 2 * n * a.kvh);
     }
     const float* kf = as_float(a.k + slot0 * row, kbuf, n * row);
     if (D == 64 || D == 128) {  // rows grouped by kv head, at most 4 at a time (registers)
       head_groups(a.kvh, a.group, q_len, H, [&](const int64_t* rows, int nr, int64_t g) {
-        if (D == 64) score_rows<4>(qf, rows, nr, D, kf + g * D, n, row, s, L);
-        else score_rows<8>(qf, rows, nr, D, kf + g * D, n, row, s, L);
+        if (D == 64) score_rows<4>(qf, rows, nr, D, kf + g * D, n, row, s, L, ahead);
+        else score_rows<8>(qf, rows, nr, D, kf + g * D, n, row, s, L, ahead);
       });
     } else {
       for (int64_t t = 0; t < n; ++t)
@@ -260,8 +287,9 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
       for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, sr[t]);
       const float m_new = std::max(m[r], mx);
       const float alpha = m[r] == NEG_INF ? 0.0f : std::exp(m[r] - m_new);
-#pragma omp simd
-      for (int64_t t = 0; t < n; ++t) sr[t] = exp_neg(sr[t] - m_new);  // all n: one vector, no branches
+      int64_t t = 0;  // all n, masked after: no branches
+      for (; t + 16 <= n; t += 16) store16(sr + t, exp16(load16(sr + t) - m_new));
+      for (; t < n; ++t) sr[t] = exp_neg(sr[t] - m_new);
       std::fill(sr, sr + t0, 0.0f);
       std::fill(sr + t1, sr + n, 0.0f);
       float sum = 0.0f;
@@ -278,11 +306,13 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
     const float* vf = as_float(a.v + slot0 * row, kbuf, n * row);
     if (D == 64 || D == 128) {
       head_groups(a.kvh, a.group, q_len, H, [&](const int64_t* rows, int nr, int64_t g) {
-        if (D == 64) accumulate_rows<4>(acc, rows, nr, D, s, L, vf + g * D, n, row);
-        else accumulate_rows<8>(acc, rows, nr, D, s, L, vf + g * D, n, row);
+        if (D == 64) accumulate_rows<4>(acc, rows, nr, D, s, L, vf + g * D, n, row, ahead);
+        else accumulate_rows<8>(acc, rows, nr, D, s, L, vf + g * D, n, row, ahead);
       });
+      ahead.rest();
       continue;
     }
+    ahead.rest();
     for (int64_t r = 0; r < R; ++r) {
       const float* p = s + r * L;
       const float* vr = vf + ((r % H) / a.group) * D;

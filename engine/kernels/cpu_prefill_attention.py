@@ -26,6 +26,7 @@ import os
 import torch
 
 from engine.kernels.cpp_build import Library, compiler
+from engine.kernels.cpu_simd import VECTORS
 
 logger = logging.getLogger(__name__)
 
@@ -55,32 +56,7 @@ inline void store(float x, bf16* dst) {  // round to nearest even, as torch does
   dst->bits = std::isnan(x) ? 0x7fc0 : static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-// 16 floats; gcc lowers it to one zmm, two ymm or four xmm registers as -march allows
-typedef float f16x __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16x __attribute__((vector_size(64), aligned(4)));
-inline f16x load16(const float* p) { return *reinterpret_cast<const f16x*>(p); }
-inline i16x load16i(const int32_t* p) { return *reinterpret_cast<const i16x*>(p); }
-
-// exp on 16 lanes for x <= 0 (Cephes' polynomial), clamped so that any x stays finite: -inf gives ~1e-38, not 0
-inline f16x exp16(f16x x) {
-  x = x < -87.0f ? f16x{} - 87.0f : x;
-  x = x > 88.0f ? f16x{} + 88.0f : x;
-  const f16x y = x * 1.44269504088896341f + 0.5f;
-  f16x n = __builtin_convertvector(__builtin_convertvector(y, i16x), f16x);  // toward zero
-  n = n > y ? n - 1.0f : n;                                                  // floor
-  const f16x r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  f16x p = f16x{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const i16x bits = (__builtin_convertvector(n, i16x) + 127) << 23;
-  return p * reinterpret_cast<const f16x&>(bits);
-}
-inline void store16(float* p, f16x x) { *reinterpret_cast<f16x*>(p) = x; }
-
+""" + VECTORS + r"""
 // st[t][RV * 16 rows] = k row t . qt[D][rows], for 4 keys t at a time: 4 x RV accumulators; each key value is
 // broadcast from the cache where it lies, each qt vector loaded once for the 4 keys
 template <int RV>
@@ -91,10 +67,11 @@ inline void score_tile(const float* const* krow, int64_t n, int64_t D, const flo
     for (int64_t d = 0; d < D; ++d) {
       f16x q[RV];
       for (int i = 0; i < RV; ++i) {
-        q[i] = load16(qt + d * RP + 16 * i);
+        f16x x = load16(qt + d * RP + 16 * i);
 #ifdef __AVX512F__
-        asm("" : "+v"(q[i]));  // in a register: gcc would fold this load into each of the 4 keys' FMAs (4x the loads)
+        asm("" : "+v"(x));  // in a register: gcc would fold this load into each of the 4 keys' FMAs (4x the loads)
 #endif
+        q[i] = x;
       }
       const float x0 = k0[d], x1 = k1[d], x2 = k2[d], x3 = k3[d];
       for (int i = 0; i < RV; ++i) {

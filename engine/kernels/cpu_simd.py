@@ -1,0 +1,48 @@
+"""C++ vector helpers shared by the CPU attention kernels (cpu_attention.py, cpu_prefill_attention.py).
+
+GCC vector extensions, not intrinsics: the same source builds for AVX-512, AVX2 or SSE, as `-march=native`
+allows. Pasted into each kernel's source inside its anonymous namespace.
+"""
+
+VECTORS = r"""
+// 16 floats, loaded unaligned; gcc lowers it to one zmm, two ymm or four xmm registers as -march allows
+typedef float f16x __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16x __attribute__((vector_size(64), aligned(4)));
+typedef float f4x __attribute__((vector_size(16), aligned(4)));
+inline f16x load16(const float* p) { return *reinterpret_cast<const f16x*>(p); }
+inline i16x load16i(const int32_t* p) { return *reinterpret_cast<const i16x*>(p); }
+inline void store16(float* p, f16x x) { *reinterpret_cast<f16x*>(p) = x; }
+
+// exp on 16 lanes for x <= 0 (Cephes' polynomial), clamped so that any x stays finite: -inf gives ~1e-38, not 0
+inline f16x exp16(f16x x) {
+  x = x < -87.0f ? f16x{} - 87.0f : x;
+  x = x > 88.0f ? f16x{} + 88.0f : x;
+  const f16x y = x * 1.44269504088896341f + 0.5f;
+  f16x n = __builtin_convertvector(__builtin_convertvector(y, i16x), f16x);  // toward zero
+  n = n > y ? n - 1.0f : n;                                                  // floor
+  const f16x r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f16x p = f16x{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i16x bits = (__builtin_convertvector(n, i16x) + 127) << 23;
+  return p * reinterpret_cast<const f16x&>(bits);
+}
+
+// the sums of the 16 lanes of a0, a1, a2 and a3, in one 4-lane vector: a transpose-and-add tree (12 shuffles and
+// adds for the four, where one sum alone takes 6)
+inline f4x hsum4(f16x a0, f16x a1, f16x a2, f16x a3) {
+  const f16x x = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+               + __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const f16x y = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+               + __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  f16x z = __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+         + __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  z += __builtin_shufflevector(z, z, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  z += __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return __builtin_shufflevector(z, z, 0, 4, 8, 12);
+}
+"""
