@@ -36,6 +36,10 @@ namespace {
 
 typedef float f16x __attribute__((vector_size(64), aligned(4)));
 
+// weight lines asked for this many k steps (64-byte lines of a panel) ahead: the hardware prefetchers alone keep
+// too few in flight once each line feeds several rows' FMAs (SmolLM2's linears at 8 rows, 2 threads: 10.5 -> 8.8 ms)
+constexpr int64_t AHEAD = 32;
+
 // one panel (16 output features) for M rows; KU interleaved accumulator sets hide the FMA latency when
 // M is small (few independent chains)
 template <int M, int KU>
@@ -48,6 +52,7 @@ inline void panel(const float* xt, const float* w, int64_t K, const float* bias,
   for (; k + KU <= K; k += KU)
     for (int u = 0; u < KU; ++u) {
       const f16x wv = *reinterpret_cast<const f16x*>(w + (k + u) * 16);
+      __builtin_prefetch(w + (k + u + AHEAD) * 16, 0, 0);
       const float* xk = xt + (k + u) * 16;
       for (int m = 0; m < M; ++m) acc[u][m] += xk[m] * wv;
     }
@@ -78,6 +83,7 @@ inline void triple(const float* xt, const float* w, int64_t K, const float* bias
   for (int64_t k = 0; k < K; ++k) {
     f16x wv[3];
     for (int p = 0; p < 3; ++p) wv[p] = *reinterpret_cast<const f16x*>(w + p * K * 16 + k * 16);
+    for (int p = 0; p < 3; ++p) __builtin_prefetch(w + p * K * 16 + (k + AHEAD) * 16, 0, 0);
     const float* xk = xt + k * 16 + r0;
     for (int m = 0; m < MR; ++m) {
       const float xm = xk[m];
