@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine import cpu_decode_step, cuda_graphs, distributed, pipeline
+from engine import cpu_decode_step, cuda_graphs, distributed, malloc_reuse, pipeline
 from engine.attention.block_tables import BlockTables
 from engine.attention.flash import flash_version
 from engine.attention.selection import choose_backend
@@ -272,6 +272,7 @@ class RankWorker:
         self.kv_cache[:, :, 0].zero_()  # padded gathers read block 0: keep it finite
         if self.device.type == "cpu":
             self.kv_prefault = KVPrefault(self.kv_cache, block_dim=2)
+            malloc_reuse.apply()
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         if self.draft is not None:
