@@ -7,7 +7,8 @@ Llama-layout model (pre-norm RMSNorm, gated SiLU MLP, RoPE, no q/k norm, no slid
 optional q/k/v/o/MLP biases) in float32 on one CPU rank, with the fused element-wise kernels and the cpu_paged
 attention, and without LoRA, speculation, quantized layers or images. Other steps (prefill chunks, larger
 batches) run the eager model as before. The linears read their own copy of the weights, packed for few rows
-(engine/kernels/cpu_gemv.py); it is made only when it fits COPY_SHARE of the process's memory limit
+(engine/kernels/cpu_gemv.py), and so does the LM head for batches of up to 16 rows (ParallelLMHead.FEW_ROWS, any
+step); the copy is made only when it fits COPY_SHARE of the process's memory limit
 (engine/host_memory.py). `--enforce-eager` turns the step off.
 
 At start-up, before any request owns a block, `build` runs a decode batch through both paths on the first
@@ -28,6 +29,7 @@ from engine.host_memory import memory_limit
 from engine.kernels import cpu_attention, cpu_decoder_layers, cpu_elementwise, cpu_gemv
 from engine.kernels.cpp_build import address
 from engine.layers.activation import SiluAndMul
+from engine.layers.embed_head import ParallelLMHead
 from engine.layers.layernorm import RMSNorm
 from engine.model_inputs import ModelInputs, prepare_inputs
 
@@ -113,6 +115,9 @@ class CpuDecodeStep:
                 pointers[f"{name}_bias"] = self._address(None if linear.bias is None else linear.bias.detach())
             table += [pointers[field] for field in cpu_decoder_layers.FIELDS]
         self.weights = torch.tensor(table, dtype=torch.int64)
+        head = getattr(model, "lm_head", None)
+        if isinstance(head, ParallelLMHead):  # the LM head of few-row batches through the same GEMV
+            head.few_rows_weight = cpu_gemv.pack(plain_weight(head), empty=huge_pages.empty)
         self.final_norm = inner.norm.weight.detach().contiguous()
         libraries = {"tgi_paged_attention": cpu_attention.load(), "tgi_gemv": cpu_gemv.load()}
         self.kernels = torch.tensor([address(libraries.get(name) or cpu_elementwise.load(), name)
@@ -126,8 +131,12 @@ class CpuDecodeStep:
 
     @staticmethod
     def copy_bytes(model: torch.nn.Module) -> int:
-        """Bytes of the packed copy of every layer's linear weights."""
+        """Bytes of the packed copy of every layer's linear weights and of the LM head."""
+        head = getattr(model, "lm_head", None)
+        hidden = model.model.norm.weight.shape[0]
         total = 0
+        if isinstance(head, ParallelLMHead):
+            total += -(-head.shard_size // cpu_gemv.PANEL) * cpu_gemv.PANEL * hidden * 4
         for layer in model.model.layers:
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj):

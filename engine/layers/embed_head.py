@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, gather_to_rank0, tp_rank, tp_size
+from engine.kernels import cpu_gemv
 from engine.layers import cpu_gemm
 from engine.weights import read_shard, shape_of
 
@@ -40,11 +41,22 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits; the vocab slices are gathered to rank 0 (None on the other ranks).
 
-    `packed_weight` is set by `cpu_gemm.prepack_model` once the weights are loaded (CPU only).
+    `packed_weight` is set by `cpu_gemm.prepack_model` once the weights are loaded (CPU only). `few_rows_weight`, by
+    engine/cpu_decode_step.py where the fused decode step is on: the weight packed for engine/kernels/cpu_gemv.py,
+    which takes batches of up to FEW_ROWS rows (decode steps, a prefill's last tokens): SmolLM2's 49,152 x 576 head
+    at 8 / 16 rows in 1.93 / 3.02 ms against oneDNN's 2.57 / 3.70 (slower from 24 rows; docs/benchmarks.md).
     """
 
+    FEW_ROWS = 16
     packed_weight: torch.Tensor | None = None
+    few_rows_weight: torch.Tensor | None = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = gather_to_rank0(cpu_gemm.matmul(hidden_states, self.weight, self.packed_weight, None))
+        few = self.few_rows_weight
+        if few is not None and hidden_states.dim() == 2 and hidden_states.shape[0] <= self.FEW_ROWS \
+                and hidden_states.dtype == torch.float32 and hidden_states.stride(1) == 1:
+            local = cpu_gemv.linear(hidden_states, few, self.shard_size)
+        else:
+            local = cpu_gemm.matmul(hidden_states, self.weight, self.packed_weight, None)
+        logits = gather_to_rank0(local)
         return None if logits is None else logits[..., :self.vocab_size]

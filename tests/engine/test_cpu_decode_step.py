@@ -60,9 +60,17 @@ def test_smollm2_decode_logits_match_the_eager_forward():
                               enforce_eager=eager)
         with ModelRunner(config, ModelConfig.from_pretrained(path)) as runner:
             assert runner.decode_step_report.startswith("eager" if eager else "fused")
+            head = runner._rank0.model.lm_head
+            assert (head.few_rows_weight is None) == eager
             if not eager:  # the packed weights (tens of MiB each) sit on 2 MiB pages (engine/huge_pages.py)
                 packed = [t for t in runner._rank0.decode_step._keep if t.numel() * 4 >= huge_pages.HUGE_PAGE]
-                assert packed and all(t.data_ptr() % huge_pages.HUGE_PAGE == 0 for t in packed)
+                packed.append(head.few_rows_weight)
+                assert len(packed) > 1 and all(t.data_ptr() % huge_pages.HUGE_PAGE == 0 for t in packed)
+                # the LM head: the GEMV up to FEW_ROWS rows, oneDNN above, the same logits either way
+                weight = head.weight.detach()
+                for rows in (1, head.FEW_ROWS, head.FEW_ROWS + 1):
+                    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+                    torch.testing.assert_close(head(x), x @ weight.T, atol=1e-4, rtol=1e-4)
             seqs = [[(31 * i + 7 * j) % 40000 + 100 for j in range(20 + 9 * i)] for i in range(16)]
             # each sequence's blocks in reverse order: never one run of blocks lying one after another
             tables = [list(range(2 + 10 * i, 2 + 10 * i + -(-(len(seq) + 1) // 16)))[::-1]
