@@ -260,8 +260,11 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
     const int64_t base = blk * BS, n = std::min(run * BS, seq_len - base);
     const int64_t slot0 = static_cast<int64_t>(table[blk]) * BS;
     Ahead ahead;  // blocks sit anywhere in the cache, beyond the hardware prefetcher's guess: the next one early
-    if (blk + run < end) {
-      const int64_t next = static_cast<int64_t>(table[blk + run]) * BS * row, count = std::min(BS, seq_len - base - run * BS);
+    if (blk + run < end) {  // the whole next run
+      const int64_t nb = blk + run;
+      int64_t nrun = 1;
+      while (nb + nrun < end && (nrun + 1) * BS <= L && table[nb + nrun] == table[nb] + nrun) ++nrun;
+      const int64_t next = static_cast<int64_t>(table[nb]) * BS * row, count = std::min(nrun * BS, seq_len - nb * BS);
       ahead.set(a.k + next, a.v + next, count * row * sizeof(T), 2 * n * a.kvh);
     }
     const float* kf = as_float(a.k + slot0 * row, kbuf, n * row);
