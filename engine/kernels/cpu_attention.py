@@ -6,8 +6,10 @@ its query rows, every head, are scored against each of its blocks in turn, read 
 (online softmax, fp32 accumulation), so nothing is gathered or padded. Blocks that lie one after another
 in the cache (a prompt's blocks, as the block manager hands them out) are read as one run of up to 64
 tokens, and the rows that share a KV head are scored and summed together, so each K and V row is loaded
-once for all of them. Batches with fewer spans than threads split each context in ranges merged by
-log-sum-exp. Reference: engine/kernels/attention_reference.py.
+once for all of them; keys are scored four at a time, their four dot products reduced in one transpose-and-add tree,
+and the softmax's exp runs on 16 lanes (engine/kernels/cpu_simd.py). The next run's lines are prefetched a few per
+key while this one is computed (one burst would stall the core on its miss buffers). Batches with fewer spans than
+threads split each context in ranges merged by log-sum-exp. Reference: engine/kernels/attention_reference.py.
 """
 from __future__ import annotations
 
