@@ -37,23 +37,6 @@ namespace {
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 struct bf16 { uint16_t bits; };
 
-// exp for x <= 0 (Cephes' polynomial), clamped so that any x stays finite; plain float code so that gcc
-// vectorizes the loops it sits in
-inline float exp_neg(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return p * __builtin_bit_cast(float, bits);
-}
-
 inline const float* as_float(const float* src, float*, int64_t) { return src; }
 inline const float* as_float(const bf16* src, float* dst, int64_t n) {
 #pragma omp simd
@@ -294,7 +277,7 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
       const float alpha = m[r] == NEG_INF ? 0.0f : std::exp(m[r] - m_new);
       int64_t t = 0;  // all n, masked after: no branches
       for (; t + 16 <= n; t += 16) store16(sr + t, exp16(load16(sr + t) - m_new));
-      for (; t < n; ++t) sr[t] = exp_neg(sr[t] - m_new);
+      for (; t < n; ++t) sr[t] = exp1(sr[t] - m_new);
       std::fill(sr, sr + t0, 0.0f);
       std::fill(sr + t1, sr + n, 0.0f);
       float sum = 0.0f;

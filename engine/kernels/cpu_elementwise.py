@@ -22,6 +22,7 @@ import torch
 
 from engine.kernels import choice
 from engine.kernels.cpp_build import Library, compiler
+from engine.kernels.cpu_simd import VECTORS
 
 logger = logging.getLogger(__name__)
 
@@ -36,35 +37,7 @@ namespace {
 // parallel only when the work pays for waking the threads (a decode step's rows do not)
 constexpr int64_t PARALLEL_MIN = 1 << 15;
 
-typedef float f16x __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16x __attribute__((vector_size(64), aligned(4)));
-
-// exp of 16 floats (clamped to [-87, 88]), Cephes' polynomial, in gcc vector extensions (one zmm, or two
-// ymm): gcc does not vectorize the scalar form's floor and bit cast in a loop
-inline f16x exp_vec(f16x x) {
-  const f16x zero = {}, lo = zero - 87.0f, hi = zero + 88.0f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const f16x magic = zero + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const f16x n = (x * 1.44269504088896341f + magic) - magic;
-  const f16x r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  f16x p = zero + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const i16x bits = (__builtin_convertvector(n, i16x) + 127) << 23;
-  return p * reinterpret_cast<const f16x&>(bits);
-}
-
-inline float exp_scalar(float x) {
-  f16x v = {};
-  v[0] = x;
-  return exp_vec(v)[0];
-}
-
+""" + VECTORS + r"""
 }  // namespace
 
 // y = x * rsqrt(mean(x^2) + eps) * w over rows of n; with r: x + r first, written to sum_out
@@ -124,9 +97,9 @@ extern "C" void tgi_silu_and_mul(const float* x, int64_t x_stride, float* out, i
     int64_t d = 0;
     for (; d + 16 <= n; d += 16) {
       const f16x gv = *reinterpret_cast<const f16x*>(g + d), uv = *reinterpret_cast<const f16x*>(u + d);
-      *reinterpret_cast<f16x*>(o + d) = gv / (1.0f + exp_vec(-gv)) * uv;
+      *reinterpret_cast<f16x*>(o + d) = gv / (1.0f + exp16(-gv)) * uv;
     }
-    for (; d < n; ++d) o[d] = g[d] / (1.0f + exp_scalar(-g[d])) * u[d];
+    for (; d < n; ++d) o[d] = g[d] / (1.0f + exp1(-g[d])) * u[d];
   }
 }
 """

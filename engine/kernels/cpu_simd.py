@@ -1,4 +1,4 @@
-"""C++ vector helpers shared by the CPU attention kernels (cpu_attention.py, cpu_prefill_attention.py).
+"""C++ vector helpers shared by the CPU kernels (cpu_attention.py, cpu_prefill_attention.py, cpu_elementwise.py).
 
 GCC vector extensions, not intrinsics: the same source builds for AVX-512, AVX2 or SSE, as `-march=native`
 allows. Pasted into each kernel's source inside its anonymous namespace.
@@ -13,7 +13,8 @@ inline f16x load16(const float* p) { return *reinterpret_cast<const f16x*>(p); }
 inline i16x load16i(const int32_t* p) { return *reinterpret_cast<const i16x*>(p); }
 inline void store16(float* p, f16x x) { *reinterpret_cast<f16x*>(p) = x; }
 
-// exp on 16 lanes for x <= 0 (Cephes' polynomial), clamped so that any x stays finite: -inf gives ~1e-38, not 0
+// exp on 16 lanes (Cephes' polynomial), x clamped to [-87, 88] so that any x stays finite: -inf gives ~1e-38, not 0.
+// In vector extensions because gcc does not vectorize a scalar form's floor and bit cast in a loop
 inline f16x exp16(f16x x) {
   x = x < -87.0f ? f16x{} - 87.0f : x;
   x = x > 88.0f ? f16x{} + 88.0f : x;
@@ -30,6 +31,13 @@ inline f16x exp16(f16x x) {
   p = p * r * r + r + 1.0f;
   const i16x bits = (__builtin_convertvector(n, i16x) + 127) << 23;
   return p * reinterpret_cast<const f16x&>(bits);
+}
+
+// exp16 of one float (loop tails)
+inline float exp1(float x) {
+  f16x v = {};
+  v[0] = x;
+  return exp16(v)[0];
 }
 
 // the sums of the 16 lanes of a0, a1, a2 and a3, in one 4-lane vector: a transpose-and-add tree (12 shuffles and
