@@ -55,9 +55,10 @@ def test_prefill_buffers_are_reused_without_page_faults():
     assert out.returncode == 0, out.stderr[-3000:]
     applied, defaults, reused = out.stdout.split()[-3:]
     assert applied == "True"
-    # glibc's defaults: ~130k faults a 1,024-token prefill here (~500 MiB zeroed by the kernel at every step)
+    # glibc's defaults: 40k-240k faults in two 1,024-token prefills here (up to ~500 MiB zeroed by the kernel at every
+    # step); reused: 4 in most runs, up to ~2,500 while the heap settles after the switch
     assert int(defaults) > 10_000, f"glibc's defaults no longer fault here ({defaults}): the module may be pointless"
-    assert int(reused) < int(defaults) // 10, (reused, defaults)
+    assert int(reused) < 5_000, (reused, defaults)
 
 
 def test_apply_is_decided_once_and_can_be_turned_off(monkeypatch):
