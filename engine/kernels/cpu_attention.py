@@ -211,6 +211,13 @@ struct Args {
 // tokens read at once: a run of blocks lying one after another, up to 64 tokens (one block if larger)
 inline int64_t run_tokens(int64_t bs) { return std::max<int64_t>(bs, 64 / bs * bs); }
 
+// blocks from `blk` (< end) that lie one after another in the cache, read as one run of at most `tokens` tokens
+inline int64_t run_blocks(const int32_t* table, int64_t blk, int64_t end, int64_t bs, int64_t tokens) {
+  int64_t run = 1;
+  while (blk + run < end && (run + 1) * bs <= tokens && table[blk + run] == table[blk] + run) ++run;
+  return run;
+}
+
 // the first and one-past-last block a work item attends to
 template <typename T>
 inline void block_range(const Args<T>& a, int64_t item, int64_t* lo, int64_t* hi) {
@@ -240,17 +247,15 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
   for (int64_t r = 0; r < R; ++r) { m[r] = NEG_INF; l[r] = 0.0f; }
   std::fill(acc, acc + R * D, 0.0f);
   const int32_t* table = a.tables + seq * a.table_stride;
-  for (int64_t blk = begin, run = 1; blk < end; blk += run) {
-    for (run = 1; blk + run < end && (run + 1) * BS <= L && table[blk + run] == table[blk] + run;) ++run;
+  for (int64_t blk = begin, run = begin < end ? run_blocks(table, begin, end, BS, L) : 0, next_run; blk < end;
+       blk += run, run = next_run) {
+    next_run = blk + run < end ? run_blocks(table, blk + run, end, BS, L) : 0;
     const int64_t base = blk * BS, n = std::min(run * BS, seq_len - base);
     const int64_t slot0 = static_cast<int64_t>(table[blk]) * BS;
     Ahead ahead;  // blocks sit anywhere in the cache, beyond the hardware prefetcher's guess: the next one early
-    if (blk + run < end) {  // the whole next run
-      const int64_t nb = blk + run;
-      int64_t nrun = 1;
-      while (nb + nrun < end && (nrun + 1) * BS <= L && table[nb + nrun] == table[nb] + nrun) ++nrun;
-      const int64_t next = static_cast<int64_t>(table[nb]) * BS * row, count = std::min(nrun * BS, seq_len - nb * BS);
-      ahead.set(a.k + next, a.v + next, count * row * sizeof(T), 2 * n * a.kvh);
+    if (next_run > 0) {  // the whole next run
+      const int64_t nb = blk + run, next = static_cast<int64_t>(table[nb]) * BS * row;
+      ahead.set(a.k + next, a.v + next, std::min(next_run * BS, seq_len - nb * BS) * row * sizeof(T), 2 * n * a.kvh);
     }
     const float* kf = as_float(a.k + slot0 * row, kbuf, n * row);
     if (D == 64 || D == 128) {  // rows grouped by kv head, at most 4 at a time (registers)

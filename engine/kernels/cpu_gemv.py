@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpp_build import Library
+from engine.kernels.cpu_simd import VECTORS
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,7 @@ SOURCE = r"""
 
 namespace {
 
-typedef float f16x __attribute__((vector_size(64), aligned(4)));
-
+""" + VECTORS + r"""
 // weight lines asked for this many k steps (64-byte lines of a panel) ahead: the hardware prefetchers alone keep
 // too few in flight once each line feeds several rows' FMAs (SmolLM2's linears at 8 rows, 2 threads: 10.5 -> 8.8 ms)
 constexpr int64_t AHEAD = 32;
