@@ -18,7 +18,7 @@ from engine.multimodal.prompt import MultiModalPrompt
 from engine.outputs import FinishReason, RequestOutput, TokenInfo
 from engine.penalty_counts import PenaltyCounts
 from engine.request_checks import check_request
-from engine.sampler import SamplerOutput, pick_seed, sample
+from engine.sampler import SamplerOutput, fresh_log_softmax, pick_seed, sample, use_cpu_kernels
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -161,6 +161,9 @@ class LLMEngine:
         self._num_guided = 0                            # of those, with a grammar (no mask work in steps without)
         self._seq_ids = count()
         self._penalty_counts = PenaltyCounts()         # penalties' token counts, kept between steps
+        # logprobs and greedy picks of CPU logits: "fused" (engine/kernels/cpu_log_softmax.py) or "torch (why)"
+        self.sampler_backend = "torch" if getattr(getattr(runner, "device", None), "type", "cpu") != "cpu" \
+            else use_cpu_kernels()
         self._batch_size = 0
         self._num_prompt_tokens_total = 0
         self._num_generated_tokens_total = 0
@@ -318,7 +321,7 @@ class LLMEngine:
         if end <= first:
             return
         targets = seq.token_ids[first + 1:end + 1]
-        logprobs = torch.log_softmax(logits[first - start:end - start].float(), dim=-1)
+        logprobs = fresh_log_softmax(logits[first - start:end - start].float())
         values = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
         texts, k = self.token_texts, seq.params.top_n_tokens
         tops: list[list[TokenInfo]] = [[] for _ in targets]

@@ -18,12 +18,13 @@ as arrays between steps: `TokenHistories`).
 """
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from array import array
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -31,6 +32,8 @@ from engine.penalty_counts import PenaltyCounts
 from engine.sampling_params import SamplingParams
 from engine.structured.masks import TokenBitmask, apply_token_bitmask
 from engine.token_histories import TokenHistories
+
+logger = logging.getLogger(__name__)
 
 
 class SampleRow(Protocol):
@@ -96,7 +99,7 @@ def process(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitma
     sampling = [is_sampling(p) for p in params]
     if any(sampling):
         scores = apply_warpers(scores, params, sampling)
-    return ProcessedScores(scores, torch.log_softmax(scores, dim=-1), sampling)
+    return ProcessedScores(scores, fresh_log_softmax(scores), sampling)
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmask | None = None,
@@ -121,6 +124,36 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
     return report(logprobs, next_ids, [row.params for row in rows])
 
 
+_cpu_kernels: Any = None           # engine.kernels.cpu_log_softmax once `use_cpu_kernels` found it usable
+_cpu_kernels_choice: str | None = None
+
+
+def use_cpu_kernels() -> str:
+    """Turn the CPU log_softmax kernels (engine/kernels/cpu_log_softmax.py) on for this process's CPU float32
+    logits, once they have built and passed their self-check: every logprob then comes from them (the same bits
+    whichever path chose the token), and greedy rows take their argmax and logprob in one read of the logits.
+    Returns "fused"; else "torch (why not)", and torch's passes stay."""
+    global _cpu_kernels, _cpu_kernels_choice
+    if _cpu_kernels_choice is None:
+        from engine.kernels import cpu_log_softmax
+        reason = cpu_log_softmax.unusable_reason()
+        if reason is None:
+            _cpu_kernels, _cpu_kernels_choice = cpu_log_softmax, "fused"
+        else:
+            _cpu_kernels_choice = f"torch ({reason})"
+            logger.info("CPU log_softmax kernels not used: %s", reason)
+    return _cpu_kernels_choice
+
+
+def _on_kernels(scores: torch.Tensor) -> Any:
+    """The CPU kernels module when it serves `scores`, else None."""
+    kernels = _cpu_kernels
+    if kernels is not None and scores.device.type == "cpu" and scores.dtype == torch.float32 \
+            and scores.dim() == 2 and scores.stride(-1) == 1:
+        return kernels
+    return None
+
+
 def greedy_ids(scores: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first one on ties; NaN counts as the largest, as in torch). On CPU through
     numpy, whose SIMD argmax is ~10x torch's (0.07 vs 0.9 ms at 256 x 4,096, 6 vs 27 ms at 256 x 128k)."""
@@ -135,10 +168,15 @@ GREEDY_CHUNK = 1 << 20   # scores per chunk of rows in greedy_chosen (4 MB of fl
 
 
 def greedy_chosen(scores: torch.Tensor, logprobs: bool) -> tuple[list[int], list[float]]:
-    """Each row's argmax and, with `logprobs`, its log_softmax value (else nan): `greedy_ids` and `log_softmax`
-    (the same values, bit for bit) on chunks of rows of GREEDY_CHUNK scores at most, so that a wide vocabulary
-    is read from memory once, into the cache, for both, and the log_softmax buffer written stays small."""
+    """Each row's argmax and, with `logprobs`, its log_softmax value (else nan). On CPU float32 through the
+    one-pass kernel when `use_cpu_kernels` turned them on (the bits of their log_softmax at the argmax);
+    else `greedy_ids` and `log_softmax` (torch's values, bit for bit) on chunks of rows of GREEDY_CHUNK scores
+    at most, so that a wide vocabulary is read from memory once, into the cache, for both, and the log_softmax
+    buffer written stays small."""
     n, vocab = scores.shape
+    if (kernels := _on_kernels(scores)) is not None:
+        next_ids, chosen = kernels.greedy(scores, logprobs)
+        return next_ids.tolist(), chosen.tolist()
     step = max(1, GREEDY_CHUNK // max(vocab, 1))
     if step >= n or scores.device.type != "cpu":
         next_ids = greedy_ids(scores)
@@ -168,7 +206,17 @@ def log_softmax(scores: torch.Tensor) -> torch.Tensor:
     buffer = getattr(_workspace, "buffer", None)
     if buffer is None or buffer.numel() < scores.numel():
         buffer = _workspace.buffer = torch.empty(scores.numel(), dtype=torch.float32)
-    return torch._log_softmax(scores, -1, False, out=buffer[:scores.numel()].view(scores.shape))
+    out = buffer[:scores.numel()].view(scores.shape)
+    if (kernels := _on_kernels(scores)) is not None:
+        return kernels.log_softmax(scores, out)
+    return torch._log_softmax(scores, -1, False, out=out)
+
+
+def fresh_log_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the vocabulary into a new tensor (the CPU kernels' when on, as `log_softmax`)."""
+    if (kernels := _on_kernels(scores)) is not None:
+        return kernels.log_softmax(scores)
+    return torch.log_softmax(scores, dim=-1)
 
 
 def _changes_scores(p: SamplingParams) -> bool:

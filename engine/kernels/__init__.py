@@ -1,4 +1,4 @@
-"""Device kernels in Triton (and one CPU kernel in C++), each beside a plain-torch reference of the same math.
+"""Device kernels in Triton (and the CPU kernels in C++), each beside a plain-torch reference of the same math.
 
 This package owns the kernels and nothing that chooses between them: the layers (and the
 start-up self-checks in engine/worker.py) decide which implementation runs. Every kernel module
@@ -16,6 +16,8 @@ Modules:
 - cpu_attention: `paged_attention` (decode rows and short spans over the paged cache in place, C++ built
   by g++ at first use and cached per CPU in ~/.cache/tgi-hpc/kernels or $TGI_HPC_KERNEL_CACHE; `load`
   builds it); its reference is attention_reference's `paged_attention_reference` too.
+- cpu_log_softmax: `log_softmax` and `greedy` (argmax + its logprob in one read) over CPU float32 logits, C++ like
+  cpu_attention; references `log_softmax_reference` / `greedy_reference` beside them.
 - fp8_quant: `quantize_tokens`, FP8 W8A8's per-token activation quantization in one kernel (absmax, scale,
   round to e4m3), bit-equal to its torch reference (`quantize_tokens_reference`), self-checked per device.
 - lora: `lora_apply`, the batched multi-LoRA update (per-token shrink and expand by adapter index);

@@ -1,4 +1,5 @@
-"""C++ vector helpers shared by the CPU kernels (cpu_attention.py, cpu_prefill_attention.py, cpu_elementwise.py).
+"""C++ vector helpers shared by the CPU kernels (cpu_attention.py, cpu_prefill_attention.py, cpu_elementwise.py,
+cpu_log_softmax.py).
 
 GCC vector extensions, not intrinsics: the same source builds for AVX-512, AVX2 or SSE, as `-march=native`
 allows. Pasted into each kernel's source inside its anonymous namespace.

@@ -133,6 +133,7 @@ def _build_info(llm: Any, config: EngineConfig) -> Info:
         linear_backend=str(getattr(runner, "linear_backend", "unknown")),
         elementwise_backend=str(getattr(runner, "elementwise_backend", "unknown")),
         decode_step=str(getattr(runner, "decode_step_report", "eager")),
+        sampler_backend=str(getattr(llm, "sampler_backend", "torch")),
         quant_kernels=dict(getattr(runner, "quant_checks", {})),
         model_impl=str(getattr(getattr(llm, "model_config", None), "impl", "native")),
         cuda_graphs=list(getattr(runner, "cuda_graph_sizes", [])), block_size=stats.block_size,

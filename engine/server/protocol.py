@@ -169,6 +169,7 @@ class Info(_Wire):
     linear_backend: str = "unknown"
     elementwise_backend: str = "unknown"  # "fused" (kernels/cpu_elementwise.py) | "triton" (kernels/triton_elementwise.py) | "aten"
     decode_step: str = "eager"  # CPU: "fused (...)" (engine/cpu_decode_step.py) or "eager (why not)"
+    sampler_backend: str = "torch"  # CPU logits' log_softmax + greedy pick: "fused" (kernels/cpu_log_softmax.py) or "torch (why not)"
     # quantized kernels on CUDA: "gemm"/"gemv" (W4A16/W8A16 Triton), "fp8_scaled_mm" -> "ok" or why not;
     # "gemv_layers" -> "N of M" layers that take the GEMV at decode
     quant_kernels: dict[str, str] = Field(default_factory=dict)

@@ -155,6 +155,7 @@ def test_real_server_with_env_api_key(model_path, tmp_path):
         assert info["attention_checks"] == {"cpu_paged": "ok", "cpu_paged prefill": "kernel"}
         assert info["linear_backend"] in ("onednn", "aten")  # oneDNN unless this torch build lacks it
         assert info["elementwise_backend"] == "fused"  # float32 on CPU: the one-pass C++ kernels
+        assert info["sampler_backend"] == "fused"  # logprobs and greedy picks: kernels/cpu_log_softmax.py
         assert info["quant_kernels"] == {}  # no quantized layers (and no CUDA) here
         with httpx.Client(base_url=url, headers=auth, timeout=60) as http:
             with http.stream("POST", "/generate_stream", json=body) as r:

@@ -120,9 +120,11 @@ def test_cpu_greedy_ids_match_torch_argmax_on_ties_nan_and_infinities():
 
 @pytest.mark.parametrize("rows_per_chunk", [1, 3, 8, 100])
 def test_greedy_in_chunks_of_rows_gives_torch_values_bit_for_bit(monkeypatch, rows_per_chunk):
-    """Greedy rows take the argmax and its log_softmax chunk by chunk (a wide vocabulary is read once): the ids
-    and logprobs are torch's on the whole batch, whatever the chunk size, on ties, NaN and -inf rows too."""
+    """Without the CPU kernels, greedy rows take the argmax and its log_softmax chunk by chunk (a wide vocabulary
+    is read once): the ids and logprobs are torch's on the whole batch, whatever the chunk size, on ties, NaN and
+    -inf rows too."""
     monkeypatch.setattr(sampler, "GREEDY_CHUNK", rows_per_chunk * VOCAB)
+    monkeypatch.setattr(sampler, "_cpu_kernels", None)  # torch's passes (the kernels: test_cpu_log_softmax.py)
     logits = logits_for(8, seed=3)
     logits[0, 10] = logits[0, 20] = 99.0                 # a tie: the first wins
     logits[4, 5] = float("nan")
@@ -138,11 +140,15 @@ def test_greedy_in_chunks_of_rows_gives_torch_values_bit_for_bit(monkeypatch, ro
     assert none.token_ids == expected_ids.tolist() and all(lp != lp for lp in none.logprobs)
 
 
-def test_cpu_log_softmax_buffer_gives_torch_values_whatever_came_before():
+@pytest.mark.parametrize("kernels", [False, True])
+def test_cpu_log_softmax_buffer_gives_its_values_whatever_came_before(monkeypatch, kernels):
+    from engine.kernels import cpu_log_softmax
     from engine.sampler import log_softmax
+    monkeypatch.setattr(sampler, "_cpu_kernels", cpu_log_softmax if kernels else None)
+    reference = cpu_log_softmax.log_softmax if kernels else (lambda x: torch.log_softmax(x, dim=-1))
     big, small = logits_for(8, seed=1), logits_for(3, seed=2)
     for logits in (small, big, small, big[2:5]):          # the buffer grows, then serves smaller shapes
-        assert torch.equal(log_softmax(logits), torch.log_softmax(logits, dim=-1))
+        assert torch.equal(log_softmax(logits), reference(logits))
     first = sample(big, [row(top_n_tokens=2) for _ in range(8)])
     again = sample(big, [row(top_n_tokens=2) for _ in range(8)])
     sample(small, [row(top_n_tokens=2) for _ in range(3)])   # reuses the buffer: earlier outputs are plain lists

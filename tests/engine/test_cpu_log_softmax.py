@@ -1,0 +1,134 @@
+"""The CPU log_softmax kernels (engine/kernels/cpu_log_softmax.py) against torch's argmax and a float64
+log_softmax, on random shapes, strided rows and hostile values; the sampler taking them (the same bits on every
+path) or torch's passes."""
+import math
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import engine.sampler as sampler  # noqa: E402
+from engine.kernels import cpu_log_softmax as kernels  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sequence import Sequence  # noqa: E402
+
+pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compiler (g++) here")
+
+CLOSE = dict(rtol=kernels.RTOL, atol=kernels.ATOL, equal_nan=True)
+
+
+def check(scores, logprobs=True):
+    """Both kernels on `scores` against the float64 references; the greedy logprob is log_softmax's at the
+    argmax, bit for bit."""
+    ids, chosen = kernels.greedy(scores, logprobs)
+    want_ids, want = kernels.greedy_reference(scores.double(), logprobs)
+    assert torch.equal(ids, want_ids)
+    full = kernels.log_softmax(scores)
+    torch.testing.assert_close(full.double(), kernels.log_softmax_reference(scores.double()), **CLOSE)
+    if logprobs:
+        torch.testing.assert_close(chosen.double(), want, **CLOSE)
+        torch.testing.assert_close(full.gather(1, ids[:, None]).squeeze(1), chosen, rtol=0, atol=0, equal_nan=True)
+    else:
+        assert torch.isnan(chosen).all()     # nobody asked: no exp pass
+    return ids, chosen, full
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_rows_match_argmax_and_float64_log_softmax(seed):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    rows, width = rng.choice([1, 2, 5, 33]), rng.choice([1, 15, 16, 17, 1023, 1024, 1025, 4099, 49152])
+    base = torch.randn(rows, width + 7, generator=gen) * rng.choice([1e-3, 1.0, 8.0, 40.0])
+    scores = base[:, 3:3 + width]           # rows strided: a slice of wider logits
+    check(scores)
+    check(scores, logprobs=False)
+    check(scores.contiguous())
+
+
+def test_the_max_late_in_a_wide_row_rescales_the_earlier_blocks():
+    scores = torch.linspace(-30, 5, 128256)[None].repeat(3, 1)      # rising: a new max in every block
+    scores[1] = scores[1].flip(0)                                    # falling: the first block holds it
+    scores[2, 70000] = 80.0                                          # one peak far from both
+    ids, _, _ = check(scores)
+    assert ids.tolist() == [128255, 0, 70000]
+
+
+def test_hostile_rows_as_torch():
+    scores = kernels.hostile_rows(torch.Generator().manual_seed(1))
+    ids, chosen, full = check(scores)
+    assert ids[:5].tolist() == [40, 0, 2999, 0, 7] and ids[7].item() == 1023
+    for row in (0, 1, 2):                            # NaN, all -inf, +inf: NaN everywhere, as torch
+        assert math.isnan(chosen[row]) and torch.isnan(full[row]).all()
+    assert torch.isnan(torch.log_softmax(scores[:3], -1)).all()
+    assert chosen[3].item() == pytest.approx(-math.log(3000), rel=1e-6)
+    assert chosen[6].item() == 0.0 and full[6, 5].item() == pytest.approx(-1e30 - 1e30, rel=1e-6)
+    assert torch.isneginf(full[5, :2000]).all() and torch.isneginf(full[8, ::2]).all()   # masked stay -inf
+
+
+def test_threaded_rows_give_the_one_thread_results():
+    scores = torch.randn(64, 40000, generator=torch.Generator().manual_seed(2)) * 5   # over PARALLEL_MIN
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.greedy(scores, True), kernels.log_softmax(scores)
+        torch.set_num_threads(max(2, threads))
+        many = kernels.greedy(scores, True), kernels.log_softmax(scores)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0][0], many[0][0]) and torch.equal(one[0][1], many[0][1]) and torch.equal(one[1], many[1])
+    check(scores)
+
+
+def test_empty_shapes_and_an_output_buffer():
+    ids, chosen = kernels.greedy(torch.empty(0, 10), True)
+    assert ids.shape == chosen.shape == (0,)
+    assert kernels.log_softmax(torch.empty(3, 0)).shape == (3, 0)
+    scores = torch.randn(4, 100)
+    out = torch.full((4, 100), 7.0)
+    assert kernels.log_softmax(scores, out) is out and torch.equal(out, kernels.log_softmax(scores))
+
+
+def test_self_check_passes_here_and_fails_on_a_broken_kernel(monkeypatch):
+    assert kernels.unusable_reason() is None
+    monkeypatch.setattr(kernels, "log_softmax", lambda scores, out=None: torch.zeros_like(scores))
+    assert kernels.unusable_reason() == "log_softmax disagrees with the float64 log_softmax on [3, 17]"
+
+
+def _rows(n, **params):
+    return [Sequence(i, f"r{i}", [1, 2, 3], SamplingParams(**params), max_tokens=10**6, num_prompt_tokens=3)
+            for i in range(n)]
+
+
+def test_sampler_takes_the_kernels_and_every_path_gives_the_same_bits(monkeypatch):
+    assert sampler.use_cpu_kernels() == "fused"
+    logits = torch.randn(12, 5000, generator=torch.Generator().manual_seed(4)) * 3
+    logits[3, 17] = math.nan
+    calls = []
+    monkeypatch.setattr(kernels, "greedy", lambda s, lp, f=kernels.greedy: calls.append(1) or f(s, lp))
+    fused = sampler.sample(logits, _rows(12))
+    assert calls == [1]                                             # the greedy kernel, once for the batch
+    general = sampler.process(logits, _rows(12))                    # the general sampler's log_softmax
+    slow = sampler.report(general.logprobs, general.scores.argmax(dim=-1), [SamplingParams()] * 12)
+    assert fused.token_ids == slow.token_ids == logits.argmax(dim=-1).tolist()
+    assert torch.equal(torch.tensor(fused.logprobs).nan_to_num(), torch.tensor(slow.logprobs).nan_to_num())
+    top = sampler.sample(logits, _rows(12, top_n_tokens=2))         # alternatives: the buffered log_softmax
+    finite = [i for i in range(12) if i != 3]                       # row 3's NaN: NaN everywhere
+    assert [top.top_token_ids[i][0] for i in finite] == [fused.token_ids[i] for i in finite]
+    assert [top.top_logprobs[i][0] for i in finite] == [fused.logprobs[i] for i in finite]
+    monkeypatch.setattr(sampler, "_cpu_kernels", None)              # torch's passes: within float32 rounding
+    torch_path = sampler.sample(logits, _rows(12))
+    assert torch_path.token_ids == fused.token_ids
+    assert torch_path.logprobs == pytest.approx(fused.logprobs, rel=1e-4, abs=1e-5, nan_ok=True)
+    assert all(math.isnan(lp) for lp in sampler.sample(logits, _rows(12, logprobs=False)).logprobs)
+
+
+def test_unusable_kernels_leave_torch_passes(monkeypatch):
+    monkeypatch.setattr(sampler, "_cpu_kernels", None)
+    monkeypatch.setattr(sampler, "_cpu_kernels_choice", None)
+    monkeypatch.setattr(kernels, "self_check", lambda: "greedy ids disagree with torch.argmax on [1, 1]")
+    assert sampler.use_cpu_kernels() == "torch (greedy ids disagree with torch.argmax on [1, 1])"
+    assert sampler._cpu_kernels is None
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(5))
+    out = sampler.sample(logits, _rows(4))
+    want = torch.log_softmax(logits, dim=-1).gather(1, logits.argmax(dim=-1)[:, None]).squeeze(1)
+    assert out.logprobs == want.tolist()                           # torch's values, bit for bit
