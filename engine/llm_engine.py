@@ -130,6 +130,12 @@ class LLMEngine:
             runner.close()
             raise
         self.limits: Limits = limits
+        try:    # logprobs and greedy picks of CPU logits: "fused" (engine/kernels/cpu_log_softmax.py) or "torch (why)"
+            self.sampler_backend = "torch" if getattr(getattr(runner, "device", None), "type", "cpu") != "cpu" \
+                else use_cpu_kernels()
+        except ValueError:
+            runner.close()
+            raise
         self.max_input_tokens = limits.max_input_tokens
         self.max_total_tokens = limits.max_total_tokens
         self.max_batch_prefill_tokens = limits.max_batch_prefill_tokens
@@ -161,9 +167,6 @@ class LLMEngine:
         self._num_guided = 0                            # of those, with a grammar (no mask work in steps without)
         self._seq_ids = count()
         self._penalty_counts = PenaltyCounts()         # penalties' token counts, kept between steps
-        # logprobs and greedy picks of CPU logits: "fused" (engine/kernels/cpu_log_softmax.py) or "torch (why)"
-        self.sampler_backend = "torch" if getattr(getattr(runner, "device", None), "type", "cpu") != "cpu" \
-            else use_cpu_kernels()
         self._batch_size = 0
         self._num_prompt_tokens_total = 0
         self._num_generated_tokens_total = 0

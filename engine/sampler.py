@@ -19,6 +19,7 @@ as arrays between steps: `TokenHistories`).
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 from array import array
@@ -124,25 +125,35 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
     return report(logprobs, next_ids, [row.params for row in rows])
 
 
-_cpu_kernels: Any = None           # engine.kernels.cpu_log_softmax once `use_cpu_kernels` found it usable
-_cpu_kernels_choice: str | None = None
+_cpu_kernels: Any = None           # engine.kernels.cpu_log_softmax once `use_cpu_kernels` turned it on
+_cpu_kernels_unusable: list[str | None] = []     # the kernels' self-check verdict, once per process
+SAMPLER_ENV = "TGI_HPC_CPU_SAMPLER"              # auto | fused | torch
 
 
 def use_cpu_kernels() -> str:
     """Turn the CPU log_softmax kernels (engine/kernels/cpu_log_softmax.py) on for this process's CPU float32
     logits, once they have built and passed their self-check: every logprob then comes from them (the same bits
     whichever path chose the token), and greedy rows take their argmax and logprob in one read of the logits.
-    Returns "fused"; else "torch (why not)", and torch's passes stay."""
-    global _cpu_kernels, _cpu_kernels_choice
-    if _cpu_kernels_choice is None:
-        from engine.kernels import cpu_log_softmax
-        reason = cpu_log_softmax.unusable_reason()
-        if reason is None:
-            _cpu_kernels, _cpu_kernels_choice = cpu_log_softmax, "fused"
-        else:
-            _cpu_kernels_choice = f"torch ({reason})"
-            logger.info("CPU log_softmax kernels not used: %s", reason)
-    return _cpu_kernels_choice
+    Returns "fused"; else "torch (why not)", and torch's passes run. $TGI_HPC_CPU_SAMPLER: auto (the default),
+    fused (raises ValueError when the kernels cannot run) or torch."""
+    global _cpu_kernels
+    from engine.kernels import cpu_log_softmax
+    wanted = os.environ.get(SAMPLER_ENV, "") or "auto"
+    if wanted not in ("auto", "fused", "torch"):
+        raise ValueError(f"{SAMPLER_ENV}={wanted!r}; use auto, fused or torch")
+    _cpu_kernels = None
+    if wanted == "torch":
+        return f"torch ({SAMPLER_ENV}=torch)"
+    if not _cpu_kernels_unusable:
+        _cpu_kernels_unusable.append(cpu_log_softmax.unusable_reason())
+    reason = _cpu_kernels_unusable[0]
+    if reason is not None:
+        if wanted == "fused":
+            raise ValueError(f"{SAMPLER_ENV}=fused, but the CPU sampler kernels cannot run here: {reason}")
+        logger.info("CPU sampler kernels not used: %s", reason)
+        return f"torch ({reason})"
+    _cpu_kernels = cpu_log_softmax
+    return "fused"
 
 
 def _on_kernels(scores: torch.Tensor) -> Any:

@@ -124,11 +124,57 @@ def test_sampler_takes_the_kernels_and_every_path_gives_the_same_bits(monkeypatc
 
 def test_unusable_kernels_leave_torch_passes(monkeypatch):
     monkeypatch.setattr(sampler, "_cpu_kernels", None)
-    monkeypatch.setattr(sampler, "_cpu_kernels_choice", None)
+    monkeypatch.setattr(sampler, "_cpu_kernels_unusable", [])
     monkeypatch.setattr(kernels, "self_check", lambda: "greedy ids disagree with torch.argmax on [1, 1]")
+    monkeypatch.delenv(sampler.SAMPLER_ENV, raising=False)
     assert sampler.use_cpu_kernels() == "torch (greedy ids disagree with torch.argmax on [1, 1])"
     assert sampler._cpu_kernels is None
+    monkeypatch.setenv(sampler.SAMPLER_ENV, "fused")                 # asked for: a clear error at start-up
+    with pytest.raises(ValueError, match="TGI_HPC_CPU_SAMPLER=fused, but the CPU sampler kernels cannot run here: "
+                                         "greedy ids disagree"):
+        sampler.use_cpu_kernels()
+    monkeypatch.delenv(sampler.SAMPLER_ENV)
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(5))
     out = sampler.sample(logits, _rows(4))
     want = torch.log_softmax(logits, dim=-1).gather(1, logits.argmax(dim=-1)[:, None]).squeeze(1)
     assert out.logprobs == want.tolist()                           # torch's values, bit for bit
+
+
+@pytest.mark.parametrize("value, choice", [("torch", "torch (TGI_HPC_CPU_SAMPLER=torch)"), ("auto", "fused"),
+                                           ("", "fused"), ("fused", "fused")])
+def test_the_environment_picks_the_path(monkeypatch, value, choice):
+    monkeypatch.setattr(sampler, "_cpu_kernels", None)
+    monkeypatch.setenv(sampler.SAMPLER_ENV, value)
+    assert sampler.use_cpu_kernels() == choice
+    assert (sampler._cpu_kernels is kernels) == (choice == "fused")
+    monkeypatch.setenv(sampler.SAMPLER_ENV, "Fused")
+    with pytest.raises(ValueError, match="TGI_HPC_CPU_SAMPLER='Fused'; use auto, fused or torch"):
+        sampler.use_cpu_kernels()
+
+
+def make_engine():
+    from transformers import AutoTokenizer
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from fakes import FakeModelConfig, FakeRunner, test_model_path
+    runner = FakeRunner(1024, 64, 4)
+    engine = LLMEngine(EngineConfig(), runner=runner, model_config=FakeModelConfig(1024, 512),
+                       tokenizer=AutoTokenizer.from_pretrained(test_model_path("tiny-llama")))
+    return engine, runner
+
+
+def test_an_engine_reports_its_choice_and_a_bad_value_stops_it_before_serving(monkeypatch):
+    monkeypatch.setattr(sampler, "_cpu_kernels", None)
+    monkeypatch.setenv(sampler.SAMPLER_ENV, "torch")
+    engine, _ = make_engine()
+    assert engine.sampler_backend == "torch (TGI_HPC_CPU_SAMPLER=torch)" and sampler._cpu_kernels is None
+    monkeypatch.delenv(sampler.SAMPLER_ENV)
+    engine, _ = make_engine()
+    assert engine.sampler_backend == "fused" and sampler._cpu_kernels is kernels
+    monkeypatch.setenv(sampler.SAMPLER_ENV, "gpu")
+    closed = []
+    monkeypatch.setattr("fakes.FakeRunner.close", lambda self: closed.append(self), raising=False)
+    with pytest.raises(ValueError, match="use auto, fused or torch"):
+        make_engine()
+    assert len(closed) == 1                                         # the runner it built is let go
