@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from engine.deferred_text import fill
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured.offload import prepare_matcher
@@ -39,11 +40,15 @@ class AsyncEngine:
     The step loop runs in one thread (`start()`: a daemon thread; `run_here()`: the caller's, which
     the launcher uses for the main thread); outputs are handed to the owning event loop with
     call_soon_threadsafe. Leaving `generate()` early (client gone, task cancelled) aborts the
-    request in the engine, which frees its KV blocks.
+    request in the engine, which frees its KV blocks. An engine with `defer_text` (LLMEngine) leaves the text of
+    sequences no text can end to the loop, which decodes each output as it delivers it (engine/deferred_text.py):
+    on a GPU that runs while the step thread waits for the device.
     """
 
     def __init__(self, engine: Any, *, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
+        if hasattr(engine, "defer_text"):
+            engine.defer_text = True
         self.idle_wait_s = idle_wait_s
         self.error: BaseException | None = None
         self.last_step_time = time.monotonic()
@@ -284,6 +289,8 @@ class AsyncEngine:
 
 def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
     for queue, item in items:
+        if getattr(item, "pending", None) is not None:     # a RequestOutput whose text is ours to decode
+            fill(item)
         queue.put_nowait(item)
 
 

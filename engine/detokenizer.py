@@ -91,13 +91,15 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         return self._decoder.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
-    def decode_next(self, token_ids: list[int]) -> str:
-        """Text that the tokens after the read offset add, or "" while it is not yet stable."""
-        num_tokens = len(token_ids)
+    def decode_next(self, token_ids: list[int], num_tokens: int | None = None) -> str:
+        """Text that the tokens after the read offset add, or "" while it is not yet stable. `num_tokens`: read
+        only the first that many of `token_ids` (the step thread may have appended more: deferred_text.py)."""
+        if num_tokens is None:
+            num_tokens = len(token_ids)
         read_offset = self.read_offset
         if self._piece_texts is not None and read_offset == num_tokens - 1:
             # TokenPieces.get with its list read here (one call less per token)
-            token_id, texts = token_ids[-1], self._piece_texts
+            token_id, texts = token_ids[num_tokens - 1], self._piece_texts
             piece = texts[token_id] if 0 <= token_id < len(texts) else ""
             if piece is None:
                 piece = self._pieces.get(token_id)
@@ -108,40 +110,41 @@ class IncrementalDetokenizer:
                     self._stream = None
                 return piece
         if self._use_stream:
-            return self._stream_next(token_ids)
+            return self._stream_next(token_ids, num_tokens)
         prefix_text = self._decode(token_ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(token_ids[self.prefix_offset:])
+        new_text = self._decode(token_ids[self.prefix_offset:num_tokens])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+            self.prefix_offset, self.read_offset = self.read_offset, num_tokens
             return new_text[len(prefix_text):]
         return ""
 
-    def _stream_next(self, token_ids: list[int]) -> str:
+    def _stream_next(self, token_ids: list[int], num_tokens: int) -> str:
         if self._stream is None:     # (again, after pieces) from the offsets, as TGI's algorithm starts
             self._stream = DecodeStream(token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
             self._num_fed = self.read_offset
-        num_tokens = len(token_ids)
         if num_tokens <= self._num_fed:
             return ""
         # one new token (every decode step) goes in as an int: no list slice
-        new = token_ids[-1] if num_tokens == self._num_fed + 1 else token_ids[self._num_fed:]
+        new = token_ids[num_tokens - 1] if num_tokens == self._num_fed + 1 else token_ids[self._num_fed:num_tokens]
         try:
             piece = self._stream.step(self._decoder, new)
         except Exception:  # noqa: BLE001 - DecodeStream's prefix check: the Python path has no such check
             self._use_stream = False
-            return self.decode_next(token_ids)
+            return self.decode_next(token_ids, num_tokens)
         self._num_fed = num_tokens
         if piece is None:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, num_tokens
         return piece
 
-    def flush(self, token_ids: list[int]) -> str:
+    def flush(self, token_ids: list[int], num_tokens: int | None = None) -> str:
         """Whatever is still held back (a dangling partial character comes out as U+FFFD)."""
-        if self.read_offset >= len(token_ids):
+        if num_tokens is None:
+            num_tokens = len(token_ids)
+        if self.read_offset >= num_tokens:
             return ""
         prefix_text = self._decode(token_ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(token_ids[self.prefix_offset:])
-        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        new_text = self._decode(token_ids[self.prefix_offset:num_tokens])
+        self.prefix_offset, self.read_offset = self.read_offset, num_tokens
         self._use_stream = False      # the stream's state is behind the offsets now
         return new_text[len(prefix_text):]

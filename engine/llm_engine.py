@@ -13,6 +13,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.deferred_text import DeferredText
 from engine.detokenizer import IncrementalDetokenizer
 from engine.multimodal.prompt import MultiModalPrompt
 from engine.outputs import FinishReason, RequestOutput, TokenInfo
@@ -167,6 +168,9 @@ class LLMEngine:
         self._num_guided = 0                            # of those, with a grammar (no mask work in steps without)
         self._seq_ids = count()
         self._penalty_counts = PenaltyCounts()         # penalties' token counts, kept between steps
+        # True: sequences that no text can end get their text decoded where their outputs are delivered, not in
+        # step() (engine/deferred_text.py; AsyncEngine turns it on and fills every output it delivers)
+        self.defer_text = False
         self._batch_size = 0
         self._num_prompt_tokens_total = 0
         self._num_generated_tokens_total = 0
@@ -194,6 +198,8 @@ class LLMEngine:
         seq.stop = StopMatcher(params.stop)
         if params.grammar is not None:
             seq.grammar = self.grammars.matcher(params.grammar)
+        elif self.defer_text and not seq.stop.stop and self.speculation is None:
+            seq.deferred = DeferredText(seq.detokenizer, seq.stop, seq.token_ids, num_prompt)
         if params.prefill_logprobs:
             seq.prefill_tokens = [TokenInfo(prompt_token_ids[0], self.token_texts.text(prompt_token_ids[0]),
                                             None, self.token_texts.is_special(prompt_token_ids[0]))]
@@ -313,7 +319,7 @@ class LLMEngine:
                 self.scheduler.add(item)
             elif (seq := self._seqs.get(item)) is not None:
                 self.scheduler.finish(seq, "aborted")
-                outputs.append(self._final_output(seq, [], seq.stop.flush()))
+                outputs.append(self._final_output(seq, [], "" if seq.deferred is not None else seq.stop.flush()))
         return outputs
 
     def _add_prefill_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
@@ -342,6 +348,7 @@ class LLMEngine:
         text, special_ids = self.token_texts.text, self.token_texts.special_ids
         token_ids, grammar, detokenizer, stop = seq.token_ids, seq.grammar, seq.detokenizer, seq.stop
         logprobs = out.logprobs if seq.params.logprobs else None
+        deferred = seq.deferred is not None     # its text comes later (deferred_text.py); nothing it can stop on
         infos: list[TokenInfo] = []
         pieces: list[str] = []
         reason = None
@@ -355,13 +362,23 @@ class LLMEngine:
                 if top_ids else []
             infos.append(TokenInfo(token_id, text(token_id), logprobs[j] if logprobs is not None else None,
                                    token_id in special_ids, top))
+            if deferred:
+                reason = self._finish_reason(seq, token_id, False)
+                if reason is not None:
+                    break
+                continue
             piece, stopped = stop.feed(detokenizer.decode_next(token_ids))
             pieces.append(piece)
             reason = self._finish_reason(seq, token_id, stopped)
             if reason is not None:
                 break
         if reason is None:
+            if deferred:
+                return self._output(seq, infos, "")
             return self._output(seq, infos, pieces[0] if len(pieces) == 1 else "".join(pieces), pieces)
+        if deferred:
+            self.scheduler.finish(seq, reason)
+            return self._final_output(seq, infos, "")
         if reason != "stop_sequence":
             tail, _ = stop.feed(detokenizer.flush(token_ids))
             pieces[-1] += tail + stop.flush()
@@ -392,6 +409,13 @@ class LLMEngine:
                 if top_ids else []
             info = TokenInfo(token_id, text(token_id), logprobs[j] if params.logprobs else None,
                              token_id in special_ids, top)
+            deferred = seq.deferred
+            if deferred is not None:    # text decoded where the output is delivered (deferred_text.py)
+                prefill, seq.prefill_tokens = seq.prefill_tokens, None
+                outputs.append(RequestOutput(seq.request_id, [info], "", False, None, None, "", num_prompt,
+                                             num_tokens - num_prompt, seq.seed, prefill, seq.num_cached_tokens or 0,
+                                             None, None, (deferred, num_tokens - 1, num_tokens, False)))
+                continue
             piece, stopped = seq.stop.feed(seq.detokenizer.decode_next(token_ids))
             if stopped:
                 self.scheduler.finish(seq, "stop_sequence")
@@ -400,7 +424,7 @@ class LLMEngine:
             prefill, seq.prefill_tokens = seq.prefill_tokens, None
             # positional (keywords cost 2.5x here): request_id, tokens, text, finished, finish_reason,
             # generated_text, stop_text, num_prompt_tokens, num_generated_tokens, seed, prefill_tokens,
-            # num_cached_tokens, error, token_texts (tests/engine/test_llm_engine.py checks the order)
+            # num_cached_tokens, error, token_texts, pending (tests/engine/test_llm_engine.py checks the order)
             outputs.append(RequestOutput(seq.request_id, [info], piece, False, None, None, "", num_prompt,
                                          num_tokens - num_prompt, seq.seed, prefill, seq.num_cached_tokens or 0,
                                          None, [piece]))
@@ -422,16 +446,22 @@ class LLMEngine:
     def _output(self, seq: Sequence, tokens: list[TokenInfo], text: str,
                 pieces: list[str] | None = None) -> RequestOutput:
         prefill, seq.prefill_tokens = seq.prefill_tokens, None
-        num_prompt = seq.num_prompt_tokens
-        return RequestOutput(seq.request_id, tokens, text, num_prompt_tokens=num_prompt,
-                             num_generated_tokens=len(seq.token_ids) - num_prompt, seed=seq.seed,
-                             prefill_tokens=prefill, num_cached_tokens=seq.num_cached_tokens or 0, token_texts=pieces)
+        num_prompt, num_tokens = seq.num_prompt_tokens, len(seq.token_ids)
+        output = RequestOutput(seq.request_id, tokens, text, num_prompt_tokens=num_prompt,
+                               num_generated_tokens=num_tokens - num_prompt, seed=seq.seed, prefill_tokens=prefill,
+                               num_cached_tokens=seq.num_cached_tokens or 0, token_texts=pieces)
+        if seq.deferred is not None:
+            output.pending = (seq.deferred, num_tokens - len(tokens), num_tokens, False)
+        return output
 
     def _final_output(self, seq: Sequence, tokens: list[TokenInfo], text: str,
                       error: str | None = None, pieces: list[str] | None = None) -> RequestOutput:
         output = self._output(seq, tokens, text, pieces)
         output.finished, output.finish_reason, output.error = True, seq.finish_reason, error
-        output.generated_text, output.stop_text = seq.stop.text, seq.stop.cut
+        if output.pending is not None:
+            output.pending = output.pending[:3] + (True,)   # its text and generated_text come with fill
+        else:
+            output.generated_text, output.stop_text = seq.stop.text, seq.stop.cut
         if error is not None:
             output.finish_reason = None
         if self._seqs.pop(seq.request_id, None) is not None and seq.grammar is not None:

@@ -34,3 +34,5 @@ class RequestOutput:
     num_cached_tokens: int = 0              # prompt tokens read from the prefix cache instead of computed
     error: str | None = None                # set when the engine failed this request
     token_texts: list[str] | None = None    # `text` split per token of `tokens` (several with speculation)
+    # (DeferredText, first, upto, final) while the text is not decoded yet: engine/deferred_text.py's `fill`
+    pending: tuple | None = None

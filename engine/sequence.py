@@ -45,6 +45,7 @@ class Sequence:
     generator: Any = None                                   # torch.Generator, created on first sample
     detokenizer: IncrementalDetokenizer | None = None
     stop: StopMatcher | None = None
+    deferred: Any = None    # engine.deferred_text.DeferredText: its text is decoded where its outputs are delivered
     prefill_tokens: list[TokenInfo] | None = None
     num_cached_tokens: int | None = None    # prompt tokens found in the prefix cache at first admission
     grammar: Any = None     # llguidance.LLMatcher fed every generated token; kept across preemption (tokens are too)

@@ -505,6 +505,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     host.add_argument("--evict-mb", type=int, default=0,
                       help="also read this many MiB inside the full-width sample call (its time taken off with "
                       "that call's): at --vocab 4096, 125 evicts the caches as 128k logits do")
+    host.add_argument("--eager-text", action="store_true",
+                      help="decode every sequence's text in the step, as before deferred_text.py (the server's "
+                      "event loop decodes it otherwise)")
     return parser.parse_args(argv)
 
 

@@ -19,8 +19,13 @@ Phases, in microseconds of CPU time per step (medians over the steps):
   sample      sampler.sample on the [batch, vocab] logits, on this CPU: that includes the vocabulary-wide
               tensor math a GPU runs on the device. "sample, host" is the same call on the first 4096
               columns only (same rows, same ids): the sampler's Python, dispatch and small-tensor work
-  detokenize  IncrementalDetokenizer calls and stop-sequence matching, per sequence
+  detokenize  IncrementalDetokenizer calls and stop-sequence matching left in the step: as in the server,
+              sequences no text can end leave their text to the event loop (engine/deferred_text.py), so
+              this is ~0 here unless --eager-text
   outputs     the rest of step(): appending tokens, TokenInfo/RequestOutput building, finish checks
+  text, delivered   that deferred text, decoded after the step as AsyncEngine's delivery does (CPU time of
+              the event loop's thread in the server, off the step's critical path on a GPU); "host, with
+              delivery" adds it to the host overhead
 The total is measured on steps without the phase timers (process_time around step()). Then as many steps
 with timers on schedule, prepare and sample (process_time; one call each per step: the sample wrapper's own
 work is taken off the step), and as many again with the detokenizer and stop-matcher calls timed
@@ -200,14 +205,27 @@ def request_params(mode: str, i: int) -> Any:
     return SamplingParams(max_new_tokens=10**6, ignore_eos=True)
 
 
+def deliver(outputs: list[Any]) -> float:
+    """What the server's event loop does with a step's outputs before any handler reads them: decode the
+    text the step left to it (engine/deferred_text.py; AsyncEngine's delivery). Its CPU seconds."""
+    from engine.deferred_text import fill
+    start = time.process_time()
+    for out in outputs:
+        if out.pending is not None:
+            fill(out)
+    return time.process_time() - start
+
+
 def measure(engine: Any, steps: int, evict_mb: int = 0) -> dict[str, Any]:
-    """CPU microseconds per decode step: the plain total; then, on as many steps each, the step with its
-    schedule/prepare/sample timers, and the detokenizer's share (timed per call, on steps of their own)."""
-    totals = []
+    """CPU microseconds per decode step: the plain total (and the delivery of its outputs); then, on as many steps
+    each, the step with its schedule/prepare/sample timers, and the detokenizer's share (timed per call, on steps
+    of their own)."""
+    totals, delivered = [], []
     for _ in range(steps):
         start = time.process_time()
         outputs = engine.step()
         totals.append(time.process_time() - start)
+        delivered.append(deliver(outputs))
         assert len(outputs) == engine.config.max_batch_size, "every sequence must decode in every step"
     phases: dict[str, list[float]] = {name: [] for name in ("schedule", "prepare", "sample", "detokenize",
                                                             "timed step", "sample, host", "host")}
@@ -219,10 +237,12 @@ def measure(engine: Any, steps: int, evict_mb: int = 0) -> dict[str, Any]:
                 timers.reset()
                 engine.runner.prepare_s = 0.0
                 start = time.process_time()
-                engine.step()
+                outputs = engine.step()
                 total = time.process_time() - start - timers.sample_host_s - timers.harness_s
+                detok_s = timers.detok_s
+                deliver(outputs)            # its detokenizer calls are the loop's, not the step's
                 if detokenize:
-                    phases["detokenize"].append(timers.detok_s)
+                    phases["detokenize"].append(detok_s)
                     continue
                 phases["schedule"].append(timers.schedule_s)
                 phases["prepare"].append(engine.runner.prepare_s)
@@ -235,6 +255,7 @@ def measure(engine: Any, steps: int, evict_mb: int = 0) -> dict[str, Any]:
     us = {name: statistics.median(values) * 1e6 for name, values in phases.items()}
     us["outputs"] = us["timed step"] - sum(us[name] for name in ("schedule", "prepare", "sample", "detokenize"))
     us["total"] = statistics.median(totals) * 1e6
+    us["delivered"] = statistics.median(delivered) * 1e6
     return us
 
 
@@ -242,6 +263,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench_engine import make_prompts, resolve_model_dir
     tokenizer_dir = resolve_model_dir(args.model_id)
     engine = build(args, tokenizer_dir)
+    # as the server: AsyncEngine leaves the text of sequences no text can end to its event loop
+    engine.defer_text = not getattr(args, "eager_text", False)
     print(f"host overhead: batch {args.batch}, contexts of {args.context} tokens, vocab {args.vocab} (SmolLM2's "
           f"first {NARROW} token ids, the rest padding), sampling {args.sampling}, torch threads "
           f"{torch.get_num_threads()}; stand-in runner, CPU time per step", flush=True)
@@ -265,6 +288,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{name:<22}{us[name]:>10.0f}")
     print(f"{'sample, host':<22}{us['sample, host']:>10.0f}   (the same call on {NARROW} columns)")
     print(f"{'total, untimed steps':<22}{us['total']:>10.0f}   (CPU time with the vocabulary-wide math on this CPU)")
+    print(f"{'text, delivered':<22}{us['delivered']:>10.0f}   (decoded by the event loop, off the step thread: "
+          f"{'--eager-text: none' if not engine.defer_text else 'deferred_text.py'})")
+    print(f"{'host, with delivery':<22}{us['host'] + us['delivered']:>10.0f}")
     print(f"host overhead: {us['host']:.0f} us/step at batch {args.batch}")
     return {"host_overhead_us": us, "batch": args.batch, "context": args.context, "vocab": args.vocab,
             "sampling": args.sampling}
