@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,17 @@ def build(name: str, source: str, log: logging.Logger = logger) -> ctypes.CDLL:
             partial.unlink(missing_ok=True)
         log.info("CPU kernel %s compiled in %.1f s into %s", name, time.monotonic() - start, path)
     return ctypes.CDLL(str(path))
+
+
+def built_and_checked(self_check: Callable[[], str | None]) -> str | None:
+    """Why a kernel library cannot serve here (None: a compiler built it and `self_check` passed): the common
+    tail of the kernels' `unusable_reason`. A broken build or a raising check is a reason, not a crash."""
+    if compiler() is None:
+        return "no C++ compiler to build it (set CXX or put g++ on PATH)"
+    try:
+        return self_check()
+    except Exception as error:  # a broken build must not take the engine down
+        return f"self-check raised {type(error).__name__}: {error}"
 
 
 def address(library: ctypes.CDLL, function: str) -> int:

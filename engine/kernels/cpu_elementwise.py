@@ -21,7 +21,7 @@ import logging
 import torch
 
 from engine.kernels import choice
-from engine.kernels.cpp_build import Library, compiler
+from engine.kernels.cpp_build import Library, built_and_checked, compiler
 from engine.kernels.cpu_simd import VECTORS
 
 logger = logging.getLogger(__name__)
@@ -182,12 +182,7 @@ def unusable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
         return f"device is {device.type}"
     if dtype != torch.float32:
         return f"dtype {dtype} (the fused kernels cover float32)"
-    if compiler() is None:
-        return "no C++ compiler to build them (set CXX or put g++ on PATH)"
-    try:
-        return self_check()
-    except Exception as error:  # a broken build must not take the engine down
-        return f"self-check raised {type(error).__name__}: {error}"
+    return built_and_checked(self_check)
 
 
 def self_check() -> str | None:

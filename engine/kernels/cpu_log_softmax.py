@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from engine.kernels.cpp_build import Library, compiler
+from engine.kernels.cpp_build import Library, built_and_checked, compiler
 from engine.kernels.cpu_simd import VECTORS
 
 logger = logging.getLogger(__name__)
@@ -196,12 +196,7 @@ def log_softmax_reference(scores: torch.Tensor) -> torch.Tensor:
 
 def unusable_reason() -> str | None:
     """Why the kernels cannot serve this CPU (None: they built and passed `self_check`)."""
-    if compiler() is None:
-        return "no C++ compiler to build it (set CXX or put g++ on PATH)"
-    try:
-        return self_check()
-    except Exception as error:  # a broken build must not take the engine down
-        return f"self-check raised {type(error).__name__}: {error}"
+    return built_and_checked(self_check)
 
 
 def hostile_rows(generator: torch.Generator) -> torch.Tensor:

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from engine.kernels.cpp_build import Library, compiler
+from engine.kernels.cpp_build import Library, built_and_checked, compiler
 from engine.kernels.cpu_simd import VECTORS
 
 logger = logging.getLogger(__name__)
@@ -371,13 +371,11 @@ def unusable_reason(layouts, dtype: torch.dtype) -> str | None:
         return f"no kernel for {dtype}"
     if any(dim % 16 for _, _, dim, _, _ in layouts):
         return "a head dim that is not a multiple of 16"
-    if compiler() is None:
-        return "no C++ compiler to build it (set CXX or put g++ on PATH)"
-    try:
+
+    def check() -> str | None:
         load()
         return self_check(layouts, dtype)
-    except Exception as error:  # a broken build must not take the engine down
-        return f"self-check raised {type(error).__name__}: {error}"
+    return built_and_checked(check)
 
 
 def self_check(layouts, dtype: torch.dtype) -> str | None:

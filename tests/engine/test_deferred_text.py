@@ -146,13 +146,18 @@ def test_a_failed_step_ends_deferred_sequences_as_it_ends_eager_ones(tokenizer):
     assert any(out.error for outs in deferred.values() for out in outs)
 
 
-def test_a_decoding_failure_ends_that_request_with_the_error(tokenizer, monkeypatch):
+def second_output(tokenizer):
+    """The second output of a deferred request, not filled yet."""
     runner = ScriptedRunner(scripts_for(tokenizer))
     engine = LLMEngine(EngineConfig(), runner=runner, model_config=FakeModelConfig(VOCAB, 512), tokenizer=tokenizer)
     engine.defer_text = True
     engine.add_request("plain", [10, 1, 2, 3], SamplingParams(max_new_tokens=12))
     engine.step()
-    out = engine.step()[0]
+    return engine.step()[0]
+
+
+def test_a_decoding_failure_ends_that_request_with_the_error(tokenizer, monkeypatch):
+    out = second_output(tokenizer)
     monkeypatch.setattr(out.pending[0].detokenizer, "decode_next", lambda *a: 1 / 0)
     fill(out)
     assert out.finished and out.finish_reason is None and out.pending is None
@@ -187,12 +192,7 @@ def test_async_engine_defers_and_its_streams_get_the_eager_text(tokenizer):
 
 def test_delivery_fills_request_outputs_and_passes_anything_else_through(tokenizer):
     from engine.async_engine import _deliver
-    runner = ScriptedRunner(scripts_for(tokenizer))
-    engine = LLMEngine(EngineConfig(), runner=runner, model_config=FakeModelConfig(VOCAB, 512), tokenizer=tokenizer)
-    engine.defer_text = True
-    engine.add_request("plain", [10, 1, 2, 3], SamplingParams(max_new_tokens=12))
-    engine.step()
-    out = engine.step()[0]
+    out = second_output(tokenizer)
     assert out.pending is not None
 
     class Queue(list):
