@@ -362,28 +362,21 @@ class LLMEngine:
                 if top_ids else []
             infos.append(TokenInfo(token_id, text(token_id), logprobs[j] if logprobs is not None else None,
                                    token_id in special_ids, top))
-            if deferred:
-                reason = self._finish_reason(seq, token_id, False)
-                if reason is not None:
-                    break
-                continue
-            piece, stopped = stop.feed(detokenizer.decode_next(token_ids))
-            pieces.append(piece)
+            stopped = False
+            if not deferred:
+                piece, stopped = stop.feed(detokenizer.decode_next(token_ids))
+                pieces.append(piece)
             reason = self._finish_reason(seq, token_id, stopped)
             if reason is not None:
                 break
         if reason is None:
-            if deferred:
-                return self._output(seq, infos, "")
-            return self._output(seq, infos, pieces[0] if len(pieces) == 1 else "".join(pieces), pieces)
-        if deferred:
-            self.scheduler.finish(seq, reason)
-            return self._final_output(seq, infos, "")
-        if reason != "stop_sequence":
+            return self._output(seq, infos, pieces[0] if len(pieces) == 1 else "".join(pieces),
+                                None if deferred else pieces)
+        if reason != "stop_sequence" and not deferred:
             tail, _ = stop.feed(detokenizer.flush(token_ids))
             pieces[-1] += tail + stop.flush()
         self.scheduler.finish(seq, reason)
-        return self._final_output(seq, infos, "".join(pieces), pieces=pieces)
+        return self._final_output(seq, infos, "".join(pieces), pieces=None if deferred else pieces)
 
     def _append_one_each(self, seqs: list[Sequence], out: SamplerOutput) -> list[RequestOutput]:
         """`_append_run` of row j of `out` to `seqs[j]`, for every j: the common case (no grammar, and a token
@@ -410,24 +403,22 @@ class LLMEngine:
             info = TokenInfo(token_id, text(token_id), logprobs[j] if params.logprobs else None,
                              token_id in special_ids, top)
             deferred = seq.deferred
-            if deferred is not None:    # text decoded where the output is delivered (deferred_text.py)
-                prefill, seq.prefill_tokens = seq.prefill_tokens, None
-                outputs.append(RequestOutput(seq.request_id, [info], "", False, None, None, "", num_prompt,
-                                             num_tokens - num_prompt, seq.seed, prefill, seq.num_cached_tokens or 0,
-                                             None, None, (deferred, num_tokens - 1, num_tokens, False)))
-                continue
-            piece, stopped = seq.stop.feed(seq.detokenizer.decode_next(token_ids))
-            if stopped:
-                self.scheduler.finish(seq, "stop_sequence")
-                outputs.append(self._final_output(seq, [info], piece, pieces=[piece]))
-                continue
+            if deferred is None:
+                piece, stopped = seq.stop.feed(seq.detokenizer.decode_next(token_ids))
+                if stopped:
+                    self.scheduler.finish(seq, "stop_sequence")
+                    outputs.append(self._final_output(seq, [info], piece, pieces=[piece]))
+                    continue
+                pieces, pending = [piece], None
+            else:                       # text decoded where the output is delivered (deferred_text.py)
+                piece, pieces, pending = "", None, (deferred, num_tokens - 1, num_tokens, False)
             prefill, seq.prefill_tokens = seq.prefill_tokens, None
             # positional (keywords cost 2.5x here): request_id, tokens, text, finished, finish_reason,
             # generated_text, stop_text, num_prompt_tokens, num_generated_tokens, seed, prefill_tokens,
             # num_cached_tokens, error, token_texts, pending (tests/engine/test_llm_engine.py checks the order)
             outputs.append(RequestOutput(seq.request_id, [info], piece, False, None, None, "", num_prompt,
                                          num_tokens - num_prompt, seq.seed, prefill, seq.num_cached_tokens or 0,
-                                         None, [piece]))
+                                         None, pieces, pending))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token_id: int, stopped: bool) -> FinishReason | None:
