@@ -13,18 +13,30 @@ class BlockManager:
     before it, so equal hashes mean equal prefixes (token ids are compared too, against
     collisions). The chain starts from the sequence's LoRA adapter, so adapters never share KV; the block
     holding an image's first token mixes in the image's content hash, so different images never share KV.
-    A freed block keeps its hash and stays revivable until it is handed out again; free blocks
-    are reused least recently freed first.
+    A freed block keeps its hash and stays revivable until it is handed out again.
+
+    Which free block is handed out: first a freed one no prefix can hit (a partial tail, rejected drafts); then,
+    while the cache may grow, a never-used one (in id order); then the least recently freed cached one; a never-used
+    one last. The cache may grow through its first `eager_blocks` blocks (all by default), and past them by one
+    block for each block a request missed because it had been evicted to keep the cache small (a prefix found in
+    `evicted`, counted at the request's first admission). `eager_blocks` is for a CPU cache: a never-used block's
+    pages are untouched memory that page-faults on first write (on a VM, ~3 s a GiB), so the cache grows past what
+    the load needs only when the load shows the room would bring prefix hits (engine/kv_prefault.py).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 eager_blocks: int | None = None):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"BlockManager needs positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.next_unused = 0                                        # blocks [next_unused, num_blocks) never used
+        self.free_uncached: OrderedDict[int, None] = OrderedDict()  # freed, no hash: nothing lost by reuse
+        self.free_cached: OrderedDict[int, None] = OrderedDict()    # freed with a hash: revivable, oldest first
+        self.grow_to = num_blocks if eager_blocks is None else max(0, min(num_blocks, eager_blocks))
+        self.evicted: OrderedDict[int, None] = OrderedDict()        # hashes evicted while the cache could grow
         self.hash_to_block_id: dict[int, int] = {}
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_token_ids: list[tuple[int, ...] | None] = [None] * num_blocks
@@ -34,7 +46,12 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_uncached) + len(self.free_cached) + self.num_blocks - self.next_unused
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks handed out at least once: the part of the cache whose memory is touched."""
+        return self.next_unused
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -83,7 +100,7 @@ class BlockManager:
         cached = self._cached_block_ids(seq)
         for block_id in cached:
             if self.ref_counts[block_id] == 0:
-                del self.free_block_ids[block_id]
+                del self.free_cached[block_id]
             self.ref_counts[block_id] += 1
         seq.block_table = list(cached)
         seq.block_table_version += 1
@@ -93,6 +110,7 @@ class BlockManager:
             if self.enable_prefix_caching and not seq.wants_prefill_logprobs:
                 self.num_queried_tokens += seq.num_prompt_tokens
                 self.num_hit_tokens += seq.num_computed_tokens
+                self._grow_for_evicted(seq, len(cached))
         seq.num_registered_blocks = len(cached)
         self.append(seq, num_tokens)
 
@@ -121,18 +139,43 @@ class BlockManager:
             block_id = seq.block_table.pop()
             self.ref_counts[block_id] -= 1
             assert self.ref_counts[block_id] == 0, f"block {block_id} of seq {seq.seq_id} is shared"
-            self.free_block_ids[block_id] = None
+            self._release(block_id)
+
+    def _release(self, block_id: int) -> None:
+        (self.free_uncached if self.block_hash[block_id] is None else self.free_cached)[block_id] = None
 
     def _take_free_block(self) -> int:
-        block_id, _ = self.free_block_ids.popitem(last=False)
-        old_hash = self.block_hash[block_id]
-        if old_hash is not None:
+        if self.free_uncached:
+            block_id, _ = self.free_uncached.popitem(last=False)
+        elif self.next_unused < self.grow_to or (not self.free_cached and self.next_unused < self.num_blocks):
+            block_id = self.next_unused
+            self.next_unused += 1
+        else:
+            block_id, _ = self.free_cached.popitem(last=False)
+            old_hash = self.block_hash[block_id]
             if self.hash_to_block_id.get(old_hash) == block_id:
                 del self.hash_to_block_id[old_hash]
+                if self.next_unused < self.num_blocks:      # the cache could have kept it by growing
+                    self.evicted[old_hash] = None
+                    if len(self.evicted) > self.num_blocks:
+                        self.evicted.popitem(last=False)
             self.block_hash[block_id] = None
             self.block_token_ids[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id
+
+    def _grow_for_evicted(self, seq: Sequence, num_hit: int) -> None:
+        """Let the cache grow by the blocks of `seq`'s prompt, after its hits, that were evicted to keep it small."""
+        if not self.evicted:
+            return
+        hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        missed = 0
+        for h in hashes[num_hit:]:
+            if h not in self.evicted:
+                break
+            del self.evicted[h]
+            missed += 1
+        self.grow_to = min(self.num_blocks, max(self.grow_to, self.next_unused) + missed)
 
     def free(self, seq: Sequence) -> None:
         # tail blocks first, so they are also the first to be reused: prefixes live longer
@@ -140,7 +183,7 @@ class BlockManager:
             self.ref_counts[block_id] -= 1
             assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
             if self.ref_counts[block_id] == 0:
-                self.free_block_ids[block_id] = None
+                self._release(block_id)
         seq.block_table = []
         seq.block_table_version += 1
         seq.num_computed_tokens = 0

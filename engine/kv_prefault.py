@@ -1,9 +1,10 @@
 """Faulting a CPU KV cache's pages in just ahead of the blocks the engine starts to use.
 
-Why: the cache is allocated untouched, and the block manager hands out never-used blocks first, in id order (its
-free list is FIFO, to keep cached prefixes longest). Until every block has been used once, each new block's first
-write page-faults inside a step: with a default-sized cache (11 GiB on the 2-core VM) that cost the served
-128-token row 10-17% of its throughput (docs/benchmarks.md, "Peer").
+Why: the cache is allocated untouched, and the block manager hands out never-used blocks in id order as it grows.
+Each new block's first write would page-fault inside a step: with a default-sized cache (11 GiB on the 2-core VM)
+that cost the served 128-token row 10-17% of its throughput (docs/benchmarks.md, "Peer"). The block manager grows
+freely only through the first `ahead_blocks` blocks (those faulted in at start), and past them only as the load
+needs (engine/block_manager.py); this thread keeps the next blocks resident before it uses them.
 
 How: a background thread keeps the pages of blocks `[0, highest block used + AHEAD_BYTES of blocks)` resident with
 `MADV_POPULATE_WRITE` (Linux 5.14+), which faults pages in writable and leaves their contents as they are (the
@@ -58,6 +59,7 @@ class KVPrefault:
         block_bytes = cache[(0,) * (block_dim + 1)].numel() * cache.element_size()   # one block of one slab
         self.total_bytes = block_bytes * self.num_blocks * slabs
         self._ahead = max(1, ahead_bytes // max(block_bytes * slabs, 1))
+        self.ahead_blocks = min(self.num_blocks, self._ahead)       # faulted in at start
         self._shared = _Shared(min(self.num_blocks, self._ahead))
         self._rearm = self._shared.wanted            # note() wakes the thread once a used block reaches this
         self._thread = None

@@ -142,7 +142,8 @@ class LLMEngine:
         self.max_batch_prefill_tokens = limits.max_batch_prefill_tokens
         self.max_batch_total_tokens = limits.max_batch_total_tokens
         self.block_manager = BlockManager(limits.max_batch_total_tokens // runner.block_size, runner.block_size,
-                                          enable_prefix_caching=config.prefix_caching)
+                                          enable_prefix_caching=config.prefix_caching,
+                                          eager_blocks=getattr(runner, "kv_eager_blocks", None))
         try:
             self.speculation = build_speculation(config, runner, model_config, draft_config)
         except ValueError:

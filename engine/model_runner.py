@@ -60,6 +60,7 @@ class ModelRunner:
         self.dtype: torch.dtype = self._rank0.dtype
         self.block_size: int = self._rank0.block_size
         self.num_kv_blocks: int = self._rank0.num_kv_blocks
+        self.kv_eager_blocks: int | None = self._rank0.kv_eager_blocks   # CPU: see BlockManager's eager_blocks
         self.attention_backend: str = self._rank0.attention_backend
         self.attention_checks: dict[str, str] = self._rank0.attention_report  # candidate -> "ok" or why not
         self.linear_backend: str = self._rank0.linear_backend

@@ -122,6 +122,7 @@ class RankWorker:
         self.windows = {layer.sliding_window for layer in self.attention_layers}
         self.block_tables = BlockTables(self.device)   # kept on the device, updated by what changed
         self.kv_prefault: KVPrefault | None = None     # CPU: the cache's pages fault in just ahead of use
+        self.kv_eager_blocks: int | None = None         # CPU: blocks the cache grows through freely (BlockManager)
         if self.draft is not None:
             self.windows |= self.draft.windows
         self.attention, self.block_size, self.attention_report = self._choose_backend()
@@ -272,6 +273,7 @@ class RankWorker:
         self.kv_cache[:, :, 0].zero_()  # padded gathers read block 0: keep it finite
         if self.device.type == "cpu":
             self.kv_prefault = KVPrefault(self.kv_cache, block_dim=2)
+            self.kv_eager_blocks = self.kv_prefault.ahead_blocks
             malloc_reuse.apply()
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]

@@ -165,3 +165,72 @@ def test_image_hashes_key_the_block_of_an_images_first_token_and_every_later_one
     assert all(keys["cat"][i] != keys["dog"][i] != keys["plain"][i] for i in (1, 2))
     compute(bm, cat)
     assert bm.num_cached_tokens(cat_again) == 32 and bm.num_cached_tokens(dog) == 16
+
+
+# --- which free block is handed out -------------------------------------------------------------------------------
+
+def test_a_freed_block_no_prefix_can_hit_is_reused_before_any_other():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_seq(range(1, 11))               # 2 full blocks (cached) + a partial tail (not)
+    compute(bm, a)
+    tail = a.block_table[2]
+    bm.free(a)
+    b = make_seq(range(50, 53))
+    bm.allocate(b, 3)
+    assert b.block_table == [tail]
+    assert bm.num_cached_tokens(make_seq(range(1, 11))) == 8     # a's prefix is intact
+
+
+def test_by_default_the_cache_grows_into_never_used_blocks_before_evicting_a_prefix():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_seq(range(1, 9))
+    compute(bm, a)
+    bm.free(a)
+    b = make_seq(range(50, 58))
+    compute(bm, b)
+    assert set(b.block_table).isdisjoint(a.block_table) and bm.num_used_blocks == 4
+    assert bm.num_cached_tokens(make_seq(range(1, 9))) == 4
+
+
+def test_past_its_eager_blocks_the_cache_reuses_freed_blocks_oldest_first_and_stays_small():
+    bm = BlockManager(num_blocks=64, block_size=4, eager_blocks=4)
+    for start in range(0, 400, 8):           # 50 different prompts, one at a time, 2 blocks each
+        seq = make_seq(range(start + 1, start + 9))
+        compute(bm, seq)
+        bm.free(seq)
+        assert bm.num_used_blocks <= 4
+    assert bm.num_free_blocks == 64
+    held = [make_seq(range(1000 + 8 * i, 1008 + 8 * i)) for i in range(5)]   # the load needs 10 blocks: it grows
+    for seq in held:
+        compute(bm, seq)
+    assert bm.num_used_blocks == 10 and bm.num_free_blocks == 54
+
+
+def test_a_prefix_evicted_to_keep_the_cache_small_lets_it_grow_by_what_was_missed():
+    bm = BlockManager(num_blocks=64, block_size=4, eager_blocks=2)
+    system = list(range(1, 13))              # 3 full blocks a later request shares
+    first = make_seq(system + [90])
+    compute(bm, first)
+    bm.free(first)
+    other = make_seq(range(500, 513))        # evicts the shared blocks (nothing left to grow through)
+    compute(bm, other)
+    bm.free(other)
+    assert bm.num_used_blocks == 4
+    again = make_seq(system + [91])
+    assert bm.num_cached_tokens(again) == 0
+    compute(bm, again)                       # missed 3 evicted blocks: the cache may grow by 3
+    bm.free(again)
+    later = make_seq(range(700, 713))
+    compute(bm, later)
+    assert bm.num_used_blocks == 4 + 3
+    assert bm.num_cached_tokens(make_seq(system + [92])) == 12   # the prefix was kept this time
+
+
+def test_a_full_cache_takes_never_used_blocks_past_its_eager_ones():
+    bm = BlockManager(num_blocks=6, block_size=4, eager_blocks=1)
+    a = make_seq(range(1, 25))
+    assert bm.can_allocate(a, 24)
+    compute(bm, a)
+    assert sorted(a.block_table) == list(range(6)) and bm.num_free_blocks == 0
+    bm.free(a)
+    assert bm.num_free_blocks == 6

@@ -95,3 +95,33 @@ def test_the_thread_ends_when_its_owner_is_dropped():
     gc.collect()
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_an_engine_grows_its_cpu_cache_only_as_the_load_needs_and_reused_blocks_give_the_same_tokens(monkeypatch):
+    """Past the blocks faulted in at start, the engine reuses freed blocks before touching never-used ones
+    (BlockManager's eager_blocks), and what a reused block held before never shows in a later request's output."""
+    import functools
+
+    from engine import worker
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from fakes import test_model_path
+
+    config = dict(model_id=str(test_model_path("tiny-llama")), device="cpu", dtype="float32",
+                  cpu_kv_cache_bytes=32 * MIB)
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(40)] for i in range(12)]   # 12 different prompts of 3 blocks
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    with LLMEngine(EngineConfig(**config)) as engine:                         # the cache is smaller than the margin
+        assert engine.runner.kv_eager_blocks == engine.runner.num_kv_blocks
+        expected = [[t.id for t in out.tokens] for prompt in prompts for out in engine.generate([prompt], params)]
+    monkeypatch.setattr(worker, "KVPrefault", functools.partial(KVPrefault, ahead_bytes=1))
+    with LLMEngine(EngineConfig(**config)) as engine:
+        eager = engine.runner.kv_eager_blocks
+        assert eager == 1 and engine.block_manager.num_blocks > 100
+        got = [[t.id for t in out.tokens] for prompt in prompts for out in engine.generate([prompt], params)]
+        assert engine.block_manager.num_used_blocks <= max(eager, 4)         # one request at a time: 3-4 blocks
+        both = engine.generate(prompts[:6], params)                           # six at once: the cache grows to fit
+        assert engine.block_manager.num_used_blocks >= 6 * 3
+    assert got == expected
+    assert [[t.id for t in out.tokens] for out in both] == expected[:6]

@@ -164,7 +164,7 @@ def test_truncate_gives_back_the_rejected_tail_blocks():
     tail = seq.block_table[2:]
     bm.truncate(seq, 8)                                                  # exactly two blocks full
     assert len(seq.block_table) == 2 and bm.num_free_blocks == 6
-    assert all(block in bm.free_block_ids for block in tail)
+    assert all(block in bm.free_uncached for block in tail)     # reused first: no prefix can hit them
     bm.truncate(seq, 8)                                                  # nothing more to give back
     assert len(seq.block_table) == 2
 
