@@ -84,6 +84,25 @@ inline void accumulate(float* acc, const float* p, const float* v, int64_t n, in
 }
 
 
+// the largest of the 16 lanes (NaN lanes lose, as in the scalar loop's comparisons)
+inline float hmax(f16x x) {
+  f16x y = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x = x < y ? y : x;
+  y = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  x = x < y ? y : x;
+  y = __builtin_shufflevector(x, x, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  x = x < y ? y : x;
+  return x[0] < x[1] ? x[1] : x[0];
+}
+
+// a loaded vector kept in a register: gcc would fold the load into every FMA that uses it (one load per row)
+inline f16x pinned(f16x x) {
+#ifdef __AVX512F__
+  asm("" : "+v"(x));
+#endif
+  return x;
+}
+
 inline float hsum(f16x acc) {
   acc += __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   acc += __builtin_shufflevector(acc, acc, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
@@ -120,15 +139,17 @@ inline void score_group(const float* q, const int64_t* rows, int64_t D, const fl
   int64_t t0 = 0;
   for (; t0 + 4 <= n; t0 += 4) {
     ahead.step(4 * ahead.per);
-    for (int r = 0; r < NR; ++r) {
-      f16x a[4];
-      for (int j = 0; j < 4; ++j) {
-        const float* kj = k + (t0 + j) * stride;
-        a[j] = qv[r][0] * load16(kj);
-        for (int i = 1; i < DS; ++i) a[j] += qv[r][i] * load16(kj + 16 * i);
+    f16x a[NR][4];
+    for (int j = 0; j < 4; ++j) {  // each key's vectors loaded once for the NR rows
+      f16x kv[DS];
+      for (int i = 0; i < DS; ++i) kv[i] = pinned(load16(k + (t0 + j) * stride + 16 * i));
+      for (int r = 0; r < NR; ++r) {
+        a[r][j] = qv[r][0] * kv[0];
+        for (int i = 1; i < DS; ++i) a[r][j] += qv[r][i] * kv[i];
       }
-      *reinterpret_cast<f4x*>(s + rows[r] * s_stride + t0) = hsum4(a[0], a[1], a[2], a[3]);
     }
+    for (int r = 0; r < NR; ++r)
+      *reinterpret_cast<f4x*>(s + rows[r] * s_stride + t0) = hsum4(a[r][0], a[r][1], a[r][2], a[r][3]);
   }
   for (int64_t t = t0; t < n; ++t) {
     ahead.step(ahead.per);
@@ -152,7 +173,7 @@ inline void accumulate_group(float* acc, const int64_t* rows, int64_t D, const f
   for (int64_t t = 0; t < n; ++t) {
     ahead.step(ahead.per);
     f16x vv[DS];
-    for (int i = 0; i < DS; ++i) vv[i] = *reinterpret_cast<const f16x*>(v + t * stride + 16 * i);
+    for (int i = 0; i < DS; ++i) vv[i] = pinned(load16(v + t * stride + 16 * i));
     for (int r = 0; r < NR; ++r) {
       const float pr = p[rows[r] * p_stride + t];
       for (int i = 0; i < DS; ++i) sum[r][i] += pr * vv[i];
@@ -275,6 +296,29 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
       if (t0 >= t1) { std::fill(sr, sr + n, 0.0f); continue; }
       if (a.softcap > 0.0f)
         for (int64_t t = t0; t < t1; ++t) sr[t] = a.softcap * std::tanh(sr[t] / a.softcap);
+      if (t0 == 0 && t1 == n && n % 16 == 0) {  // every key of the run counts (a decode row's): all on 16 lanes
+        f16x mv = f16x{} + NEG_INF;
+        for (int64_t t = 0; t < n; t += 16) {
+          const f16x x = load16(sr + t);
+          mv = mv < x ? x : mv;
+        }
+        const float m_new = std::max(m[r], hmax(mv));
+        const float alpha = m[r] == NEG_INF ? 0.0f : std::exp(m[r] - m_new);
+        f16x sv = {};
+        for (int64_t t = 0; t < n; t += 16) {
+          const f16x e = exp16(load16(sr + t) - m_new);
+          store16(sr + t, e);
+          sv += e;
+        }
+        l[r] = l[r] * alpha + hsum(sv);
+        m[r] = m_new;
+        if (alpha != 1.0f) {
+          float* ar = acc + r * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+        }
+        continue;
+      }
       float mx = NEG_INF;
 #pragma omp simd reduction(max : mx)
       for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, sr[t]);
