@@ -119,9 +119,11 @@ class BlockManager:
         return self.num_blocks_for(num_tokens) - len(seq.block_table) <= self.num_free_blocks
 
     def append(self, seq: Sequence, num_tokens: int) -> None:
-        """Make `seq` hold `num_tokens` tokens in all."""
-        for _ in range(self.num_blocks_for(num_tokens) - len(seq.block_table)):
-            seq.block_table.append(self._take_free_block())
+        """Make `seq` hold `num_tokens` tokens in all. Blocks taken together go in ascending id order: freed
+        blocks come back tail first, and blocks that lie one after another in the cache are read as one run by
+        the CPU attention kernels (engine/kernels/cpu_attention.py)."""
+        taken = [self._take_free_block() for _ in range(self.num_blocks_for(num_tokens) - len(seq.block_table))]
+        seq.block_table.extend(sorted(taken) if len(taken) > 1 else taken)
 
     def take_free_block(self) -> int:
         """One free block, now referenced once (the caller appends it to a sequence's table)."""

@@ -234,3 +234,14 @@ def test_a_full_cache_takes_never_used_blocks_past_its_eager_ones():
     assert sorted(a.block_table) == list(range(6)) and bm.num_free_blocks == 0
     bm.free(a)
     assert bm.num_free_blocks == 6
+
+
+def test_blocks_reused_together_lie_in_ascending_order_as_they_were_handed_out():
+    bm = BlockManager(num_blocks=64, block_size=4, eager_blocks=8)
+    a = make_seq(range(1, 33))               # 8 blocks, never used before: 0..7
+    compute(bm, a)
+    assert a.block_table == list(range(8))
+    bm.free(a)                               # back tail first: 7, 6, ..., 0
+    b = make_seq(range(100, 132))
+    compute(bm, b)
+    assert b.block_table == list(range(8))   # the same blocks, one run in the cache again
