@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 # so a step of N prompts takes N times as long as one and every prompt of it waits for the last: smaller steps
 # give the first tokens out sooner at the same total CPU (docs/benchmarks.md, "Prefill budget on CPU").
 CPU_PREFILL_TOKENS = 1024
+# On CPU a burst of prompts holding at least this many tokens is prefilled in two steps, half first (Scheduler's
+# split_bursts): below it, a step's fixed cost (every weight read once) outweighs the half of the work it saves
+CPU_BURST_TOKENS = 128
 
 
 @dataclass(slots=True, frozen=True)
@@ -151,7 +154,9 @@ class LLMEngine:
             raise
         self.scheduler = Scheduler(self.block_manager, limits.max_batch_prefill_tokens, config.max_batch_size,
                                    num_speculative_tokens=config.speculate,
-                                   propose=self.speculation.propose if self.speculation else None)
+                                   propose=self.speculation.propose if self.speculation else None,
+                                   split_bursts=CPU_BURST_TOKENS
+                                   if getattr(getattr(runner, "device", None), "type", None) == "cpu" else None)
         self._num_draft_tokens_total = 0
         self._num_accepted_tokens_total = 0
         self.token_texts = TokenTexts(self.tokenizer)

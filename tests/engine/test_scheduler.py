@@ -340,3 +340,44 @@ def test_a_chunk_never_ends_inside_an_image_that_attends_both_ways():
     assert spans_by_seq(run_step(sched)) == {a.seq_id: (20, 1, "last"), b.seq_id: (2, 8, "last")}
     assert spans_by_seq(run_step(sched)) == {a.seq_id: (21, 1, "last"), b.seq_id: (10, 1, "last"),
                                              c.seq_id: (0, 4, "last")}
+
+
+# --- bursts of prompts on CPU (split_bursts) ----------------------------------------------------------------------
+
+def burst_scheduler(split=32, budget=256):
+    return Scheduler(BlockManager(256, 4), budget, split_bursts=split)
+
+
+def test_a_burst_of_prompts_is_prefilled_half_first_then_the_rest():
+    sched = burst_scheduler()
+    burst = [make_seq(16, first=100 * i + 1) for i in range(5)]   # 80 tokens >= 32: split 3 + 2
+    for seq in burst:
+        sched.add(seq)
+    assert [s.seq_id for s in run_step(sched).seqs] == [s.seq_id for s in burst[:3]]
+    late = make_seq(16, first=9001)                                 # arrives meanwhile: goes with the second half
+    sched.add(late)
+    second = run_step(sched)
+    assert [s.seq_id for s in second.seqs if s in burst[3:] + [late]] == [s.seq_id for s in burst[3:] + [late]]
+    assert all(seq.num_computed_tokens >= 16 for seq in burst + [late])    # every prompt computed in two steps
+
+
+def test_what_a_split_does_not_pay_for_is_admitted_at_once():
+    small = burst_scheduler(split=64)
+    for i in range(3):                                              # 48 tokens < 64: one step
+        small.add(make_seq(16, first=100 * i + 1))
+    assert len(run_step(small).seqs) == 3
+    one = burst_scheduler(split=8)
+    one.add(make_seq(200, first=1))                                 # a single prompt is never split
+    assert len(run_step(one).seqs) == 1 and one.running[0].num_computed_tokens == 200
+    off = Scheduler(BlockManager(256, 4), 256)                      # GPU: no split
+    for i in range(4):
+        off.add(make_seq(16, first=100 * i + 1))
+    assert len(run_step(off).seqs) == 4
+
+
+def test_a_queue_the_budget_spreads_over_steps_is_not_split_again():
+    sched = burst_scheduler(split=32, budget=40)
+    burst = [make_seq(16, first=100 * i + 1) for i in range(6)]    # 96 tokens > 40: the budget takes 3 a step
+    for seq in burst:
+        sched.add(seq)
+    assert [s.seq_id for s in run_step(sched).seqs] == [s.seq_id for s in burst[:3]]
