@@ -60,7 +60,7 @@ class KVPrefault:
         self.total_bytes = block_bytes * self.num_blocks * slabs
         self._ahead = max(1, ahead_bytes // max(block_bytes * slabs, 1))
         self.ahead_blocks = min(self.num_blocks, self._ahead)       # faulted in at start
-        self._shared = _Shared(min(self.num_blocks, self._ahead))
+        self._shared = _Shared(self.ahead_blocks)
         self._rearm = self._shared.wanted            # note() wakes the thread once a used block reaches this
         self._thread = None
         try:

@@ -126,10 +126,10 @@ class LLMEngine:
             from engine.model_runner import ModelRunner
             runner = ModelRunner(config, model_config)
         self.runner = runner
+        on_cpu = getattr(getattr(runner, "device", None), "type", None) == "cpu"   # stand-in runners have no device
         try:
             limits = resolve_limits(config, model_config.max_position_embeddings,
-                                    runner.num_kv_blocks, runner.block_size,
-                                    cpu=getattr(getattr(runner, "device", None), "type", None) == "cpu")
+                                    runner.num_kv_blocks, runner.block_size, cpu=on_cpu)
         except ValueError:
             runner.close()
             raise
@@ -155,8 +155,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, limits.max_batch_prefill_tokens, config.max_batch_size,
                                    num_speculative_tokens=config.speculate,
                                    propose=self.speculation.propose if self.speculation else None,
-                                   split_bursts=CPU_BURST_TOKENS
-                                   if getattr(getattr(runner, "device", None), "type", None) == "cpu" else None)
+                                   split_bursts=CPU_BURST_TOKENS if on_cpu else None)
         self._num_draft_tokens_total = 0
         self._num_accepted_tokens_total = 0
         self.token_texts = TokenTexts(self.tokenizer)

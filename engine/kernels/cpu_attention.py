@@ -296,42 +296,39 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
       if (t0 >= t1) { std::fill(sr, sr + n, 0.0f); continue; }
       if (a.softcap > 0.0f)
         for (int64_t t = t0; t < t1; ++t) sr[t] = a.softcap * std::tanh(sr[t] / a.softcap);
-      if (t0 == 0 && t1 == n && n % 16 == 0) {  // every key of the run counts (a decode row's): all on 16 lanes
+      const bool full = t0 == 0 && t1 == n && n % 16 == 0;  // every key of the run counts (a decode row's)
+      float mx = NEG_INF;
+      if (full) {  // all on 16 lanes
         f16x mv = f16x{} + NEG_INF;
         for (int64_t t = 0; t < n; t += 16) {
           const f16x x = load16(sr + t);
           mv = mv < x ? x : mv;
         }
-        const float m_new = std::max(m[r], hmax(mv));
-        const float alpha = m[r] == NEG_INF ? 0.0f : std::exp(m[r] - m_new);
+        mx = hmax(mv);
+      } else {
+#pragma omp simd reduction(max : mx)
+        for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, sr[t]);
+      }
+      const float m_new = std::max(m[r], mx);
+      const float alpha = m[r] == NEG_INF ? 0.0f : std::exp(m[r] - m_new);
+      float sum = 0.0f;
+      if (full) {  // exp and sum in one pass
         f16x sv = {};
         for (int64_t t = 0; t < n; t += 16) {
           const f16x e = exp16(load16(sr + t) - m_new);
           store16(sr + t, e);
           sv += e;
         }
-        l[r] = l[r] * alpha + hsum(sv);
-        m[r] = m_new;
-        if (alpha != 1.0f) {
-          float* ar = acc + r * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-        }
-        continue;
-      }
-      float mx = NEG_INF;
-#pragma omp simd reduction(max : mx)
-      for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, sr[t]);
-      const float m_new = std::max(m[r], mx);
-      const float alpha = m[r] == NEG_INF ? 0.0f : std::exp(m[r] - m_new);
-      int64_t t = 0;  // all n, masked after: no branches
-      for (; t + 16 <= n; t += 16) store16(sr + t, exp16(load16(sr + t) - m_new));
-      for (; t < n; ++t) sr[t] = exp1(sr[t] - m_new);
-      std::fill(sr, sr + t0, 0.0f);
-      std::fill(sr + t1, sr + n, 0.0f);
-      float sum = 0.0f;
+        sum = hsum(sv);
+      } else {
+        int64_t t = 0;  // all n, masked after: no branches
+        for (; t + 16 <= n; t += 16) store16(sr + t, exp16(load16(sr + t) - m_new));
+        for (; t < n; ++t) sr[t] = exp1(sr[t] - m_new);
+        std::fill(sr, sr + t0, 0.0f);
+        std::fill(sr + t1, sr + n, 0.0f);
 #pragma omp simd reduction(+ : sum)
-      for (int64_t t = t0; t < t1; ++t) sum += sr[t];
+        for (int64_t t = t0; t < t1; ++t) sum += sr[t];
+      }
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
       if (alpha != 1.0f) {
