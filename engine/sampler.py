@@ -9,9 +9,11 @@ Semantics (TGI's HeterogeneousNextTokenChooser, per row):
   reports them: after penalties and warpers, so tokens cut by top-k/top-p have -inf.
 A grammar's token bitmask (engine.structured) applies first, to greedy and sampling rows alike, so penalties,
 warpers and the reported logprobs all see the constrained distribution.
-Each sampling row draws from its own (CPU) torch.Generator, so a seeded request gives the same
-tokens whatever else is in the batch; across devices too, unless a uniform falls within float32 rounding
-of a token's boundary (the draw's probabilities are float32: `inverse_cdf_blocked`).
+Sampling rows with a top-k, or a top-p whose nucleus lies in their best few hundred tokens, run the warpers,
+logprob and draw on those candidates alone (engine/candidate_sampling.py); the others over the vocabulary.
+Each sampling row draws from its own (CPU) torch.Generator, one uniform per step whichever path draws it, so a
+seeded request gives the same tokens whatever else is in the batch; across devices too, unless a uniform falls
+within float32 rounding of a token's boundary (the draw's probabilities are float32: `inverse_cdf_blocked`).
 On a GPU, with the engine's `PenaltyCounts`, penalties read token counts kept on the device between steps
 instead of copying each history there (on CPU the per-history path is faster and stays, its histories kept
 as arrays between steps: `TokenHistories`).
@@ -29,6 +31,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from engine import candidate_sampling
 from engine.penalty_counts import PenaltyCounts
 from engine.sampling_params import SamplingParams
 from engine.structured.masks import TokenBitmask, apply_token_bitmask
@@ -81,10 +84,9 @@ class ProcessedScores:
     sampling: list[bool]                  # per row: draws (True) or takes the argmax
 
 
-def process(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmask | None = None,
-            counts: PenaltyCounts | None = None) -> ProcessedScores:
-    """Grammar mask, penalties and warpers of each row, then log_softmax: the distribution a row draws from.
-    `counts`: the engine's token counts kept between steps (else each history is counted afresh)."""
+def penalized(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmask | None = None,
+              counts: PenaltyCounts | None = None) -> torch.Tensor:
+    """The scores after each row's grammar mask and penalties (float32; the logits themselves left alone)."""
     params = [row.params for row in rows]
     scores = logits.float()
     histories = None
@@ -97,6 +99,17 @@ def process(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitma
         scores = apply_repetition_penalty(scores, rows, counts, histories)
     if any(p.frequency_penalty for p in params):
         scores = apply_frequency_penalty(scores, rows, counts, histories)
+    return scores
+
+
+def process(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmask | None = None,
+            counts: PenaltyCounts | None = None) -> ProcessedScores:
+    """Grammar mask, penalties and warpers of each row, then log_softmax: the distribution a row draws from.
+    `counts`: the engine's token counts kept between steps (else each history is counted afresh)."""
+    return _warped(penalized(logits, rows, bitmask, counts), [row.params for row in rows])
+
+
+def _warped(scores: torch.Tensor, params: list[SamplingParams]) -> ProcessedScores:
     sampling = [is_sampling(p) for p in params]
     if any(sampling):
         scores = apply_warpers(scores, params, sampling)
@@ -106,7 +119,8 @@ def process(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitma
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmask | None = None,
            counts: PenaltyCounts | None = None) -> SamplerOutput:
     """Choose one token per row of `logits` [n, vocab] (float32) with that row's parameters, among the tokens
-    `bitmask` allows for the rows it names."""
+    `bitmask` allows for the rows it names. Sampling rows with a top-k or a top-p draw among their best few
+    tokens (engine/candidate_sampling.py); the rest, and those the few cannot settle, over the vocabulary."""
     params = [row.params for row in rows]
     if bitmask is None and not any(map(_changes_scores, params)):
         # greedy rows only and nothing processes the scores: argmax, and the log_softmax only when a row
@@ -117,12 +131,44 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
             return report(log_softmax(scores), next_ids, params)
         next_ids, chosen = greedy_chosen(scores, any(p.logprobs for p in params))
         return SamplerOutput(next_ids, chosen, [NO_TOP] * len(params), [NO_TOP] * len(params))
-    processed = process(logits, rows, bitmask, counts)
-    logprobs, sampling = processed.logprobs, processed.sampling
+    scores = penalized(logits, rows, bitmask, counts)
+    sampling = [is_sampling(p) for p in params]
+    # one uniform per sampling row and step, whichever path draws it: a seed gives the same tokens in any batch
+    uniforms = {r: draw_uniform(rows[r]) for r, s in enumerate(sampling) if s}
+    picked = [r for r, s in enumerate(sampling) if s and candidate_sampling.fits(params[r])]
+    if not picked:
+        return _dense(scores, rows, params, sampling, uniforms)
+    drawn = candidate_sampling.draw(_select(scores, picked), [params[r] for r in picked],
+                                    [uniforms[r] for r in picked])
+    done = {picked[i]: j for j, i in enumerate(drawn.rows)}
+    rest = [r for r in range(len(rows)) if r not in done]
+    if not rest:
+        return SamplerOutput(drawn.token_ids, drawn.logprobs, [NO_TOP] * len(params), [NO_TOP] * len(params))
+    other = _dense(_select(scores, rest), [rows[r] for r in rest], [params[r] for r in rest],
+                   [sampling[r] for r in rest], {j: uniforms[r] for j, r in enumerate(rest) if sampling[r]})
+    out = SamplerOutput([0] * len(rows), [0.0] * len(rows), [NO_TOP] * len(rows), [NO_TOP] * len(rows))
+    for r, i in done.items():
+        out.token_ids[r], out.logprobs[r] = drawn.token_ids[i], drawn.logprobs[i]
+    for j, r in enumerate(rest):
+        out.token_ids[r], out.logprobs[r] = other.token_ids[j], other.logprobs[j]
+        out.top_token_ids[r], out.top_logprobs[r] = other.top_token_ids[j], other.top_logprobs[j]
+    return out
+
+
+def _select(scores: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    if len(rows) == scores.shape[0]:
+        return scores
+    return scores.index_select(0, torch.tensor(rows, device=scores.device))
+
+
+def _dense(scores: torch.Tensor, rows: Sequence[SampleRow], params: list[SamplingParams], sampling: list[bool],
+           uniforms: dict[int, float]) -> SamplerOutput:
+    """Warpers, log_softmax and the draw over the whole vocabulary; `uniforms`: the sampling rows' draws."""
+    processed = _warped(scores, params)
     next_ids = processed.scores.argmax(dim=-1)
     if any(sampling):
-        next_ids = _draw(logprobs, next_ids, rows, sampling)
-    return report(logprobs, next_ids, [row.params for row in rows])
+        next_ids = _draw(processed.logprobs, next_ids, sampling, uniforms)
+    return report(processed.logprobs, next_ids, params)
 
 
 _cpu_kernels: Any = None           # engine.kernels.cpu_log_softmax once `use_cpu_kernels` turned it on
@@ -297,14 +343,13 @@ def inverse_cdf_blocked(logprobs: torch.Tensor, uniforms: torch.Tensor, block: i
     return (j * block + torch.minimum(k, last)).squeeze(1)   # the block's last token with p > 0 at its edge
 
 
-def _draw(logprobs: torch.Tensor, next_ids: torch.Tensor, rows: Sequence[SampleRow],
-          sampling: list[bool]) -> torch.Tensor:
+def _draw(logprobs: torch.Tensor, next_ids: torch.Tensor, sampling: list[bool],
+          uniforms: dict[int, float]) -> torch.Tensor:
     # inverse CDF: one uniform per row from the request's own CPU generator, so a seed gives the
     # same draws on any device and batch; the vocab-wide work is a float32 exp, block sums and one block's
     # cumsum per row
     idx = [r for r, s in enumerate(sampling) if s]
-    uniforms = torch.tensor([draw_uniform(rows[r]) for r in idx], dtype=torch.float64)
-    drawn = inverse_cdf_blocked(logprobs[idx], uniforms)
+    drawn = inverse_cdf_blocked(logprobs[idx], torch.tensor([uniforms[r] for r in idx], dtype=torch.float64))
     next_ids = next_ids.clone()
     next_ids[torch.tensor(idx, device=next_ids.device)] = drawn
     return next_ids

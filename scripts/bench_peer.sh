@@ -30,7 +30,9 @@
 # another, not even a row of the same prompt length (the random dataset draws the same prompts from the same seed:
 # a 1-concurrent row after a 16-concurrent one at 128 tokens was served from the prefix cache); the tables
 # give the median of the runs per metric),
-# VLLM_ARGS / ENGINE_ARGS (extra server flags), VLLM_CPU_OMP_THREADS_BIND (passed through to vLLM).
+# VLLM_ARGS / ENGINE_ARGS (extra server flags), VLLM_CPU_OMP_THREADS_BIND (passed through to vLLM),
+# SAMPLING ("TEMPERATURE:TOP_P[:TOP_K]", e.g. 0.7:0.9: every request samples with those; result files get
+# "-sTEMPERATURE-TOP_P[-TOP_K]" so greedy and sampled runs can share OUT; default: greedy, as vLLM's client sends).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -45,6 +47,15 @@ OUT=${OUT:-$ROOT/.cache/bench_peer/$(date -u +%Y%m%dT%H%M%SZ)}
 STARTUP_TIMEOUT_S=${STARTUP_TIMEOUT_S:-900}
 ENGINES=${ENGINES:-"vllm ours"}
 REPEAT=${REPEAT:-3}
+SAMPLE_ARGS=() SAMPLE_TAG=""
+if [[ -n ${SAMPLING:-} ]]; then
+    IFS=: read -r s_temp s_top_p s_top_k <<< "$SAMPLING"
+    [[ $s_temp =~ ^[0-9.]+$ && $s_top_p =~ ^[0-9.]+$ && ${s_top_k:-0} =~ ^[0-9]+$ ]] \
+        || { echo "bench_peer: error: SAMPLING: '$SAMPLING' is not TEMPERATURE:TOP_P[:TOP_K]" >&2; exit 1; }
+    SAMPLE_ARGS=(--temperature "$s_temp" --top-p "$s_top_p")
+    SAMPLE_TAG="-s$s_temp-$s_top_p"
+    if [[ -n ${s_top_k:-} ]]; then SAMPLE_ARGS+=(--top-k "$s_top_k"); SAMPLE_TAG+="-$s_top_k"; fi
+fi
 
 die() { echo "bench_peer: error: $*" >&2; exit 1; }
 log() { echo "bench_peer: $*" >&2; }
@@ -120,13 +131,13 @@ load() {  # $1 = engine name, $2 = KV setting; runs every row against the server
         IFS=: read -r in out conc num prefix <<< "$row"
         index=$((index + 1))
         prefix=${prefix:-0}
-        name=$(row_name "$row")$(kv_tag "$2")
+        name=$(row_name "$row")$(kv_tag "$2")$SAMPLE_TAG
         for rep in $(seq "$REPEAT"); do
             log "$1 (KV $2): ${in} in (+ $prefix shared) / ${out} out, $conc concurrent, $num requests (run $rep of $REPEAT)"
             VLLM_TARGET_DEVICE=$DEVICE "$PEER_VENV/bin/vllm" bench serve --backend openai --endpoint /v1/completions \
                 --base-url "http://127.0.0.1:$PORT" --model smollm2 --tokenizer "$MODEL" \
                 --dataset-name random --random-input-len "$in" --random-output-len "$out" --ignore-eos \
-                --random-prefix-len "$prefix" \
+                --random-prefix-len "$prefix" ${SAMPLE_ARGS[@]+"${SAMPLE_ARGS[@]}"} \
                 --max-concurrency "$conc" --num-prompts "$num" --num-warmups 2 --seed "$((index * 100 + rep))" --disable-tqdm \
                 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
                 --save-result --result-dir "$OUT" --result-filename "$1-$name-r$rep.json" > "$OUT/$1-$name-r$rep.txt" 2>&1 \
@@ -181,11 +192,11 @@ for kv in $KV_GIB; do
     done
 done
 
-"$PEER_PY" - "$OUT" "$KV_GIB" $ROWS <<'EOF'
+"$PEER_PY" - "$OUT" "$KV_GIB" "$SAMPLE_TAG" $ROWS <<'EOF'
 import json, statistics, sys
 from pathlib import Path
 
-out, kvs, rows = Path(sys.argv[1]), sys.argv[2].split(), sys.argv[3:]
+out, kvs, sample_tag, rows = Path(sys.argv[1]), sys.argv[2].split(), sys.argv[3], sys.argv[4:]
 tags = {"1": "", "default": "-kvdefault"}
 print(f"\n| workload | KV | engine | runs | output tok/s | TTFT p50 ms | TPOT p50 ms |  (medians of the runs)")
 print("|---|---|---|---|---|---|---|")
@@ -193,7 +204,8 @@ ratios = []
 for kv in kvs:
     for row in rows:
         n_in, n_out, conc, num, *prefix = row.split(":")
-        part = f"{n_in}-{n_out}-c{conc}" + (f"-p{prefix[0]}" if prefix else "") + tags.get(kv, f"-kv{kv}")
+        part = (f"{n_in}-{n_out}-c{conc}" + (f"-p{prefix[0]}" if prefix else "") + tags.get(kv, f"-kv{kv}")
+                + sample_tag)
         res = {}
         for name in ("ours", "vllm"):   # the median of the runs, metric by metric
             runs = [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}-{part}-r*.json"))]

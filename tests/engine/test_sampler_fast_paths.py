@@ -81,6 +81,7 @@ def test_mixed_batch_draws_the_same_tokens_with_and_without_the_prefilter(monkey
                 row(top_n_tokens=2) for i in range(12)]
 
     logits = logits_for(12, seed=3)
+    monkeypatch.setattr(sampler.candidate_sampling, "fits", lambda params: False)   # the dense path's prefilter
     with_prefilter = [sample(logits, rows) for rows in [make_rows()]][0]
     original = sampler.top_p_mask
     monkeypatch.setattr(sampler, "top_p_mask", lambda scores, top_p, max_kept=None: original(scores, top_p))
