@@ -12,8 +12,10 @@ the token by inverse CDF over the kept tokens in vocabulary order, as the dense 
 A row goes back to the dense path when the list cannot be shown to hold its answer: ties with the k-th score
 that run past the list, or a top-p without top-k whose list holds less than p plus a margin of the
 probability (`NUCLEUS_MARGIN`; a flat distribution, say at a high temperature). Rows with typical-p or
-top_n_tokens stay dense too. Against the full sort the candidates change what a row keeps only where a cumulative
-probability lies within float32 rounding of 1 - p (the sums run in another order).
+top_n_tokens stay dense too. The list's length depends on the batch (the widest top-k in it), so its sums (top-p's
+cumulative one, the log_softmax's) run in float64: a row's tokens and logprobs do not depend on what else is in the
+batch unless float64 rounding moves a float32 result. Against the dense path the candidates change what a row keeps
+only where a cumulative probability lies within float32 rounding of 1 - p, and its logprobs by float32 rounding.
 """
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ def _draw_once(scores: torch.Tensor, params: Sequence[SamplingParams], uniforms:
     # sit at the low end, their mass 1 - what the fetched hold (from the row's logsumexp)
     p = torch.tensor(top_p, dtype=vals.dtype, device=device)[:, None]
     asc = vals.flip(-1)
-    remove = asc.softmax(dim=-1).cumsum(dim=-1) <= 1 - p
+    remove = asc.double().softmax(dim=-1).cumsum(dim=-1) <= (1 - p).double()   # float64: see the docstring
     if any(nucleus_only) and fetch < vocab:
         rows = torch.tensor([r for r, x in enumerate(nucleus_only) if x], device=device)
         whole = len(rows) == n
@@ -102,7 +104,8 @@ def _draw_once(scores: torch.Tensor, params: Sequence[SamplingParams], uniforms:
     remove &= p < 1.0
     remove[:, -1] = False                                   # the best token always stays
     vals = torch.where(remove.flip(-1), neg_inf, vals)
-    logprobs = vals.log_softmax(dim=-1)
+    wide = vals.double()
+    logprobs = (wide - wide.logsumexp(dim=-1, keepdim=True)).float()
     # inverse CDF over the kept tokens in vocabulary order (the dense draw's order); removed ones sort last
     order = torch.where(torch.isfinite(vals), ids, torch.full_like(ids, vocab)).argsort(dim=-1)
     probs = logprobs.gather(1, order).exp().double()

@@ -136,23 +136,40 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
     # one uniform per sampling row and step, whichever path draws it: a seed gives the same tokens in any batch
     uniforms = {r: draw_uniform(rows[r]) for r, s in enumerate(sampling) if s}
     picked = [r for r, s in enumerate(sampling) if s and candidate_sampling.fits(params[r])]
-    if not picked:
+    kernels = _on_kernels(scores)
+    plain = [r for r, s in enumerate(sampling) if s and _temperature_only(params[r])] if kernels is not None else []
+    if not picked and not plain:
         return _dense(scores, rows, params, sampling, uniforms)
-    drawn = candidate_sampling.draw(_select(scores, picked), [params[r] for r in picked],
-                                    [uniforms[r] for r in picked])
-    done = {picked[i]: j for j, i in enumerate(drawn.rows)}
-    rest = [r for r in range(len(rows)) if r not in done]
-    if not rest:
-        return SamplerOutput(drawn.token_ids, drawn.logprobs, [NO_TOP] * len(params), [NO_TOP] * len(params))
-    other = _dense(_select(scores, rest), [rows[r] for r in rest], [params[r] for r in rest],
-                   [sampling[r] for r in rest], {j: uniforms[r] for j, r in enumerate(rest) if sampling[r]})
-    out = SamplerOutput([0] * len(rows), [0.0] * len(rows), [NO_TOP] * len(rows), [NO_TOP] * len(rows))
-    for r, i in done.items():
-        out.token_ids[r], out.logprobs[r] = drawn.token_ids[i], drawn.logprobs[i]
-    for j, r in enumerate(rest):
-        out.token_ids[r], out.logprobs[r] = other.token_ids[j], other.logprobs[j]
-        out.top_token_ids[r], out.top_logprobs[r] = other.top_token_ids[j], other.top_logprobs[j]
+    n = len(rows)
+    out = SamplerOutput([0] * n, [0.0] * n, [NO_TOP] * n, [NO_TOP] * n)
+    done: set[int] = set()
+    if picked:
+        drawn = candidate_sampling.draw(_select(scores, picked), [params[r] for r in picked],
+                                        [uniforms[r] for r in picked])
+        for j, i in enumerate(drawn.rows):
+            r = picked[i]
+            out.token_ids[r], out.logprobs[r] = drawn.token_ids[j], drawn.logprobs[j]
+            done.add(r)
+    if plain:   # temperature alone: the CPU kernel draws over the vocabulary in one read of each row
+        ids, chosen = kernels.sample(_select(scores, plain), torch.tensor([params[r].temperature for r in plain]),
+                                     torch.tensor([uniforms[r] for r in plain], dtype=torch.float64))
+        for r, token, logprob in zip(plain, ids.tolist(), chosen.tolist()):
+            out.token_ids[r], out.logprobs[r] = token, logprob
+            done.add(r)
+    rest = [r for r in range(n) if r not in done]
+    if rest:
+        other = _dense(_select(scores, rest), [rows[r] for r in rest], [params[r] for r in rest],
+                       [sampling[r] for r in rest], {j: uniforms[r] for j, r in enumerate(rest) if sampling[r]})
+        for j, r in enumerate(rest):
+            out.token_ids[r], out.logprobs[r] = other.token_ids[j], other.logprobs[j]
+            out.top_token_ids[r], out.top_logprobs[r] = other.top_token_ids[j], other.top_logprobs[j]
     return out
+
+
+def _temperature_only(p: SamplingParams) -> bool:
+    """A sampling row whose only warper is its temperature, with nothing to report beyond the chosen logprob."""
+    return (not p.top_k and (p.top_p is None or p.top_p >= 1.0) and (p.typical_p is None or p.typical_p >= 1.0)
+            and not p.top_n_tokens and p.temperature > 0)
 
 
 def _select(scores: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -165,9 +182,12 @@ def _dense(scores: torch.Tensor, rows: Sequence[SampleRow], params: list[Samplin
            uniforms: dict[int, float]) -> SamplerOutput:
     """Warpers, log_softmax and the draw over the whole vocabulary; `uniforms`: the sampling rows' draws."""
     processed = _warped(scores, params)
-    next_ids = processed.scores.argmax(dim=-1)
-    if any(sampling):
-        next_ids = _draw(processed.logprobs, next_ids, sampling, uniforms)
+    if all(sampling):   # no row takes the argmax
+        next_ids = _draw(processed.logprobs, None, sampling, uniforms)
+    else:
+        next_ids = processed.scores.argmax(dim=-1)
+        if any(sampling):
+            next_ids = _draw(processed.logprobs, next_ids, sampling, uniforms)
     return report(processed.logprobs, next_ids, params)
 
 
@@ -343,13 +363,16 @@ def inverse_cdf_blocked(logprobs: torch.Tensor, uniforms: torch.Tensor, block: i
     return (j * block + torch.minimum(k, last)).squeeze(1)   # the block's last token with p > 0 at its edge
 
 
-def _draw(logprobs: torch.Tensor, next_ids: torch.Tensor, sampling: list[bool],
+def _draw(logprobs: torch.Tensor, next_ids: torch.Tensor | None, sampling: list[bool],
           uniforms: dict[int, float]) -> torch.Tensor:
     # inverse CDF: one uniform per row from the request's own CPU generator, so a seed gives the
     # same draws on any device and batch; the vocab-wide work is a float32 exp, block sums and one block's
-    # cumsum per row
+    # cumsum per row. `next_ids` None: every row samples.
     idx = [r for r, s in enumerate(sampling) if s]
-    drawn = inverse_cdf_blocked(logprobs[idx], torch.tensor([uniforms[r] for r in idx], dtype=torch.float64))
+    drawn = inverse_cdf_blocked(logprobs if next_ids is None else logprobs[idx],
+                                torch.tensor([uniforms[r] for r in idx], dtype=torch.float64))
+    if next_ids is None:
+        return drawn
     next_ids = next_ids.clone()
     next_ids[torch.tensor(idx, device=next_ids.device)] = drawn
     return next_ids

@@ -136,3 +136,20 @@ def test_a_tiny_top_p_keeps_the_best_token_and_its_logprob_is_zero():
     out = sample(logits, [row(seed=s, do_sample=True, top_p=1e-9) for s in range(3)])
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("params", [dict(top_k=40, top_p=0.8), dict(top_p=0.9, temperature=0.8)])
+def test_a_rows_tokens_and_logprobs_do_not_depend_on_a_wider_row_beside_it(params):
+    logits = peaked(2, seed=11)
+
+    def alone():
+        r = row(seed=5, do_sample=True, **params)
+        return [sample(logits[:1], [r]) for _ in range(30)]
+
+    def beside_a_wider_row():          # the other row's top-k lengthens the list the first row is drawn from
+        rows = [row(seed=5, do_sample=True, **params), row(seed=6, do_sample=True, top_k=3000)]
+        return [sample(logits, rows) for _ in range(30)]
+
+    a, b = alone(), beside_a_wider_row()
+    assert [o.token_ids[0] for o in a] == [o.token_ids[0] for o in b]
+    assert [o.logprobs[0] for o in a] == [o.logprobs[0] for o in b]     # the same bits

@@ -178,3 +178,68 @@ def test_an_engine_reports_its_choice_and_a_bad_value_stops_it_before_serving(mo
     with pytest.raises(ValueError, match="use auto, fused or torch"):
         make_engine()
     assert len(closed) == 1                                         # the runner it built is let go
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sample_draws_the_float64_inverse_cdfs_token_with_log_softmaxs_bits(seed):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    rows, width = rng.choice([1, 3, 16, 40]), rng.choice([1, 17, 1023, 1024, 1025, 4099, 49152])
+    scores = (torch.randn(rows, width + 5, generator=gen) * rng.choice([0.1, 2.0, 9.0]))[:, 2:2 + width]
+    temps = torch.rand(rows, generator=gen) * 1.5 + 0.2
+    uniforms = torch.rand(rows, generator=gen, dtype=torch.float64)
+    ids, chosen = kernels.sample(scores, temps, uniforms)
+    want_ids, want, margin = kernels.sample_reference(scores.double(), temps.double(), uniforms)
+    assert all(a == b or m < 1e-5 for a, b, m in zip(ids.tolist(), want_ids.tolist(), margin.tolist()))
+    torch.testing.assert_close(chosen.double(), want, **CLOSE)
+    at_ids = kernels.log_softmax(scores / temps[:, None]).gather(1, ids[:, None]).squeeze(1)
+    assert torch.equal(at_ids, chosen)
+
+
+def test_sample_follows_the_distribution_across_blocks_and_skips_masked_tokens():
+    scores = torch.full((1, 5000), -math.inf)
+    scores[0, [3, 1500, 4999]] = torch.tensor([0.6, 0.3, 0.1]).log()   # three blocks apart; the rest masked
+    grid = torch.arange(2000, dtype=torch.float64) / 2000
+    ids, chosen = kernels.sample(scores.expand(2000, -1), torch.ones(2000), grid)
+    freq = [(ids == t).double().mean().item() for t in (3, 1500, 4999)]
+    assert freq == pytest.approx([0.6, 0.3, 0.1], abs=1e-3) and sum(freq) == 1.0
+    assert chosen[0].item() == pytest.approx(math.log(0.6), abs=1e-6)
+    hot = kernels.sample(scores, torch.tensor([0.05]), torch.tensor([0.99], dtype=torch.float64))[0]
+    assert hot.tolist() == [3]                    # a low temperature leaves the best token all the mass
+
+
+def test_sample_on_hostile_rows_gives_the_argmax_and_a_nan_logprob():
+    scores = kernels.hostile_rows(torch.Generator().manual_seed(3))
+    ids, chosen = kernels.sample(scores, torch.ones(9), torch.full((9,), 0.5, dtype=torch.float64))
+    assert ids[:3].tolist() == [40, 0, 2999] and torch.isnan(chosen[:3]).all()
+    assert torch.isfinite(chosen[3:]).all() and bool(torch.isfinite(scores[5, ids[5]]))   # a masked token never
+    assert kernels._check_sample(scores, torch.Generator().manual_seed(4)) is None
+
+
+def test_self_check_fails_on_a_broken_sample_kernel(monkeypatch):
+    monkeypatch.setattr(kernels, "sample", lambda scores, temps, uniforms: (
+        torch.zeros(len(scores), dtype=torch.int64), torch.zeros(len(scores))))
+    assert kernels.unusable_reason().startswith("sample: ")
+
+
+def test_temperature_only_rows_take_the_sample_kernel_with_the_dense_paths_bits(monkeypatch):
+    assert sampler.use_cpu_kernels() == "fused"
+    logits = torch.randn(10, 5000, generator=torch.Generator().manual_seed(6)) * 3
+
+    def rows():
+        out = [Sequence(i, f"r{i}", [1, 2, 3], SamplingParams(do_sample=True, temperature=0.5 + 0.1 * i),
+                        max_tokens=10**6, num_prompt_tokens=3) for i in range(8)]
+        for r, seq in enumerate(out):
+            seq.seed = 40 + r
+        return out + _rows(2)                                       # and two greedy rows
+
+    calls = []
+    monkeypatch.setattr(kernels, "sample", lambda s, t, u, f=kernels.sample: calls.append(len(s)) or f(s, t, u))
+    first = rows()
+    fast = [sampler.sample(logits, first) for _ in range(6)]
+    assert calls == [8] * 6                                        # the sampling rows, once a step
+    monkeypatch.setattr(sampler, "_temperature_only", lambda p: False)      # the dense path, the same kernels
+    second = rows()
+    dense = [sampler.sample(logits, second) for _ in range(6)]
+    for a, b in zip(fast, dense):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs     # the same bits
+        assert a.token_ids[8:] == logits[8:].argmax(dim=-1).tolist()
