@@ -138,7 +138,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
     picked = [r for r, s in enumerate(sampling) if s and candidate_sampling.fits(params[r])]
     kernels = _on_kernels(scores)
     plain = [r for r, s in enumerate(sampling) if s and _temperature_only(params[r])] if kernels is not None else []
-    if not picked and not plain:
+    argmax = [r for r, s in enumerate(sampling) if not s and not params[r].top_n_tokens]
+    if not picked and not plain and len(argmax) < len(rows):
         return _dense(scores, rows, params, sampling, uniforms)
     n = len(rows)
     out = SamplerOutput([0] * n, [0.0] * n, [NO_TOP] * n, [NO_TOP] * n)
@@ -154,6 +155,11 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmas
         ids, chosen = kernels.sample(_select(scores, plain), torch.tensor([params[r].temperature for r in plain]),
                                      torch.tensor([uniforms[r] for r in plain], dtype=torch.float64))
         for r, token, logprob in zip(plain, ids.tolist(), chosen.tolist()):
+            out.token_ids[r], out.logprobs[r] = token, logprob
+            done.add(r)
+    if argmax:  # greedy rows (penalised, masked, or beside sampling ones): argmax and logprob in one read
+        ids, chosen = greedy_chosen(_select(scores, argmax), any(params[r].logprobs for r in argmax))
+        for r, token, logprob in zip(argmax, ids, chosen):
             out.token_ids[r], out.logprobs[r] = token, logprob
             done.add(r)
     rest = [r for r in range(n) if r not in done]

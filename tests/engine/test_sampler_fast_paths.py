@@ -170,3 +170,22 @@ def test_warpers_on_a_mixed_batch_equal_each_row_warped_alone():
         assert torch.equal(batch[i:i + 1], alone), i
     assert torch.equal(batch[0], logits[0])  # the greedy row is untouched
     assert int(torch.isfinite(batch[1]).sum()) == 7 and int(torch.isfinite(batch[5]).sum()) == 3
+
+
+def test_greedy_rows_beside_sampling_or_penalised_ones_take_the_one_read_argmax(monkeypatch):
+    logits = logits_for(6, seed=8)
+    logits[0, 11] = 40.0                                  # row 0's argmax, penalised away below
+    rows = [row(prompt=(11,), repetition_penalty=1e6), row(), row(do_sample=True, top_k=5, seed=3),
+            row(logprobs=False), row(do_sample=True, temperature=0.7, seed=4), row(top_n_tokens=2)]
+    calls = []
+    original = sampler.greedy_chosen
+    monkeypatch.setattr(sampler, "greedy_chosen", lambda s, lp: calls.append(len(s)) or original(s, lp))
+    fast = sample(logits, rows)
+    assert calls == [3]                                   # rows 0, 1 and 3; row 5 reports alternatives: dense
+    general = process(logits, rows)                       # the general path's scores and logprobs
+    for r in (0, 1, 3, 5):
+        assert fast.token_ids[r] == int(general.scores[r].argmax())
+    assert fast.token_ids[0] != 11
+    assert [fast.logprobs[r] for r in (0, 1, 3)] == pytest.approx(
+        [float(general.logprobs[r, fast.token_ids[r]]) for r in (0, 1, 3)], abs=1e-6)
+    assert fast.top_token_ids[5] == general.logprobs[5].topk(2).indices.tolist()
