@@ -17,7 +17,7 @@ from support.releases import venv_release
 from support.tgi_cli import TgiCli
 from tgi_hpc.batch.ledger import Ledger
 
-NUM = 200   # long enough that the interruptions land mid-batch and the rerun has work for both tasks on a quiet box
+NUM = 600   # long enough that the interruptions land mid-batch and the rerun has work for both tasks on a quiet box
 pytestmark = pytest.mark.slow
 
 
