@@ -88,22 +88,23 @@ def _draw_once(scores: torch.Tensor, params: Sequence[SamplingParams], uniforms:
     # top-p: HF's cumulative sum of the probabilities in ascending order, the tokens at or below each one; after
     # a top-k over the kept tokens (what the dense path sorts), else over the whole row: the tokens not fetched
     # sit at the low end, their mass 1 - what the fetched hold (from the row's logsumexp)
-    p = torch.tensor(top_p, dtype=vals.dtype, device=device)[:, None]
-    asc = vals.flip(-1)
-    remove = asc.double().softmax(dim=-1).cumsum(dim=-1) <= (1 - p).double()   # float64: see the docstring
-    if any(nucleus_only) and fetch < vocab:
-        rows = torch.tensor([r for r, x in enumerate(nucleus_only) if x], device=device)
-        whole = len(rows) == n
-        lse = ((scores if whole else scores.index_select(0, rows)) / (temps if whole else temps.index_select(0, rows))
-               ).logsumexp(dim=-1, keepdim=True)
-        probs = (asc.index_select(0, rows) - lse).exp().double()
-        held = probs.sum(dim=-1, keepdim=True)
-        cum = probs.cumsum(dim=-1) + (1.0 - held).clamp(min=0.0)
-        remove[rows] = cum <= (1 - p.index_select(0, rows)).double()
-        short[rows] = held[:, 0] < p.index_select(0, rows)[:, 0].double() + NUCLEUS_MARGIN
-    remove &= p < 1.0
-    remove[:, -1] = False                                   # the best token always stays
-    vals = torch.where(remove.flip(-1), neg_inf, vals)
+    if any(q < 1.0 for q in top_p):
+        p = torch.tensor(top_p, dtype=vals.dtype, device=device)[:, None]
+        asc = vals.flip(-1)
+        remove = asc.double().softmax(dim=-1).cumsum(dim=-1) <= (1 - p).double()   # float64: see the docstring
+        if any(nucleus_only) and fetch < vocab:
+            rows = torch.tensor([r for r, x in enumerate(nucleus_only) if x], device=device)
+            whole = len(rows) == n
+            lse = ((scores if whole else scores.index_select(0, rows))
+                   / (temps if whole else temps.index_select(0, rows))).logsumexp(dim=-1, keepdim=True)
+            probs = (asc.index_select(0, rows) - lse).exp().double()
+            held = probs.sum(dim=-1, keepdim=True)
+            cum = probs.cumsum(dim=-1) + (1.0 - held).clamp(min=0.0)
+            remove[rows] = cum <= (1 - p.index_select(0, rows)).double()
+            short[rows] = held[:, 0] < p.index_select(0, rows)[:, 0].double() + NUCLEUS_MARGIN
+        remove &= p < 1.0
+        remove[:, -1] = False                               # the best token always stays
+        vals = torch.where(remove.flip(-1), neg_inf, vals)
     wide = vals.double()
     logprobs = (wide - wide.logsumexp(dim=-1, keepdim=True)).float()
     # inverse CDF over the kept tokens in vocabulary order (the dense draw's order); removed ones sort last
