@@ -9,7 +9,8 @@ attention, and without LoRA, speculation, quantized layers or images. Other step
 batches) run the eager model as before. The linears read their own copy of the weights, packed for few rows
 (engine/kernels/cpu_gemv.py), and so does the LM head for batches of up to 16 rows (ParallelLMHead.FEW_ROWS, any
 step); the copy is made only when it fits COPY_SHARE of the process's memory limit
-(engine/host_memory.py). `--enforce-eager` turns the step off.
+(engine/host_memory.py). A bfloat16 checkpoint served in float32 (the CPU default) keeps that copy in bfloat16:
+its values are bfloat16s, so the products are the same and a step streams half the weight bytes. `--enforce-eager` turns the step off.
 
 At start-up, before any request owns a block, `build` runs a decode batch through both paths on the first
 blocks of the cache and keeps the fused step only when it matches the eager forward. What it chose and why
@@ -103,24 +104,37 @@ class CpuDecodeStep:
             kv_heads=first.num_kv_heads, head_dim=first.head_dim, rot=self.rotary.rotary_dim,
             inter=inner.layers[0].mlp.gate_up_proj.output_size // 2)
         self._keep: list[torch.Tensor] = []  # everything whose address the table holds
+        linears = [[(name, linear) for name, linear in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                                                        ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj))]
+                   for layer in inner.layers]
+        # bfloat16 copies when every layer weight holds bfloat16 values (a bfloat16 checkpoint served in float32):
+        # half the bytes a step streams, the same products (one GEMV kernel serves every layer)
+        self.weight_dtype = torch.bfloat16 if all(
+            cpu_gemv.storage_dtype(plain_weight(linear)) == torch.bfloat16 for layer in linears for _, linear in layer) \
+            else torch.float32
         table = []
-        for layer, attn in zip(inner.layers, attention_layers):
-            a, mlp = layer.self_attn, layer.mlp
+        for layer, attn, layer_linears in zip(inner.layers, attention_layers, linears):
             pointers = {"input_norm": self._address(layer.input_layernorm.weight.detach()),
                         "post_norm": self._address(layer.post_attention_layernorm.weight.detach()),
                         "k_cache": attn.k_cache.data_ptr(), "v_cache": attn.v_cache.data_ptr()}
-            for name, linear in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", mlp.gate_up_proj),
-                                 ("down", mlp.down_proj)):
-                pointers[f"{name}_weight"] = self._address(cpu_gemv.pack(plain_weight(linear), empty=huge_pages.empty))
+            for name, linear in layer_linears:
+                packed = cpu_gemv.pack(plain_weight(linear), empty=huge_pages.empty, dtype=self.weight_dtype)
+                self._keep.append(packed)
+                pointers[f"{name}_weight"] = packed.data_ptr()
                 pointers[f"{name}_bias"] = self._address(None if linear.bias is None else linear.bias.detach())
             table += [pointers[field] for field in cpu_decoder_layers.FIELDS]
         self.weights = torch.tensor(table, dtype=torch.int64)
         head = getattr(model, "lm_head", None)
+        self.head_dtype = None
         if isinstance(head, ParallelLMHead):  # the LM head of few-row batches through the same GEMV
-            head.few_rows_weight = cpu_gemv.pack(plain_weight(head), empty=huge_pages.empty)
+            weight = plain_weight(head)
+            self.head_dtype = cpu_gemv.storage_dtype(weight)
+            head.few_rows_weight = cpu_gemv.pack(weight, empty=huge_pages.empty, dtype=self.head_dtype)
         self.final_norm = inner.norm.weight.detach().contiguous()
-        libraries = {"tgi_paged_attention": cpu_attention.load(), "tgi_gemv": cpu_gemv.load()}
-        self.kernels = torch.tensor([address(libraries.get(name) or cpu_elementwise.load(), name)
+        gemv = cpu_gemv.load()
+        kernels = {"tgi_paged_attention": (cpu_attention.load(), "tgi_paged_attention"),
+                   "tgi_gemv": (gemv, cpu_gemv.kernel_name(self.weight_dtype))}
+        self.kernels = torch.tensor([address(*kernels.get(name, (cpu_elementwise.load(), name)))
                                      for name in cpu_decoder_layers.KERNELS], dtype=torch.int64)
         s = self.shape
         qkv_n = (s.heads + 2 * s.kv_heads) * s.head_dim
@@ -129,9 +143,18 @@ class CpuDecodeStep:
         self.buffers = {name: torch.empty(MAX_ROWS, width) for name, width in widths.items()}
         self._loop = cpu_decoder_layers.load().tgi_decoder_layers
 
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the packed copies this step made (bfloat16 ones take half of copy_bytes' float32 bound)."""
+        head = getattr(self.model, "lm_head", None)
+        few = getattr(head, "few_rows_weight", None)
+        return sum(t.numel() * t.element_size() for t in self._keep if t.dim() == 3) + \
+            (0 if few is None else few.numel() * few.element_size())
+
     @staticmethod
     def copy_bytes(model: torch.nn.Module) -> int:
-        """Bytes of the packed copy of every layer's linear weights and of the LM head."""
+        """Bytes of the packed copy of every layer's linear weights and of the LM head, in float32 (an upper bound: a
+        bfloat16 checkpoint's copy takes half)."""
         head = getattr(model, "lm_head", None)
         hidden = model.model.norm.weight.shape[0]
         total = 0
@@ -205,9 +228,11 @@ def build(worker) -> tuple[CpuDecodeStep | None, str]:
     if mismatch is not None:
         logger.warning("fused CPU decode step off: %s", mismatch)
         return None, f"eager ({mismatch})"
-    logger.info("fused CPU decode step on for decode batches of up to %d rows (weight copy %.0f MiB)", MAX_ROWS,
-                copy / 2**20)
-    return step, f"fused (decode batches of 1-{MAX_ROWS} rows; weight copy {copy / 2**20:.0f} MiB)"
+    copy = step.packed_bytes
+    stored = "bfloat16" if step.weight_dtype == torch.bfloat16 else "float32"
+    logger.info("fused CPU decode step on for decode batches of up to %d rows (weight copy %.0f MiB, %s)", MAX_ROWS,
+                copy / 2**20, stored)
+    return step, f"fused (decode batches of 1-{MAX_ROWS} rows; weight copy {copy / 2**20:.0f} MiB, {stored})"
 
 
 def _matches_eager(step: CpuDecodeStep, worker, tolerance: float = 1e-3) -> str | None:

@@ -1,5 +1,6 @@
 """Float32 linear layers for a few rows on CPU (decode steps): y[M, N] = x[M, K] W^T (+ b) for M <= 16 in one
-pass over the weight, more rows in passes of 16.
+pass over the weight, more rows in passes of 16. The weight may be stored in bfloat16 when its values are bfloat16s
+(`storage_dtype`: a bfloat16 checkpoint served in float32): half the bytes to stream, the same products.
 
 Why: at a decode step the weight is streamed from memory once for every row of the batch. oneDNN's packed
 GEMM (engine/layers/cpu_gemm.py) does that near the memory floor, but each call goes through ideep's set-up
@@ -39,11 +40,23 @@ namespace {
 // weight lines asked for this many k steps (64-byte lines of a panel) ahead: the hardware prefetchers alone keep
 // too few in flight once each line feeds several rows' FMAs (SmolLM2's linears at 8 rows, 2 threads: 10.5 -> 8.8 ms)
 constexpr int64_t AHEAD = 32;
+// the same distance in bytes for weights of type W (k steps of 16 weights); bfloat16 panels take two k steps a line
+template <typename W> constexpr int64_t ahead() { return AHEAD * 4 / static_cast<int64_t>(sizeof(W)); }
 
 // one panel (16 output features) for M rows; KU interleaved accumulator sets hide the FMA latency when
 // M is small (few independent chains)
-template <int M, int KU>
-inline void panel(const float* xt, const float* w, int64_t K, const float* bias, float* y, int64_t y_stride,
+// a panel row of 16 weights as float32: read as stored (float), or widened from bfloat16 (exact: its bits are the
+// float's upper half), so a weight stored in bfloat16 gives the float32 kernel's products bit for bit
+inline f16x wload(const float* w) { return load16(w); }
+inline f16x wload(const uint16_t* w) {
+  typedef uint16_t u16x __attribute__((vector_size(32), aligned(2)));
+  typedef uint32_t u32x __attribute__((vector_size(64)));
+  const u32x wide = __builtin_convertvector(*reinterpret_cast<const u16x*>(w), u32x) << 16;
+  return __builtin_bit_cast(f16x, wide);
+}
+
+template <int M, int KU, typename W>
+inline void panel(const float* xt, const W* w, int64_t K, const float* bias, float* y, int64_t y_stride,
                   int64_t cols) {
   f16x acc[KU][M];
   for (int u = 0; u < KU; ++u)
@@ -51,13 +64,13 @@ inline void panel(const float* xt, const float* w, int64_t K, const float* bias,
   int64_t k = 0;
   for (; k + KU <= K; k += KU)
     for (int u = 0; u < KU; ++u) {
-      const f16x wv = *reinterpret_cast<const f16x*>(w + (k + u) * 16);
-      __builtin_prefetch(w + (k + u + AHEAD) * 16, 0, 0);
+      const f16x wv = wload(w + (k + u) * 16);
+      __builtin_prefetch(w + (k + u + ahead<W>()) * 16, 0, 0);
       const float* xk = xt + (k + u) * 16;
       for (int m = 0; m < M; ++m) acc[u][m] += xk[m] * wv;
     }
   for (; k < K; ++k) {
-    const f16x wv = *reinterpret_cast<const f16x*>(w + k * 16);
+    const f16x wv = wload(w + k * 16);
     for (int m = 0; m < M; ++m) acc[0][m] += xt[k * 16 + m] * wv;
   }
   f16x b = {};
@@ -75,15 +88,15 @@ inline void panel(const float* xt, const float* w, int64_t K, const float* bias,
 // three whole panels (48 output features) for MR <= 8 rows from r0: 24 accumulators, and each broadcast of a row
 // value feeds three FMAs (on the Zen 4 VM at 9-16 rows this ran 120 SmolLM2 linears in 22.4 ms against 25.1 one
 // panel at a time; on a Zen 5 VM at 8 rows, 13.0 ms against 16.2)
-template <int MR>
-inline void triple(const float* xt, const float* w, int64_t K, const float* bias, float* y, int64_t y_stride, int r0) {
+template <int MR, typename W>
+inline void triple(const float* xt, const W* w, int64_t K, const float* bias, float* y, int64_t y_stride, int r0) {
   f16x acc[3][MR];
   for (int p = 0; p < 3; ++p)
     for (int m = 0; m < MR; ++m) acc[p][m] = bias == nullptr ? f16x{} : *reinterpret_cast<const f16x*>(bias + 16 * p);
   for (int64_t k = 0; k < K; ++k) {
     f16x wv[3];
-    for (int p = 0; p < 3; ++p) wv[p] = *reinterpret_cast<const f16x*>(w + p * K * 16 + k * 16);
-    for (int p = 0; p < 3; ++p) __builtin_prefetch(w + p * K * 16 + (k + AHEAD) * 16, 0, 0);
+    for (int p = 0; p < 3; ++p) wv[p] = wload(w + p * K * 16 + k * 16);
+    for (int p = 0; p < 3; ++p) __builtin_prefetch(w + p * K * 16 + (k + ahead<W>()) * 16, 0, 0);
     const float* xk = xt + k * 16 + r0;
     for (int m = 0; m < MR; ++m) {
       const float xm = xk[m];
@@ -94,8 +107,8 @@ inline void triple(const float* xt, const float* w, int64_t K, const float* bias
     for (int m = 0; m < MR; ++m) *reinterpret_cast<f16x*>(y + (r0 + m) * y_stride + 16 * p) = acc[p][m];
 }
 
-template <int M>
-void panels(const float* xt, const float* w, const float* bias, int64_t N, int64_t K, float* y, int64_t y_stride,
+template <int M, typename W>
+void panels(const float* xt, const W* w, const float* bias, int64_t N, int64_t K, float* y, int64_t y_stride,
             int threads) {
   const int64_t count = (N + 15) / 16;
   // 3-16 rows: whole panels three at a time, rows in groups of 8 (the second group reads the triple from cache;
@@ -112,7 +125,7 @@ void panels(const float* xt, const float* w, const float* bias, int64_t N, int64
     }
     const int64_t p = 3 * triples + (t - triples);
     const int64_t cols = std::min<int64_t>(16, N - p * 16);
-    const float* wp = w + p * K * 16;
+    const W* wp = w + p * K * 16;
     const float* bp = bias == nullptr ? nullptr : bias + p * 16;
     if (M <= 2) panel<M, 4>(xt, wp, K, bp, y + p * 16, y_stride, cols);
     else if (M <= 6) panel<M, 2>(xt, wp, K, bp, y + p * 16, y_stride, cols);
@@ -120,12 +133,9 @@ void panels(const float* xt, const float* w, const float* bias, int64_t N, int64
   }
 }
 
-}  // namespace
-
-// y [M, N] (row stride y_stride) = x [M, K] (row stride x_stride) W^T + bias, W packed [ceil(N/16)][K][16];
-// bias may be null. Rows go in passes of 16.
-extern "C" void tgi_gemv(const float* x, int64_t x_stride, int64_t M, const float* w, const float* bias, int64_t N,
-                         int64_t K, float* y, int64_t y_stride, int threads) {
+template <typename W>
+void gemv(const float* x, int64_t x_stride, int64_t M, const W* w, const float* bias, int64_t N, int64_t K, float* y,
+          int64_t y_stride, int threads) {
   thread_local std::vector<float> xt;
   if (static_cast<int64_t>(xt.size()) < K * 16) xt.resize(K * 16);
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
@@ -141,11 +151,28 @@ extern "C" void tgi_gemv(const float* x, int64_t x_stride, int64_t M, const floa
     }
   }
 }
+
+}  // namespace
+
+// y [M, N] (row stride y_stride) = x [M, K] (row stride x_stride) W^T + bias, W packed [ceil(N/16)][K][16];
+// bias may be null. Rows go in passes of 16.
+extern "C" void tgi_gemv(const float* x, int64_t x_stride, int64_t M, const float* w, const float* bias, int64_t N,
+                         int64_t K, float* y, int64_t y_stride, int threads) {
+  gemv(x, x_stride, M, w, bias, N, K, y, y_stride, threads);
+}
+
+// the same with W stored in bfloat16 (the same packing, 2 bytes a weight); same signature as tgi_gemv, so the fused
+// decode step calls either by address: `w` points at the bfloat16 panels
+extern "C" void tgi_gemv_bf16(const float* x, int64_t x_stride, int64_t M, const float* w, const float* bias,
+                              int64_t N, int64_t K, float* y, int64_t y_stride, int threads) {
+  gemv(x, x_stride, M, reinterpret_cast<const uint16_t*>(w), bias, N, K, y, y_stride, threads);
+}
 """
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _LIBRARY = Library("cpu_gemv", SOURCE, {
     "tgi_gemv": (None, [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, ctypes.c_int]),
+    "tgi_gemv_bf16": (None, [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, ctypes.c_int]),
 }, logger)
 
 
@@ -154,32 +181,49 @@ def load() -> ctypes.CDLL:
     return _LIBRARY.load()
 
 
-def pack(weight: torch.Tensor, empty=torch.empty) -> torch.Tensor:
-    """weight [N, K] float32 -> panels [ceil(N / 16), K, 16], the last one zero-padded, in memory from
+def storage_dtype(weight: torch.Tensor) -> torch.dtype:
+    """bfloat16 when every value of the float32 `weight` is a bfloat16 (a bfloat16 checkpoint served in float32: the
+    copy takes half the bytes and gives the same products bit for bit), else float32."""
+    return torch.bfloat16 if torch.equal(weight.to(torch.bfloat16).float(), weight) else torch.float32
+
+
+def pack(weight: torch.Tensor, empty=torch.empty, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """weight [N, K] float32 -> panels [ceil(N / 16), K, 16] of `dtype` (float32, or bfloat16 where
+    `storage_dtype` allows it: the values are kept exactly), the last one zero-padded, in memory from
     `empty(*shape, dtype=...)` (e.g. engine/huge_pages.py's)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"packed weights are float32 or bfloat16, not {dtype}")
     n, k = weight.shape
-    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=dtype)
     padded[:n] = weight
-    packed = empty(padded.shape[0] // PANEL, k, PANEL, dtype=torch.float32)
+    packed = empty(padded.shape[0] // PANEL, k, PANEL, dtype=dtype)
     packed.copy_(padded.view(-1, PANEL, k).transpose(1, 2))
     return packed
 
 
+def kernel_name(packed_dtype: torch.dtype) -> str:
+    """The C function for weights packed in `packed_dtype` (same signature for both)."""
+    return "tgi_gemv_bf16" if packed_dtype == torch.bfloat16 else "tgi_gemv"
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
            threads: int | None = None) -> torch.Tensor:
-    """x [M, K] (rows evenly strided, K contiguous) -> [M, out_features], as F.linear with the packed weight."""
-    assert x.dtype == packed.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and packed.is_contiguous()
+    """x [M, K] float32 (rows evenly strided, K contiguous) -> [M, out_features] float32, as F.linear with the
+    packed weight (float32 or bfloat16 panels, accumulated in float32)."""
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and packed.is_contiguous()
+    assert packed.dtype in (torch.float32, torch.bfloat16)
     assert packed.shape[1] == x.shape[1] and packed.shape[0] * PANEL >= out_features
     assert bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.numel() == out_features)
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    load().tgi_gemv(x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(),
-                    None if bias is None else bias.data_ptr(), out_features, x.shape[1], y.data_ptr(),
-                    out_features, threads or max(1, torch.get_num_threads()))
+    getattr(load(), kernel_name(packed.dtype))(
+        x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(), None if bias is None else bias.data_ptr(),
+        out_features, x.shape[1], y.data_ptr(), out_features, threads or max(1, torch.get_num_threads()))
     return y
 
 
 def self_check() -> str | None:
-    """None when the kernel builds and agrees with F.linear on odd shapes; else why not."""
+    """None when the kernel builds and agrees with F.linear on odd shapes, its bfloat16 panels with the float32 ones
+    bit for bit; else why not."""
     try:
         generator = torch.Generator().manual_seed(0)
         for rows, n, k, with_bias in ((1, 40, 24, True), (5, 17, 33, False), (16, 48, 64, True), (19, 35, 7, True)):
@@ -188,6 +232,9 @@ def self_check() -> str | None:
             x = torch.randn(rows, k, generator=generator)
             if not torch.allclose(linear(x, pack(weight), n, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-4):
                 return f"disagrees with F.linear at {rows} x {k} -> {n}"
+            exact = weight.to(torch.bfloat16).float()
+            if not torch.equal(linear(x, pack(exact, dtype=torch.bfloat16), n, bias), linear(x, pack(exact), n, bias)):
+                return f"its bfloat16 panels differ from the float32 ones at {rows} x {k} -> {n}"
     except Exception as error:  # a build or load failure: the caller falls back, never fails the load
         return f"{type(error).__name__}: {error}"
     return None

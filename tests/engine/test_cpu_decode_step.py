@@ -50,6 +50,59 @@ def test_fused_step_gives_the_eager_and_transformers_tokens(name):
         assert tokens[:len(reference)] == reference
 
 
+def bfloat16_checkpoint(name, directory):
+    """`name` saved in bfloat16 (as most Hub checkpoints are), tokenizer and all."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    source = test_model_path(name)
+    AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(torch.bfloat16).save_pretrained(directory)
+    for path in source.iterdir():
+        if "token" in path.name or path.name.endswith(".jinja"):
+            shutil.copy(path, directory / path.name)
+    return directory
+
+
+def test_a_bfloat16_checkpoint_served_in_float32_streams_bfloat16_weights_with_the_same_tokens_and_logprobs(
+        tmp_path, monkeypatch):
+    """Its float32 weights are bfloat16 values: the fused step packs them in bfloat16 (half the bytes), and its
+    tokens and logprobs are those of float32 packing bit for bit, and the eager model's tokens."""
+    from engine.kernels import cpu_gemv
+
+    path = bfloat16_checkpoint("tiny-llama", tmp_path / "bf16")
+    prompts = prompts_for(1000, 2 * cpu_decode_step.MAX_ROWS + 3)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=True)
+
+    def run(**config):
+        with LLMEngine(EngineConfig(model_id=str(path), device="cpu", dtype="float32",
+                                    cpu_kv_cache_bytes=32 * 1024**2, **config)) as llm:
+            report = llm.runner.decode_step_report
+            outs = llm.generate(prompts, params)
+            step = llm.runner._rank0.decode_step
+            return report, step, [[(t.id, t.logprob) for t in out.tokens] for out in outs]
+
+    report, step, narrow = run()
+    assert report.startswith("fused") and "bfloat16" in report, report
+    assert step.weight_dtype == torch.bfloat16 and step.head_dtype == torch.bfloat16
+    assert all(t.dtype == torch.bfloat16 for t in step._keep if t.dim() == 3)
+    assert step.packed_bytes * 2 <= cpu_decode_step.CpuDecodeStep.copy_bytes(step.model) + 4096
+    monkeypatch.setattr(cpu_gemv, "storage_dtype", lambda weight: torch.float32)
+    report, step, wide = run()
+    assert "float32" in report and step.weight_dtype == torch.float32
+    assert narrow == wide
+    monkeypatch.undo()
+    _, _, eager = run(enforce_eager=True)
+    assert [[i for i, _ in row] for row in narrow] == [[i for i, _ in row] for row in eager]
+
+
+def test_float32_weights_that_are_not_bfloat16_values_stay_float32():
+    with engine("tiny-llama") as fused:
+        report = fused.runner.decode_step_report
+        assert report.startswith("fused") and "float32" in report, report
+        assert fused.runner._rank0.decode_step.weight_dtype == torch.float32
+
+
 def test_smollm2_decode_logits_match_the_eager_forward():
     """Real weights: a prompt's prefill, then decode steps of 1 and of 16 sequences over scattered blocks, logits
     of both paths within float32 reordering."""

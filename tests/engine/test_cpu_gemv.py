@@ -61,3 +61,32 @@ def test_self_check_passes_here_and_reports_a_wrong_kernel(monkeypatch):
     assert cpu_gemv.self_check() is None
     monkeypatch.setattr(cpu_gemv, "linear", lambda x, packed, n, bias=None, threads=None: torch.zeros(x.shape[0], n))
     assert "disagrees with F.linear" in cpu_gemv.self_check()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_bfloat16_panels_give_the_float32_panels_products_bit_for_bit(seed):
+    """Weights whose values are bfloat16s (a bfloat16 checkpoint served in float32) packed in half the bytes: the same
+    result, not merely a close one, at every row count and shape edge (the fused step's tokens depend on it)."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    rows = rng.choice([1, 2, 3, 5, 8, 9, 15, 16, 17, 33])
+    out_features = rng.choice([1, 15, 17, 48, 100, 3 * 48 + 16])
+    in_features = rng.choice([1, 7, 64, 100, 576])
+    weight = (torch.randn(out_features, in_features, generator=gen) * 10 ** rng.uniform(-3, 3)).to(torch.bfloat16).float()
+    bias = torch.randn(out_features, generator=gen) if rng.random() < 0.5 else None
+    x = torch.randn(rows, in_features + 3, generator=gen)[:, 1:1 + in_features]
+    assert cpu_gemv.storage_dtype(weight) == torch.bfloat16
+    narrow = cpu_gemv.pack(weight, dtype=torch.bfloat16)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow.float(), cpu_gemv.pack(weight))
+    threads = rng.choice([1, 2])
+    got = cpu_gemv.linear(x, narrow, out_features, bias, threads=threads)
+    assert torch.equal(got, cpu_gemv.linear(x, cpu_gemv.pack(weight), out_features, bias, threads=threads))
+    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+
+
+def test_storage_is_bfloat16_only_when_every_value_survives_it():
+    exact = torch.tensor([[1.0, -2.5, 0.0, 2.0 ** 127, float("inf"), 2.0 ** -130]])
+    assert cpu_gemv.storage_dtype(exact) == torch.bfloat16
+    for value in (1.0 + 2.0 ** -10, 0.1, float("nan")):   # a mantissa bit bfloat16 lacks; NaN never equals itself
+        assert cpu_gemv.storage_dtype(torch.cat([exact, torch.tensor([[value] * 6])])) == torch.float32
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_gemv.pack(exact, dtype=torch.float16)
