@@ -47,8 +47,8 @@ def unsupported_reason(worker) -> str | None:
         return "not a CPU engine"
     if config.enforce_eager:
         return "--enforce-eager"
-    if worker.dtype != torch.float32:
-        return f"dtype {worker.dtype} (the fused step is float32)"
+    if worker.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {worker.dtype} (the fused step serves float32 and bfloat16 models)"
     if config.num_shard > 1 or worker.layout.pp_size > 1:
         return "tensor or pipeline parallelism"
     if worker.lora is not None or worker.draft is not None or worker.heads is not None or config.speculative_layers:
@@ -77,7 +77,11 @@ def unsupported_reason(worker) -> str | None:
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if not hasattr(linear, "packed_weight") or type(linear.method).__name__ != "UnquantizedLinearMethod":
                 return "quantized linear layers"
-    if worker.elementwise_backend != "fused" or not isinstance(worker.attention, CpuPagedBackend):
+    # a bfloat16 model's own layers run aten's element-wise ops (the fused kernels are float32); the step runs
+    # float32 activations, so it takes the fused kernels unless they were refused or turned off
+    fused = worker.elementwise_backend == "fused" if worker.dtype == torch.float32 else \
+        config.cpu_elementwise != "aten" and cpu_elementwise.unusable_reason(worker.device, torch.float32) is None
+    if not fused or not isinstance(worker.attention, CpuPagedBackend):
         return "the fused element-wise kernels and the cpu_paged attention are not both in use"
     return None
 
@@ -102,7 +106,8 @@ class CpuDecodeStep:
         self.shape = cpu_decoder_layers.Shape(
             rows=0, hidden=config.hidden_size, layers=len(inner.layers), heads=first.num_heads,
             kv_heads=first.num_kv_heads, head_dim=first.head_dim, rot=self.rotary.rotary_dim,
-            inter=inner.layers[0].mlp.gate_up_proj.output_size // 2)
+            inter=inner.layers[0].mlp.gate_up_proj.output_size // 2,
+            kv_bf16=int(attention_layers[0].k_cache.dtype == torch.bfloat16))
         self._keep: list[torch.Tensor] = []  # everything whose address the table holds
         linears = [[(name, linear) for name, linear in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
                                                         ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj))]
@@ -110,15 +115,16 @@ class CpuDecodeStep:
         # bfloat16 copies when every layer weight holds bfloat16 values (a bfloat16 checkpoint served in float32):
         # half the bytes a step streams, the same products (one GEMV kernel serves every layer)
         self.weight_dtype = torch.bfloat16 if all(
-            cpu_gemv.storage_dtype(plain_weight(linear)) == torch.bfloat16 for layer in linears for _, linear in layer) \
-            else torch.float32
+            cpu_gemv.storage_dtype(plain_weight(linear).float()) == torch.bfloat16
+            for layer in linears for _, linear in layer) else torch.float32
+        self.kv_dtype = attention_layers[0].k_cache.dtype
         table = []
         for layer, attn, layer_linears in zip(inner.layers, attention_layers, linears):
             pointers = {"input_norm": self._address(layer.input_layernorm.weight.detach()),
                         "post_norm": self._address(layer.post_attention_layernorm.weight.detach()),
                         "k_cache": attn.k_cache.data_ptr(), "v_cache": attn.v_cache.data_ptr()}
             for name, linear in layer_linears:
-                packed = cpu_gemv.pack(plain_weight(linear), empty=huge_pages.empty, dtype=self.weight_dtype)
+                packed = cpu_gemv.pack(plain_weight(linear).float(), empty=huge_pages.empty, dtype=self.weight_dtype)
                 self._keep.append(packed)
                 pointers[f"{name}_weight"] = packed.data_ptr()
                 pointers[f"{name}_bias"] = self._address(None if linear.bias is None else linear.bias.detach())
@@ -127,10 +133,10 @@ class CpuDecodeStep:
         head = getattr(model, "lm_head", None)
         self.head_dtype = None
         if isinstance(head, ParallelLMHead):  # the LM head of few-row batches through the same GEMV
-            weight = plain_weight(head)
+            weight = plain_weight(head).float()
             self.head_dtype = cpu_gemv.storage_dtype(weight)
             head.few_rows_weight = cpu_gemv.pack(weight, empty=huge_pages.empty, dtype=self.head_dtype)
-        self.final_norm = inner.norm.weight.detach().contiguous()
+        self.final_norm = inner.norm.weight.detach().float().contiguous()
         gemv = cpu_gemv.load()
         kernels = {"tgi_paged_attention": (cpu_attention.load(), "tgi_paged_attention"),
                    "tgi_gemv": (gemv, cpu_gemv.kernel_name(self.weight_dtype))}
@@ -178,14 +184,15 @@ class CpuDecodeStep:
         return 0 < len(spans) <= MAX_ROWS and all(len(span.token_ids) == 1 for span in spans)
 
     def run(self, inputs: ModelInputs) -> torch.Tensor:
-        """The model's final hidden states [rows, hidden] of a decode batch, as `model(...)` would give."""
+        """The model's final hidden states [rows, hidden] of a decode batch, as `model(...)` would give, in float32
+        (a bfloat16 model's too: the step's activations are float32, its weights and K/V the model's)."""
         meta = inputs.attention
         work, chunk_work = meta.extra["cpu_paged"][0], meta.extra["cpu_paged"][1]
         assert chunk_work is None and work is not None
         rows = inputs.input_ids.shape[0]
         hidden = self.buffers["h"][:rows]
         hidden.copy_(self.model.model.embed(inputs.input_ids, inputs.positions))
-        cos, sin = self.rotary.cos[inputs.positions].contiguous(), self.rotary.sin[inputs.positions].contiguous()
+        cos, sin = (table[inputs.positions].float().contiguous() for table in (self.rotary.cos, self.rotary.sin))
         slots = meta.slot_mapping.contiguous()
         tables = meta.block_tables
         self.shape.rows = rows
@@ -230,14 +237,22 @@ def build(worker) -> tuple[CpuDecodeStep | None, str]:
         return None, f"eager ({mismatch})"
     copy = step.packed_bytes
     stored = "bfloat16" if step.weight_dtype == torch.bfloat16 else "float32"
+    if worker.dtype != torch.float32:
+        stored += ", float32 activations over the bfloat16 model's K/V"
     logger.info("fused CPU decode step on for decode batches of up to %d rows (weight copy %.0f MiB, %s)", MAX_ROWS,
                 copy / 2**20, stored)
     return step, f"fused (decode batches of 1-{MAX_ROWS} rows; weight copy {copy / 2**20:.0f} MiB, {stored})"
 
 
-def _matches_eager(step: CpuDecodeStep, worker, tolerance: float = 1e-3) -> str | None:
+# how far the fused step's final hidden states may be from the eager forward's, relative to their largest: float32
+# reorders sums; a bfloat16 model's eager layers round every activation to bfloat16, the step keeps them in float32
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
+
+
+def _matches_eager(step: CpuDecodeStep, worker, tolerance: float | None = None) -> str | None:
     """Run a decode batch through the eager model and the fused step on the first blocks of the cache
     (start-up: no request owns a block yet); None when they agree, else what differed."""
+    tolerance = TOLERANCE[worker.dtype] if tolerance is None else tolerance
     bs = worker.block_size
     spans, next_block = probe_decode_spans([1, bs + 3, 2 * bs - 1, 3 * bs], bs, first_token=11)
     if next_block > worker.num_kv_blocks:
@@ -246,7 +261,7 @@ def _matches_eager(step: CpuDecodeStep, worker, tolerance: float = 1e-3) -> str 
     caches = [cache for layer in worker.attention_layers for cache in (layer.k_cache, layer.v_cache)]
     with torch.inference_mode():
         for cache in caches:  # a finite context (an untouched cache may hold any bit pattern)
-            cache[:next_block] = torch.randn(cache[:next_block].shape, generator=generator)
+            cache[:next_block] = torch.randn(cache[:next_block].shape, generator=generator).to(cache.dtype)
         inputs = prepare_inputs(spans, bs, worker.device, worker.attention, worker.windows)
         eager = worker.model(inputs.input_ids, inputs.positions, inputs.attention).float()
         fused = step.run(inputs)  # both write the new tokens' k, v at the same slots before reading them

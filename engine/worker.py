@@ -79,11 +79,24 @@ def gpu_index(layout: ParallelLayout) -> int:
 
 
 def resolve_dtype(name: str | None, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    """`--dtype`, else the checkpoint's dtype on CUDA and `cpu_default_dtype` on CPU."""
     if name is None:
-        name = model_config.torch_dtype if device.type == "cuda" else "float32"
+        name = model_config.torch_dtype if device.type == "cuda" else cpu_default_dtype(model_config.torch_dtype)
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def cpu_default_dtype(checkpoint: str) -> str:
+    """bfloat16 for a bfloat16 checkpoint on a CPU that computes in bfloat16 natively (AVX512-BF16 or AMX), as
+    vLLM's CPU backend: the weights as stored, half the bytes a decode step streams, oneDNN's bfloat16 GEMMs for
+    prefill and the fused decode step (float32 activations, engine/cpu_decode_step.py); on SmolLM2 in bfloat16 1.2-1.6x
+    the float32 engine's output tok/s (docs/benchmarks.md). Else float32: lossless for any checkpoint, and the only
+    fast path where bfloat16 would be emulated (a bfloat16 checkpoint still streams its weights in bfloat16 there:
+    engine/kernels/cpu_gemv.py)."""
+    if checkpoint == "bfloat16" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+        return "bfloat16"
+    return "float32"
 
 
 # tokens from which a CPU step counts as prefill-heavy: a few long GEMMs while HTTP idles (engine/launcher.py)
@@ -97,6 +110,9 @@ class RankWorker:
         self.layout = layout or ParallelLayout.single_node(rank, config.num_shard)
         self.device = resolve_device(config.device, gpu_index(self.layout) if layout else rank)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
+        if config.dtype is None and rank == 0:
+            logger.info("dtype %s (no --dtype: the default for a %s checkpoint on %s)", str(self.dtype)[6:],
+                        model_config.torch_dtype, self.device.type)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         distributed.init_parallel(self.layout, store, self.device,

@@ -17,7 +17,7 @@
 # own defaults, as a new user would start it. vLLM-CPU's default (VLLM_CPU_OMP_THREADS_BIND=auto)
 # binds its model to all cores but one and keeps that one for its API server and scheduler; ours, by
 # default, runs torch on every core, with HTTP in a thread of the same process (--cpu-threads N changes
-# it). Both serve fp32 (vLLM's CPU default is bf16), the same
+# it). Both serve fp32 by default (DTYPE below; vLLM-CPU serves a bf16 checkpoint in bf16), the same
 # KV budget (VLLM_CPU_KVCACHE_SPACE GiB; ours --kv-cache-bytes), the same 4096-token context, and the
 # load generator runs on the same machine for both (random prompts: prefix caching hits only on a row's shared prefix).
 #
@@ -32,7 +32,10 @@
 # give the median of the runs per metric),
 # VLLM_ARGS / ENGINE_ARGS (extra server flags), VLLM_CPU_OMP_THREADS_BIND (passed through to vLLM),
 # SAMPLING ("TEMPERATURE:TOP_P[:TOP_K]", e.g. 0.7:0.9: every request samples with those; result files get
-# "-sTEMPERATURE-TOP_P[-TOP_K]" so greedy and sampled runs can share OUT; default: greedy, as vLLM's client sends).
+# "-sTEMPERATURE-TOP_P[-TOP_K]" so greedy and sampled runs can share OUT; default: greedy, as vLLM's client sends),
+# DTYPE (float32, the default; bfloat16; float16; or "default": no --dtype, each engine its own choice for the
+# checkpoint, as a new user gets: vLLM-CPU serves a bfloat16 checkpoint in bfloat16, and so do we where the CPU has
+# bfloat16 arithmetic; result files get "-dDTYPE" unless float32).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -58,6 +61,13 @@ if [[ -n ${SAMPLING:-} ]]; then
 fi
 
 die() { echo "bench_peer: error: $*" >&2; exit 1; }
+DTYPE=${DTYPE:-float32}
+case $DTYPE in
+    float32|bfloat16|float16) DTYPE_ARGS=(--dtype "$DTYPE") ;;
+    default) DTYPE_ARGS=() ;;
+    *) die "DTYPE: '$DTYPE' is none of float32, bfloat16, float16, default" ;;
+esac
+[[ $DTYPE == float32 ]] || SAMPLE_TAG+="-d$DTYPE"   # float32 runs keep the names of earlier runs
 log() { echo "bench_peer: $*" >&2; }
 
 if [[ -z ${PYTHON:-} ]]; then
@@ -162,7 +172,7 @@ serve_vllm() {  # $1 = KV setting
     log "starting vLLM ($PEER_PACKAGE $VLLM_VERSION, VLLM_CPU_OMP_THREADS_BIND=$threads, KV $1)"
     env -u VLLM_CPU_KVCACHE_SPACE "${kv[@]}" VLLM_TARGET_DEVICE=$DEVICE VLLM_CPU_OMP_THREADS_BIND=$threads \
         setsid "$PEER_VENV/bin/vllm" serve "$MODEL" --served-model-name smollm2 --host 127.0.0.1 --port "$PORT" \
-        --dtype float32 --max-model-len 4096 ${VLLM_ARGS:-} > "$OUT/vllm-server$(kv_tag "$1").log" 2>&1 &
+        ${DTYPE_ARGS[@]+"${DTYPE_ARGS[@]}"} --max-model-len 4096 ${VLLM_ARGS:-} > "$OUT/vllm-server$(kv_tag "$1").log" 2>&1 &
     SERVER_PID=$!
     wait_ready vLLM "$OUT/vllm-server$(kv_tag "$1").log"
 }
@@ -172,7 +182,7 @@ serve_ours() {  # $1 = KV setting
     [[ $1 == default ]] || kv=(--kv-cache-bytes "$1GiB")
     log "starting our engine ($PYTHON -m engine, KV $1)"
     PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} setsid "$PYTHON" -m engine --model-id "$MODEL" \
-        --served-model-name smollm2 --hostname 127.0.0.1 --port "$PORT" --dtype float32 --device "$DEVICE" \
+        --served-model-name smollm2 --hostname 127.0.0.1 --port "$PORT" ${DTYPE_ARGS[@]+"${DTYPE_ARGS[@]}"} --device "$DEVICE" \
         "${kv[@]}" ${ENGINE_ARGS:-} > "$OUT/ours-server$(kv_tag "$1").log" 2>&1 &
     SERVER_PID=$!
     wait_ready "our engine" "$OUT/ours-server$(kv_tag "$1").log"

@@ -219,10 +219,12 @@ inline void head_groups(int64_t kvh, int64_t group, int64_t q_len, int64_t H, F&
     }
 }
 
-template <typename T>
+// queries and output of type T over a cache of type C (the fused float32 decode step of a bfloat16 model: T float,
+// C bf16); every other caller has C = T
+template <typename T, typename C = T>
 struct Args {
   const T* q; int64_t q_row, q_head;   // q [T, H, D] strides; D contiguous
-  const T* k; const T* v;              // caches [blocks, BS, KVH, D], contiguous
+  const C* k; const C* v;              // caches [blocks, BS, KVH, D], contiguous
   const int32_t* work;                 // [N, 4]: sequence, first row, query rows, seq_len
   const int32_t* tables; int64_t table_stride;
   int64_t bs, kvh, group, dim;
@@ -240,8 +242,8 @@ inline int64_t run_blocks(const int32_t* table, int64_t blk, int64_t end, int64_
 }
 
 // the first and one-past-last block a work item attends to
-template <typename T>
-inline void block_range(const Args<T>& a, int64_t item, int64_t* lo, int64_t* hi) {
+template <typename A>
+inline void block_range(const A& a, int64_t item, int64_t* lo, int64_t* hi) {
   const int32_t* w = a.work + item * 4;
   int64_t first_pos = w[3] - w[2];
   int64_t start = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
@@ -251,8 +253,8 @@ inline void block_range(const Args<T>& a, int64_t item, int64_t* lo, int64_t* hi
 
 // rows r = query * heads + head of one span over blocks [begin, end): acc [R, D], m, l [R]. A block is
 // read whole ([BS, kvh, D] contiguous): its K scored against every row, then its V summed into them
-template <typename T>
-void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, float* acc, float* m, float* l,
+template <typename A>
+void attend_blocks(const A& a, int64_t item, int64_t begin, int64_t end, float* acc, float* m, float* l,
                    float* work) {
   const int32_t* w = a.work + item * 4;
   const int64_t seq = w[0], first = w[1], q_len = w[2], seq_len = w[3];
@@ -276,7 +278,7 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
     Ahead ahead;  // blocks sit anywhere in the cache, beyond the hardware prefetcher's guess: the next one early
     if (next_run > 0) {  // the whole next run
       const int64_t nb = blk + run, next = static_cast<int64_t>(table[nb]) * BS * row;
-      ahead.set(a.k + next, a.v + next, std::min(next_run * BS, seq_len - nb * BS) * row * sizeof(T), 2 * n * a.kvh);
+      ahead.set(a.k + next, a.v + next, std::min(next_run * BS, seq_len - nb * BS) * row * sizeof(*a.k), 2 * n * a.kvh);
     }
     const float* kf = as_float(a.k + slot0 * row, kbuf, n * row);
     if (D == 64 || D == 128) {  // rows grouped by kv head, at most 4 at a time (registers)
@@ -368,8 +370,8 @@ void attend_blocks(const Args<T>& a, int64_t item, int64_t begin, int64_t end, f
 }
 
 // rows of a span are rows first .. first + q_len of out [T, H, D]: R * D contiguous values
-template <typename T>
-inline void write_rows(const Args<T>& a, T* out, int64_t item, const float* acc, const float* l) {
+template <typename A, typename T>
+inline void write_rows(const A& a, T* out, int64_t item, const float* acc, const float* l) {
   const int32_t* w = a.work + item * 4;
   const int64_t D = a.dim, R = w[2] * a.kvh * a.group;
   T* dst = out + w[1] * a.kvh * a.group * D;
@@ -379,8 +381,8 @@ inline void write_rows(const Args<T>& a, T* out, int64_t item, const float* acc,
   }
 }
 
-template <typename T>
-void run(const Args<T>& a, T* out, int64_t items, int64_t splits, int threads) {
+template <typename A, typename T>
+void run(const A& a, T* out, int64_t items, int64_t splits, int threads) {
   int64_t max_rows = 0, max_blocks = 0;
   for (int64_t i = 0; i < items; ++i) {
     int64_t lo, hi;
@@ -432,12 +434,12 @@ void run(const Args<T>& a, T* out, int64_t items, int64_t splits, int threads) {
   }
 }
 
-template <typename T>
+template <typename T, typename C = T>
 void launch(void* out, const void* q, int64_t q_row, int64_t q_head, const void* k, const void* v,
             const int32_t* work, int64_t items, const int32_t* tables, int64_t table_stride, int64_t bs,
             int64_t kvh, int64_t group, int64_t dim, double scale, int64_t window, double softcap, int64_t splits,
             int threads) {
-  Args<T> a{static_cast<const T*>(q), q_row, q_head, static_cast<const T*>(k), static_cast<const T*>(v), work,
+  Args<T, C> a{static_cast<const T*>(q), q_row, q_head, static_cast<const C*>(k), static_cast<const C*>(v), work,
             tables, table_stride, bs, kvh, group, dim, static_cast<float>(scale), window,
             static_cast<float>(softcap)};
   if (items > 0 && dim > 0) run(a, static_cast<T*>(out), items, splits, std::max(threads, 1));
@@ -447,7 +449,7 @@ void launch(void* out, const void* q, int64_t q_row, int64_t q_head, const void*
 
 // out [T, H, D] contiguous; q [T, H, D] (strides q_row, q_head; D contiguous); k/v caches [blocks, bs, kvh, D]
 // contiguous; work [items, 4] (sequence, first row, rows, seq_len); tables [B, table_stride]; dtype 0 float32,
-// 1 bfloat16, 2 float16; window <= 0 and softcap <= 0 mean none; splits = ranges per context (0 = choose)
+// 1 bfloat16, 2 float16, 3 float32 queries and output over a bfloat16 cache; window <= 0 and softcap <= 0 mean none; splits = ranges per context (0 = choose)
 extern "C" int tgi_paged_attention(int dtype, void* out, const void* q, int64_t q_row, int64_t q_head,
                                    const void* k, const void* v, const int32_t* work, int64_t items,
                                    const int32_t* tables, int64_t table_stride, int64_t bs, int64_t kvh,
@@ -460,12 +462,15 @@ extern "C" int tgi_paged_attention(int dtype, void* out, const void* q, int64_t 
                          scale, window, softcap, splits, threads); return 0;
     case 2: launch<_Float16>(out, q, q_row, q_head, k, v, work, items, tables, table_stride, bs, kvh, group, dim,
                              scale, window, softcap, splits, threads); return 0;
+    case 3: launch<float, bf16>(out, q, q_row, q_head, k, v, work, items, tables, table_stride, bs, kvh, group, dim,
+                                scale, window, softcap, splits, threads); return 0;
   }
   return 1;
 }
 """
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+FLOAT32_OVER_BF16 = 3   # float32 queries and output over a bfloat16 cache (the fused decode step of a bfloat16 model)
 
 
 _LIBRARY = Library("cpu_attention", SOURCE, {
@@ -486,14 +491,17 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
                     softcap: float | None, splits: int = 0) -> None:
     """Fill out's rows of each work item [sequence, first row, rows, seq_len]: the rows are the last
     positions of that sequence, attending causally over its blocks (see paged_attention_reference);
-    splits > 0 forces that many context ranges per span, 0 chooses."""
+    splits > 0 forces that many context ranges per span, 0 chooses. q and out share a dtype, and so do the caches:
+    the same one, or float32 q and out over bfloat16 caches."""
     assert out.is_contiguous() and q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype and q.shape[1] % k_cache.shape[2] == 0
+    mixed = (q.dtype, k_cache.dtype) == (torch.float32, torch.bfloat16)   # float32 queries over a bfloat16 cache
+    assert q.dtype == out.dtype and k_cache.dtype == v_cache.dtype and (q.dtype == k_cache.dtype or mixed)
+    assert q.shape[1] % k_cache.shape[2] == 0
     assert work.dtype == block_tables.dtype == torch.int32 and work.is_contiguous() and block_tables.stride(1) == 1
     assert q.device.type == "cpu" and q.shape[2] == k_cache.shape[3]
     _, block_size, kv_heads, dim = k_cache.shape
     load().tgi_paged_attention(
-        DTYPES[q.dtype], out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(),
+        FLOAT32_OVER_BF16 if mixed else DTYPES[q.dtype], out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(),
         v_cache.data_ptr(), work.data_ptr(), work.shape[0], block_tables.data_ptr(), block_tables.stride(0),
         block_size, kv_heads, q.shape[1] // kv_heads, dim, scale, window or 0, softcap or 0.0, splits,
         1 if torch.get_num_threads() < 1 else torch.get_num_threads())

@@ -49,7 +49,26 @@ typedef void (*gemv_fn)(const float*, int64_t, int64_t, const float*, const floa
 
 struct Shape {
   int64_t rows, hidden, layers, heads, kv_heads, head_dim, rot, inter;
+  int64_t kv_bf16;  // 1: the K/V caches hold bfloat16 (a bfloat16 model); the step itself runs in float32
 };
+
+// float32 -> bfloat16, rounded to nearest even as torch's .to(torch.bfloat16) (NaN stays NaN)
+inline uint16_t to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// the new tokens' k and v rows into their cache slots, in the cache's type
+inline void store_kv(void* cache, int64_t slot, const float* src, int64_t n, bool bf16) {
+  if (!bf16) {
+    std::memcpy(static_cast<float*>(cache) + slot * n, src, sizeof(float) * n);
+    return;
+  }
+  uint16_t* dst = static_cast<uint16_t*>(cache) + slot * n;
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
 
 struct Step {
   const int64_t* slots;                       // [rows] cache slot of each row's new token
@@ -86,13 +105,15 @@ extern "C" int tgi_decoder_layers(const Shape* s, const Step* st, const int64_t*
     gemv(x, E, B, TGI_W(1), TGI_W(2), qkv_n, E, qkv, qkv_n, threads);
     rope(qkv, B, s->heads, qkv_n, D, s->rot, st->cos, st->sin, s->rot, threads);
     rope(qkv + q_size, B, s->kv_heads, qkv_n, D, s->rot, st->cos, st->sin, s->rot, threads);
-    float* k_cache = reinterpret_cast<float*>(p[10]);
-    float* v_cache = reinterpret_cast<float*>(p[11]);
+    void* k_cache = reinterpret_cast<void*>(p[10]);
+    void* v_cache = reinterpret_cast<void*>(p[11]);
     for (int64_t b = 0; b < B; ++b) {
-      std::memcpy(k_cache + st->slots[b] * kv_size, qkv + b * qkv_n + q_size, sizeof(float) * kv_size);
-      std::memcpy(v_cache + st->slots[b] * kv_size, qkv + b * qkv_n + q_size + kv_size, sizeof(float) * kv_size);
+      store_kv(k_cache, st->slots[b], qkv + b * qkv_n + q_size, kv_size, s->kv_bf16);
+      store_kv(v_cache, st->slots[b], qkv + b * qkv_n + q_size + kv_size, kv_size, s->kv_bf16);
     }
-    if (attention(0, attn, qkv, qkv_n, D, k_cache, v_cache, st->work, st->items, st->tables, st->table_stride,
+    // dtype 0: float32 everywhere; 3: float32 queries and output over bfloat16 caches (engine/kernels/cpu_attention.py)
+    if (attention(s->kv_bf16 ? 3 : 0, attn, qkv, qkv_n, D, k_cache, v_cache, st->work, st->items, st->tables,
+                  st->table_stride,
                   st->block_size, s->kv_heads, s->heads / s->kv_heads, D, st->scale, 0, 0.0, 0, threads) != 0)
       return 1;
     gemv(attn, q_size, B, TGI_W(3), TGI_W(4), E, q_size, h, E, threads);
@@ -111,7 +132,7 @@ extern "C" int tgi_decoder_layers(const Shape* s, const Step* st, const int64_t*
 
 class Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in
-                ("rows", "hidden", "layers", "heads", "kv_heads", "head_dim", "rot", "inter")]
+                ("rows", "hidden", "layers", "heads", "kv_heads", "head_dim", "rot", "inter", "kv_bf16")]
 
 
 class Step(ctypes.Structure):

@@ -57,6 +57,7 @@ class ParallelLMHead(VocabParallelEmbedding):
                 and hidden_states.dtype == torch.float32 and hidden_states.stride(1) == 1:
             local = cpu_gemv.linear(hidden_states, few, self.shard_size)
         else:
-            local = cpu_gemm.matmul(hidden_states, self.weight, self.packed_weight, None)
+            # a bfloat16 model's fused CPU decode step hands over float32 hidden states (engine/cpu_decode_step.py)
+            local = cpu_gemm.matmul(hidden_states.to(self.weight.dtype), self.weight, self.packed_weight, None)
         logits = gather_to_rank0(local)
         return None if logits is None else logits[..., :self.vocab_size]

@@ -32,7 +32,7 @@ def spans_batch(rng, num_seqs, block_size, max_query=8, max_context=300):
 
 
 def kernel_case(q_lens, contexts, heads, kv_heads, dim, block_size, window, softcap, dtype, seed, splits=0,
-                layout="shuffled"):
+                layout="shuffled", cache_dtype=None):
     """(kernel output, reference) for spans of q_lens new tokens after contexts cached ones: blocks shuffled one
     by one, or ("runs") in runs of 1-20 blocks that lie one after another, as a prompt's blocks do (the kernel
     reads such a run at once, up to 64 tokens)."""
@@ -54,7 +54,7 @@ def kernel_case(q_lens, contexts, heads, kv_heads, dim, block_size, window, soft
         blocks = blocks[count:]
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int()
     shape = (2 * sum(needed) + 1, block_size, kv_heads, dim)
-    k_cache, v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(cache_dtype or dtype) for _ in range(2))
     q = torch.randn(int(cu[-1]), heads, dim, generator=gen).to(dtype)
     # spans in shuffled order: work items need not follow the rows
     order = list(range(len(q_lens)))
@@ -83,6 +83,32 @@ def test_kernel_matches_the_reference(dtype, heads, kv_heads, dim, window, softc
         atol, rtol = TOLERANCE[dtype]
         torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol, msg=lambda m: (
             f"{m}\nq_lens {q_lens}, contexts {contexts}, block {block_size}, {layout}"))
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (6, 2, 80)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (24, None), (50, 20.0)])
+def test_float32_queries_over_a_bfloat16_cache_match_the_reference_at_float32_tolerance(heads, kv_heads, dim, window,
+                                                                                         softcap):
+    """The fused float32 decode step of a bfloat16 model reads its bfloat16 cache this way: the cached values widen
+    exactly, so the result is as close to the float64 reference (on the same bfloat16 values) as float32's."""
+    rng = random.Random(heads * dim)
+    for block_size, layout in ((16, "shuffled"), (16, "runs"), (4, "runs")):
+        q_lens, contexts = spans_batch(rng, rng.randint(1, 12), block_size)
+        for splits in (0, 3):
+            out, expected = kernel_case(q_lens, contexts, heads, kv_heads, dim, block_size, window, softcap,
+                                        torch.float32, heads + dim, splits=splits, layout=layout,
+                                        cache_dtype=torch.bfloat16)
+            assert out.dtype == torch.float32
+            torch.testing.assert_close(out, expected.float(), atol=2e-5, rtol=1e-5)
+
+
+def test_queries_and_caches_of_other_mixed_dtypes_are_refused():
+    q = torch.zeros(1, 2, 16, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, 1, 16)
+    work, tables = torch.tensor([[0, 0, 1, 1]], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(AssertionError):
+        cpu_attention.paged_attention(torch.empty_like(q), q, cache, cache, work, tables, scale=1.0, window=None,
+                                      softcap=None)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 0])
