@@ -154,6 +154,9 @@ from tiny_vlms import TORCHVISION_VLMS, VLM_MODELS, build_vlm, torchvision_works
 
 VLM_RECIPE = 1
 MODEL_NAMES = ["smollm2", *TINY_MODELS, *POOLING_MODELS, *VLM_MODELS, *SEQ2SEQ_MODELS]
+# built on request, not by `all` (no test needs them): SmolLM2 stored in bfloat16, as the Hub's checkpoint is, for the
+# CPU bfloat16 benchmarks (docs/benchmarks.md)
+BENCH_MODELS = ["smollm2-bf16"]
 
 
 def cache_dir(cache_root: str | Path | None = None) -> Path:
@@ -163,8 +166,8 @@ def cache_dir(cache_root: str | Path | None = None) -> Path:
 
 def ensure_model(name: str, cache_root: str | Path | None = None) -> Path:
     """Return the snapshot folder of test model `name`, building it on first use."""
-    if name not in MODEL_NAMES:
-        raise ValueError(f"unknown test model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    if name not in MODEL_NAMES + BENCH_MODELS:
+        raise ValueError(f"unknown test model {name!r}; choose one of {', '.join(MODEL_NAMES + BENCH_MODELS)}")
     root = cache_dir(cache_root)
     target = root / f"{name}-{recipe_hash(name)}"
     if (target / "config.json").exists():
@@ -195,8 +198,8 @@ def _build(name: str, root: Path, target: Path) -> Path:
     try:
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
-        if name == "smollm2":
-            build_smollm2(tmp)
+        if name in ("smollm2", "smollm2-bf16"):
+            build_smollm2(tmp, bfloat16=name == "smollm2-bf16")
         elif name in POOLING_MODELS:
             build_pooling(name, tmp)
         elif name in SEQ2SEQ_MODELS:
@@ -220,7 +223,7 @@ def _build(name: str, root: Path, target: Path) -> Path:
 def recipe_hash(name: str) -> str:
     versions = {pkg: _version(pkg) for pkg in ("torch", "transformers", "tokenizers", "safetensors", "gguf")}
     recipe = {"v": RECIPE_VERSION, "name": name, "versions": versions}
-    if name == "smollm2":
+    if name in ("smollm2", "smollm2-bf16"):
         gguf = smollm2_gguf_path()
         recipe["gguf"] = [gguf.name, gguf.stat().st_size]
     elif name in VLM_MODELS:
@@ -254,8 +257,9 @@ def smollm2_gguf_path() -> Path:
     return found[0]
 
 
-def build_smollm2(out: Path) -> None:
-    """Dequantize the GGUF into an fp32 safetensors snapshot.
+def build_smollm2(out: Path, bfloat16: bool = False) -> None:
+    """Dequantize the GGUF into an fp32 safetensors snapshot (`bfloat16`: rounded to bfloat16 and saved so, as the
+    Hub's SmolLM2-135M is stored).
 
     transformers' GGUF reader does the tensor renaming (and llama.cpp's q/k permutation undo);
     calling it directly avoids `from_pretrained(gguf_file=...)`, which also requires accelerate.
@@ -280,14 +284,15 @@ def build_smollm2(out: Path) -> None:
         tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
     except TypeError:  # transformers < 4.49 maps names without the model
         tensors = load_gguf_checkpoint(str(gguf), return_tensors=True)["tensors"]
-    tensors = {k: v.to(torch.float32).contiguous() for k, v in tensors.items() if k != "lm_head.weight"}
+    dtype = torch.bfloat16 if bfloat16 else torch.float32
+    tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items() if k != "lm_head.weight"}
     expected = {k for k in skeleton.state_dict() if k != "lm_head.weight"}
     if set(tensors) != expected:
         raise RuntimeError(f"GGUF conversion mismatch: missing {sorted(expected - set(tensors))[:5]}, "
                            f"extra {sorted(set(tensors) - expected)[:5]}")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(out)
-    _legacy_config(out, dtype="float32")
+    _legacy_config(out, dtype="bfloat16" if bfloat16 else "float32")
     tok.save_pretrained(out)
     _clean_tokenizer_config(out)
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
@@ -440,7 +445,8 @@ def _legacy_config(folder: Path, dtype: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="+", help=f"{', '.join(MODEL_NAMES)} or all")
+    parser.add_argument("names", nargs="+", help=f"{', '.join(MODEL_NAMES + BENCH_MODELS)} or all (not "
+                                                 f"{', '.join(BENCH_MODELS)})")
     parser.add_argument("--cache-root", default=None, help="default: $TGI_HPC_TEST_CACHE or ~/.cache/tgi-hpc-test-models")
     parser.add_argument("--print-path", action="store_true", help="print only the snapshot paths")
     args = parser.parse_args(argv)
