@@ -77,11 +77,7 @@ def unsupported_reason(worker) -> str | None:
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if not hasattr(linear, "packed_weight") or type(linear.method).__name__ != "UnquantizedLinearMethod":
                 return "quantized linear layers"
-    # a bfloat16 model's own layers run aten's element-wise ops (the fused kernels are float32); the step runs
-    # float32 activations, so it takes the fused kernels unless they were refused or turned off
-    fused = worker.elementwise_backend == "fused" if worker.dtype == torch.float32 else \
-        config.cpu_elementwise != "aten" and cpu_elementwise.unusable_reason(worker.device, torch.float32) is None
-    if not fused or not isinstance(worker.attention, CpuPagedBackend):
+    if worker.elementwise_backend != "fused" or not isinstance(worker.attention, CpuPagedBackend):
         return "the fused element-wise kernels and the cpu_paged attention are not both in use"
     return None
 

@@ -33,7 +33,7 @@
 # VLLM_ARGS / ENGINE_ARGS (extra server flags), VLLM_CPU_OMP_THREADS_BIND (passed through to vLLM),
 # SAMPLING ("TEMPERATURE:TOP_P[:TOP_K]", e.g. 0.7:0.9: every request samples with those; result files get
 # "-sTEMPERATURE-TOP_P[-TOP_K]" so greedy and sampled runs can share OUT; default: greedy, as vLLM's client sends),
-# DTYPE (float32, the default; bfloat16; float16; or "default": no --dtype, each engine its own choice for the
+# BENCH_DTYPE (float32, the default; bfloat16; float16; or "default": no --dtype, each engine its own choice for the
 # checkpoint, as a new user gets: vLLM-CPU serves a bfloat16 checkpoint in bfloat16, and so do we where the CPU has
 # bfloat16 arithmetic; result files get "-dDTYPE" unless float32).
 set -euo pipefail
@@ -61,11 +61,11 @@ if [[ -n ${SAMPLING:-} ]]; then
 fi
 
 die() { echo "bench_peer: error: $*" >&2; exit 1; }
-DTYPE=${DTYPE:-float32}
+DTYPE=${BENCH_DTYPE:-float32}   # not $DTYPE: that is --dtype's environment twin, which our engine reads
 case $DTYPE in
     float32|bfloat16|float16) DTYPE_ARGS=(--dtype "$DTYPE") ;;
     default) DTYPE_ARGS=() ;;
-    *) die "DTYPE: '$DTYPE' is none of float32, bfloat16, float16, default" ;;
+    *) die "BENCH_DTYPE: '$DTYPE' is none of float32, bfloat16, float16, default" ;;
 esac
 [[ $DTYPE == float32 ]] || SAMPLE_TAG+="-d$DTYPE"   # float32 runs keep the names of earlier runs
 log() { echo "bench_peer: $*" >&2; }

@@ -11,11 +11,11 @@ from engine.kernels import cpu_elementwise
 
 
 class SiluAndMul(nn.Module):
-    fused_cpu = False  # set by cpu_elementwise.install: float32 CPU tensors take its one-pass kernel
+    fused_cpu = False  # set by cpu_elementwise.install: float32 / bfloat16 CPU tensors take its one-pass kernel
     fused_gpu = False  # set by triton_elementwise.install: CUDA tensors take its one kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_cpu and x.dtype == torch.float32 and x.device.type == "cpu":
+        if self.fused_cpu and x.dtype in cpu_elementwise.DTYPES and x.device.type == "cpu":
             return cpu_elementwise.silu_and_mul(x)
         if self.fused_gpu and x.is_cuda:
             from engine.kernels import triton_elementwise  # imported late: TRITON_INTERPRET is read at import

@@ -12,7 +12,7 @@ from engine.weights import read_shard
 
 
 class RMSNorm(nn.Module):
-    fused_cpu = False  # set by cpu_elementwise.install: float32 CPU tensors take its one-pass kernel
+    fused_cpu = False  # set by cpu_elementwise.install: float32 / bfloat16 CPU tensors take its one-pass kernel
     fused_gpu = False  # set by triton_elementwise.install: CUDA tensors of the weight's dtype take its kernel
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -30,7 +30,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with `residual`: (norm(x + residual), x + residual)."""
-        if self.fused_cpu and x.dtype == torch.float32 and x.device.type == "cpu":
+        if self.fused_cpu and x.dtype in cpu_elementwise.DTYPES and x.dtype == self.weight.dtype \
+                and x.device.type == "cpu" and (residual is None or residual.dtype == x.dtype):
             return cpu_elementwise.add_rms_norm(x, residual, self.weight, self.eps)
         if self.fused_gpu and x.is_cuda and x.dtype == self.weight.dtype:
             from engine.kernels import triton_elementwise  # imported late: TRITON_INTERPRET is read at import

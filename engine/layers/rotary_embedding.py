@@ -56,7 +56,7 @@ def _longrope_table(rotary_dim: int, max_position: int, theta: float,
 
 
 class RotaryEmbedding(nn.Module):
-    fused_cpu = False  # set by cpu_elementwise.install: float32 CPU q/k are rotated in place by its kernel
+    fused_cpu = False  # set by cpu_elementwise.install: float32 / bfloat16 CPU q/k are rotated in place by its kernel
     fused_gpu = False  # set by triton_elementwise.install: CUDA q/k are rotated in place, tables read in-kernel
 
     def __init__(self, head_dim: int, max_position: int, theta: float,
@@ -74,6 +74,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
         self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._step_float: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] by their token positions."""
@@ -81,8 +82,10 @@ class RotaryEmbedding(nn.Module):
             from engine.kernels import triton_elementwise  # imported late: TRITON_INTERPRET is read at import
             return triton_elementwise.rope_(q, k, positions, self.cos, self.sin)
         cos, sin = self._tables(positions)
-        if self.fused_cpu and q.dtype == k.dtype == torch.float32 and q.device.type == "cpu" \
+        if self.fused_cpu and q.dtype == k.dtype and q.dtype in cpu_elementwise.DTYPES and q.device.type == "cpu" \
                 and q.stride(-1) == k.stride(-1) == 1:  # q, k: fresh projections, rotated where they lie
+            if cos.dtype != torch.float32:  # a bfloat16 model's tables: the kernel reads them widened (exactly)
+                cos, sin = self._float_tables(positions, cos, sin)
             return cpu_elementwise.rope_(q, cos, sin), cpu_elementwise.rope_(k, cos, sin)
         if self.rotary_dim == q.shape[-1]:
             return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -99,6 +102,14 @@ class RotaryEmbedding(nn.Module):
         if step is None or step[0] is not positions:
             step = self._step = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
         return step[1], step[2]
+
+    def _float_tables(self, positions: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos`, `sin` in float32, converted once per step (every layer shares them)."""
+        cached = self._step_float
+        if cached is None or cached[0] is not positions:
+            cached = self._step_float = (positions, cos.float(), sin.float())
+        return cached[1], cached[2]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

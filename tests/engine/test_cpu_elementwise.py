@@ -85,12 +85,60 @@ def test_silu_and_mul_matches_and_handles_extreme_values(rows, width):
     assert torch.isfinite(got).all()
 
 
-def test_only_float32_on_cpu_takes_the_kernels():
+def one_bf16_step(got, want):
+    """Every element equal, or one bfloat16 step apart (sums in another order, a polynomial exp): at most 2% of them."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    differ = got.float() != want.float()
+    step = want.float().abs().clamp_min(2.0 ** -120) * 2.0 ** -7
+    assert ((got.float() - want.float()).abs() <= step * 1.01).all()
+    assert differ.float().mean() <= 0.02, differ.float().mean()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bfloat16_kernels_round_where_the_bfloat16_torch_ops_do(seed):
+    """A bfloat16 model's layers: the residual sum bit for bit, norm, RoPE and SiLU-and-mul within one bfloat16 step
+    of torch's bfloat16 ops (which round every op's result; the kernels compute in float32 between those points)."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    rows, width = rng.choice([1, 7, 300]), rng.choice([15, 64, 576])
+    x = (torch.randn(rows, width + 3, generator=gen) * rng.choice([1e-2, 1.0, 1e2])).bfloat16()[:, 1:1 + width]
+    residual = torch.randn(rows, width, generator=gen).bfloat16()
+    norm = RMSNorm(width, 1e-5)
+    norm.weight.data.uniform_(-2, 2, generator=gen)
+    norm = norm.bfloat16()
+    want, want_sum = norm(x, residual)
+    norm.fused_cpu = True
+    got, got_sum = norm(x, residual)
+    assert torch.equal(got_sum, want_sum)
+    one_bf16_step(got, want)
+    one_bf16_step(norm(x), RMSNorm.norm(norm, x))
+
+    rope = RotaryEmbedding(64, 4096, 10000.0).bfloat16()
+    qkv = torch.randn(rows, 15 * 64, generator=gen).bfloat16()
+    q, k = qkv[:, :9 * 64].view(rows, 9, 64), qkv[:, 9 * 64:12 * 64].view(rows, 3, 64)
+    positions = torch.randint(0, 4096, (rows,), generator=gen)
+    want_q, want_k = rope(positions, q.clone(), k.clone())
+    rope.fused_cpu = True
+    got_q, got_k = rope(positions, q, k)
+    assert got_q.data_ptr() == q.data_ptr()
+    one_bf16_step(got_q, want_q)
+    one_bf16_step(got_k, want_k)
+
+    gate_up = (torch.randn(rows, 2 * width, generator=gen) * 8).bfloat16()
+    act = SiluAndMul()
+    want = act(gate_up.clone())
+    act.fused_cpu = True
+    one_bf16_step(act(gate_up), want)
+
+
+def test_other_dtypes_and_mixed_ones_take_the_torch_path():
     norm = RMSNorm(32)
     norm.fused_cpu = True
+    x = torch.randn(4, 32, dtype=torch.float16)
+    norm.weight.data = norm.weight.data.half()
+    assert norm(x).dtype == torch.float16  # the torch path: no float16 kernel
+    norm.weight.data = norm.weight.data.float()
     x = torch.randn(4, 32, dtype=torch.bfloat16)
-    norm.weight.data = norm.weight.data.bfloat16()
-    assert norm(x).dtype == torch.bfloat16  # the torch path, not the float32 kernel
+    torch.testing.assert_close(norm(x), RMSNorm.norm(norm, x))   # a float32 weight on bfloat16 rows: torch's
 
 
 def test_install_reaches_the_exact_classes_only():
@@ -103,10 +151,11 @@ def test_choice_and_fallbacks(monkeypatch):
     cpu = torch.device("cpu")
     assert cpu_elementwise.choose("auto", cpu, torch.float32) == "fused"
     assert cpu_elementwise.choose("aten", cpu, torch.float32) == "aten"
-    assert cpu_elementwise.choose("auto", cpu, torch.bfloat16) == "aten"
+    assert cpu_elementwise.choose("auto", cpu, torch.bfloat16) == "fused"
+    assert cpu_elementwise.choose("auto", cpu, torch.float16) == "aten"
     assert cpu_elementwise.choose("auto", torch.device("meta"), torch.float32) == "aten"
-    with pytest.raises(ValueError, match="float32"):
-        cpu_elementwise.choose("fused", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        cpu_elementwise.choose("fused", cpu, torch.float16)
     with pytest.raises(ValueError, match="unknown"):
         cpu_elementwise.choose("fast", cpu, torch.float32)
     monkeypatch.setattr(cpu_elementwise, "self_check", lambda: "RoPE disagrees with RotaryEmbedding")
