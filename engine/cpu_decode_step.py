@@ -242,7 +242,7 @@ def build(worker) -> tuple[CpuDecodeStep | None, str]:
 
 # how far the fused step's final hidden states may be from the eager forward's, relative to their largest: float32
 # reorders sums; a bfloat16 model's eager layers round every activation to bfloat16, the step keeps them in float32
-TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 1e-1}   # SmolLM2 in bfloat16 on random K/V: 0.043
 
 
 def _matches_eager(step: CpuDecodeStep, worker, tolerance: float | None = None) -> str | None:

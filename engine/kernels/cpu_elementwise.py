@@ -122,9 +122,11 @@ void rope(T* x, int64_t rows, int64_t heads, int64_t row_stride, int64_t head_st
 #pragma omp simd
       for (int64_t j = 0; j < half; ++j) {
         const float a = get(v, j), b = get(v, j + half);
-        // eager's addcmul(x * cos, rotate_half(x), sin): the first product rounded as T, the second summed unrounded
-        put(v, j, as_t(a * c[j], v) + b * s[j]);
-        put(v, j + half, as_t(b * c[j + half], v) + a * s[j + half]);
+        // eager's addcmul(x * cos, rotate_half(x), sin) with the tables cast to T (`cos.to(x.dtype)`): the first
+        // product rounded as T, the second summed unrounded
+        const float c0 = as_t(c[j], v), c1 = as_t(c[j + half], v), s0 = as_t(s[j], v), s1 = as_t(s[j + half], v);
+        put(v, j, as_t(a * c0, v) + b * s0);
+        put(v, j + half, as_t(b * c1, v) + a * s1);
       }
     }
   }

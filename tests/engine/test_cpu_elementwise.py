@@ -112,16 +112,17 @@ def test_bfloat16_kernels_round_where_the_bfloat16_torch_ops_do(seed):
     one_bf16_step(got, want)
     one_bf16_step(norm(x), RMSNorm.norm(norm, x))
 
-    rope = RotaryEmbedding(64, 4096, 10000.0).bfloat16()
-    qkv = torch.randn(rows, 15 * 64, generator=gen).bfloat16()
-    q, k = qkv[:, :9 * 64].view(rows, 9, 64), qkv[:, 9 * 64:12 * 64].view(rows, 3, 64)
-    positions = torch.randint(0, 4096, (rows,), generator=gen)
-    want_q, want_k = rope(positions, q.clone(), k.clone())
-    rope.fused_cpu = True
-    got_q, got_k = rope(positions, q, k)
-    assert got_q.data_ptr() == q.data_ptr()
-    one_bf16_step(got_q, want_q)
-    one_bf16_step(got_k, want_k)
+    # tables in bfloat16, or in float32 as a loaded model keeps them (eager casts them to q's dtype: so does the kernel)
+    for rope in (RotaryEmbedding(64, 4096, 10000.0).bfloat16(), RotaryEmbedding(64, 4096, 10000.0)):
+        qkv = torch.randn(rows, 15 * 64, generator=gen).bfloat16()
+        q, k = qkv[:, :9 * 64].view(rows, 9, 64), qkv[:, 9 * 64:12 * 64].view(rows, 3, 64)
+        positions = torch.randint(0, 4096, (rows,), generator=gen)
+        want_q, want_k = rope(positions, q.clone(), k.clone())
+        rope.fused_cpu = True
+        got_q, got_k = rope(positions, q, k)
+        assert got_q.data_ptr() == q.data_ptr()
+        one_bf16_step(got_q, want_q)
+        one_bf16_step(got_k, want_k)
 
     gate_up = (torch.randn(rows, 2 * width, generator=gen) * 8).bfloat16()
     act = SiluAndMul()
