@@ -125,6 +125,11 @@ stop_server() {
 }
 trap stop_server EXIT INT TERM
 
+port_free() {  # a server already on $PORT would answer the health check and the load in place of the one started
+    "$PEER_PY" -c "import socket, sys; sys.exit(socket.socket().connect_ex(('127.0.0.1', $PORT)) == 0)" \
+        || die "port $PORT is in use (another server, another bench_peer.sh run?): stop it or set PORT"
+}
+
 wait_ready() {  # $1 = name, $2 = log file
     local deadline=$((SECONDS + STARTUP_TIMEOUT_S))
     until "$PEER_PY" -c "import urllib.request, sys; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" \
@@ -133,6 +138,7 @@ wait_ready() {  # $1 = name, $2 = log file
         ((SECONDS < deadline)) || { tail -n 30 "$2" >&2; die "$1 not ready after ${STARTUP_TIMEOUT_S}s (log: $2)"; }
         sleep 2
     done
+    kill -0 "$SERVER_PID" 2>/dev/null || { tail -n 30 "$2" >&2; die "$1 exited; something else answers on $PORT"; }
 }
 
 load() {  # $1 = engine name, $2 = KV setting; runs every row against the server on $PORT
@@ -167,6 +173,7 @@ row_name() {  # in:out:conc:num[:prefix] -> a file name part; rows differing onl
 }
 
 serve_vllm() {  # $1 = KV setting
+    port_free
     local threads=${VLLM_CPU_OMP_THREADS_BIND:-auto} kv=()
     [[ $1 == default ]] || kv=(VLLM_CPU_KVCACHE_SPACE="$1")
     log "starting vLLM ($PEER_PACKAGE $VLLM_VERSION, VLLM_CPU_OMP_THREADS_BIND=$threads, KV $1)"
@@ -178,6 +185,7 @@ serve_vllm() {  # $1 = KV setting
 }
 
 serve_ours() {  # $1 = KV setting
+    port_free
     local kv=()
     [[ $1 == default ]] || kv=(--kv-cache-bytes "$1GiB")
     log "starting our engine ($PYTHON -m engine, KV $1)"
