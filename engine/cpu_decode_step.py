@@ -4,13 +4,15 @@ kernels.
 
 It serves a step when every span decodes one token and there are at most MAX_ROWS of them (32), for a native
 Llama-layout model (pre-norm RMSNorm, gated SiLU MLP, RoPE, no q/k norm, no sliding window or soft-cap,
-optional q/k/v/o/MLP biases) in float32 on one CPU rank, with the fused element-wise kernels and the cpu_paged
+optional q/k/v/o/MLP biases) in float32 or bfloat16 (float32 activations either way) on one CPU rank, with the fused
+element-wise kernels and the cpu_paged
 attention, and without LoRA, speculation, quantized layers or images. Other steps (prefill chunks, larger
 batches) run the eager model as before. The linears read their own copy of the weights, packed for few rows
 (engine/kernels/cpu_gemv.py), and so does the LM head for batches of up to 16 rows (ParallelLMHead.FEW_ROWS, any
 step); the copy is made only when it fits COPY_SHARE of the process's memory limit
-(engine/host_memory.py). A bfloat16 checkpoint served in float32 (the CPU default) keeps that copy in bfloat16:
-its values are bfloat16s, so the products are the same and a step streams half the weight bytes. `--enforce-eager` turns the step off.
+(engine/host_memory.py). A bfloat16 checkpoint served in float32 keeps that copy in bfloat16: its values are
+bfloat16s, so the products are the same and a step streams half the weight bytes. `--enforce-eager` turns the step
+off.
 
 At start-up, before any request owns a block, `build` runs a decode batch through both paths on the first
 blocks of the cache and keeps the fused step only when it matches the eager forward. What it chose and why
@@ -105,9 +107,8 @@ class CpuDecodeStep:
             inter=inner.layers[0].mlp.gate_up_proj.output_size // 2,
             kv_bf16=int(attention_layers[0].k_cache.dtype == torch.bfloat16))
         self._keep: list[torch.Tensor] = []  # everything whose address the table holds
-        linears = [[(name, linear) for name, linear in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
-                                                        ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj))]
-                   for layer in inner.layers]
+        linears = [[("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                    ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)] for layer in inner.layers]
         # bfloat16 copies when every layer weight holds bfloat16 values (a bfloat16 checkpoint served in float32):
         # half the bytes a step streams, the same products (one GEMV kernel serves every layer)
         self.weight_dtype = torch.bfloat16 if all(

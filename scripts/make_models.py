@@ -445,8 +445,8 @@ def _legacy_config(folder: Path, dtype: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="+", help=f"{', '.join(MODEL_NAMES + BENCH_MODELS)} or all (not "
-                                                 f"{', '.join(BENCH_MODELS)})")
+    parser.add_argument("names", nargs="+",
+                        help=f"{', '.join(MODEL_NAMES + BENCH_MODELS)} or all (not {', '.join(BENCH_MODELS)})")
     parser.add_argument("--cache-root", default=None, help="default: $TGI_HPC_TEST_CACHE or ~/.cache/tgi-hpc-test-models")
     parser.add_argument("--print-path", action="store_true", help="print only the snapshot paths")
     args = parser.parse_args(argv)

@@ -449,7 +449,8 @@ void launch(void* out, const void* q, int64_t q_row, int64_t q_head, const void*
 
 // out [T, H, D] contiguous; q [T, H, D] (strides q_row, q_head; D contiguous); k/v caches [blocks, bs, kvh, D]
 // contiguous; work [items, 4] (sequence, first row, rows, seq_len); tables [B, table_stride]; dtype 0 float32,
-// 1 bfloat16, 2 float16, 3 float32 queries and output over a bfloat16 cache; window <= 0 and softcap <= 0 mean none; splits = ranges per context (0 = choose)
+// 1 bfloat16, 2 float16, 3 float32 queries and output over a bfloat16 cache; window <= 0 and softcap <= 0 mean
+// none; splits = ranges per context (0 = choose)
 extern "C" int tgi_paged_attention(int dtype, void* out, const void* q, int64_t q_row, int64_t q_head,
                                    const void* k, const void* v, const int32_t* work, int64_t items,
                                    const int32_t* tables, int64_t table_stride, int64_t bs, int64_t kvh,
@@ -501,7 +502,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
     assert q.device.type == "cpu" and q.shape[2] == k_cache.shape[3]
     _, block_size, kv_heads, dim = k_cache.shape
     load().tgi_paged_attention(
-        FLOAT32_OVER_BF16 if mixed else DTYPES[q.dtype], out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(),
-        v_cache.data_ptr(), work.data_ptr(), work.shape[0], block_tables.data_ptr(), block_tables.stride(0),
-        block_size, kv_heads, q.shape[1] // kv_heads, dim, scale, window or 0, softcap or 0.0, splits,
+        FLOAT32_OVER_BF16 if mixed else DTYPES[q.dtype], out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), work.data_ptr(), work.shape[0], block_tables.data_ptr(),
+        block_tables.stride(0), block_size, kv_heads, q.shape[1] // kv_heads, dim, scale, window or 0, softcap or 0.0, splits,
         1 if torch.get_num_threads() < 1 else torch.get_num_threads())

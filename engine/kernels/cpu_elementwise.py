@@ -190,8 +190,8 @@ _SIGNATURES = {
     "tgi_rope": (None, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _INT]),
     "tgi_silu_and_mul": (None, [_P, _I64, _P, _I64, _I64, _INT]),
 }
-_LIBRARY = Library("cpu_elementwise", SOURCE, {**_SIGNATURES, **{f"{name}_bf16": sig for name, sig in _SIGNATURES.items()}},
-                   logger)
+_LIBRARY = Library("cpu_elementwise", SOURCE,
+                   {**_SIGNATURES, **{f"{name}_bf16": sig for name, sig in _SIGNATURES.items()}}, logger)
 DTYPES = (torch.float32, torch.bfloat16)    # what the kernels take (activations and weights of one dtype)
 
 

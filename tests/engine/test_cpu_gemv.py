@@ -71,7 +71,8 @@ def test_bfloat16_panels_give_the_float32_panels_products_bit_for_bit(seed):
     rows = rng.choice([1, 2, 3, 5, 8, 9, 15, 16, 17, 33])
     out_features = rng.choice([1, 15, 17, 48, 100, 3 * 48 + 16])
     in_features = rng.choice([1, 7, 64, 100, 576])
-    weight = (torch.randn(out_features, in_features, generator=gen) * 10 ** rng.uniform(-3, 3)).to(torch.bfloat16).float()
+    scale = 10 ** rng.uniform(-3, 3)
+    weight = (torch.randn(out_features, in_features, generator=gen) * scale).to(torch.bfloat16).float()
     bias = torch.randn(out_features, generator=gen) if rng.random() < 0.5 else None
     x = torch.randn(rows, in_features + 3, generator=gen)[:, 1:1 + in_features]
     assert cpu_gemv.storage_dtype(weight) == torch.bfloat16
