@@ -85,7 +85,7 @@ def unsupported_reason(worker) -> str | None:
 
 
 def plain_weight(linear: torch.nn.Module) -> torch.Tensor:
-    """The layer's [out, in] float32 weight, from oneDNN's packed copy when the plain one was freed."""
+    """The layer's [out, in] weight in the model's dtype, from oneDNN's packed copy when the plain one was freed."""
     if linear.weight.numel() > 0:
         return linear.weight.detach()
     return linear.packed_weight.to_dense()
@@ -101,27 +101,27 @@ class CpuDecodeStep:
         self.rotary = first.rotary
         self.scale = first.attn.scale
         self.eps = inner.layers[0].input_layernorm.eps
+        self.kv_dtype = attention_layers[0].k_cache.dtype
         self.shape = cpu_decoder_layers.Shape(
             rows=0, hidden=config.hidden_size, layers=len(inner.layers), heads=first.num_heads,
             kv_heads=first.num_kv_heads, head_dim=first.head_dim, rot=self.rotary.rotary_dim,
             inter=inner.layers[0].mlp.gate_up_proj.output_size // 2,
-            kv_bf16=int(attention_layers[0].k_cache.dtype == torch.bfloat16))
+            kv_bf16=int(self.kv_dtype == torch.bfloat16))
         self._keep: list[torch.Tensor] = []  # everything whose address the table holds
         linears = [[("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
                     ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)] for layer in inner.layers]
         # bfloat16 copies when every layer weight holds bfloat16 values (a bfloat16 checkpoint served in float32):
         # half the bytes a step streams, the same products (one GEMV kernel serves every layer)
         self.weight_dtype = torch.bfloat16 if all(
-            cpu_gemv.storage_dtype(plain_weight(linear).float()) == torch.bfloat16
+            cpu_gemv.storage_dtype(plain_weight(linear)) == torch.bfloat16
             for layer in linears for _, linear in layer) else torch.float32
-        self.kv_dtype = attention_layers[0].k_cache.dtype
         table = []
         for layer, attn, layer_linears in zip(inner.layers, attention_layers, linears):
             pointers = {"input_norm": self._address(layer.input_layernorm.weight.detach()),
                         "post_norm": self._address(layer.post_attention_layernorm.weight.detach()),
                         "k_cache": attn.k_cache.data_ptr(), "v_cache": attn.v_cache.data_ptr()}
             for name, linear in layer_linears:
-                packed = cpu_gemv.pack(plain_weight(linear).float(), empty=huge_pages.empty, dtype=self.weight_dtype)
+                packed = cpu_gemv.pack(plain_weight(linear), empty=huge_pages.empty, dtype=self.weight_dtype)
                 self._keep.append(packed)
                 pointers[f"{name}_weight"] = packed.data_ptr()
                 pointers[f"{name}_bias"] = self._address(None if linear.bias is None else linear.bias.detach())
@@ -130,7 +130,7 @@ class CpuDecodeStep:
         head = getattr(model, "lm_head", None)
         self.head_dtype = None
         if isinstance(head, ParallelLMHead):  # the LM head of few-row batches through the same GEMV
-            weight = plain_weight(head).float()
+            weight = plain_weight(head)
             self.head_dtype = cpu_gemv.storage_dtype(weight)
             head.few_rows_weight = cpu_gemv.pack(weight, empty=huge_pages.empty, dtype=self.head_dtype)
         self.final_norm = inner.norm.weight.detach().float().contiguous()

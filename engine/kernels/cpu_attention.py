@@ -504,5 +504,5 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
     load().tgi_paged_attention(
         FLOAT32_OVER_BF16 if mixed else DTYPES[q.dtype], out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(), work.data_ptr(), work.shape[0], block_tables.data_ptr(),
-        block_tables.stride(0), block_size, kv_heads, q.shape[1] // kv_heads, dim, scale, window or 0, softcap or 0.0, splits,
-        1 if torch.get_num_threads() < 1 else torch.get_num_threads())
+        block_tables.stride(0), block_size, kv_heads, q.shape[1] // kv_heads, dim, scale, window or 0, softcap or 0.0,
+        splits, 1 if torch.get_num_threads() < 1 else torch.get_num_threads())

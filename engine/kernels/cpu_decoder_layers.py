@@ -23,6 +23,7 @@ import ctypes
 import logging
 
 from engine.kernels.cpp_build import Library
+from engine.kernels.cpu_simd import BFLOAT16, VECTORS
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,10 @@ SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <utility>
+
+namespace {
+""" + VECTORS + BFLOAT16 + r"""
+}  // namespace
 
 typedef void (*norm_fn)(const float*, int64_t, const float*, int64_t, const float*, float*, float*, int64_t, int64_t,
                         double, int);
@@ -52,14 +57,6 @@ struct Shape {
   int64_t kv_bf16;  // 1: the K/V caches hold bfloat16 (a bfloat16 model); the step itself runs in float32
 };
 
-// float32 -> bfloat16, rounded to nearest even as torch's .to(torch.bfloat16) (NaN stays NaN)
-inline uint16_t to_bf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 // the new tokens' k and v rows into their cache slots, in the cache's type
 inline void store_kv(void* cache, int64_t slot, const float* src, int64_t n, bool bf16) {
   if (!bf16) {
@@ -67,7 +64,7 @@ inline void store_kv(void* cache, int64_t slot, const float* src, int64_t n, boo
     return;
   }
   uint16_t* dst = static_cast<uint16_t*>(cache) + slot * n;
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = narrow(src[i]);
 }
 
 struct Step {
@@ -113,8 +110,8 @@ extern "C" int tgi_decoder_layers(const Shape* s, const Step* st, const int64_t*
     }
     // dtype 0: float32 everywhere; 3: float32 queries and output over bfloat16 caches (engine/kernels/cpu_attention.py)
     if (attention(s->kv_bf16 ? 3 : 0, attn, qkv, qkv_n, D, k_cache, v_cache, st->work, st->items, st->tables,
-                  st->table_stride,
-                  st->block_size, s->kv_heads, s->heads / s->kv_heads, D, st->scale, 0, 0.0, 0, threads) != 0)
+                  st->table_stride, st->block_size, s->kv_heads, s->heads / s->kv_heads, D, st->scale, 0, 0.0, 0,
+                  threads) != 0)
       return 1;
     gemv(attn, q_size, B, TGI_W(3), TGI_W(4), E, q_size, h, E, threads);
     norm(h, E, res, E, TGI_W(5), x, spare, B, E, st->eps, threads);

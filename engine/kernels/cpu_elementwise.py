@@ -23,7 +23,7 @@ import torch
 
 from engine.kernels import choice
 from engine.kernels.cpp_build import Library, built_and_checked, compiler
-from engine.kernels.cpu_simd import VECTORS
+from engine.kernels.cpu_simd import BFLOAT16, VECTORS
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,6 @@ SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 namespace {
 
@@ -40,30 +39,7 @@ namespace {
 constexpr int64_t PARALLEL_MIN = 1 << 15;
 
 """ + VECTORS + r"""
-// bfloat16 tensors as their 16-bit patterns: widened to float exactly, narrowed rounding to nearest even as torch
-typedef uint16_t u16x __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x __attribute__((vector_size(64), aligned(4)));
-
-inline float widen(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t narrow(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-inline u16x narrow16(f16x x) {
-  const u32x u = __builtin_bit_cast(u32x, x);
-  const u32x rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const u32x out = (u & 0x7fffffffu) > 0x7f800000u ? u32x{} + 0x7fc0u : rounded;
-  return __builtin_convertvector(out, u16x);
-}
-inline f16x widen16(u16x b) { return __builtin_bit_cast(f16x, __builtin_convertvector(b, u32x) << 16); }
-
+""" + BFLOAT16 + r"""
 // element access as float for T = float or bfloat16 (uint16_t), and a value rounded as T would store it: eager
 // bfloat16 rounds the result of every op, so the kernels round where its ops end and compute in float between
 inline float get(const float* p, int64_t i) { return p[i]; }
@@ -73,7 +49,7 @@ inline void put(uint16_t* p, int64_t i, float v) { p[i] = narrow(v); }
 inline float as_t(float v, const float*) { return v; }
 inline float as_t(float v, const uint16_t*) { return widen(narrow(v)); }
 inline f16x vget(const float* p) { return load16(p); }
-inline f16x vget(const uint16_t* p) { return widen16(*reinterpret_cast<const u16x*>(p)); }
+inline f16x vget(const uint16_t* p) { return widen16(p); }
 inline void vput(float* p, f16x x) { store16(p, x); }
 inline void vput(uint16_t* p, f16x x) { *reinterpret_cast<u16x*>(p) = narrow16(x); }
 inline f16x vas_t(f16x x, const float*) { return x; }

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpp_build import Library
-from engine.kernels.cpu_simd import VECTORS
+from engine.kernels.cpu_simd import BFLOAT16, VECTORS
 
 logger = logging.getLogger(__name__)
 
@@ -36,25 +36,20 @@ SOURCE = r"""
 
 namespace {
 
-""" + VECTORS + r"""
+""" + VECTORS + BFLOAT16 + r"""
 // weight lines asked for this many k steps (64-byte lines of a panel) ahead: the hardware prefetchers alone keep
 // too few in flight once each line feeds several rows' FMAs (SmolLM2's linears at 8 rows, 2 threads: 10.5 -> 8.8 ms)
 constexpr int64_t AHEAD = 32;
 // the same distance in bytes for weights of type W (k steps of 16 weights); bfloat16 panels take two k steps a line
 template <typename W> constexpr int64_t ahead() { return AHEAD * 4 / static_cast<int64_t>(sizeof(W)); }
 
-// one panel (16 output features) for M rows; KU interleaved accumulator sets hide the FMA latency when
-// M is small (few independent chains)
 // a panel row of 16 weights as float32: read as stored (float), or widened from bfloat16 (exact: its bits are the
 // float's upper half), so a weight stored in bfloat16 gives the float32 kernel's products bit for bit
 inline f16x wload(const float* w) { return load16(w); }
-inline f16x wload(const uint16_t* w) {
-  typedef uint16_t u16x __attribute__((vector_size(32), aligned(2)));
-  typedef uint32_t u32x __attribute__((vector_size(64)));
-  const u32x wide = __builtin_convertvector(*reinterpret_cast<const u16x*>(w), u32x) << 16;
-  return __builtin_bit_cast(f16x, wide);
-}
+inline f16x wload(const uint16_t* w) { return widen16(w); }
 
+// one panel (16 output features) for M rows; KU interleaved accumulator sets hide the FMA latency when
+// M is small (few independent chains)
 template <int M, int KU, typename W>
 inline void panel(const float* xt, const W* w, int64_t K, const float* bias, float* y, int64_t y_stride,
                   int64_t cols) {
@@ -182,13 +177,15 @@ def load() -> ctypes.CDLL:
 
 
 def storage_dtype(weight: torch.Tensor) -> torch.dtype:
-    """bfloat16 when every value of the float32 `weight` is a bfloat16 (a bfloat16 checkpoint served in float32: the
-    copy takes half the bytes and gives the same products bit for bit), else float32."""
+    """bfloat16 for a bfloat16 `weight`, or a float32 one whose every value is a bfloat16 (a bfloat16 checkpoint served
+    in float32: the copy takes half the bytes and gives the same products bit for bit); else float32."""
+    if weight.dtype == torch.bfloat16:
+        return torch.bfloat16
     return torch.bfloat16 if torch.equal(weight.to(torch.bfloat16).float(), weight) else torch.float32
 
 
 def pack(weight: torch.Tensor, empty=torch.empty, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """weight [N, K] float32 -> panels [ceil(N / 16), K, 16] of `dtype` (float32, or bfloat16 where
+    """weight [N, K] (float32 or bfloat16) -> panels [ceil(N / 16), K, 16] of `dtype` (float32, or bfloat16 where
     `storage_dtype` allows it: the values are kept exactly), the last one zero-padded, in memory from
     `empty(*shape, dtype=...)` (e.g. engine/huge_pages.py's)."""
     if dtype not in (torch.float32, torch.bfloat16):

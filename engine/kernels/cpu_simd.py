@@ -1,5 +1,6 @@
 """C++ vector helpers shared by the CPU kernels (cpu_attention.py, cpu_prefill_attention.py, cpu_elementwise.py,
-cpu_log_softmax.py).
+cpu_log_softmax.py, cpu_gemv.py), and the bfloat16 conversions of those that store bfloat16 as its bit pattern
+(BFLOAT16: cpu_elementwise.py, cpu_gemv.py, cpu_decoder_layers.py; after VECTORS).
 
 GCC vector extensions, not intrinsics: the same source builds for AVX-512, AVX2 or SSE, as `-march=native`
 allows. Pasted into each kernel's source inside its anonymous namespace.
@@ -53,5 +54,26 @@ inline f4x hsum4(f16x a0, f16x a1, f16x a2, f16x a3) {
   z += __builtin_shufflevector(z, z, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   z += __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   return __builtin_shufflevector(z, z, 0, 4, 8, 12);
+}
+"""
+
+BFLOAT16 = r"""
+// bfloat16 as its 16-bit pattern (uint16_t): widened to float exactly (its bits are the float's upper half), narrowed
+// rounding to nearest even as torch's .to(torch.bfloat16) (NaN stays NaN)
+typedef uint16_t u16x __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x __attribute__((vector_size(64), aligned(4)));
+inline float widen(uint16_t b) { return __builtin_bit_cast(float, static_cast<uint32_t>(b) << 16); }
+inline uint16_t narrow(float x) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline f16x widen16(u16x b) { return __builtin_bit_cast(f16x, __builtin_convertvector(b, u32x) << 16); }
+inline f16x widen16(const uint16_t* p) { return widen16(*reinterpret_cast<const u16x*>(p)); }
+inline u16x narrow16(f16x x) {
+  const u32x u = __builtin_bit_cast(u32x, x);
+  const u32x rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const u32x out = (u & 0x7fffffffu) > 0x7f800000u ? u32x{} + 0x7fc0u : rounded;
+  return __builtin_convertvector(out, u16x);
 }
 """

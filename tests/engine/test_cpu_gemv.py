@@ -91,3 +91,7 @@ def test_storage_is_bfloat16_only_when_every_value_survives_it():
         assert cpu_gemv.storage_dtype(torch.cat([exact, torch.tensor([[value] * 6])])) == torch.float32
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         cpu_gemv.pack(exact, dtype=torch.float16)
+    # a bfloat16 model's weight is packed as it is, to the same panels as its float32 twin
+    weight = torch.randn(20, 9, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert cpu_gemv.storage_dtype(weight) == torch.bfloat16
+    assert torch.equal(cpu_gemv.pack(weight, dtype=torch.bfloat16), cpu_gemv.pack(weight.float(), dtype=torch.bfloat16))
