@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from engine.deferred_outputs import DeferredRows
 from engine.deferred_text import fill
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -53,6 +54,7 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.last_step_time = time.monotonic()
         self._streams: dict[str, _Stream] = {}
+        self._loops: dict[asyncio.AbstractEventLoop, int] = {}     # event loop -> its streams
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
@@ -116,6 +118,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = stream
+            self._loops[stream.loop] = self._loops.get(stream.loop, 0) + 1
         finished = False
         try:
             if params.grammar is not None:   # compiled off the event loop (the server prepared most already)
@@ -150,7 +153,10 @@ class AsyncEngine:
                     raise failed
         finally:
             with self._lock:
-                self._streams.pop(request_id, None)
+                if self._streams.pop(request_id, None) is not None:
+                    self._loops[stream.loop] -= 1
+                    if not self._loops[stream.loop]:
+                        del self._loops[stream.loop]
             if not finished:
                 self.abort(request_id)
 
@@ -241,20 +247,40 @@ class AsyncEngine:
             self._dispatch_step(outputs)
         self._fail_all(EngineDeadError("engine closed"))
 
-    def _dispatch_step(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch_step(self, outputs: list[Any]) -> None:
         """One wake-up of each event loop per step, not one per request: on a small CPU box every
-        wake-up competes with the model's threads for the same cores."""
+        wake-up competes with the model's threads for the same cores. A DeferredRows (the step's plain decode
+        rows, engine/deferred_outputs.py) goes whole to every loop that has streams: each builds and delivers the
+        outputs of its own streams' rows, after the step's other outputs for it."""
         batches: dict[Any, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        noted: DeferredRows | None = None
         with self._lock:
             for out in outputs:
+                if type(out) is DeferredRows:
+                    noted = out
+                    continue
                 stream = self._streams.get(out.request_id)
                 if stream is not None:  # else the client left; its abort is already on its way
                     batches.setdefault(stream.loop, []).append((stream.queue, out))
-        for loop, items in batches.items():
+            loops = set(batches) if noted is None else set(batches) | set(self._loops)
+        for loop in loops:
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(self._deliver_step, batches.get(loop, ()), noted, loop)
             except RuntimeError:  # the loop is closed (server shutting down)
                 pass
+
+    def _deliver_step(self, items: Any, noted: DeferredRows | None, loop: asyncio.AbstractEventLoop) -> None:
+        """On `loop`'s thread: the step's outputs for its streams, then the outputs of its streams' noted rows."""
+        _deliver(items)
+        if noted is None:
+            return
+        with self._lock:
+            streams = [self._streams.get(seq.request_id) for seq in noted.seqs]
+        for i, stream in enumerate(streams):
+            if stream is not None and stream.loop is loop:   # else the client left, or another loop's
+                out = noted.output(i)
+                fill(out)
+                stream.queue.put_nowait(out)
 
     def _dispatch(self, request_id: str, item: RequestOutput | BaseException) -> None:
         """Deliver one item (used for failures; steps go through _dispatch_step)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
@@ -82,7 +83,7 @@ class DecodeGraphs:
                                                  device)
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.tables = BlockTables(device, rows=largest, width=max_blocks)
+        self.tables = BlockTables(device, rows=largest, width=max_blocks, num_blocks=scratch_block)
 
     @property
     def max_batch_size(self) -> int:
@@ -136,21 +137,26 @@ class DecodeGraphs:
         """Hidden states [len(spans), hidden] of the spans' tokens (replays the padded graph)."""
         count = len(spans)
         size = next(s for s in self.batch_sizes if s >= count)
-        padding = size - count
         bs, scratch = self.block_size, self.scratch_block
-        positions = [s.start_pos for s in spans]
-        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(spans, positions)]
-        values = ([s.token_ids[0] for s in spans] + [0] * padding            # input_ids
-                  + positions + [0] * padding                                 # positions
-                  + slots + [scratch * bs] * padding                          # slot_mapping
-                  + [p + 1 for p in positions] + [1] * padding)               # seq_lens
-        self.staging[:len(values)].copy_(torch.tensor(values, dtype=torch.int64))
+        tables = self.tables.gather(spans)       # device-resident rows: only new blocks cross from the host
+        positions = np.array([s.start_pos for s in spans], dtype=np.int64)
+        values = np.empty(4 * size, dtype=np.int64)     # input_ids, positions, slot_mapping, seq_lens; padded
+        values[:count] = [s.token_ids[0] for s in spans]
+        values[count:size] = 0
+        values[size:size + count] = positions
+        values[size + count:2 * size] = 0
+        # each token's slot from the kept table rows (the block ids were range-checked as they reached them)
+        values[2 * size:2 * size + count] = \
+            self.tables.mirror_np[self.tables.rows_used, positions // bs].astype(np.int64) * bs + positions % bs
+        values[2 * size + count:3 * size] = scratch * bs
+        values[3 * size:3 * size + count] = positions + 1
+        values[3 * size + count:] = 1
+        self.staging[:len(values)].copy_(torch.from_numpy(values))
         offset = 0
         for buffer in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens):
             target = buffer[:size]
             target.copy_(self.staging[offset:offset + size])  # device-side, int64 -> the buffer's dtype
             offset += size
-        tables = self.tables.gather(spans)       # device-resident rows: only new blocks cross from the host
         width = tables.shape[1]
         self.block_tables[:count, :width].copy_(tables)
         self.block_tables[:count, width:].fill_(0)

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from engine import gc_tuning
 from engine.config import EngineConfig
 
 logger = logging.getLogger("engine.launcher")
@@ -612,6 +613,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
+    gc_tuning.apply()   # everything start-up made is alive now: frozen; young collections rarer
     http.start()
     try:
         engine.run_here(keep_running=http.is_alive)

@@ -13,13 +13,14 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.deferred_outputs import DeferredRows, expand
 from engine.deferred_text import DeferredText
 from engine.detokenizer import IncrementalDetokenizer
 from engine.multimodal.prompt import MultiModalPrompt
 from engine.outputs import FinishReason, RequestOutput, TokenInfo
 from engine.penalty_counts import PenaltyCounts
 from engine.request_checks import check_request
-from engine.sampler import SamplerOutput, fresh_log_softmax, pick_seed, sample, use_cpu_kernels
+from engine.sampler import SamplerOutput, fresh_log_softmax, pick_seed, plain_greedy, sample, use_cpu_kernels
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -171,10 +172,13 @@ class LLMEngine:
         self._live_ids: set[str] = set()
         self._seqs: dict[str, Sequence] = {}
         self._num_guided = 0                            # of those, with a grammar (no mask work in steps without)
+        self._num_not_greedy = 0                        # of those, not `plain_greedy` (the sampler reads every row)
+        self._num_logprobs = 0                          # of those, reporting logprobs
         self._seq_ids = count()
         self._penalty_counts = PenaltyCounts()         # penalties' token counts, kept between steps
         # True: sequences that no text can end get their text decoded where their outputs are delivered, not in
-        # step() (engine/deferred_text.py; AsyncEngine turns it on and fills every output it delivers)
+        # step() (engine/deferred_text.py; AsyncEngine turns it on and fills every output it delivers), and their
+        # plain decode rows' outputs built there too (engine/deferred_outputs.py)
         self.defer_text = False
         self._batch_size = 0
         self._num_prompt_tokens_total = 0
@@ -238,7 +242,9 @@ class LLMEngine:
 
     # the step loop (one thread)
     def step(self) -> list[RequestOutput]:
-        """Apply pending adds/aborts, run one scheduled batch, return what each request gained."""
+        """Apply pending adds/aborts, run one scheduled batch, return what each request gained. With `defer_text`,
+        one DeferredRows among them stands for the plain decode rows whose outputs the caller builds
+        (engine/deferred_outputs.py: `expand`)."""
         outputs = self._apply_pending()
         batch = self.scheduler.schedule()
         if any(span.images is not None for span in batch.spans):
@@ -283,7 +289,8 @@ class LLMEngine:
             self._num_generated_tokens_total += len(sampled)
             logits = last_logits if len(sampled) == len(last_logits) else last_logits[rows]
             bitmask = masks.for_rows(sampled) if masks is not None else None
-            out = sample(logits, sampled, bitmask, counts=self._penalty_counts)
+            out = sample(logits, sampled, bitmask, counts=self._penalty_counts, all_greedy=not self._num_not_greedy,
+                         any_logprobs=self._num_logprobs > 0)
             outputs += self._append_one_each(sampled, out)
         if drafted:
             outputs += self._append_verified(drafted, verify(drafted, [all_logits[s.seq_id] for s in drafted],
@@ -321,6 +328,8 @@ class LLMEngine:
             if kind == "add":
                 self._seqs[item.request_id] = item
                 self._num_guided += item.grammar is not None
+                self._num_not_greedy += not plain_greedy(item.params)
+                self._num_logprobs += item.params.logprobs
                 self.scheduler.add(item)
             elif (seq := self._seqs.get(item)) is not None:
                 self.scheduler.finish(seq, "aborted")
@@ -364,7 +373,7 @@ class LLMEngine:
                 grammar.consume_token(token_id)
             top_ids = out.top_token_ids[j]
             top = [TokenInfo(t, text(t), lp, t in special_ids) for t, lp in zip(top_ids, out.top_logprobs[j])] \
-                if top_ids else []
+                if top_ids else ()
             infos.append(TokenInfo(token_id, text(token_id), logprobs[j] if logprobs is not None else None,
                                    token_id in special_ids, top))
             stopped = False
@@ -383,13 +392,18 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         return self._final_output(seq, infos, "".join(pieces), pieces=None if deferred else pieces)
 
-    def _append_one_each(self, seqs: list[Sequence], out: SamplerOutput) -> list[RequestOutput]:
+    def _append_one_each(self, seqs: list[Sequence], out: SamplerOutput) -> list[Any]:
         """`_append_run` of row j of `out` to `seqs[j]`, for every j: the common case (no grammar, and a token
-        that ends nothing) in one loop with everything looked up once; the rest through `_append_run`."""
+        that ends nothing) in one loop with everything looked up once; the rest through `_append_run`. With
+        `defer_text`, the common rows of deferred sequences are only noted (one DeferredRows, last)."""
         text, special_ids, eos_ids = self.token_texts.text, self.token_texts.special_ids, self.eos_token_ids
         token_ids_out, logprobs, top_token_ids, top_logprobs = out.token_ids, out.logprobs, out.top_token_ids, \
             out.top_logprobs
-        outputs = []
+        outputs: list[Any] = []
+        # rows whose outputs the delivering thread builds (deferred_outputs.py): noted in three lists
+        noted = DeferredRows(out, self.token_texts) if self.defer_text else None
+        noted_seqs, noted_rows, noted_counts = (noted.seqs, noted.rows, noted.num_tokens) if noted is not None \
+            else ([], [], [])
         for j, seq in enumerate(seqs):
             params, token_id = seq.params, token_ids_out[j]
             if seq.grammar is not None or (token_id in eos_ids and not params.ignore_eos):
@@ -403,11 +417,16 @@ class LLMEngine:
                 outputs.append(self._append_run(seq, out, (j,)))
                 continue
             top_ids = top_token_ids[j]
+            deferred = seq.deferred
+            if noted is not None and deferred is not None and not top_ids and seq.prefill_tokens is None:
+                noted_seqs.append(seq)
+                noted_rows.append(j)
+                noted_counts.append(num_tokens)
+                continue
             top = [TokenInfo(t, text(t), lp, t in special_ids) for t, lp in zip(top_ids, top_logprobs[j])] \
-                if top_ids else []
+                if top_ids else ()
             info = TokenInfo(token_id, text(token_id), logprobs[j] if params.logprobs else None,
                              token_id in special_ids, top)
-            deferred = seq.deferred
             if deferred is None:
                 piece, stopped = seq.stop.feed(seq.detokenizer.decode_next(token_ids))
                 if stopped:
@@ -424,6 +443,8 @@ class LLMEngine:
             outputs.append(RequestOutput(seq.request_id, [info], piece, False, None, None, "", num_prompt,
                                          num_tokens - num_prompt, seq.seed, prefill, seq.num_cached_tokens or 0,
                                          None, pieces, pending))
+        if noted_seqs:
+            outputs.append(noted)
         return outputs
 
     def _finish_reason(self, seq: Sequence, token_id: int, stopped: bool) -> FinishReason | None:
@@ -460,8 +481,10 @@ class LLMEngine:
             output.generated_text, output.stop_text = seq.stop.text, seq.stop.cut
         if error is not None:
             output.finish_reason = None
-        if self._seqs.pop(seq.request_id, None) is not None and seq.grammar is not None:
-            self._num_guided -= 1
+        if self._seqs.pop(seq.request_id, None) is not None:
+            self._num_guided -= seq.grammar is not None
+            self._num_not_greedy -= not plain_greedy(seq.params)
+            self._num_logprobs -= seq.params.logprobs
         with self._lock:
             self._live_ids.discard(seq.request_id)
         return output
@@ -514,7 +537,7 @@ class LLMEngine:
         for rid, ids, p, mm in zip(request_ids, token_ids, params_list, images or [None] * len(prompts)):
             self.add_request(rid, ids, p, mm)
         while len(finals) < len(request_ids):
-            outputs = self.step()
+            outputs = expand(self.step())
             if not outputs and not self._batch_size and not self.scheduler.running:
                 raise RuntimeError("the engine cannot schedule the waiting requests")  # a bug, not input
             for output in outputs:

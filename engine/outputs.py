@@ -1,7 +1,8 @@
 """What the engine core reports per step; no HTTP types here."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 FinishReason = Literal["length", "eos_token", "stop_sequence", "aborted"]
@@ -13,7 +14,7 @@ class TokenInfo:
     text: str                               # this token's own text (tokenizer.decode([id]))
     logprob: float | None
     special: bool
-    top_tokens: list["TokenInfo"] = field(default_factory=list)
+    top_tokens: Sequence["TokenInfo"] = ()     # the alternatives asked for (top_n_tokens); () when none: no list
 
 
 @dataclass(slots=True)

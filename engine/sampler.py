@@ -117,10 +117,16 @@ def _warped(scores: torch.Tensor, params: list[SamplingParams]) -> ProcessedScor
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmask | None = None,
-           counts: PenaltyCounts | None = None) -> SamplerOutput:
+           counts: PenaltyCounts | None = None, *, all_greedy: bool = False,
+           any_logprobs: bool = True) -> SamplerOutput:
     """Choose one token per row of `logits` [n, vocab] (float32) with that row's parameters, among the tokens
     `bitmask` allows for the rows it names. Sampling rows with a top-k or a top-p draw among their best few
-    tokens (engine/candidate_sampling.py); the rest, and those the few cannot settle, over the vocabulary."""
+    tokens (engine/candidate_sampling.py); the rest, and those the few cannot settle, over the vocabulary.
+    `all_greedy`: the caller knows every row is `plain_greedy` (its engine serves no other request now), so the
+    rows' parameters are not read at all; `any_logprobs` False then: no row reports a logprob (none computed)."""
+    if all_greedy and bitmask is None:
+        next_ids, chosen = greedy_chosen(logits.float(), any_logprobs)
+        return SamplerOutput(next_ids, chosen, [NO_TOP] * len(next_ids), [NO_TOP] * len(next_ids))
     params = [row.params for row in rows]
     if bitmask is None and not any(map(_changes_scores, params)):
         # greedy rows only and nothing processes the scores: argmax, and the log_softmax only when a row
@@ -300,6 +306,11 @@ def fresh_log_softmax(scores: torch.Tensor) -> torch.Tensor:
     if (kernels := _on_kernels(scores)) is not None:
         return kernels.log_softmax(scores)
     return torch.log_softmax(scores, dim=-1)
+
+
+def plain_greedy(params: SamplingParams) -> bool:
+    """Nothing processes this request's scores and it reports no alternatives: each token is the argmax."""
+    return not _changes_scores(params) and not params.top_n_tokens
 
 
 def _changes_scores(p: SamplingParams) -> bool:

@@ -145,6 +145,7 @@ class RankWorker:
         self.attention_backend = self.attention.name
         self.graph_sizes = self._graph_sizes()
         self.num_kv_blocks = self._allocate_kv_cache()
+        self.block_tables.num_blocks = self.num_kv_blocks  # each id range-checked as it reaches the table
         self.graphs = self._capture_graphs() if self.graph_sizes else None
         self.decode_step, self.decode_step_report = cpu_decode_step.build(self)
 

@@ -22,8 +22,10 @@ Phases, in microseconds of CPU time per step (medians over the steps):
   detokenize  IncrementalDetokenizer calls and stop-sequence matching left in the step: as in the server,
               sequences no text can end leave their text to the event loop (engine/deferred_text.py), so
               this is ~0 here unless --eager-text
-  outputs     the rest of step(): appending tokens, TokenInfo/RequestOutput building, finish checks
-  text, delivered   that deferred text, decoded after the step as AsyncEngine's delivery does (CPU time of
+  outputs     the rest of step(): appending tokens, finish checks, and the TokenInfo/RequestOutput of the rows
+              the step does not leave to the event loop (all of them with --eager-text)
+  delivered   what the step left to the event loop, done after the step as AsyncEngine's delivery does: the
+              plain decode rows' outputs built (engine/deferred_outputs.py) and their text decoded (CPU time of
               the event loop's thread in the server, off the step's critical path on a GPU); "host, with
               delivery" adds it to the host overhead
 The total is measured on steps without the phase timers (process_time around step()). Then as many steps
@@ -66,7 +68,7 @@ class InstantRunner:
         self.attention_backend = "instant"
         self.max_position = max_position
         self.backend = AttentionBackend()   # the base class: no per-step precompute (as the GPU kernels)
-        self.tables = BlockTables(self.device)
+        self.tables = BlockTables(self.device, num_blocks=num_kv_blocks)
         generator = torch.Generator().manual_seed(seed)
         self.logits = torch.randn(batch + NUM_SHIFTS, vocab, generator=generator) * 2
         self.logits[:, real_vocab:] -= 12.0
@@ -122,14 +124,14 @@ class PhaseTimers:
             finally:
                 timers.schedule_s += time.process_time() - start
 
-        def sample(logits: torch.Tensor, rows: Any, bitmask: Any = None, counts: Any = None) -> Any:
+        def sample(logits: torch.Tensor, rows: Any, bitmask: Any = None, counts: Any = None, **hints: Any) -> Any:
             # the same rows at NARROW columns first (the generators' states are put back): the host part.
             # This wrapper's own work (the narrow view, the states) is `harness_s`, taken off the step's time
             entered = time.process_time()
             narrow = engine.runner.narrow[logits.storage_offset() // logits.shape[1]:][:len(logits)]
             states = [row.generator.get_state() if row.generator is not None else None for row in rows]
             start = time.process_time()
-            timers._sample(narrow, rows, bitmask, counts=None if counts is None else timers.narrow_counts)
+            timers._sample(narrow, rows, bitmask, counts=None if counts is None else timers.narrow_counts, **hints)
             host = time.process_time() - start
             for row, state in zip(rows, states):
                 if state is not None:
@@ -138,7 +140,7 @@ class PhaseTimers:
             try:
                 if timers.evict is not None:
                     timers.evict.numpy().max()      # read through: the caches hold this array, not the step's data
-                return timers._sample(logits, rows, bitmask, counts=counts)
+                return timers._sample(logits, rows, bitmask, counts=counts, **hints)
             finally:
                 end = time.process_time()
                 timers.sample_s += end - start
@@ -206,11 +208,13 @@ def request_params(mode: str, i: int) -> Any:
 
 
 def deliver(outputs: list[Any]) -> float:
-    """What the server's event loop does with a step's outputs before any handler reads them: decode the
-    text the step left to it (engine/deferred_text.py; AsyncEngine's delivery). Its CPU seconds."""
+    """What the server's event loop does with a step's outputs before any handler reads them: build the outputs of
+    the rows the step only noted (engine/deferred_outputs.py) and decode the text the step left to it
+    (engine/deferred_text.py), as AsyncEngine's delivery does. Its CPU seconds."""
+    from engine.deferred_outputs import expand
     from engine.deferred_text import fill
     start = time.process_time()
-    for out in outputs:
+    for out in expand(outputs):
         if out.pending is not None:
             fill(out)
     return time.process_time() - start
@@ -226,7 +230,9 @@ def measure(engine: Any, steps: int, evict_mb: int = 0) -> dict[str, Any]:
         outputs = engine.step()
         totals.append(time.process_time() - start)
         delivered.append(deliver(outputs))
-        assert len(outputs) == engine.config.max_batch_size, "every sequence must decode in every step"
+        from engine.deferred_outputs import DeferredRows
+        assert sum(len(out) if isinstance(out, DeferredRows) else 1 for out in outputs) \
+            == engine.config.max_batch_size, "every sequence must decode in every step"
     phases: dict[str, list[float]] = {name: [] for name in ("schedule", "prepare", "sample", "detokenize",
                                                             "timed step", "sample, host", "host")}
     for detokenize in (False, True):
@@ -278,18 +284,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.warmup):
         engine.step()
     print(f"prefill + {args.warmup} warm-up steps: {time.perf_counter() - start:.1f} s wall", flush=True)
+    from engine import gc_tuning
     evict_mb = getattr(args, "evict_mb", 0)
     if evict_mb:
         print(f"{evict_mb} MiB read inside each timed full-width sample call (--evict-mb)", flush=True)
-    us = measure(engine, args.steps, evict_mb)
+    with gc_tuning.tuned():     # as the server's launcher sets the collector before its step loop (=0: not)
+        us = measure(engine, args.steps, evict_mb)
     engine.close()
     print(f"{'phase':<22}{'us/step':>10}")
     for name in ("schedule", "prepare", "sample", "detokenize", "outputs", "timed step"):
         print(f"{name:<22}{us[name]:>10.0f}")
     print(f"{'sample, host':<22}{us['sample, host']:>10.0f}   (the same call on {NARROW} columns)")
     print(f"{'total, untimed steps':<22}{us['total']:>10.0f}   (CPU time with the vocabulary-wide math on this CPU)")
-    print(f"{'text, delivered':<22}{us['delivered']:>10.0f}   (decoded by the event loop, off the step thread: "
-          f"{'--eager-text: none' if not engine.defer_text else 'deferred_text.py'})")
+    print(f"{'delivered':<22}{us['delivered']:>10.0f}   (outputs built and text decoded by the event loop, off the "
+          f"step thread: {'--eager-text: none' if not engine.defer_text else 'deferred_outputs.py, deferred_text.py'})")
     print(f"{'host, with delivery':<22}{us['host'] + us['delivered']:>10.0f}")
     print(f"host overhead: {us['host']:.0f} us/step at batch {args.batch}")
     return {"host_overhead_us": us, "batch": args.batch, "context": args.context, "vocab": args.vocab,

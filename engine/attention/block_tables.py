@@ -7,6 +7,11 @@ the new entries are written. Any other change (a first allocation, a truncation 
 a free after preemption) bumps the sequence's `block_table_version`, which the span carries: a row
 whose version differs is rewritten whole. A span without a version (-1) is always rewritten whole.
 
+Every entry is range-checked against `num_blocks` (when given) as it is written into the mirror, so each block
+id is checked once, when it first reaches the device, instead of every step (`validate_spans` walks every
+table only in debug mode). `rows` keeps the step's row of each span: a decode step's slots are read from
+the mirror through it (engine/attention/metadata.py), not from the spans' lists.
+
 On CUDA the host mirror and the staging buffer are pinned: per step one host-to-device copy carries
 the step's row indices and the changed entries, and the device scatters and gathers. A row of a
 sequence absent from a step stays until its row is needed (least recently used first); the table
@@ -21,8 +26,10 @@ from engine.batch import SeqSpan
 
 
 class BlockTables:
-    def __init__(self, device: torch.device, rows: int = 64, width: int = 16) -> None:
+    def __init__(self, device: torch.device, rows: int = 64, width: int = 16, num_blocks: int | None = None) -> None:
         self.device = device
+        self.num_blocks = num_blocks            # block ids must lie in [0, num_blocks) (None: not checked)
+        self.rows_used = np.zeros(0, dtype=np.intp)     # the last gather's row of each span
         self.pinned = device.type == "cuda"
         self.rows: dict[int, list[int]] = {}     # seq_id -> [row, version, known length, last step used]
         self.free_rows: list[int] = []
@@ -61,8 +68,9 @@ class BlockTables:
                 append(entry[0])
             else:
                 append(self._update(span, changed))
+        self.rows_used = rows = np.array(order, dtype=np.intp)
         if not self.pinned:     # rows of a column slice by an index array: ~2x cheaper than [list, :width]
-            return torch.from_numpy(self.mirror_np[:, :width][np.array(order, dtype=np.intp)])
+            return torch.from_numpy(self.mirror_np[:, :width][rows])
         return self._upload(order, changed, width)
 
     def _update(self, span: SeqSpan, changed: list[tuple[int, int, int]]) -> int:
@@ -80,7 +88,16 @@ class BlockTables:
                 self.mirror_np[row, len(table):known] = 0
                 changed.append((row, len(table), known))
         if start < len(table):
-            self.mirror_np[row, start:len(table)] = table[start:]
+            written = self.mirror_np[row, start:len(table)]
+            try:
+                written[:] = table[start:]
+                bad = self.num_blocks is not None and (written.min() < 0 or written.max() >= self.num_blocks)
+            except OverflowError:       # not even an int32
+                bad = True
+            if bad:
+                entry[1], entry[2] = -2, max(known, len(table))    # rewritten whole next time
+                bounds = "" if self.num_blocks is None else f" [0, {self.num_blocks})"
+                raise ValueError(f"sequence {span.seq_id}: block id out of range{bounds}")
             changed.append((row, start, len(table)))
         entry[1], entry[2] = version, len(table)
         return row

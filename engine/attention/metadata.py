@@ -40,10 +40,16 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device,
     """The step's layout; with `tables`, block tables come from the device-resident copy (updated by what
     changed since the last step) instead of being rebuilt from the spans' lists."""
     query_lens = [len(span.token_ids) for span in spans]
+    block_tables = tables.gather(spans) if tables is not None else None
     if len(query_lens) == sum(query_lens):      # decodes only (one token each): list comprehensions, no loops
         seq_lens = [span.start_pos + 1 for span in spans]
-        slots = [span.block_table[span.start_pos // block_size] * block_size + span.start_pos % block_size
-                 for span in spans]
+        if tables is not None:  # each token's block from the kept table rows: no walk through the spans' lists
+            positions = np.array(seq_lens, dtype=np.int64) - 1
+            blocks = tables.mirror_np[tables.rows_used, positions // block_size].astype(np.int64)
+            slot_mapping = torch.from_numpy(blocks * block_size + positions % block_size)
+        else:
+            slot_mapping = _host([span.block_table[span.start_pos // block_size] * block_size
+                                  + span.start_pos % block_size for span in spans], np.int64)
         cu_seqlens = list(range(len(spans) + 1))
         bidirectional: dict[int, list[tuple[int, int]]] = {}  # a one-token span sees no later key, not in an image
     else:
@@ -53,19 +59,18 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device,
             table = span.block_table
             slots += [table[pos // block_size] * block_size + pos % block_size
                       for pos in range(span.start_pos, span.start_pos + length)]
+        slot_mapping = _host(slots, np.int64)
         cu_seqlens = [0]
         for length in query_lens:
             cu_seqlens.append(cu_seqlens[-1] + length)
         bidirectional = {b: runs for b, span in enumerate(spans) if span.images is not None
                          and (runs := span.images.runs_in(span.start_pos, span.start_pos + len(span.token_ids)))}
-    if tables is not None:
-        block_tables = tables.gather(spans)
-    else:
+    if block_tables is None:
         width = max(len(span.block_table) for span in spans)
         padded = [span.block_table + [0] * (width - len(span.block_table)) for span in spans]
         block_tables = _to(torch.tensor(padded, dtype=torch.int32), device)
     return AttentionMetadata(
-        slot_mapping=_to(_host(slots, np.int64), device),
+        slot_mapping=_to(slot_mapping, device),
         cu_seqlens_q=_to(_host(cu_seqlens, np.int32), device),
         seq_lens=_to(_host(seq_lens, np.int32), device),
         block_tables=block_tables,

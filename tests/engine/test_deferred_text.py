@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 
 from engine.async_engine import AsyncEngine  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.deferred_outputs import expand  # noqa: E402
 from engine.deferred_text import fill  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -93,7 +94,7 @@ def run(tokenizer, defer, drop=frozenset(), fail_at=None):
             engine.abort("aborted")
         if step == fail_at:
             runner.fail_next = True
-        for out in engine.step():
+        for out in expand(engine.step()):
             if out.request_id == "dropped":
                 num_dropped += 1
                 if num_dropped - 1 in drop:
@@ -127,7 +128,7 @@ def test_which_sequences_defer(tokenizer):
     seqs = {seq.request_id: seq for _, seq in engine._pending}
     assert seqs["stopped"].deferred is None                       # a stop string reads the text in step()
     assert all(seq.deferred is not None for rid, seq in seqs.items() if rid != "stopped")
-    outs = engine.step()
+    outs = expand(engine.step())
     assert outs and all(out.text == "" and out.pending is not None for out in outs if out.request_id != "stopped")
 
 
@@ -153,7 +154,7 @@ def second_output(tokenizer):
     engine.defer_text = True
     engine.add_request("plain", [10, 1, 2, 3], SamplingParams(max_new_tokens=12))
     engine.step()
-    return engine.step()[0]
+    return expand(engine.step())[0]
 
 
 def test_a_decoding_failure_ends_that_request_with_the_error(tokenizer, monkeypatch):

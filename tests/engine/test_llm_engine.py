@@ -552,3 +552,41 @@ def test_cpu_runner_gets_the_cpu_prefill_budget(tokenizer):
 
     assert budget("cpu") == CPU_PREFILL_TOKENS
     assert budget("meta") == 4096 - 1 + 50  # elsewhere TGI's max_input_tokens + 50
+
+
+def test_the_sampler_skips_its_row_scan_only_while_every_live_request_is_plain_greedy(tokenizer, monkeypatch):
+    """The engine's `all_greedy` hint follows the live requests: a sampling one waiting, running, aborted, a failed
+    step, the last logprob request gone; tokens as without the hint."""
+    import engine.llm_engine as llm_engine
+    hints = []
+
+    def spy(*args, **kwargs):
+        hints.append((kwargs["all_greedy"], kwargs["any_logprobs"]))
+        return sample(*args, **kwargs)
+
+    sample = llm_engine.sample
+    monkeypatch.setattr(llm_engine, "sample", spy)
+    engine, runner = make_engine(tokenizer, num_kv_blocks=64)
+    engine.add_request("greedy", prompt(1, 5), SamplingParams(max_new_tokens=12, ignore_eos=True))
+    engine.step()
+    assert hints[-1] == (True, True)
+    engine.add_request("sampled", prompt(2, 5), SamplingParams(max_new_tokens=40, do_sample=True, seed=1,
+                                                               ignore_eos=True))
+    engine.step()
+    assert hints[-1] == (False, True)
+    engine.abort("sampled")
+    engine.step()
+    assert hints[-1] == (True, True)
+    engine.add_request("quiet", prompt(3, 5), SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=False))
+    engine.add_request("alternatives", prompt(4, 5), SamplingParams(max_new_tokens=2, ignore_eos=True,
+                                                                    top_n_tokens=2))
+    engine.step()
+    assert hints[-1] == (False, True)
+    runner.fail_next = True
+    engine.step()                                   # fails every request of the batch
+    assert not engine.has_unfinished_requests()
+    engine.add_request("quiet2", prompt(5, 5), SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=False))
+    streams = run_streams(engine)
+    assert hints[-1] == (True, False)
+    assert [t.id for o in streams["quiet2"] for t in o.tokens] == reference_greedy(prompt(5, 5), 4, VOCAB, set())
+    assert all(t.logprob is None for o in streams["quiet2"] for t in o.tokens)

@@ -42,6 +42,31 @@ def test_greedy_rows_without_logprobs_skip_them():
     assert all(lp != lp for lp in out.logprobs)         # nan: nobody asked
 
 
+@pytest.mark.parametrize("logprobs", [True, False])
+def test_all_greedy_hint_reads_no_parameters_and_gives_the_scanned_result(logprobs):
+    logits = logits_for(16, seed=3)
+    rows = [row(logprobs=logprobs) for _ in range(16)]
+    scanned = sample(logits, rows)
+
+    class NoParams:                 # the hint's promise: the rows' parameters are never read
+        @property
+        def params(self):
+            raise AssertionError("read")
+
+    hinted = sample(logits, [NoParams()] * 16, all_greedy=True, any_logprobs=logprobs)
+    assert hinted.token_ids == scanned.token_ids
+    assert (hinted.logprobs == scanned.logprobs) if logprobs else all(lp != lp for lp in hinted.logprobs)
+    assert hinted.top_token_ids == scanned.top_token_ids == [[]] * 16
+
+
+def test_all_greedy_hint_never_overrides_a_grammar_mask():
+    from engine.structured.masks import TokenBitmask
+    bits = torch.zeros(2, -(-VOCAB // 32), dtype=torch.int32)
+    bits[0, 0], bits[1, 0] = 1 << 5, 1 << 9             # row 0 may only say token 5, row 1 token 9
+    out = sample(logits_for(2), [row(), row()], TokenBitmask([0, 1], bits), all_greedy=True)
+    assert out.token_ids == [5, 9]
+
+
 def test_greedy_fast_path_is_not_taken_when_anything_processes_scores():
     logits = logits_for(2)
     logits[0, 7] = 50.0                                  # the argmax, then penalised away
