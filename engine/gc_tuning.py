@@ -1,17 +1,20 @@
 """Python's cyclic garbage collector set for a serving process: young collections rarer, start-up objects frozen.
 
-Why: a decode step at batch 256 allocates ~1,300 small container objects (each sequence's TokenInfo, its list,
-its RequestOutput and the pending-text tuple). At CPython's default first threshold (700 allocations) that is
-about two young-generation collections a step, each walking the step's live outputs and touching their referents
-(sequences, deferred texts) that the step's vocabulary-wide work has evicted from the caches: measured at ~35%
-of the outputs phase of `bench_engine.py --host-overhead` (docs/benchmarks.md). Nothing in the step loop makes
-cycles that must be reclaimed soon: its objects die by reference counting.
+Why: the outputs of a decode step at batch 256 are ~1,300 small container objects (each sequence's TokenInfo, its
+list, its RequestOutput and the pending-text tuple), built on the step thread or the event loop's
+(engine/deferred_outputs.py). At CPython's default first threshold (700 allocations) that is about two
+young-generation collections a step, each walking the live outputs and touching what they point to (sequences,
+deferred texts), memory the step's vocabulary-wide work has evicted from the caches: building a step's outputs at
+128k columns took 523 us with the default collector and 347 us with it disabled (docs/benchmarks.md, "Host overhead
+per decode step"). Nothing in the step loop makes cycles that must be reclaimed soon: its objects die by reference
+counting.
 
 How, once per process (`apply`): `gc.freeze()` moves everything alive after start-up (the model's modules, the
 tokenizer, the server's routes) out of every later collection, and the first threshold goes to `YOUNG_THRESHOLD`
 allocations (the older generations keep their ratios), so a young collection comes every ~15 steps at batch 256
 and an old one far less often. `TGI_HPC_GC_TUNING=0`: CPython's defaults stay. The server's AsyncEngine applies it;
-a library user of LLMEngine keeps the process's own settings.
+a library user of LLMEngine keeps the process's own settings; `tuned()` applies them for a while and puts the
+process's back (`bench_engine.py --host-overhead` inside a test session).
 """
 from __future__ import annotations
 
