@@ -76,8 +76,14 @@ class PeerWatch:
         if not self._stop.is_set():
             self.on_dead(reason)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop beating and wait for the thread. A daemon thread left inside a store call (C++, the GIL released)
+        when the interpreter ends is ended by CPython with pthread_exit as it takes the GIL back; that unwinds
+        through a C++ frame that may not be unwound and aborts the process ("terminate called without an active
+        exception": rank 0 of a pipeline run died so at exit, after printing its tokens, twice in CI under load)."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
 
 def _exit_now(reason: str) -> None:

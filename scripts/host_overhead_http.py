@@ -79,6 +79,8 @@ def serve(args: argparse.Namespace) -> None:
     http = threading.Thread(target=http_main, name="http", daemon=True)
     signal.signal(signal.SIGINT, lambda *_: setattr(server, "should_exit", True))
     http.start()
+    from engine import gc_tuning
+    gc_tuning.apply()       # as the launcher does before its step loop (TGI_HPC_GC_TUNING=0: not)
     try:
         if "step" in profiles:
             profiles["step"].runcall(engine.run_here, keep_running=http.is_alive)

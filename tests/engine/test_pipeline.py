@@ -191,3 +191,19 @@ def test_inconsistent_launch_environments_are_refused(env, tp, pp, message):
 
 def test_a_single_task_keeps_the_spawning_engine():
     assert from_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, tp_size=2, pp_size=1) is None
+
+
+def test_peer_watch_stop_waits_for_its_thread():
+    """A watch thread left in a store call at interpreter exit can abort the process ("terminate called without an
+    active exception", seen on rank 0 at exit under load): stop() returns only once the thread is gone, even while a
+    peer it watches never beats."""
+    from engine.distributed import create_store
+    from engine.external_launch import PeerWatch
+    master = create_store("127.0.0.1", 0, 2, is_master=True, timeout_s=5)
+    config = EngineConfig(master_addr="127.0.0.1", master_port=master.port, rank_timeout_s=30.0)
+    dead = []
+    watch = PeerWatch(config, ParallelLayout(0, 2), dead.append)
+    time.sleep(0.2)                     # inside its loop: a beat, then waiting for the next
+    assert watch._thread.is_alive()
+    watch.stop()
+    assert not watch._thread.is_alive() and not dead
