@@ -278,7 +278,13 @@ class AsyncEngine:
             streams = [self._streams.get(seq.request_id) for seq in noted.seqs]
         for i, stream in enumerate(streams):
             if stream is not None and stream.loop is loop:   # else the client left, or another loop's
-                out = noted.output(i)
+                try:
+                    out = noted.output(i)
+                except Exception as error:  # noqa: BLE001 - that request ends with it; the other rows go on
+                    logger.exception("building an output of request %s failed", noted.seqs[i].request_id)
+                    out = RequestOutput(noted.seqs[i].request_id, [], "", finished=True,
+                                        error=f"building the output failed: {type(error).__name__}: {error}")
+                    self.abort(out.request_id)      # the engine still runs it: its stream ends here
                 fill(out)
                 stream.queue.put_nowait(out)
 

@@ -136,3 +136,43 @@ def test_async_engine_gives_each_loop_its_own_streams_rows(tokenizer):
         assert [t.id for o in outs for t in o.tokens] == [t.id for t in want.tokens], rid
         assert "".join(o.text for o in outs) == want.generated_text == outs[-1].generated_text, rid
         assert len(outs) == 12 and outs[-1].finished and all(o.pending is None for o in outs), rid
+
+
+def test_an_output_that_cannot_be_built_ends_that_request_alone(tokenizer, monkeypatch):
+    from engine.async_engine import RequestFailedError
+    engine = LLMEngine(EngineConfig(), runner=ScriptedRunner(scripts_for(tokenizer), num_kv_blocks=256),
+                       model_config=FakeModelConfig(VOCAB, 512), tokenizer=tokenizer)
+    build = DeferredRows.output
+
+    def hostile(self, i):
+        if self.seqs[i].request_id == "bad" and self.num_tokens[i] >= 7:
+            raise ValueError("hostile")
+        return build(self, i)
+
+    monkeypatch.setattr(DeferredRows, "output", hostile)
+    async_engine = AsyncEngine(engine).start()
+
+    async def collect(rid, first):
+        outs = []
+        try:
+            async for out in async_engine.generate(rid, [first, 1, 2, 3], SamplingParams(max_new_tokens=12,
+                                                                                        ignore_eos=True)):
+                outs.append(out)
+        except RequestFailedError as error:
+            return outs, str(error)
+        return outs, None
+
+    async def main():       # bounded: a row dropped without an answer would leave its stream waiting forever
+        return await asyncio.wait_for(asyncio.gather(collect("bad", 10), collect("good", 11)), 60)
+
+    try:
+        (bad, bad_error), (good, good_error) = asyncio.run(main())
+        for _ in range(200):            # the aborted request leaves the engine too
+            if not engine.has_unfinished_requests():
+                break
+            threading.Event().wait(0.01)
+        assert not engine.has_unfinished_requests()
+    finally:
+        async_engine.close()
+    assert bad_error == "building the output failed: ValueError: hostile" and len(bad) == 2
+    assert good_error is None and len(good) == 12 and good[-1].finished
