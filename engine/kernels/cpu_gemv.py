@@ -1,6 +1,7 @@
 """Float32 linear layers for a few rows on CPU (decode steps): y[M, N] = x[M, K] W^T (+ b) for M <= 16 in one
 pass over the weight, more rows in passes of 16. The weight may be stored in bfloat16 when its values are bfloat16s
-(`storage_dtype`: a bfloat16 checkpoint served in float32): half the bytes to stream, the same products.
+(`storage_dtype`: a bfloat16 checkpoint served in float32, or a bfloat16 model): half the bytes to stream, the same
+products, its k steps packed in pairs so that widening 32 weights takes two vector ops (`pack`).
 
 Why: at a decode step the weight is streamed from memory once for every row of the batch. oneDNN's packed
 GEMM (engine/layers/cpu_gemm.py) does that near the memory floor, but each call goes through ideep's set-up
@@ -43,31 +44,9 @@ constexpr int64_t AHEAD = 32;
 // the same distance in bytes for weights of type W (k steps of 16 weights); bfloat16 panels take two k steps a line
 template <typename W> constexpr int64_t ahead() { return AHEAD * 4 / static_cast<int64_t>(sizeof(W)); }
 
-// a panel row of 16 weights as float32: read as stored (float), or widened from bfloat16 (exact: its bits are the
-// float's upper half), so a weight stored in bfloat16 gives the float32 kernel's products bit for bit
-inline f16x wload(const float* w) { return load16(w); }
-inline f16x wload(const uint16_t* w) { return widen16(w); }
-
-// one panel (16 output features) for M rows; KU interleaved accumulator sets hide the FMA latency when
-// M is small (few independent chains)
-template <int M, int KU, typename W>
-inline void panel(const float* xt, const W* w, int64_t K, const float* bias, float* y, int64_t y_stride,
-                  int64_t cols) {
-  f16x acc[KU][M];
-  for (int u = 0; u < KU; ++u)
-    for (int m = 0; m < M; ++m) acc[u][m] = f16x{};
-  int64_t k = 0;
-  for (; k + KU <= K; k += KU)
-    for (int u = 0; u < KU; ++u) {
-      const f16x wv = wload(w + (k + u) * 16);
-      __builtin_prefetch(w + (k + u + ahead<W>()) * 16, 0, 0);
-      const float* xk = xt + (k + u) * 16;
-      for (int m = 0; m < M; ++m) acc[u][m] += xk[m] * wv;
-    }
-  for (; k < K; ++k) {
-    const f16x wv = wload(w + k * 16);
-    for (int m = 0; m < M; ++m) acc[0][m] += xt[k * 16 + m] * wv;
-  }
+// a panel's accumulator sets summed in order (set 0 first), the bias added, into y
+template <int M, int KU>
+inline void store_panel(f16x (&acc)[KU][M], const float* bias, float* y, int64_t y_stride, int64_t cols) {
   f16x b = {};
   if (bias != nullptr)
     for (int64_t c = 0; c < cols; ++c) b[c] = bias[c];
@@ -80,23 +59,131 @@ inline void panel(const float* xt, const W* w, int64_t K, const float* bias, flo
   }
 }
 
+// bfloat16 panels hold their k steps in pairs: line j (64 bytes) has columns 0..15 of steps 2j and 2j + 1 interleaved
+// (c0 k0, c0 k1, c1 k0, ...), so each 32-bit lane is one column's two weights, whose float32s are the lane shifted up
+// and the lane masked (exact: a bfloat16's bits are its float's upper half): two vector ops widen 32 weights, where
+// one line per step took a zero-extending shuffle and a shift for 16. An odd K's last line has zeros for step K.
+inline void wpair(const uint16_t* line, f16x& lo, f16x& hi) {
+  const u32x v = *reinterpret_cast<const u32x*>(line);
+  lo = __builtin_bit_cast(f16x, v << 16);
+  hi = __builtin_bit_cast(f16x, v & 0xffff0000u);
+}
+// the weights one panel takes: K lines of float32, or K rounded up to even half-lines of bfloat16 pairs
+inline int64_t panel_size(const float*, int64_t K) { return K * 16; }
+inline int64_t panel_size(const uint16_t*, int64_t K) { return (K + 1) / 2 * 32; }
+
+// one panel (16 output features) for M rows; KU interleaved accumulator sets hide the FMA latency when
+// M is small (few independent chains): k step k goes to set k % KU, the last K % KU steps to set 0
+template <int M, int KU>
+inline void panel(const float* xt, const float* w, int64_t K, const float* bias, float* y, int64_t y_stride,
+                  int64_t cols) {
+  f16x acc[KU][M];
+  for (int u = 0; u < KU; ++u)
+    for (int m = 0; m < M; ++m) acc[u][m] = f16x{};
+  int64_t k = 0;
+  for (; k + KU <= K; k += KU)
+    for (int u = 0; u < KU; ++u) {
+      const f16x wv = load16(w + (k + u) * 16);
+      __builtin_prefetch(w + (k + u + ahead<float>()) * 16, 0, 0);
+      const float* xk = xt + (k + u) * 16;
+      for (int m = 0; m < M; ++m) acc[u][m] += xk[m] * wv;
+    }
+  for (; k < K; ++k) {
+    const f16x wv = load16(w + k * 16);
+    for (int m = 0; m < M; ++m) acc[0][m] += xt[k * 16 + m] * wv;
+  }
+  store_panel<M, KU>(acc, bias, y, y_stride, cols);
+}
+
+// the same over bfloat16 pairs: every accumulator gets the float32 panel's products in its order, so the sums are
+// the float32 kernel's bit for bit
+template <int M, int KU>
+inline void panel(const float* xt, const uint16_t* w, int64_t K, const float* bias, float* y, int64_t y_stride,
+                  int64_t cols) {
+  static_assert(KU == 1 || KU == 2 || KU == 4, "k steps come in pairs");
+  f16x acc[KU][M];
+  for (int u = 0; u < KU; ++u)
+    for (int m = 0; m < M; ++m) acc[u][m] = f16x{};
+  const int64_t body = K - K % KU;       // steps k < body go to set k % KU
+  int64_t k = 0;
+  for (; k + (KU == 4 ? 4 : 2) <= body; k += (KU == 4 ? 4 : 2)) {
+    f16x lo, hi;
+    wpair(w + k * 16, lo, hi);
+    __builtin_prefetch(w + (k + ahead<uint16_t>()) * 16, 0, 0);
+    const float* xk = xt + k * 16;
+    if constexpr (KU == 1) {
+      for (int m = 0; m < M; ++m) acc[0][m] += xk[m] * lo;
+      for (int m = 0; m < M; ++m) acc[0][m] += xk[16 + m] * hi;
+    } else {
+      for (int m = 0; m < M; ++m) acc[0][m] += xk[m] * lo;
+      for (int m = 0; m < M; ++m) acc[1][m] += xk[16 + m] * hi;
+    }
+    if constexpr (KU == 4) {
+      wpair(w + (k + 2) * 16, lo, hi);
+      for (int m = 0; m < M; ++m) acc[2][m] += xk[32 + m] * lo;
+      for (int m = 0; m < M; ++m) acc[3][m] += xk[48 + m] * hi;
+    }
+  }
+  for (; k < K; k += 2) {                // the rest, into set 0 in order
+    f16x lo, hi;
+    wpair(w + k * 16, lo, hi);
+    for (int m = 0; m < M; ++m) acc[0][m] += xt[k * 16 + m] * lo;
+    if (k + 1 < K)
+      for (int m = 0; m < M; ++m) acc[0][m] += xt[(k + 1) * 16 + m] * hi;
+  }
+  store_panel<M, KU>(acc, bias, y, y_stride, cols);
+}
+
 // three whole panels (48 output features) for MR <= 8 rows from r0: 24 accumulators, and each broadcast of a row
 // value feeds three FMAs (on the Zen 4 VM at 9-16 rows this ran 120 SmolLM2 linears in 22.4 ms against 25.1 one
 // panel at a time; on a Zen 5 VM at 8 rows, 13.0 ms against 16.2)
-template <int MR, typename W>
-inline void triple(const float* xt, const W* w, int64_t K, const float* bias, float* y, int64_t y_stride, int r0) {
+template <int MR>
+inline void triple(const float* xt, const float* w, int64_t K, const float* bias, float* y, int64_t y_stride, int r0) {
   f16x acc[3][MR];
   for (int p = 0; p < 3; ++p)
     for (int m = 0; m < MR; ++m) acc[p][m] = bias == nullptr ? f16x{} : *reinterpret_cast<const f16x*>(bias + 16 * p);
   for (int64_t k = 0; k < K; ++k) {
     f16x wv[3];
-    for (int p = 0; p < 3; ++p) wv[p] = wload(w + p * K * 16 + k * 16);
-    for (int p = 0; p < 3; ++p) __builtin_prefetch(w + p * K * 16 + (k + ahead<W>()) * 16, 0, 0);
+    for (int p = 0; p < 3; ++p) wv[p] = load16(w + p * K * 16 + k * 16);
+    for (int p = 0; p < 3; ++p) __builtin_prefetch(w + p * K * 16 + (k + ahead<float>()) * 16, 0, 0);
     const float* xk = xt + k * 16 + r0;
     for (int m = 0; m < MR; ++m) {
       const float xm = xk[m];
       for (int p = 0; p < 3; ++p) acc[p][m] += xm * wv[p];
     }
+  }
+  for (int p = 0; p < 3; ++p)
+    for (int m = 0; m < MR; ++m) *reinterpret_cast<f16x*>(y + (r0 + m) * y_stride + 16 * p) = acc[p][m];
+}
+
+// the same over bfloat16 pairs (each accumulator's products in the float32 order)
+template <int MR>
+inline void triple(const float* xt, const uint16_t* w, int64_t K, const float* bias, float* y, int64_t y_stride,
+                   int r0) {
+  const int64_t size = panel_size(w, K);
+  f16x acc[3][MR];
+  for (int p = 0; p < 3; ++p)
+    for (int m = 0; m < MR; ++m) acc[p][m] = bias == nullptr ? f16x{} : *reinterpret_cast<const f16x*>(bias + 16 * p);
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    f16x lo[3], hi[3];
+    for (int p = 0; p < 3; ++p) wpair(w + p * size + k * 16, lo[p], hi[p]);
+    for (int p = 0; p < 3; ++p) __builtin_prefetch(w + p * size + (k + ahead<uint16_t>()) * 16, 0, 0);
+    const float* xk = xt + k * 16 + r0;
+    for (int m = 0; m < MR; ++m) {
+      const float xm = xk[m];
+      for (int p = 0; p < 3; ++p) acc[p][m] += xm * lo[p];
+    }
+    for (int m = 0; m < MR; ++m) {
+      const float xm = xk[16 + m];
+      for (int p = 0; p < 3; ++p) acc[p][m] += xm * hi[p];
+    }
+  }
+  if (k < K) {      // an odd K's last step (its pair's second half is padding)
+    f16x lo[3], hi[3];
+    for (int p = 0; p < 3; ++p) wpair(w + p * size + k * 16, lo[p], hi[p]);
+    for (int m = 0; m < MR; ++m)
+      for (int p = 0; p < 3; ++p) acc[p][m] += xt[k * 16 + r0 + m] * lo[p];
   }
   for (int p = 0; p < 3; ++p)
     for (int m = 0; m < MR; ++m) *reinterpret_cast<f16x*>(y + (r0 + m) * y_stride + 16 * p) = acc[p][m];
@@ -110,17 +197,18 @@ void panels(const float* xt, const W* w, const float* bias, int64_t N, int64_t K
   // one pass of 16 rows over one panel, or over K in chunks of both groups, measured slower)
   const int64_t triples = M > 2 ? N / 48 : 0;
   const int64_t tasks = triples + count - 3 * triples;
+  const int64_t size = panel_size(w, K);
 #pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1)
   for (int64_t t = 0; t < tasks; ++t) {
     if (t < triples) {
       const float* bt = bias == nullptr ? nullptr : bias + t * 48;
-      triple<(M < 8 ? (M > 2 ? M : 3) : 8)>(xt, w + t * 3 * K * 16, K, bt, y + t * 48, y_stride, 0);
-      if (M > 8) triple<(M > 8 ? M - 8 : 1)>(xt, w + t * 3 * K * 16, K, bt, y + t * 48, y_stride, 8);
+      triple<(M < 8 ? (M > 2 ? M : 3) : 8)>(xt, w + t * 3 * size, K, bt, y + t * 48, y_stride, 0);
+      if (M > 8) triple<(M > 8 ? M - 8 : 1)>(xt, w + t * 3 * size, K, bt, y + t * 48, y_stride, 8);
       continue;
     }
     const int64_t p = 3 * triples + (t - triples);
     const int64_t cols = std::min<int64_t>(16, N - p * 16);
-    const W* wp = w + p * K * 16;
+    const W* wp = w + p * size;
     const float* bp = bias == nullptr ? nullptr : bias + p * 16;
     if (M <= 2) panel<M, 4>(xt, wp, K, bp, y + p * 16, y_stride, cols);
     else if (M <= 6) panel<M, 2>(xt, wp, K, bp, y + p * 16, y_stride, cols);
@@ -185,17 +273,34 @@ def storage_dtype(weight: torch.Tensor) -> torch.dtype:
 
 
 def pack(weight: torch.Tensor, empty=torch.empty, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """weight [N, K] (float32 or bfloat16) -> panels [ceil(N / 16), K, 16] of `dtype` (float32, or bfloat16 where
-    `storage_dtype` allows it: the values are kept exactly), the last one zero-padded, in memory from
-    `empty(*shape, dtype=...)` (e.g. engine/huge_pages.py's)."""
+    """weight [N, K] (float32 or bfloat16) -> panels of 16 output features, the last one zero-padded, in memory from
+    `empty(*shape, dtype=...)` (e.g. engine/huge_pages.py's). float32: [ceil(N / 16), K, 16], a panel's k steps one
+    64-byte line each. bfloat16 (where `storage_dtype` allows it: the values are kept exactly): [ceil(N / 16),
+    K rounded up to even, 16], a panel's k steps in pairs, line j holding steps 2j and 2j + 1 of its 16 columns
+    interleaved (the kernel's `wpair`; `unpack` is the inverse)."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"packed weights are float32 or bfloat16, not {dtype}")
     n, k = weight.shape
-    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=dtype)
-    padded[:n] = weight
-    packed = empty(padded.shape[0] // PANEL, k, PANEL, dtype=dtype)
-    packed.copy_(padded.view(-1, PANEL, k).transpose(1, 2))
+    panels = -(-n // PANEL)
+    width = k if dtype == torch.float32 else -(-k // 2) * 2
+    padded = torch.zeros(panels * PANEL, width, dtype=dtype)
+    padded[:n, :k] = weight
+    packed = empty(panels, width, PANEL, dtype=dtype)
+    if dtype == torch.float32:
+        packed.copy_(padded.view(panels, PANEL, k).transpose(1, 2))
+    else:   # [panel, column, pair, step of the pair] -> [panel, pair, column, step of the pair]
+        packed.view(panels, width // 2, PANEL, 2).copy_(padded.view(panels, PANEL, width // 2, 2).transpose(1, 2))
     return packed
+
+
+def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The [out_features, in_features] weight `pack` packed (in its dtype): the layout's reference."""
+    panels, width, _ = packed.shape
+    if packed.dtype == torch.float32:
+        full = packed.transpose(1, 2).reshape(panels * PANEL, width)
+    else:
+        full = packed.view(panels, width // 2, PANEL, 2).transpose(1, 2).reshape(panels * PANEL, width)
+    return full[:out_features, :in_features]
 
 
 def kernel_name(packed_dtype: torch.dtype) -> str:
@@ -209,7 +314,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     packed weight (float32 or bfloat16 panels, accumulated in float32)."""
     assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and packed.is_contiguous()
     assert packed.dtype in (torch.float32, torch.bfloat16)
-    assert packed.shape[1] == x.shape[1] and packed.shape[0] * PANEL >= out_features
+    steps = x.shape[1] if packed.dtype == torch.float32 else -(-x.shape[1] // 2) * 2
+    assert packed.shape[1] == steps and packed.shape[0] * PANEL >= out_features
     assert bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.numel() == out_features)
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     getattr(load(), kernel_name(packed.dtype))(

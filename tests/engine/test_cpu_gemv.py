@@ -70,18 +70,31 @@ def test_bfloat16_panels_give_the_float32_panels_products_bit_for_bit(seed):
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     rows = rng.choice([1, 2, 3, 5, 8, 9, 15, 16, 17, 33])
     out_features = rng.choice([1, 15, 17, 48, 100, 3 * 48 + 16])
-    in_features = rng.choice([1, 7, 64, 100, 576])
+    in_features = rng.choice([1, 2, 3, 7, 33, 64, 100, 576])     # odd K: the last pair's second step is padding
     scale = 10 ** rng.uniform(-3, 3)
     weight = (torch.randn(out_features, in_features, generator=gen) * scale).to(torch.bfloat16).float()
     bias = torch.randn(out_features, generator=gen) if rng.random() < 0.5 else None
     x = torch.randn(rows, in_features + 3, generator=gen)[:, 1:1 + in_features]
     assert cpu_gemv.storage_dtype(weight) == torch.bfloat16
     narrow = cpu_gemv.pack(weight, dtype=torch.bfloat16)
-    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow.float(), cpu_gemv.pack(weight))
+    assert narrow.dtype == torch.bfloat16 and narrow.shape[1] == in_features + in_features % 2
+    assert torch.equal(cpu_gemv.unpack(narrow, out_features, in_features).float(), weight)
+    assert torch.equal(cpu_gemv.unpack(cpu_gemv.pack(weight), out_features, in_features), weight)
     threads = rng.choice([1, 2])
     got = cpu_gemv.linear(x, narrow, out_features, bias, threads=threads)
     assert torch.equal(got, cpu_gemv.linear(x, cpu_gemv.pack(weight), out_features, bias, threads=threads))
     torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_panels_hold_their_k_steps_in_pairs():
+    """Line j of a bfloat16 panel: columns 0..15 of steps 2j and 2j + 1 interleaved (what the kernel's wpair reads)."""
+    weight = torch.arange(20 * 5, dtype=torch.float32).view(20, 5).bfloat16()    # exact small integers
+    packed = cpu_gemv.pack(weight, dtype=torch.bfloat16)
+    assert packed.shape == (2, 6, 16)
+    lines = packed.view(2, 3, 16, 2)
+    for p, j, c, t in [(0, 0, 0, 0), (0, 0, 0, 1), (0, 1, 3, 1), (1, 2, 3, 0), (0, 2, 15, 0)]:
+        assert lines[p, j, c, t] == weight[16 * p + c, 2 * j + t]
+    assert (lines[:, 2, :, 1] == 0).all() and (lines[1, :, 4:] == 0).all()    # step 5 and columns 20.. are padding
 
 
 def test_storage_is_bfloat16_only_when_every_value_survives_it():
