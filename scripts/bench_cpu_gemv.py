@@ -1,10 +1,12 @@
 """The few-row float32 linear (engine/kernels/cpu_gemv.py) against oneDNN's packed GEMM (engine/layers/cpu_gemm.py)
 over one decode step's linears: a Llama-layout model's layer shapes x its layer count, plus the LM head.
 
-    python scripts/bench_cpu_gemv.py [--model-id smollm2] [--rows 1,4,8,16] [--threads 2]
+    python scripts/bench_cpu_gemv.py [--model-id smollm2] [--rows 1,4,8,16] [--threads 2] [--bfloat16]
 
 Random weights of the model's shapes (config.json only), each layer its own, so a step streams them from memory
-as the engine does; both kernels alternate twice per row count; median of 7 steps, ms per step.
+as the engine does; both kernels alternate twice per row count; median of 7 steps, ms per step. `--bfloat16`:
+weights whose values are bfloat16s (a bfloat16 checkpoint), tgi_gemv's float32 panels against its bfloat16 ones
+(the same results bit for bit, half the bytes) instead of oneDNN against tgi_gemv.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-id", default="smollm2")
     parser.add_argument("--rows", default="1,4,8,16", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--bfloat16", action="store_true", help="tgi_gemv's float32 panels against its bfloat16 ones")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -40,33 +43,38 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(0)
     weights = [[torch.randn(n, k, generator=generator) * 0.02 for n, k in shapes] for _ in range(cfg.num_hidden_layers)]
     weights.append([torch.randn(cfg.vocab_size, hidden, generator=generator) * 0.02])
-    onednn = [[cpu_gemm.pack(w) for w in layer] for layer in weights]
-    ours = [[cpu_gemv.pack(w) for w in layer] for layer in weights]
+    if args.bfloat16:
+        weights = [[w.bfloat16().float() for w in layer] for layer in weights]
+        names = ("tgi_gemv float32 panels", "tgi_gemv bfloat16 panels")
+        packed = {names[0]: [[cpu_gemv.pack(w) for w in layer] for layer in weights],
+                  names[1]: [[cpu_gemv.pack(w, dtype=torch.bfloat16) for w in layer] for layer in weights]}
+    else:
+        names = ("oneDNN", "tgi_gemv")
+        packed = {names[0]: [[cpu_gemm.pack(w) for w in layer] for layer in weights],
+                  names[1]: [[cpu_gemv.pack(w) for w in layer] for layer in weights]}
     print(f"{cfg.architecture}: {cfg.num_hidden_layers} layers of {shapes} + LM head {cfg.vocab_size} x {hidden}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| rows | oneDNN ms / step | tgi_gemv ms / step | oneDNN / tgi_gemv |\n|---|---|---|---|")
+    print(f"| rows | {names[0]} ms / step | {names[1]} ms / step | {names[0]} / {names[1]} |\n|---|---|---|---|")
     for rows in args.rows:
         inputs = {k: torch.randn(rows, k, generator=generator) for k in {w.shape[1] for layer in weights for w in layer}}
 
-        def step_onednn() -> None:
-            for layer, packed in zip(weights, onednn):
-                for w, p in zip(layer, packed):
-                    cpu_gemm.linear(inputs[w.shape[1]], p, None)
+        def step(name: str) -> None:
+            for layer, panels in zip(weights, packed[name]):
+                for w, p in zip(layer, panels):
+                    if name == "oneDNN":
+                        cpu_gemm.linear(inputs[w.shape[1]], p, None)
+                    else:
+                        cpu_gemv.linear(inputs[w.shape[1]], p, w.shape[0])
 
-        def step_ours() -> None:
-            for layer, packed in zip(weights, ours):
-                for w, p in zip(layer, packed):
-                    cpu_gemv.linear(inputs[w.shape[1]], p, w.shape[0])
-
-        times: dict[str, list[float]] = {"onednn": [], "ours": []}
+        times: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(2):
-            for name, step in (("onednn", step_onednn), ("ours", step_ours)):
-                step()
+            for name in names:
+                step(name)
                 for _ in range(7):
                     start = time.perf_counter()
-                    step()
+                    step(name)
                     times[name].append(1e3 * (time.perf_counter() - start))
-        a, b = statistics.median(times["onednn"]), statistics.median(times["ours"])
+        a, b = statistics.median(times[names[0]]), statistics.median(times[names[1]])
         print(f"| {rows} | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
     return 0
 
