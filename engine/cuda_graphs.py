@@ -145,9 +145,7 @@ class DecodeGraphs:
         values[count:size] = 0
         values[size:size + count] = positions
         values[size + count:2 * size] = 0
-        # each token's slot from the kept table rows (the block ids were range-checked as they reached them)
-        values[2 * size:2 * size + count] = \
-            self.tables.mirror_np[self.tables.rows_used, positions // bs].astype(np.int64) * bs + positions % bs
+        values[2 * size:2 * size + count] = self.tables.slots(positions, bs)     # from the kept table rows
         values[2 * size + count:3 * size] = scratch * bs
         values[3 * size:3 * size + count] = positions + 1
         values[3 * size + count:] = 1

@@ -12,9 +12,9 @@ counting.
 How, once per process (`apply`): `gc.freeze()` moves everything alive after start-up (the model's modules, the
 tokenizer, the server's routes) out of every later collection, and the first threshold goes to `YOUNG_THRESHOLD`
 allocations (the older generations keep their ratios), so a young collection comes every ~15 steps at batch 256
-and an old one far less often. `TGI_HPC_GC_TUNING=0`: CPython's defaults stay. The server's AsyncEngine applies it;
-a library user of LLMEngine keeps the process's own settings; `tuned()` applies them for a while and puts the
-process's back (`bench_engine.py --host-overhead` inside a test session).
+and an old one far less often. `TGI_HPC_GC_TUNING=0`: CPython's defaults stay. The server's launcher applies it
+before its step loop; a library user of LLMEngine keeps the process's own settings; `tuned()` applies them for a
+while and puts the process's back (`bench_engine.py --host-overhead` inside a test session).
 """
 from __future__ import annotations
 
@@ -31,20 +31,31 @@ YOUNG_THRESHOLD = 20_000
 _applied: bool | None = None
 
 
+def _turned_off() -> bool:
+    return os.environ.get(ENV, "1") == "0"
+
+
+def _tune() -> tuple[int, int, int]:
+    """Collect what is garbage now (not frozen with the rest), freeze what is alive, raise the young threshold;
+    the thresholds before."""
+    before = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(YOUNG_THRESHOLD, *before[1:])
+    return before
+
+
 @contextlib.contextmanager
 def tuned() -> Iterator[bool]:
     """The same settings for a while (a benchmark run inside a test session), then the process's own back."""
-    if os.environ.get(ENV, "1") == "0" or _applied:
+    if _turned_off() or _applied:
         yield bool(_applied)
         return
-    threshold = gc.get_threshold()
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(YOUNG_THRESHOLD, *threshold[1:])
+    before = _tune()
     try:
         yield True
     finally:
-        gc.set_threshold(*threshold)
+        gc.set_threshold(*before)
         gc.unfreeze()
 
 
@@ -53,14 +64,11 @@ def apply() -> bool:
     global _applied
     if _applied is not None:
         return _applied
-    if os.environ.get(ENV, "1") == "0":
+    if _turned_off():
         logger.info("garbage collector: CPython's defaults (%s=0)", ENV)
         _applied = False
         return False
-    gc.collect()        # what start-up left as garbage goes now, not into the frozen set
-    gc.freeze()
-    _, middle, old = gc.get_threshold()
-    gc.set_threshold(YOUNG_THRESHOLD, middle, old)
+    _tune()
     logger.info("garbage collector: %d start-up objects frozen, young threshold %d", gc.get_freeze_count(),
                 YOUNG_THRESHOLD)
     _applied = True

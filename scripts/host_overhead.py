@@ -224,13 +224,13 @@ def measure(engine: Any, steps: int, evict_mb: int = 0) -> dict[str, Any]:
     """CPU microseconds per decode step: the plain total (and the delivery of its outputs); then, on as many steps
     each, the step with its schedule/prepare/sample timers, and the detokenizer's share (timed per call, on steps
     of their own)."""
+    from engine.deferred_outputs import DeferredRows
     totals, delivered = [], []
     for _ in range(steps):
         start = time.process_time()
         outputs = engine.step()
         totals.append(time.process_time() - start)
         delivered.append(deliver(outputs))
-        from engine.deferred_outputs import DeferredRows
         assert sum(len(out) if isinstance(out, DeferredRows) else 1 for out in outputs) \
             == engine.config.max_batch_size, "every sequence must decode in every step"
     phases: dict[str, list[float]] = {name: [] for name in ("schedule", "prepare", "sample", "detokenize",

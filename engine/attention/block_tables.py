@@ -9,8 +9,8 @@ whose version differs is rewritten whole. A span without a version (-1) is alway
 
 Every entry is range-checked against `num_blocks` (when given) as it is written into the mirror, so each block
 id is checked once, when it first reaches the device, instead of every step (`validate_spans` walks every
-table only in debug mode). `rows` keeps the step's row of each span: a decode step's slots are read from
-the mirror through it (engine/attention/metadata.py), not from the spans' lists.
+table only in debug mode). `rows_used` keeps the last gather's row of each span: `slots` reads a decode step's
+slots from the mirror through it (engine/attention/metadata.py, engine/cuda_graphs.py), not from the spans' lists.
 
 On CUDA the host mirror and the staging buffer are pinned: per step one host-to-device copy carries
 the step's row indices and the changed entries, and the device scatters and gathers. A row of a
@@ -72,6 +72,12 @@ class BlockTables:
         if not self.pinned:     # rows of a column slice by an index array: ~2x cheaper than [list, :width]
             return torch.from_numpy(self.mirror_np[:, :width][rows])
         return self._upload(order, changed, width)
+
+    def slots(self, positions: np.ndarray, block_size: int) -> np.ndarray:
+        """int64 cache slots of one token per span of the last `gather`, at `positions` (one per span), read from the
+        kept rows (ids range-checked as they were written) instead of the spans' lists."""
+        blocks = self.mirror_np[self.rows_used, positions // block_size].astype(np.int64)
+        return blocks * block_size + positions % block_size
 
     def _update(self, span: SeqSpan, changed: list[tuple[int, int, int]]) -> int:
         table, version = span.block_table, span.table_version

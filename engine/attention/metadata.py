@@ -44,9 +44,7 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device,
     if len(query_lens) == sum(query_lens):      # decodes only (one token each): list comprehensions, no loops
         seq_lens = [span.start_pos + 1 for span in spans]
         if tables is not None:  # each token's block from the kept table rows: no walk through the spans' lists
-            positions = np.array(seq_lens, dtype=np.int64) - 1
-            blocks = tables.mirror_np[tables.rows_used, positions // block_size].astype(np.int64)
-            slot_mapping = torch.from_numpy(blocks * block_size + positions % block_size)
+            slot_mapping = torch.from_numpy(tables.slots(np.array(seq_lens, dtype=np.int64) - 1, block_size))
         else:
             slot_mapping = _host([span.block_table[span.start_pos // block_size] * block_size
                                   + span.start_pos % block_size for span in spans], np.int64)
