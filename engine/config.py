@@ -52,6 +52,7 @@ class EngineConfig:
     block_size: int | None = None           # tokens per KV block; None = the attention backend's default
     enforce_eager: bool = False             # no CUDA graphs, no fused CPU decode step (--enforce-eager)
     cuda_graphs: list[int] | None = None    # decode batch sizes to capture; None = 1,2,4..256; [] = none
+    piecewise_graphs: list[int] | None = None  # step token counts (engine/piecewise_graphs.py); None = the ladder
     attention_backend: str = "auto"         # "auto" | "cpu_paged" | "portable" | "triton" | "flash-attn"
     cpu_gemm: str = "auto"                  # "auto" | "onednn" | "aten": linear layers on CPU
     cpu_elementwise: str = "auto"           # "auto" | "fused" | "aten": norm, RoPE, SiLU-and-mul on CPU

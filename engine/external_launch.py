@@ -125,6 +125,7 @@ class DistributedRunner:
         self.elementwise_backend, self.quant_checks = worker.elementwise_backend, worker.quant_report
         self.decode_step_report = worker.decode_step_report
         self.cuda_graph_sizes: list[int] = []
+        self.piecewise_graph_sizes: list[int] = worker.piecewise.sizes if worker.piecewise is not None else []
         logger.info("%d ranks ready: %d pipeline stage(s) x %d tensor shard(s), layers %s on rank 0, "
                     "%d KV blocks of %d tokens", layout.world_size, layout.pp_size, layout.tp_size,
                     worker.model.model.layer_range, self.num_kv_blocks, self.block_size)

@@ -212,6 +212,11 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--cuda-graphs",), "CUDA_GRAPHS", dict(type=_batch_sizes, help="decode batch sizes captured as CUDA graphs, "
                                              "e.g. 1,2,4,8; 0 = none (default: 1,2,4,...,256 on one GPU "
                                              "with the triton or flash-attn attention backend)")),
+    (("--piecewise-graphs",), "PIECEWISE_GRAPHS",
+     dict(type=_batch_sizes, help="step token counts whose forward is captured as CUDA graphs cut at attention, "
+                                  "for prefill, mixed and drafted steps, e.g. 16,64,256; 0 = none (default on a GPU: "
+                                  "1,2,4,8, every 16 to 256, every 256 up to the largest step; off CUDA an explicit "
+                                  "list runs the same split forward uncaptured, for tests)")),
     (("--attention-backend",), "ATTENTION_BACKEND",
      dict(default="auto", choices=ATTENTION_CHOICES,
           help="paged attention: auto = the first of flash-attn, triton (CUDA), cpu_paged (CPU) and portable "
@@ -330,7 +335,8 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         cors_allow_origin=list(args.cors_allow_origin or []), json_output=args.json_output,
         served_model_name=args.served_model_name or args.model_id, cpu_gemm=args.cpu_gemm, cpu_elementwise=args.cpu_elementwise,
         gpu_elementwise=args.gpu_elementwise,
-        cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend, block_size=args.block_size,
+        cuda_graphs=args.cuda_graphs, piecewise_graphs=args.piecewise_graphs,
+        attention_backend=args.attention_backend, block_size=args.block_size,
         speculate=AUTO_MAX_DRAFTS if args.speculate == "auto" else args.speculate,
         speculate_auto=args.speculate == "auto", speculative_layers=args.speculative_layers,
         speculative_model=args.speculative_model or None,

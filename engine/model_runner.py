@@ -71,11 +71,13 @@ class ModelRunner:
         self.quant_checks: dict[str, str] = self._rank0.quant_report
         graphs = self._rank0.graphs
         self.cuda_graph_sizes: list[int] = graphs.batch_sizes if graphs is not None else []
+        pieces = self._rank0.piecewise
+        self.piecewise_graph_sizes: list[int] = pieces.sizes if pieces is not None else []
         logger.info("model runner ready: %s on %s x%d, %s, attention %s, linear %s, element-wise %s, decode CUDA "
-                    "graphs %s, decode step %s, %d KV blocks of %d tokens", model_config.architecture, self.device,
-                    config.num_shard, self.dtype, self.attention_backend, self.linear_backend, self.elementwise_backend,
-                    self.cuda_graph_sizes or "none", self.decode_step_report,
-                    self.num_kv_blocks, self.block_size)
+                    "graphs %s, piecewise graphs %s, decode step %s, %d KV blocks of %d tokens",
+                    model_config.architecture, self.device, config.num_shard, self.dtype, self.attention_backend,
+                    self.linear_backend, self.elementwise_backend, self.cuda_graph_sizes or "none",
+                    self.piecewise_graph_sizes or "none", self.decode_step_report, self.num_kv_blocks, self.block_size)
 
     def _start(self, config: EngineConfig, model_config: ModelConfig) -> None:
         store = None

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine import cpu_decode_step, cuda_graphs, distributed, malloc_reuse, pipeline
+from engine import cpu_decode_step, cuda_graphs, distributed, malloc_reuse, piecewise_graphs, pipeline
 from engine.attention.block_tables import BlockTables
 from engine.attention.flash import flash_version
 from engine.attention.selection import choose_backend
@@ -123,7 +123,7 @@ class RankWorker:
             else None
         if config.speculative_layers:
             check_layer_skip(self.model, config.speculative_layers, model_config.num_hidden_layers)
-        kind = speculative_kind(config.speculative_model)
+        kind = self.speculative_kind = speculative_kind(config.speculative_model)
         self.draft = DraftModel(config.speculative_model, self.device, self.dtype) if kind == "draft" else None
         # Medusa / EAGLE-3: rank 0 alone drafts from the target's hidden states
         self.heads = load_heads(kind, config.speculative_model, self.model, model_config, self.device, self.dtype) \
@@ -147,6 +147,7 @@ class RankWorker:
         self.num_kv_blocks = self._allocate_kv_cache()
         self.block_tables.num_blocks = self.num_kv_blocks  # each id range-checked as it reaches the table
         self.graphs = self._capture_graphs() if self.graph_sizes else None
+        self.piecewise = self._capture_piecewise()
         self.decode_step, self.decode_step_report = cpu_decode_step.build(self)
 
     def _choose_elementwise(self) -> str:
@@ -262,6 +263,61 @@ class RankWorker:
                     time.monotonic() - start)
         return graphs
 
+    def _piecewise_sizes(self) -> list[int]:
+        """Step token counts to capture as piecewise graphs here ([] = eager), the same on every rank."""
+        config = self.config
+        if config.piecewise_graphs is None and self.device.type != "cuda":
+            return []   # off CUDA only an explicit list, which runs the split forward uncaptured (tests)
+        largest_step = (config.max_batch_prefill_tokens or 4096 + 50) + (config.max_batch_size or 256)
+        sizes = piecewise_graphs.token_sizes(config.piecewise_graphs, config.enforce_eager, largest_step,
+                                             config.max_batch_size)
+        reason = None
+        if not sizes:
+            return []
+        if self.lora is not None:
+            reason = "LoRA adapters are loaded (their per-step token slices are Python-side)"
+        elif getattr(self.model, "supports_cuda_graphs", True) is False or self.encoder_cache is not None:
+            reason = "not captured for models on the transformers backend"
+        elif self.speculative_kind == "eagle3":
+            reason = "EAGLE-3 reads the target's layer inputs through Python hooks"
+        elif self.layout.pp_size > 1:
+            reason = "not implemented with pipeline parallelism"
+        if reason:
+            logger.info("piecewise CUDA graphs off: %s", reason)
+            return []
+        return sizes
+
+    def _capture_piecewise(self) -> piecewise_graphs.PiecewiseGraphs | None:
+        """The target's pieces (and a draft model's own, in its own pool: the target's output must outlive
+        the draft's forward). Every rank captures; they stay only if every rank's captures and checks passed."""
+        sizes = self._piecewise_sizes()
+        if not sizes:
+            return None
+        start = time.monotonic()
+        tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
+        models = [(self.model, self.attention_layers, self.windows)]
+        if self.draft is not None:
+            models.append((self.draft.model, self.draft.attention_layers, self.draft.windows))
+        captured = []
+        try:
+            for model, layers, windows in models:
+                graphs = piecewise_graphs.PiecewiseGraphs(model, sizes, self.device, self.dtype)
+                graphs.capture()
+                if not piecewise_graphs.matches_eager(graphs, layers, self.attention, self.block_size, windows,
+                                                      self.num_kv_blocks, tolerance):
+                    break
+                captured.append(graphs)
+        except Exception as error:   # a capture problem must not take the engine down
+            logger.warning("capturing piecewise CUDA graphs failed (%s): mixed steps run eagerly", error)
+        if distributed.all_reduce_min(int(len(captured) == len(models)), self.device) != 1:
+            return None
+        if self.draft is not None:
+            self.draft.piecewise = captured[1]
+        if self.rank == 0:
+            logger.info("piecewise CUDA graphs for %d token counts up to %d captured in %.1f s%s", len(sizes),
+                        captured[0].max_tokens, time.monotonic() - start, " with the draft model's" if self.draft else "")
+        return captured[0]
+
     def _allocate_kv_cache(self) -> int:
         cfg = self.model_config
         layer0 = self.attention_layers[0]
@@ -361,7 +417,10 @@ class RankWorker:
             elif num_layers is None and self.decode_step is not None and self.decode_step.can_run(spans):
                 hidden = self.decode_step.run(inputs)  # no LoRA, drafts or heads: the step is not built with them
             elif num_layers is None:
-                hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
+                if self.piecewise is not None and self.piecewise.can_run(spans, inputs.input_ids.shape[0]):
+                    hidden = self.piecewise.run(inputs)     # a static buffer: read before the next step
+                else:
+                    hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
                 if self.draft is not None:
                     self.draft.forward(inputs)
                 if self.heads is not None:
@@ -394,7 +453,7 @@ class RankWorker:
     def close(self) -> None:
         if self.kv_prefault is not None:
             self.kv_prefault.close()
-        self.graphs = None
+        self.graphs = self.piecewise = None
         self.heads = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])

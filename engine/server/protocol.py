@@ -175,6 +175,7 @@ class Info(_Wire):
     quant_kernels: dict[str, str] = Field(default_factory=dict)
     model_impl: str = "native"      # "native" (engine/models/) | "transformers" (--model-impl)
     cuda_graphs: list[int] = []
+    piecewise_graphs: list[int] = []   # step token counts replayed as graphs cut at attention (piecewise_graphs.py)
     block_size: int
     speculate: int = 0      # n-gram draft tokens per step (--speculate); 0 = off
     # LoRA: the --lora-adapters names a request may pick (adapter_id / OpenAI model), and how they run

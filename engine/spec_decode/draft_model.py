@@ -63,6 +63,7 @@ class DraftModel:
         self.windows = {layer.sliding_window for layer in self.attention_layers}
         self.dtype, self.device = dtype, device
         self.kv_cache: torch.Tensor | None = None
+        self.piecewise = None   # engine/piecewise_graphs.py, set by the worker when the target's are captured
         logger.info("draft model %s: %d layers (%s)", path, self.config.num_hidden_layers,
                     json.dumps(self.config.architecture))
 
@@ -81,10 +82,12 @@ class DraftModel:
             layer.impl = backend
 
     def forward(self, inputs: Any) -> torch.Tensor:
+        if self.piecewise is not None and self.piecewise.can_run((), inputs.input_ids.shape[0]):
+            return self.piecewise.run(inputs)
         return self.model(inputs.input_ids, inputs.positions, inputs.attention)
 
     def close(self) -> None:
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = None
-        self.model = None
+        self.model = self.piecewise = None
