@@ -215,7 +215,7 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--piecewise-graphs",), "PIECEWISE_GRAPHS",
      dict(type=_batch_sizes, help="step token counts whose forward is captured as CUDA graphs cut at attention, "
                                   "for prefill, mixed and drafted steps, e.g. 16,64,256; 0 = none (default on a GPU: "
-                                  "1,2,4,8, every 16 to 256, every 256 up to the largest step; off CUDA an explicit "
+                                  "1,2,4,8, every 16 to 256, every 32 to 512; off CUDA an explicit "
                                   "list runs the same split forward uncaptured, for tests)")),
     (("--attention-backend",), "ATTENTION_BACKEND",
      dict(default="auto", choices=ATTENTION_CHOICES,

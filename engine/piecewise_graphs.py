@@ -1,5 +1,6 @@
-"""Piecewise CUDA graphs: every step shape (prefill chunks, mixed prefill + decode, verified drafts) replays
-graphs of everything but attention, which runs eagerly between the pieces on the step's own metadata.
+"""Piecewise CUDA graphs: a step of any shape (prefill chunks, mixed prefill + decode, verified drafts) and of up to
+512 tokens by default replays graphs of everything but attention, which runs eagerly between the pieces on the
+step's own metadata.
 
 Why: the decode graphs (engine/cuda_graphs.py) capture attention too, so they need a static batch layout and
 take pure decode batches only; any step with a prefill chunk or drafts ran eagerly, ~15 launches per layer
@@ -35,23 +36,27 @@ from engine.model_inputs import ModelInputs, prepare_inputs
 
 logger = logging.getLogger(__name__)
 
-MAX_DEFAULT_TOKENS = 8192   # a step beyond the largest captured count runs eagerly
+# Beyond this many tokens a step is compute-bound (an 8B model's forward of 512 tokens is ~8 TFLOP, several ms on
+# an H100, against well under a millisecond of launches), so larger steps run eagerly unless a list asks for more,
+# as vLLM's default capture sizes stop at 512.
+MAX_DEFAULT_TOKENS = 512
 
 
 def token_sizes(wanted: list[int] | None, enforce_eager: bool, max_tokens: int,
                 max_batch_size: int | None) -> list[int]:
     """The token counts to capture: an explicit list as given (0 or empty = none), else 1, 2, 4, 8, every 16 to
-    256, every 256 beyond, up to the largest step (`max_tokens`, at most 8,192), with max_batch_size included so
-    a full decode batch with a prefill chunk of its own size pads little."""
+    256, every 32 to 512, with max_batch_size (up to 512) so a full decode batch pads nothing, none above the
+    largest step (`max_tokens`: the prefill budget plus a full batch of decodes)."""
     if enforce_eager:
         return []
     if wanted is not None:
         return sorted({size for size in wanted if size > 0})
     top = min(max_tokens, MAX_DEFAULT_TOKENS)
-    sizes = [1, 2, 4, 8, *range(16, 256, 16), *range(256, top + 256, 256)]
+    sizes = [1, 2, 4, 8, *range(16, 256, 16), *range(256, MAX_DEFAULT_TOKENS + 1, 32)]
     if max_batch_size:
-        sizes.append(max_batch_size)
-    return sorted({size for size in sizes if size <= -(-top // 256) * 256})
+        sizes.append(min(max_batch_size, MAX_DEFAULT_TOKENS))
+    limit = next(size for size in sorted(sizes) if size >= top)   # the smallest count that holds the largest step
+    return sorted({size for size in sizes if size <= limit})
 
 
 class PiecewiseGraphs:
@@ -124,8 +129,7 @@ class PiecewiseGraphs:
         def warm(layer, q, k, v):
             return self._stash(layer, n, q, k, v)[3]
 
-        for _ in range(2):   # lazy initializations (cuBLAS workspaces, Triton's first launches) off the capture
-            self._forward(n, warm)
+        self._forward(n, warm)   # lazy initializations (cuBLAS workspaces, Triton's first launches) off the capture
         pieces, order = [torch.cuda.CUDAGraph()], []
 
         def cut(layer, q, k, v):

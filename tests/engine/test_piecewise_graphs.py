@@ -45,10 +45,12 @@ def replays(monkeypatch):
 
 def test_default_ladder_and_explicit_lists():
     sizes = token_sizes(None, False, 4096 + 50 + 256, 256)
-    assert sizes[:6] == [1, 2, 4, 8, 16, 32] and 240 in sizes and 256 in sizes and 512 in sizes
-    assert sizes[-1] == 4608 and all(b - a <= 256 for a, b in zip(sizes, sizes[1:]))
+    assert sizes[:6] == [1, 2, 4, 8, 16, 32] and 240 in sizes and 256 in sizes and 288 in sizes
+    assert sizes[-1] == 512 and all(b - a <= 32 for a, b in zip(sizes, sizes[1:]))   # larger steps: eager
     assert 24 in token_sizes(None, False, 100, 24)               # max_batch_size: a full batch pads nothing
-    assert token_sizes(None, False, 10**6, None)[-1] == 8192     # larger steps run eagerly
+    assert token_sizes(None, False, 100, None)[-1] == 112        # the smallest count that holds the largest step
+    assert token_sizes(None, False, 96, None)[-1] == 96
+    assert token_sizes(None, False, 3, 1) == [1, 2, 4]
     assert token_sizes([64, 3, 3, 0], False, 100, None) == [3, 64]
     assert token_sizes([], False, 100, None) == [] and token_sizes(None, True, 100, 8) == []
     with pytest.raises(ValueError, match=">= 1"):
