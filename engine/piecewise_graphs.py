@@ -191,23 +191,22 @@ class PiecewiseGraphs:
 @torch.inference_mode()
 def matches_eager(graphs: PiecewiseGraphs, attention_layers: list, backend, block_size: int,
                   windows: set[int | None], num_blocks: int, tolerance: float) -> bool:
-    """A mixed step (a prefill chunk after a cached prefix, a fresh prompt, two decodes) through the pieces,
-    against the eager forward on the same cache. Runs at start-up, before any request owns a block: it
-    scribbles on the first blocks of the cache."""
+    """A mixed step (two decodes, a prefill chunk across a block boundary after a cached prefix, a fresh prompt:
+    14 tokens whatever the block size) through the pieces, against the eager forward on the same cache. Runs at
+    start-up, before any request owns a block: it scribbles on the first blocks of the cache."""
     device = graphs.device
     spans, next_block = probe_decode_spans([block_size + 3, 2 * block_size - 1], block_size, first_token=7)
-    chunk_blocks = list(range(next_block, next_block + 3))
-    prompt_blocks = list(range(next_block + 3, next_block + 5))
-    spans.append(SeqSpan(2, list(range(20, 20 + block_size + 2)), block_size - 2, chunk_blocks))
-    spans.append(SeqSpan(3, list(range(40, 40 + block_size + 1)), 0, prompt_blocks))
-    if next_block + 5 > num_blocks or sum(len(s.token_ids) for s in spans) > graphs.max_tokens:
+    spans.append(SeqSpan(2, list(range(20, 25)), block_size - 2, [next_block, next_block + 1]))
+    spans.append(SeqSpan(3, list(range(40, 47)), 0, [next_block + 2]))
+    next_block += 3
+    if next_block > num_blocks or sum(len(s.token_ids) for s in spans) > graphs.max_tokens:
         return True   # a cache (or a ladder) this small is no test bed; the pieces themselves still stand
     generator = torch.Generator(device=device).manual_seed(0)
     try:
         for layer in attention_layers:   # a finite context (an empty cache may hold NaN bit patterns)
             for cache in (layer.k_cache, layer.v_cache):
-                cache[:next_block + 5] = torch.randn(cache[:next_block + 5].shape, generator=generator,
-                                                     device=device, dtype=cache.dtype)
+                cache[:next_block] = torch.randn(cache[:next_block].shape, generator=generator, device=device,
+                                                 dtype=cache.dtype)
         inputs = prepare_inputs(spans, block_size, device, backend, windows)
         eager = graphs.model(inputs.input_ids, inputs.positions, inputs.attention).float()
         replayed = graphs.run(inputs).float()

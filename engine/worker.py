@@ -271,9 +271,9 @@ class RankWorker:
         largest_step = (config.max_batch_prefill_tokens or 4096 + 50) + (config.max_batch_size or 256)
         sizes = piecewise_graphs.token_sizes(config.piecewise_graphs, config.enforce_eager, largest_step,
                                              config.max_batch_size)
-        reason = None
         if not sizes:
             return []
+        reason = None
         if self.lora is not None:
             reason = "LoRA adapters are loaded (their per-step token slices are Python-side)"
         elif getattr(self.model, "supports_cuda_graphs", True) is False or self.encoder_cache is not None:
@@ -315,7 +315,8 @@ class RankWorker:
             self.draft.piecewise = captured[1]
         if self.rank == 0:
             logger.info("piecewise CUDA graphs for %d token counts up to %d captured in %.1f s%s", len(sizes),
-                        captured[0].max_tokens, time.monotonic() - start, " with the draft model's" if self.draft else "")
+                        captured[0].max_tokens, time.monotonic() - start,
+                        " (and the draft model's)" if self.draft is not None else "")
         return captured[0]
 
     def _allocate_kv_cache(self) -> int:
