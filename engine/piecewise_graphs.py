@@ -16,22 +16,25 @@ Tensors that cross a cut (the residual stream, RoPE's inputs) stay alive in the 
 capture, so the shared memory pool never hands their addresses to a later piece. At replay: piece i, then
 attention of layer i on the first T rows of the static q/k/v with the step's metadata (built as for an eager
 step), into the first T rows of the static output, then piece i + 1. Padding rows never reach attention: they
-write no KV and read nothing; every other op is row-wise, so they cannot touch the real rows.
+write no KV and read nothing; every other op is row-wise, so they cannot touch the real rows. LoRA layers read a
+static token -> adapter map (padding rows on the base model) through launches that do not depend on it.
 
 Off CUDA there is nothing to capture: `capture` records the layer order and `run` re-runs the forward on the
 same static buffers with the same cut-time copies and row-limited attention, so the tests check padding,
-buffers and the split on CPU (greedy equality for every family, TP=2 over gloo, a draft model).
+buffers and the split on CPU (greedy equality for every family, TP=2 over gloo, a draft model, LoRA).
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.batch import SeqSpan, probe_decode_spans
 from engine.layers.attention import Attention
+from engine.lora.batch import LoraBatch
 from engine.model_inputs import ModelInputs, prepare_inputs
 
 logger = logging.getLogger(__name__)
@@ -60,11 +63,15 @@ def token_sizes(wanted: list[int] | None, enforce_eager: bool, max_tokens: int,
 
 
 class PiecewiseGraphs:
-    def __init__(self, model: torch.nn.Module, sizes: list[int], device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: torch.nn.Module, sizes: list[int], device: torch.device, dtype: torch.dtype,
+                 lora: LoraBatch | None = None) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"piecewise graph token counts must be >= 1, got {sizes}")
         self.model, self.sizes, self.device = model, sorted(set(sizes)), device
         largest = self.sizes[-1]
+        self.lora = lora   # LoRA adapters: the pieces read their static token -> adapter map (engine/lora/batch.py)
+        if lora is not None:
+            lora.allocate_graph_map(largest, device)
         layers = model.attention_layers()
         q_width = max(layer.num_heads * layer.head_dim for layer in layers)
         kv_width = max(layer.num_kv_heads * layer.head_dim for layer in layers)
@@ -98,7 +105,8 @@ class PiecewiseGraphs:
     def _forward(self, n: int, split: Callable) -> torch.Tensor:
         previous, Attention.split = Attention.split, split
         try:
-            return self.model(self.input_ids[:n], self.positions[:n], None)
+            with self.lora.graphed(n) if self.lora is not None else nullcontext():
+                return self.model(self.input_ids[:n], self.positions[:n], None)
         finally:
             Attention.split = previous
 
@@ -163,6 +171,8 @@ class PiecewiseGraphs:
         n = next(size for size in self.sizes if size >= t)
         self.input_ids[:t].copy_(inputs.input_ids)   # padding rows keep earlier ids and positions: valid, unread
         self.positions[:t].copy_(inputs.positions)
+        if self.lora is not None:
+            self.lora.stage(t, n)
         meta = inputs.attention
         if n not in self.pieces:   # off CUDA: the same buffers, cuts and row-limited attention, run eagerly
             order = iter(self.layers[n])
@@ -196,9 +206,11 @@ def matches_eager(graphs: PiecewiseGraphs, attention_layers: list, backend, bloc
     start-up, before any request owns a block: it scribbles on the first blocks of the cache."""
     device = graphs.device
     spans, next_block = probe_decode_spans([block_size + 3, 2 * block_size - 1], block_size, first_token=7)
-    spans.append(SeqSpan(2, list(range(20, 25)), block_size - 2, [next_block, next_block + 1]))
-    spans.append(SeqSpan(3, list(range(40, 47)), 0, [next_block + 2]))
-    next_block += 3
+    for seq_id, (first, start, length) in enumerate([(20, max(1, block_size - 2), 5), (40, 0, 7)], start=2):
+        blocks = -(-(start + length) // block_size)
+        spans.append(SeqSpan(seq_id, list(range(first, first + length)), start,
+                             list(range(next_block, next_block + blocks))))
+        next_block += blocks
     if next_block > num_blocks or sum(len(s.token_ids) for s in spans) > graphs.max_tokens:
         return True   # a cache (or a ladder) this small is no test bed; the pieces themselves still stand
     generator = torch.Generator(device=device).manual_seed(0)

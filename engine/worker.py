@@ -273,10 +273,10 @@ class RankWorker:
                                              config.max_batch_size)
         if not sizes:
             return []
+        if self.lora is not None and config.piecewise_graphs is None:   # larger LoRA steps: the grouped GEMMs
+            sizes = [size for size in sizes if size <= lora_backend.GROUPED_FROM_TOKENS]
         reason = None
-        if self.lora is not None:
-            reason = "LoRA adapters are loaded (their per-step token slices are Python-side)"
-        elif getattr(self.model, "supports_cuda_graphs", True) is False or self.encoder_cache is not None:
+        if getattr(self.model, "supports_cuda_graphs", True) is False or self.encoder_cache is not None:
             reason = "not captured for models on the transformers backend"
         elif self.speculative_kind == "eagle3":
             reason = "EAGLE-3 reads the target's layer inputs through Python hooks"
@@ -301,7 +301,8 @@ class RankWorker:
         captured = []
         try:
             for model, layers, windows in models:
-                graphs = piecewise_graphs.PiecewiseGraphs(model, sizes, self.device, self.dtype)
+                lora = self.lora.batch if self.lora is not None and model is self.model else None
+                graphs = piecewise_graphs.PiecewiseGraphs(model, sizes, self.device, self.dtype, lora)
                 graphs.capture()
                 if not piecewise_graphs.matches_eager(graphs, layers, self.attention, self.block_size, windows,
                                                       self.num_kv_blocks, tolerance):

@@ -46,6 +46,28 @@ def triton_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Ten
 BACKENDS: dict[str, Apply] = {"triton": triton_apply, "grouped": grouped_apply}
 
 
+def masked_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 token_indices: torch.Tensor) -> torch.Tensor:
+    """y += (x A_i^T) B_i^T for every adapter slot i over every token, zeroed where the token is not i's: the same
+    launches whatever the map, so a CUDA graph can hold it (piecewise graphs on the grouped backend)."""
+    for i in range(a.shape[0]):
+        mask = (token_indices == i + 1).to(x.dtype)[:, None]
+        y.addmm_((x @ a[i].T) * mask, b[i].T)
+    return y
+
+
+def indexed_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  token_indices: torch.Tensor) -> torch.Tensor:
+    """The Triton kernels on the map alone (no grouped hand-over: its slices are Python-side)."""
+    from engine.kernels.lora import lora_apply
+
+    return lora_apply(x, y, a, b, token_indices)
+
+
+# inside piecewise graphs: (x, y, a, b, token_indices) -> y
+GRAPH_BACKENDS: dict[str, Callable] = {"triton": indexed_apply, "grouped": masked_apply}
+
+
 def choose(device: torch.device, dtype: torch.dtype, agree: Callable[[bool], bool] = lambda ok: ok,
            ) -> tuple[str, dict[str, str]]:
     """The backend every rank uses, and the verdict on each candidate ("ok" or why not)."""

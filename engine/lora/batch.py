@@ -1,26 +1,55 @@
 """LoraBatch: which adapter each token of the current step uses, shared by every adapted layer."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from engine.batch import SeqSpan
 
 
 class LoraBatch:
-    """Set from the step's spans before the forward, cleared after it (warm-up and graphs see no adapter).
+    """Set from the step's spans before the forward, cleared after it (warm-up and decode graphs see no adapter).
 
     `token_indices` [T] int32 holds each token's adapter index (0 = base); `groups` lists, per adapter
     present, its stack row and its token rows (a slice when they are contiguous) for the grouped path.
+
+    Piecewise graphs (engine/piecewise_graphs.py) capture the adapted layers over a static map instead:
+    `stage` copies the step's map into `graph_indices` (padding rows 0), and inside `graphed(n)` every adapted
+    layer reads its first n entries through a path with no data-dependent Python (engine/lora/backend.py).
     """
 
     def __init__(self) -> None:
         self.num_tokens = 0
         self.token_indices: torch.Tensor | None = None
         self.groups: list[tuple[int, slice | torch.Tensor]] = []
+        self.graph_indices: torch.Tensor | None = None
+        self.in_graph = False
 
     @property
     def active(self) -> bool:
-        return bool(self.groups)
+        return self.in_graph or bool(self.groups)
+
+    def allocate_graph_map(self, max_tokens: int, device: torch.device) -> None:
+        self.graph_indices = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+
+    def stage(self, num_tokens: int, padded: int) -> None:
+        """The step's map (set by `set`) into the static one, padding rows on the base model."""
+        if self.token_indices is None:
+            self.graph_indices[:padded].zero_()
+            return
+        self.graph_indices[:num_tokens].copy_(self.token_indices)
+        self.graph_indices[num_tokens:padded].zero_()
+
+    @contextmanager
+    def graphed(self, padded: int) -> Iterator[None]:
+        saved = self.num_tokens, self.token_indices, self.in_graph
+        self.num_tokens, self.token_indices, self.in_graph = padded, self.graph_indices[:padded], True
+        try:
+            yield
+        finally:
+            self.num_tokens, self.token_indices, self.in_graph = saved
 
     def set(self, spans: list[SeqSpan], device: torch.device) -> None:
         indices: list[int] = []

@@ -19,7 +19,7 @@ from torch import nn
 
 from engine.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
 from engine.lora.adapter import Adapter
-from engine.lora.backend import BACKENDS
+from engine.lora.backend import BACKENDS, GRAPH_BACKENDS
 from engine.lora.batch import LoraBatch
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ class LayerLora:
     def __init__(self, layer: LinearBase, num_adapters: int, rank: int, batch: LoraBatch, backend: str,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.parts = _parts(layer)
-        self.rank, self.batch, self.apply = rank, batch, BACKENDS[backend]
+        self.rank, self.batch, self.apply, self.graph_apply = rank, batch, BACKENDS[backend], GRAPH_BACKENDS[backend]
         width = len(self.parts) * rank
         self.a = torch.zeros(num_adapters, width, layer.input_size, dtype=dtype, device=device)
         self.b = torch.zeros(num_adapters, layer.output_size, width, dtype=dtype, device=device)
@@ -40,6 +40,8 @@ class LayerLora:
         if not self.batch.active:
             return y
         assert x.shape[0] == self.batch.num_tokens, (x.shape, self.batch.num_tokens)
+        if self.batch.in_graph:
+            return self.graph_apply(x, y, self.a, self.b, self.batch.token_indices)
         return self.apply(x, y, self.a, self.b, self.batch)
 
     def load(self, layer: LinearBase, index: int, part: Any, a: Any, b: Any, scale: float) -> None:

@@ -99,6 +99,23 @@ def test_speculative_decoding_verifies_drafts_with_each_rows_adapter(tiny):
         assert [t.id for t in out.tokens] == hf_greedy(tiny["merged"][a], prompts[i], 12), (i, a)
 
 
+def test_piecewise_graphs_give_each_row_its_adapter_in_mixed_steps(tiny, monkeypatch):
+    """The pieces read a static token -> adapter map (engine/lora/batch.py): every row against its merged model."""
+    from engine.piecewise_graphs import PiecewiseGraphs
+    replays, run = [], PiecewiseGraphs.run
+    monkeypatch.setattr(PiecewiseGraphs, "run", lambda self, inputs: replays.append(1) or run(self, inputs))
+    sizes = [4, 8, 16, 24, 32, 40, 48]
+    with engine_with(tiny["base"], [("a1", tiny["a1"]), ("a2", tiny["a2"])], max_batch_prefill_tokens=24,
+                     piecewise_graphs=sizes, speculate=2) as engine:
+        assert engine.runner.piecewise_graph_sizes == sizes
+        prompts = [engine.tokenizer.encode(t) for t in TEXTS + ["a b c a b c a b c a b"]]
+        pairs = [(i, a) for a in ("a1", None, "a2") for i in range(len(prompts))]
+        outs = engine.generate([prompts[i] for i, _ in pairs], [greedy(a) for _, a in pairs])
+    assert len(replays) > 3
+    for (i, a), out in zip(pairs, outs):
+        assert [t.id for t in out.tokens] == hf_greedy(tiny["merged"][a], prompts[i], 12), (i, a)
+
+
 def test_the_prefix_cache_never_shares_blocks_between_adapters():
     bm = BlockManager(num_blocks=16, block_size=4)
     tokens = list(range(13))

@@ -98,3 +98,33 @@ def test_spans_are_grouped_by_adapter_and_logits_rows_restored():
     batch = LoraBatch()
     batch.set(ordered, DEVICE)
     assert [(i, r) for i, r in batch.groups] == [(0, slice(2, 4)), (1, slice(4, 9))]  # one slice per adapter
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_graph_paths_match_the_reference_and_leave_base_rows_alone(seed):
+    """Inside piecewise graphs: the masked GEMMs (any device) and the Triton kernels on the map alone."""
+    x, y, a, b, _, indices = random_case(seed, torch.float32)
+    expected = lora_reference(x, y, a, b, indices)
+    paths = {"grouped": backend.masked_apply} | ({"triton": backend.indexed_apply} if triton_available() else {})
+    assert set(backend.GRAPH_BACKENDS) == set(backend.BACKENDS)
+    for name, apply in paths.items():
+        got = apply(x, y.clone(), a, b, indices)
+        assert (got.double() - expected).abs().max() <= TOL[torch.float32], name
+        assert torch.equal(got[indices == 0], y[indices == 0]), name
+
+
+def test_the_static_map_pads_with_the_base_model_and_restores_the_step_state():
+    batch = LoraBatch()
+    batch.allocate_graph_map(8, DEVICE)
+    batch.graph_indices.fill_(7)                     # whatever an earlier step left
+    batch.set([SeqSpan(0, [0, 0], 0, [], adapter=2), SeqSpan(1, [0], 0, [], adapter=0)], DEVICE)
+    batch.stage(3, 6)
+    assert batch.graph_indices.tolist() == [2, 2, 0, 0, 0, 0, 7, 7]
+    step = batch.num_tokens, batch.token_indices, batch.groups
+    with batch.graphed(6):
+        assert batch.active and batch.in_graph and batch.num_tokens == 6
+        assert batch.token_indices.data_ptr() == batch.graph_indices.data_ptr()
+    assert (batch.num_tokens, batch.token_indices, batch.groups) == step and not batch.in_graph
+    batch.clear()
+    batch.stage(0, 4)                                # a step without adapters: all base
+    assert batch.graph_indices.tolist()[:4] == [0, 0, 0, 0] and not batch.active

@@ -130,6 +130,18 @@ def test_self_check_passes_and_catches_a_wrong_cut(model_path, monkeypatch):
     assert matches_eager(small, layers, layers[0].impl, BLOCK, windows, NUM_BLOCKS, 1e-4)  # too small to probe
 
 
+@pytest.mark.parametrize("block_size", [1, 2, 4, 16, 256])
+def test_the_self_check_runs_at_every_block_size(model_path, block_size, replays):
+    model, layers, windows = load(model_path("tiny-llama"))
+    for layer in layers:
+        shape = (12 * max(1, 16 // block_size), block_size, layer.num_kv_heads, layer.head_dim)
+        layer.k_cache, layer.v_cache = torch.zeros(shape), torch.zeros(shape)
+    graphs = PiecewiseGraphs(model, [16], torch.device("cpu"), torch.float32)
+    graphs.capture()
+    assert matches_eager(graphs, layers, layers[0].impl, block_size, windows, layers[0].k_cache.shape[0], 1e-4)
+    assert replays[0] == 1                               # it compared, not waved through
+
+
 def test_steps_with_images_or_beyond_the_largest_count_take_the_eager_path(model_path):
     model, _, _ = load(model_path("tiny-llama"))
     graphs = PiecewiseGraphs(model, [8, 32], torch.device("cpu"), torch.float32)
@@ -173,14 +185,10 @@ def test_the_engine_runs_eagerly_when_the_self_check_fails(hf_generate, replays,
     assert replays[0] == 0
 
 
-def test_off_unless_asked_on_cpu_and_with_lora_or_eager(tmp_path):
-    from lora_adapters import make_adapter
+def test_off_unless_asked_on_cpu_and_with_eager():
     with engine_for("tiny-llama") as engine:
         assert engine.runner.piecewise_graph_sizes == []
     with engine_for("tiny-llama", piecewise_graphs=SIZES, enforce_eager=True) as engine:
-        assert engine.runner.piecewise_graph_sizes == []
-    make_adapter(test_model_path("tiny-llama"), tmp_path / "a1")
-    with engine_for("tiny-llama", piecewise_graphs=SIZES, lora_adapters=[("a1", str(tmp_path / "a1"))]) as engine:
         assert engine.runner.piecewise_graph_sizes == []
 
 
