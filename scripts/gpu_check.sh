@@ -188,10 +188,12 @@ call_bench() {
       --json-out "$LOGS/profile.json"
     stage serve-host 60 "$PY" scripts/host_overhead_http.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" \
       --concurrency 256 --new-tokens 128
-    # the load generator in 1 process, then 4: one process parsing every event of 256 streams may be the limit
-    stage serve-8b 150 bash -c "for p in 1 4; do $PY scripts/bench_http.py --model-id '${TGI_HPC_TOKENIZER_DIR:-smollm2}' \
-      --config-like 8b --load-format dummy --device cuda --dtype bfloat16 --concurrency 256 --num-requests 512 \
-      --new-tokens 128 --no-hf --client-processes \$p --json-out '$LOGS/serve-8b-p'\$p.json; done"
+    # the load generator in 4 processes (one process parsing every event of 256 streams was the limit); the engine
+    # with its piecewise graphs (mixed steps as requests arrive and leave), then without: their effect, same call
+    stage serve-8b 180 bash -c "for pieces in default 0; do extra=; [ \$pieces = 0 ] && extra='--piecewise-graphs 0'; \
+      $PY scripts/bench_http.py --model-id '${TGI_HPC_TOKENIZER_DIR:-smollm2}' --config-like 8b --load-format dummy \
+      --device cuda --dtype bfloat16 --concurrency 256 --num-requests 512 --new-tokens 128 --no-hf \
+      --client-processes 4 --engine-args=\"\$extra\" --json-out '$LOGS/serve-8b-pieces-'\$pieces.json; done"
     stage quant 90 "$PY" scripts/bench_quant.py --json "$LOGS/bench-quant.json"
     stage moe 90 "$PY" scripts/bench_moe.py --device "$DEVICE" --dtype bfloat16 --sizes mid
   fi
