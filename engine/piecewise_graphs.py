@@ -26,6 +26,7 @@ buffers and the split on CPU (greedy equality for every family, TP=2 over gloo, 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -60,6 +61,12 @@ def token_sizes(wanted: list[int] | None, enforce_eager: bool, max_tokens: int,
         sizes.append(min(max_batch_size, MAX_DEFAULT_TOKENS))
     limit = next(size for size in sorted(sizes) if size >= top)   # the smallest count that holds the largest step
     return sorted({size for size in sizes if size <= limit})
+
+
+def forced_off_cuda() -> bool:
+    """TGI_HPC_PIECEWISE_CPU=1: off CUDA, every engine runs the default ladder's split forward, as a GPU would
+    (`TGI_HPC_PIECEWISE_CPU=1 pytest tests/engine`: the whole suite through the graphed step structure)."""
+    return os.environ.get("TGI_HPC_PIECEWISE_CPU", "") not in ("", "0")
 
 
 class PiecewiseGraphs:

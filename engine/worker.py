@@ -266,7 +266,8 @@ class RankWorker:
     def _piecewise_sizes(self) -> list[int]:
         """Step token counts to capture as piecewise graphs here ([] = eager), the same on every rank."""
         config = self.config
-        if config.piecewise_graphs is None and self.device.type != "cuda":
+        off_cuda = self.device.type != "cuda"
+        if config.piecewise_graphs is None and off_cuda and not piecewise_graphs.forced_off_cuda():
             return []   # off CUDA only an explicit list, which runs the split forward uncaptured (tests)
         largest_step = (config.max_batch_prefill_tokens or 4096 + 50) + (config.max_batch_size or 256)
         sizes = piecewise_graphs.token_sizes(config.piecewise_graphs, config.enforce_eager, largest_step,

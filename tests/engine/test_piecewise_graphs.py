@@ -185,9 +185,13 @@ def test_the_engine_runs_eagerly_when_the_self_check_fails(hf_generate, replays,
     assert replays[0] == 0
 
 
-def test_off_unless_asked_on_cpu_and_with_eager():
+def test_off_unless_asked_on_cpu_and_with_eager(monkeypatch):
+    monkeypatch.delenv("TGI_HPC_PIECEWISE_CPU", raising=False)
     with engine_for("tiny-llama") as engine:
         assert engine.runner.piecewise_graph_sizes == []
+    monkeypatch.setenv("TGI_HPC_PIECEWISE_CPU", "1")        # the whole-suite switch: the default ladder
+    with engine_for("tiny-llama") as engine:
+        assert engine.runner.piecewise_graph_sizes == token_sizes(None, False, 40 + 256, None)
     with engine_for("tiny-llama", piecewise_graphs=SIZES, enforce_eager=True) as engine:
         assert engine.runner.piecewise_graph_sizes == []
 
