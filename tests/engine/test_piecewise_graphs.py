@@ -196,7 +196,8 @@ def test_off_unless_asked_on_cpu_and_with_eager(monkeypatch):
         assert engine.runner.piecewise_graph_sizes == []
 
 
-def test_drafted_steps_verify_through_the_pieces(tmp_path, replays):
+def test_drafted_steps_verify_through_the_pieces(tmp_path, replays, monkeypatch):
+    monkeypatch.delenv("TGI_HPC_PIECEWISE_CPU", raising=False)   # the engines without speculation run eagerly
     from test_spec_decode import compare_greedy
     from test_spec_draft_model import make_draft
     draft = make_draft(test_model_path("tiny-llama"), tmp_path / "draft")
