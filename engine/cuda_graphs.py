@@ -21,7 +21,6 @@ path on CPU (with the Triton kernels interpreted, or stand-in backends).
 """
 from __future__ import annotations
 
-import logging
 
 import numpy as np
 import torch
@@ -29,9 +28,8 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.block_tables import BlockTables
 from engine.batch import SeqSpan, probe_decode_spans
+from engine.graph_check import agrees
 from engine.model_inputs import prepare_inputs
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_DEFAULT_SIZE = 512      # a larger --max-batch-size decodes its larger batches eagerly
@@ -175,21 +173,9 @@ def matches_eager(graphs: DecodeGraphs, attention_layers: list, windows: set[int
     spans, next_block = probe_decode_spans(lengths, bs, first_token=7)
     if next_block > graphs.scratch_block:
         return True  # a cache this small is no test bed; the graphs themselves still stand
-    generator = torch.Generator(device=device).manual_seed(0)
-    try:
-        for layer in attention_layers:  # a finite context (an empty cache may hold NaN bit patterns)
-            for cache in (layer.k_cache, layer.v_cache):
-                cache[:next_block] = torch.randn(cache[:next_block].shape, generator=generator, device=device,
-                                                 dtype=cache.dtype)
+
+    def probe() -> tuple[torch.Tensor, torch.Tensor]:
         inputs = prepare_inputs(spans, bs, device, graphs.backend, windows)
-        eager = graphs.model(inputs.input_ids, inputs.positions, inputs.attention).float()
-        replayed = graphs.run(spans).float()
-    except Exception as error:  # a kernel or capture problem must not take the engine down
-        logger.warning("decode CUDA graphs failed their self-check (%s): running eagerly", error)
-        return False
-    error = (eager - replayed).abs().max().item()
-    scale = 1.0 + eager.abs().max().item()
-    if not error <= tolerance * scale:
-        logger.warning("decode CUDA graphs disagree with the eager forward (max error %.3g): running eagerly", error)
-        return False
-    return True
+        return graphs.model(inputs.input_ids, inputs.positions, inputs.attention), graphs.run(spans)
+
+    return agrees("decode CUDA graphs", "running eagerly", attention_layers, next_block, device, probe, tolerance)

@@ -25,7 +25,6 @@ buffers and the split on CPU (greedy equality for every family, TP=2 over gloo, 
 """
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -34,11 +33,10 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.batch import SeqSpan, probe_decode_spans
+from engine.graph_check import agrees
 from engine.layers.attention import Attention
 from engine.lora.batch import LoraBatch
 from engine.model_inputs import ModelInputs, prepare_inputs
-
-logger = logging.getLogger(__name__)
 
 # Beyond this many tokens a step is compute-bound (an 8B model's forward of 512 tokens is ~8 TFLOP, several ms on
 # an H100, against well under a millisecond of launches), so larger steps run eagerly unless a list asks for more,
@@ -220,21 +218,10 @@ def matches_eager(graphs: PiecewiseGraphs, attention_layers: list, backend, bloc
         next_block += blocks
     if next_block > num_blocks or sum(len(s.token_ids) for s in spans) > graphs.max_tokens:
         return True   # a cache (or a ladder) this small is no test bed; the pieces themselves still stand
-    generator = torch.Generator(device=device).manual_seed(0)
-    try:
-        for layer in attention_layers:   # a finite context (an empty cache may hold NaN bit patterns)
-            for cache in (layer.k_cache, layer.v_cache):
-                cache[:next_block] = torch.randn(cache[:next_block].shape, generator=generator, device=device,
-                                                 dtype=cache.dtype)
+
+    def probe() -> tuple[torch.Tensor, torch.Tensor]:
         inputs = prepare_inputs(spans, block_size, device, backend, windows)
-        eager = graphs.model(inputs.input_ids, inputs.positions, inputs.attention).float()
-        replayed = graphs.run(inputs).float()
-    except Exception as error:   # a kernel or capture problem must not take the engine down
-        logger.warning("piecewise CUDA graphs failed their self-check (%s): mixed steps run eagerly", error)
-        return False
-    error = (eager - replayed).abs().max().item()
-    if not error <= tolerance * (1.0 + eager.abs().max().item()):
-        logger.warning("piecewise CUDA graphs disagree with the eager forward (max error %.3g): mixed steps run "
-                       "eagerly", error)
-        return False
-    return True
+        return graphs.model(inputs.input_ids, inputs.positions, inputs.attention), graphs.run(inputs)
+
+    return agrees("piecewise CUDA graphs", "mixed steps run eagerly", attention_layers, next_block, device, probe,
+                  tolerance)
