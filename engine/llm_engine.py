@@ -5,7 +5,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
@@ -99,6 +99,7 @@ class EngineStats:
     num_speculative_accepted_total: int = 0     # of those, accepted
     speculative_method: str = ""                # "ngram" | "layers" | "draft" | "medusa" | "eagle3" ("" = none)
     num_speculative_paused_total: int = 0       # decodes --speculate auto left undrafted (drafting did not pay)
+    forward_steps: dict[str, int] = field(default_factory=dict)  # target forwards by path (engine/worker.py)
 
 
 class LLMEngine:
@@ -560,7 +561,9 @@ class LLMEngine:
                            self._num_prompt_tokens_total, self._num_generated_tokens_total,
                            bm.num_queried_tokens, bm.num_hit_tokens,
                            self._num_draft_tokens_total, self._num_accepted_tokens_total,
-                           spec.method if spec else "", spec.adaptive.num_paused_total if spec and spec.adaptive else 0)
+                           spec.method if spec else "",
+                           spec.adaptive.num_paused_total if spec and spec.adaptive else 0,
+                           dict(getattr(self.runner, "forward_steps", {})))
 
     def close(self) -> None:
         if not self._closed:

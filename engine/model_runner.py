@@ -71,6 +71,7 @@ class ModelRunner:
         self.quant_checks: dict[str, str] = self._rank0.quant_report
         graphs = self._rank0.graphs
         self.cuda_graph_sizes: list[int] = graphs.batch_sizes if graphs is not None else []
+        self.forward_steps = self._rank0.forward_steps   # rank 0's target forwards by path (every rank's are alike)
         pieces = self._rank0.piecewise
         self.piecewise_graph_sizes: list[int] = pieces.sizes if pieces is not None else []
         logger.info("model runner ready: %s on %s x%d, %s, attention %s, linear %s, element-wise %s, decode CUDA "

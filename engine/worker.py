@@ -5,6 +5,7 @@ lockstep, and only rank 0 ends up with logits.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -148,6 +149,8 @@ class RankWorker:
         self.block_tables.num_blocks = self.num_kv_blocks  # each id range-checked as it reaches the table
         self.graphs = self._capture_graphs() if self.graph_sizes else None
         self.piecewise = self._capture_piecewise()
+        # the target forwards by path ("decode_graph", "piecewise_graphs", "cpu_decode_step", "eager"): /metrics
+        self.forward_steps: collections.Counter[str] = collections.Counter()
         self.decode_step, self.decode_step_report = cpu_decode_step.build(self)
 
     def _choose_elementwise(self) -> str:
@@ -402,6 +405,7 @@ class RankWorker:
         if self.layout.pp_size > 1:
             return pipeline.run_stage(self, spans)
         if num_layers is None and not draft and self.graphs is not None and self.graphs.can_run(spans):
+            self.forward_steps["decode_graph"] += 1
             logits = self.model.compute_logits(self.graphs.run(spans))
             return None if logits is None else logits.float()
         restore = None
@@ -415,14 +419,18 @@ class RankWorker:
             if draft:
                 hidden = self.draft.forward(inputs)
             elif self.encoder_cache is not None and num_layers is None:
+                self.forward_steps["eager"] += 1
                 hidden = self.model(inputs.input_ids, mrope.step_positions(spans, inputs.positions), inputs.attention,
                                     self.encoder_cache.embeddings(spans))
             elif num_layers is None and self.decode_step is not None and self.decode_step.can_run(spans):
+                self.forward_steps["cpu_decode_step"] += 1
                 hidden = self.decode_step.run(inputs)  # no LoRA, drafts or heads: the step is not built with them
             elif num_layers is None:
                 if self.piecewise is not None and self.piecewise.can_run(spans, inputs.input_ids.shape[0]):
+                    self.forward_steps["piecewise_graphs"] += 1
                     hidden = self.piecewise.run(inputs)     # a static buffer: read before the next step
                 else:
+                    self.forward_steps["eager"] += 1
                     hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
                 if self.draft is not None:
                     self.draft.forward(inputs)

@@ -69,6 +69,12 @@ class _EngineGauges:
         }
         for name, (doc, attr) in counters.items():  # exposed as NAME_total
             yield CounterMetricFamily(name, doc, value=float(getattr(s, attr, 0)))
+        paths = getattr(s, "forward_steps", {})
+        if paths:   # which forward each step took: decode CUDA graph, piecewise graphs, the CPU decode step, eager
+            family = CounterMetricFamily("tgi_forward_steps", "Model forwards of the steps, by path", labels=["path"])
+            for path, count in sorted(paths.items()):
+                family.add_metric([path], float(count))
+            yield family
         method = getattr(s, "speculative_method", "")
         if method:  # the same drafts per method (n-gram, layer skip), and the decodes `--speculate auto` skipped
             for name, doc, attr in (

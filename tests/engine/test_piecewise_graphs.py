@@ -7,6 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from prometheus_client import generate_latest  # noqa: E402
+
 from engine import piecewise_graphs  # noqa: E402
 from engine.batch import SeqSpan  # noqa: E402
 from engine.launcher import parse_args, to_config  # noqa: E402
@@ -14,6 +16,7 @@ from engine.layers.attention import Attention  # noqa: E402
 from engine.model_inputs import prepare_inputs  # noqa: E402
 from engine.models.decoder import DecoderModel  # noqa: E402
 from engine.piecewise_graphs import PiecewiseGraphs, matches_eager, token_sizes  # noqa: E402
+from engine.server.metrics import ServerMetrics  # noqa: E402
 from fakes import test_model_path  # noqa: E402
 from test_cuda_graphs import BLOCK, NUM_BLOCKS, load  # noqa: E402
 from test_models_families import (FAMILIES, assert_generations_match, engine_for, hf_generate,  # noqa: E402,F401
@@ -173,7 +176,13 @@ def test_a_ladder_smaller_than_the_steps_mixes_pieces_and_eager_steps(hf_generat
     with engine_for("tiny-llama", piecewise_graphs=[8, 40]) as engine:
         prompts, new_tokens = mixed_requests(engine.tokenizer)
         assert_generations_match(engine, "tiny-llama", hf_generate, prompts, new_tokens)
+        stats = engine.stats()
     assert replays[0] > 0 and eager_steps[0] > 0
+    # /metrics counts each step's forward by path: these pieces, the eager steps, the CPU decode step's decodes
+    paths, steps = stats.forward_steps, replays[0] - 1     # the start-up self-check replayed once
+    assert paths["piecewise_graphs"] == steps and paths["eager"] > 0 and paths["cpu_decode_step"] > 0
+    text = generate_latest(ServerMetrics(lambda: stats).registry).decode()
+    assert f'tgi_forward_steps_total{{path="piecewise_graphs"}} {float(steps)}' in text
 
 
 def test_the_engine_runs_eagerly_when_the_self_check_fails(hf_generate, replays, monkeypatch):
