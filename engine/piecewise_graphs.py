@@ -21,13 +21,14 @@ static token -> adapter map (padding rows on the base model) through launches th
 
 Off CUDA there is nothing to capture: `capture` records the layer order and `run` re-runs the forward on the
 same static buffers with the same cut-time copies and row-limited attention, so the tests check padding,
-buffers and the split on CPU (greedy equality for every family, TP=2 over gloo, a draft model, LoRA).
+buffers and the split on CPU (greedy equality for every family, TP=2 over gloo, a draft model, LoRA, EAGLE-3).
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 
@@ -69,12 +70,15 @@ def forced_off_cuda() -> bool:
 
 class PiecewiseGraphs:
     def __init__(self, model: torch.nn.Module, sizes: list[int], device: torch.device, dtype: torch.dtype,
-                 lora: LoraBatch | None = None) -> None:
+                 lora: LoraBatch | None = None, taps: Any = None) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"piecewise graph token counts must be >= 1, got {sizes}")
         self.model, self.sizes, self.device = model, sorted(set(sizes)), device
         largest = self.sizes[-1]
         self.lora = lora   # LoRA adapters: the pieces read their static token -> adapter map (engine/lora/batch.py)
+        # EAGLE-3 (engine/spec_decode/eagle3.py): its hooks take layer inputs in the forward, which a replay skips;
+        # what they took at capture is kept per size, rewritten by each replay, handed back trimmed to the real rows
+        self.taps, self.tapped = taps, {}
         if lora is not None:
             lora.allocate_graph_map(largest, device)
         layers = model.attention_layers()
@@ -128,6 +132,8 @@ class PiecewiseGraphs:
 
                 self.outputs[n] = self._forward(n, record)
                 self.layers[n] = order
+                if self.taps is not None:
+                    self.tapped[n] = self.taps.graph_captured()
             return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
@@ -164,6 +170,8 @@ class PiecewiseGraphs:
             raise
         pieces[-1].capture_end()
         self.pieces[n], self.layers[n], self.outputs[n] = pieces, order, output
+        if self.taps is not None:
+            self.tapped[n] = self.taps.graph_captured()
 
     def can_run(self, spans: list[SeqSpan], num_tokens: int) -> bool:
         """A step of text spans within the largest captured count (images take the eager path)."""
@@ -188,12 +196,18 @@ class PiecewiseGraphs:
                 return self._attend(layer, n, t, meta, *self._stash(layer, n, q, k, v))
 
             self.outputs[n] = self._forward(n, attend)
+            if self.taps is not None:   # what the hooks took now, into the tensors a replay would have written
+                for index, tensor in self.taps.graph_captured().items():
+                    self.tapped[n][index].copy_(tensor)
+                self.taps.graph_ran(self.tapped[n], t)
             return self.outputs[n][:t]
         pieces = self.pieces[n]
         for piece, layer in zip(pieces, self.layers[n]):
             piece.replay()
             self._attend(layer, n, t, meta, *self._views(layer, n))
         pieces[-1].replay()
+        if self.taps is not None:
+            self.taps.graph_ran(self.tapped[n], t)
         return self.outputs[n][:t]
 
     @staticmethod

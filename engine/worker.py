@@ -282,8 +282,6 @@ class RankWorker:
         reason = None
         if getattr(self.model, "supports_cuda_graphs", True) is False or self.encoder_cache is not None:
             reason = "not captured for models on the transformers backend"
-        elif self.speculative_kind == "eagle3":
-            reason = "EAGLE-3 reads the target's layer inputs through Python hooks"
         elif self.layout.pp_size > 1:
             reason = "not implemented with pipeline parallelism"
         if reason:
@@ -305,8 +303,10 @@ class RankWorker:
         captured = []
         try:
             for model, layers, windows in models:
-                lora = self.lora.batch if self.lora is not None and model is self.model else None
-                graphs = piecewise_graphs.PiecewiseGraphs(model, sizes, self.device, self.dtype, lora)
+                target = model is self.model
+                lora = self.lora.batch if self.lora is not None and target else None
+                taps = self.heads if target and self.speculative_kind == "eagle3" else None   # rank 0's hooks
+                graphs = piecewise_graphs.PiecewiseGraphs(model, sizes, self.device, self.dtype, lora, taps)
                 graphs.capture()
                 if not piecewise_graphs.matches_eager(graphs, layers, self.attention, self.block_size, windows,
                                                       self.num_kv_blocks, tolerance):

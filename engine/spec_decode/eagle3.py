@@ -159,6 +159,16 @@ class Eagle3Draft(nn.Module):
             self._aux[index] = hidden if residual is None else hidden + residual
         return hook
 
+    def graph_captured(self) -> dict[int, torch.Tensor]:
+        """After a piecewise capture (engine/piecewise_graphs.py): the layer inputs its hooks took, the tensors
+        whose addresses that size's replays rewrite (the hooks themselves do not run at replay)."""
+        taps, self._aux = self._aux, {}
+        return taps
+
+    def graph_ran(self, taps: dict[int, torch.Tensor], num_tokens: int) -> None:
+        """After a piecewise forward: the layer inputs of its real rows, for `observe`."""
+        self._aux = {index: tensor[:num_tokens] for index, tensor in taps.items()}
+
     def bytes_per_block(self, block_size: int) -> int:
         return 2 * block_size * self.num_kv * self.head_dim * self.fc.weight.dtype.itemsize
 

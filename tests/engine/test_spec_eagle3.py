@@ -68,10 +68,13 @@ def drafts(tmp_path_factory):
     return {"tiny-llama": make_eagle3(test_model_path("tiny-llama"), tmp_path_factory.mktemp("eagle3") / "d")}
 
 
-def test_greedy_with_an_eagle3_draft_is_identical(tmp_path):
+@pytest.mark.parametrize("pieces", [None, [1, 2, 4, 8, 16, 32, 64, 96, 128]])
+def test_greedy_with_an_eagle3_draft_is_identical(tmp_path, pieces, monkeypatch):
+    monkeypatch.delenv("TGI_HPC_PIECEWISE_CPU", raising=False)   # None: no pieces
     draft = make_eagle3(test_model_path("tiny-qwen3"), tmp_path / "q")
-    _, stats = compare_greedy("tiny-qwen3", {"speculative_model": str(draft)}, max_new=16)
+    _, stats = compare_greedy("tiny-qwen3", {"speculative_model": str(draft), "piecewise_graphs": pieces}, max_new=16)
     assert stats.speculative_method == "eagle3"
+    assert (stats.forward_steps.get("piecewise_graphs", 0) > 0) == bool(pieces)
 
 
 def test_sampled_token_distribution_is_kept_with_an_eagle3_draft(tmp_path):
@@ -152,11 +155,18 @@ def reference_drafts(target_dir, draft_dir, ids, num_drafts):
     return next_token, drafts
 
 
-def test_eagle3_drafts_equal_a_plain_reference_of_the_layer(drafts, monkeypatch):
+# piecewise graphs (engine/piecewise_graphs.py): the layer inputs come from the tensors kept at capture
+@pytest.mark.parametrize("pieces", [None, [1, 2, 4, 8, 16, 32]])
+def test_eagle3_drafts_equal_a_plain_reference_of_the_layer(drafts, monkeypatch, pieces):
+    monkeypatch.delenv("TGI_HPC_PIECEWISE_CPU", raising=False)   # None: no pieces
     seen = record_head_drafts(monkeypatch)
-    with real_engine("tiny-llama", speculate=3, speculative_model=str(drafts["tiny-llama"])) as engine:
+    with real_engine("tiny-llama", speculate=3, speculative_model=str(drafts["tiny-llama"]),
+                     piecewise_graphs=pieces) as engine:
+        assert engine.runner.piecewise_graph_sizes == (pieces or [])
         ids = engine.tokenizer.encode("Hello world, this is a test of the drafts")
         engine.generate([ids], SamplingParams(max_new_tokens=8))
+        if pieces:
+            assert engine.stats().forward_steps["piecewise_graphs"] >= 2
     context, got = seen[0]                              # the first decode: the whole prompt caught up, then a chain
     next_token, expected = reference_drafts(test_model_path("tiny-llama"), drafts["tiny-llama"], ids, 3)
     assert context == ids + [next_token]
