@@ -21,7 +21,6 @@ path on CPU (with the Triton kernels interpreted, or stand-in backends).
 """
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 

@@ -11,6 +11,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def tolerance(dtype: torch.dtype) -> float:
+    """How far a graph path may stray from the eager forward, relative to 1 + its largest value."""
+    return 1e-3 if dtype == torch.float32 else 5e-2
+
+
 @torch.inference_mode()
 def agrees(what: str, fallback: str, attention_layers: list, num_blocks: int, device: torch.device,
            probe: Callable[[], tuple[torch.Tensor, torch.Tensor]], tolerance: float) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine import cpu_decode_step, cuda_graphs, distributed, malloc_reuse, piecewise_graphs, pipeline
+from engine import cpu_decode_step, cuda_graphs, distributed, graph_check, malloc_reuse, piecewise_graphs, pipeline
 from engine.attention.block_tables import BlockTables
 from engine.attention.flash import flash_version
 from engine.attention.selection import choose_backend
@@ -124,7 +124,7 @@ class RankWorker:
             else None
         if config.speculative_layers:
             check_layer_skip(self.model, config.speculative_layers, model_config.num_hidden_layers)
-        kind = self.speculative_kind = speculative_kind(config.speculative_model)
+        kind = speculative_kind(config.speculative_model)
         self.draft = DraftModel(config.speculative_model, self.device, self.dtype) if kind == "draft" else None
         # Medusa / EAGLE-3: rank 0 alone drafts from the target's hidden states
         self.heads = load_heads(kind, config.speculative_model, self.model, model_config, self.device, self.dtype) \
@@ -259,7 +259,7 @@ class RankWorker:
             detail = flash_version() if self.attention.name == "flash-attn" else self.attention.name
             logger.warning("capturing decode CUDA graphs failed with %s (%s): running eagerly", detail, error)
             return None
-        tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
+        tolerance = graph_check.tolerance(self.dtype)
         if not cuda_graphs.matches_eager(graphs, self.attention_layers, self.windows, tolerance):
             return None
         logger.info("decode CUDA graphs for batch sizes %s captured in %.1f s", graphs.batch_sizes,
@@ -296,7 +296,7 @@ class RankWorker:
         if not sizes:
             return None
         start = time.monotonic()
-        tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
+        tolerance = graph_check.tolerance(self.dtype)
         models = [(self.model, self.attention_layers, self.windows)]
         if self.draft is not None:
             models.append((self.draft.model, self.draft.attention_layers, self.draft.windows))
@@ -305,7 +305,7 @@ class RankWorker:
             for model, layers, windows in models:
                 target = model is self.model
                 lora = self.lora.batch if self.lora is not None and target else None
-                taps = self.heads if target and self.speculative_kind == "eagle3" else None   # rank 0's hooks
+                taps = self.heads if target and hasattr(self.heads, "graph_captured") else None  # EAGLE-3, rank 0
                 graphs = piecewise_graphs.PiecewiseGraphs(model, sizes, self.device, self.dtype, lora, taps)
                 graphs.capture()
                 if not piecewise_graphs.matches_eager(graphs, layers, self.attention, self.block_size, windows,
