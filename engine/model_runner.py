@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import multiprocessing as mp
 import threading
 import time
@@ -49,6 +50,7 @@ class ModelRunner:
         self._failure: str | None = None
         self._closed = False
         self._step_started: float | None = None
+        self._starting = False      # ranks still loading: only a dead rank counts (a silent one may be in C code)
         self._beats = None
         self._threads_before: int | None = None
         try:
@@ -90,10 +92,20 @@ class ModelRunner:
                 self._threads_before = torch.get_num_threads()  # ranks share the cores; restored on close
                 torch.set_num_threads(max(1, available_cpus() // config.num_shard))
             self._wait_for("joining")
-        self._rank0 = RankWorker(config, model_config, 0, store)
-        self._wait_for("ready")
-        if self._workers:
+            # from here on a rank that dies ends the others' collectives (a peer failing at start-up, e.g. out of
+            # memory on its GPU alone, would leave NCCL waiting in rank 0's first all-reduce)
+            self._starting = True
             threading.Thread(target=self._watch_workers, name="tgi-engine-watchdog", daemon=True).start()
+        try:
+            self._rank0 = RankWorker(config, model_config, 0, store)
+        except Exception as error:
+            if not self._workers:
+                raise
+            cause = f"{self._failure}; " if self._failure else ""
+            raise RuntimeError(f"tensor-parallel start-up failed ({cause}{self._worker_states()}): {error}"
+                               f"{self._worker_errors()}") from error
+        self._wait_for("ready")
+        self._starting = False
 
     def _spawn_workers(self, config: EngineConfig, model_config: ModelConfig, master: tuple[str, int]) -> None:
         context = mp.get_context("spawn")
@@ -183,7 +195,8 @@ class ModelRunner:
             time.sleep(HEARTBEAT_S)
             ranks = [RankState(rank, process.is_alive(), process.exitcode, self._beats[rank])
                      for rank, (process, _) in enumerate(self._workers, start=1)]
-            reason = stall_reason(time.monotonic(), ranks, self._step_started, self.config.rank_timeout_s,
+            reason = stall_reason(time.monotonic(), ranks, self._step_started,
+                                  math.inf if self._starting else self.config.rank_timeout_s,
                                   self.config.step_timeout_s)
             if reason is not None and not self._closed:
                 self._abort(reason)
@@ -194,7 +207,7 @@ class ModelRunner:
         for process, _ in self._workers:
             process.kill()      # SIGKILL ends a stopped (SIGSTOP) process too
         abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
-        if self._rank0 is not None and self._rank0.device.type == "cuda" and abort is not None:
+        if resolve_device(self.config.device, 0).type == "cuda" and abort is not None:
             try:
                 abort()         # NCCL waits forever on a dead peer (gloo notices by itself)
             except Exception:  # noqa: BLE001 - best effort: the launcher exits either way

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -480,11 +481,16 @@ def worker_main(config: EngineConfig, model_config: ModelConfig, rank: int, mast
     """Entry point of a spawned rank: build the shard, then run spans until told to stop."""
     parent = os.getppid()
     worker = None
+    failed = False
     if beats is not None:
         start_heartbeat(beats, rank)
     try:
-        if resolve_device(config.device, rank).type == "cpu":  # ranks share the node's cores
+        device = resolve_device(config.device, rank)
+        if device.type == "cpu":  # ranks share the node's cores
             torch.set_num_threads(max(1, available_cpus() // config.num_shard))
+        else:   # a busy or broken GPU fails here, before rank 0 waits for this rank in the rendezvous
+            torch.cuda.set_device(device)
+            torch.empty(1, device=device)
         store = distributed.create_store(master[0], master[1], config.num_shard, is_master=False)
         conn.send(("joining",))  # imports done and store reached: rank 0 may enter the rendezvous
         worker = RankWorker(config, model_config, rank, store)
@@ -504,6 +510,7 @@ def worker_main(config: EngineConfig, model_config: ModelConfig, rank: int, mast
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass
     except BaseException:
+        failed = True
         try:
             conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))
         except OSError:
@@ -511,3 +518,5 @@ def worker_main(config: EngineConfig, model_config: ModelConfig, rank: int, mast
     finally:
         if worker is not None:
             worker.close()
+    if failed:
+        sys.exit(1)     # rank 0 reports "rank N died (exit code 1)" beside the error sent above

@@ -88,3 +88,41 @@ def test_stall_reason_a_step_longer_than_the_step_timeout_while_every_rank_beats
     assert stall_reason(100.0, _ranks(r1=99.9), 41.0, 5.0, 60.0) is None
     assert "step has run for 61 s (--step-timeout 60)" in stall_reason(100.0, _ranks(r1=99.9), 39.0, 5.0, 60.0)
     assert stall_reason(100.0, _ranks(r1=99.9), None, 5.0, 60.0) is None   # idle: no step to time
+
+
+# Rank 1 alone fails while it starts (its GPU full, say): a sitecustomize of the spawned ranks makes one RankWorker
+# method raise there. Rank 0 waits for it in a collective meanwhile.
+FAULT = '''
+import os
+import engine.worker as worker
+name = os.environ["TGI_HPC_TEST_FAULT"]
+original = getattr(worker.RankWorker, name)
+def failing(self, *args, **kwargs):
+    if self.rank == 1:
+        raise MemoryError("out of memory on rank 1 (injected)")
+    return original(self, *args, **kwargs)
+setattr(worker.RankWorker, name, failing)
+'''
+
+
+@pytest.mark.parametrize("method", ["_allocate_kv_cache", "_capture_piecewise"])
+def test_a_rank_failing_at_start_up_fails_the_engine_at_once_with_its_error(model_path, tmp_path, monkeypatch,
+                                                                               method):
+    from engine.config import EngineConfig
+    from engine.model_config import ModelConfig
+    from engine.model_runner import ModelRunner
+
+    (tmp_path / "sitecustomize.py").write_text(FAULT)
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{root}")
+    monkeypatch.setenv("TGI_HPC_TEST_FAULT", method)
+    path = model_path("tiny-llama")
+    config = EngineConfig(model_id=str(path), device="cpu", block_size=4, cpu_kv_cache_bytes=2**20, num_shard=2,
+                          master_port=0)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as failure:
+        ModelRunner(config, ModelConfig.from_pretrained(path))
+    assert time.monotonic() - started < 60
+    message = str(failure.value)
+    assert "rank 1" in message and "out of memory on rank 1 (injected)" in message, message
+    assert "rank 1 died" in message or "rank 1 failed to start" in message, message
