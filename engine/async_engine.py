@@ -229,6 +229,11 @@ class AsyncEngine:
     # --- step thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        device = getattr(self.engine.runner, "device", None)
+        if getattr(device, "type", None) == "cuda":     # a new thread starts on GPU 0 whatever --device said
+            import torch
+
+            torch.cuda.set_device(device)
         while not self._stop.is_set() and self._keep_running():
             self._wakeup.clear()
             if self._calls:

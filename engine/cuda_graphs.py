@@ -27,7 +27,7 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.block_tables import BlockTables
 from engine.batch import SeqSpan, probe_decode_spans
-from engine.graph_check import agrees
+from engine.graph_check import agrees, end_capture_pool
 from engine.model_inputs import prepare_inputs
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -69,6 +69,10 @@ class DecodeGraphs:
         with torch.inference_mode():  # the buffers are written under inference mode at every step
             # one host-to-device copy per step lands here, then fans out on the device (one sync, not five)
             self.staging = torch.zeros(largest * 4, dtype=torch.int64, device=device)
+            # ... from pinned memory, asynchronously (a pageable copy would synchronize the stream every step);
+            # `_staged` marks when the device has read it, before the next step rewrites it
+            self.host_staging = torch.zeros(largest * 4, dtype=torch.int64, pin_memory=device.type == "cuda")
+            self._staged: torch.cuda.Event | None = None
             self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
             self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
             self.slot_mapping = torch.full((largest,), scratch_block * block_size, dtype=torch.int64, device=device)
@@ -98,7 +102,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every batch size, largest first so the smaller graphs reuse its memory pool."""
-        pool = None
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         for size in reversed(self.batch_sizes):
             meta = self._metadata(size)
 
@@ -116,9 +120,12 @@ class DecodeGraphs:
                     forward()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = forward()
-            pool = graph.pool()
+            try:
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size] = forward()
+            except BaseException:   # an invalidated capture leaves torch's allocator capturing into the pool
+                end_capture_pool(self.device, pool)
+                raise
             self.graphs[size] = graph
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -137,7 +144,9 @@ class DecodeGraphs:
         bs, scratch = self.block_size, self.scratch_block
         tables = self.tables.gather(spans)       # device-resident rows: only new blocks cross from the host
         positions = np.array([s.start_pos for s in spans], dtype=np.int64)
-        values = np.empty(4 * size, dtype=np.int64)     # input_ids, positions, slot_mapping, seq_lens; padded
+        if self._staged is not None:
+            self._staged.synchronize()      # the previous step's copy is done with the pinned buffer
+        values = self.host_staging.numpy()[:4 * size]   # input_ids, positions, slot_mapping, seq_lens; padded
         values[:count] = [s.token_ids[0] for s in spans]
         values[count:size] = 0
         values[size:size + count] = positions
@@ -146,7 +155,10 @@ class DecodeGraphs:
         values[2 * size + count:3 * size] = scratch * bs
         values[3 * size:3 * size + count] = positions + 1
         values[3 * size + count:] = 1
-        self.staging[:len(values)].copy_(torch.from_numpy(values))
+        self.staging[:len(values)].copy_(self.host_staging[:len(values)], non_blocking=True)
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record(torch.cuda.current_stream(self.device))
         offset = 0
         for buffer in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens):
             target = buffer[:size]

@@ -34,7 +34,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.batch import SeqSpan, probe_decode_spans
-from engine.graph_check import agrees
+from engine.graph_check import agrees, end_capture_pool
 from engine.layers.attention import Attention
 from engine.lora.batch import LoraBatch
 from engine.model_inputs import ModelInputs, prepare_inputs
@@ -162,13 +162,13 @@ class PiecewiseGraphs:
         pieces[0].capture_begin(pool=pool)
         try:
             output = self._forward(n, cut)
+            pieces[-1].capture_end()
         except BaseException:
             try:
                 pieces[-1].capture_end()
-            except RuntimeError:
-                pass
+            except RuntimeError:    # the capture was invalidated: torch's allocator is still capturing into the pool
+                end_capture_pool(self.device, pool)
             raise
-        pieces[-1].capture_end()
         self.pieces[n], self.layers[n], self.outputs[n] = pieces, order, output
         if self.taps is not None:
             self.tapped[n] = self.taps.graph_captured()

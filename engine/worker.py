@@ -243,6 +243,8 @@ class RankWorker:
             reason = f"the {self.attention.name} attention backend reads host-side lengths"
         elif config.num_shard > 1 or self.layout.pp_size > 1:
             reason = "not implemented with tensor or pipeline parallelism"
+        else:
+            reason = graph_check.uncapturable(self.model, self.device, self.dtype)
         if reason:
             logger.info("decode CUDA graphs off: %s", reason)
             return []
@@ -285,6 +287,8 @@ class RankWorker:
             reason = "not captured for models on the transformers backend"
         elif self.layout.pp_size > 1:
             reason = "not implemented with pipeline parallelism"
+        elif not off_cuda:
+            reason = graph_check.uncapturable(self.model, self.device, self.dtype)
         if reason:
             logger.info("piecewise CUDA graphs off: %s", reason)
             return []
@@ -302,21 +306,25 @@ class RankWorker:
         if self.draft is not None:
             models.append((self.draft.model, self.draft.attention_layers, self.draft.windows))
         captured = []
-        try:
-            for model, layers, windows in models:
-                target = model is self.model
-                lora = self.lora.batch if self.lora is not None and target else None
-                taps = self.heads if target and hasattr(self.heads, "graph_captured") else None  # EAGLE-3, rank 0
+        for model, layers, windows in models:
+            target = model is self.model
+            lora = self.lora.batch if self.lora is not None and target else None
+            taps = self.heads if target and hasattr(self.heads, "graph_captured") else None  # EAGLE-3, rank 0
+            try:
                 graphs = piecewise_graphs.PiecewiseGraphs(model, sizes, self.device, self.dtype, lora, taps)
                 graphs.capture()
-                if not piecewise_graphs.matches_eager(graphs, layers, self.attention, self.block_size, windows,
-                                                      self.num_kv_blocks, tolerance):
-                    break
-                captured.append(graphs)
-        except Exception as error:   # a capture problem must not take the engine down
-            logger.warning("capturing piecewise CUDA graphs failed (%s): mixed steps run eagerly", error)
-        if distributed.all_reduce_min(int(len(captured) == len(models)), self.device) != 1:
-            return None
+                passed = piecewise_graphs.matches_eager(graphs, layers, self.attention, self.block_size, windows,
+                                                        self.num_kv_blocks, tolerance)
+            except Exception as error:
+                if distributed.tp_size() > 1:   # the peers are inside collectives this rank left: see graph_check
+                    raise RuntimeError(f"capturing piecewise CUDA graphs failed on rank {self.rank} ({error}); "
+                                       "every tensor-parallel rank must capture the same collectives: start "
+                                       "with --piecewise-graphs 0 to run these steps eagerly") from error
+                logger.warning("capturing piecewise CUDA graphs failed (%s): mixed steps run eagerly", error)
+                return None     # a capture problem must not take a single-rank engine down
+            if distributed.all_reduce_min(int(passed), self.device) != 1:   # every rank goes on, or none
+                return None
+            captured.append(graphs)
         if self.draft is not None:
             self.draft.piecewise = captured[1]
         if self.rank == 0:

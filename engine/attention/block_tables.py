@@ -152,7 +152,7 @@ class BlockTables:
             stage[len(order) + len(flat):size] = self.mirror_np.reshape(-1)[index]
         self._stage_dev[:size].copy_(self._stage_host[:size], non_blocking=True)
         self._stage_done = torch.cuda.Event()
-        self._stage_done.record()
+        self._stage_done.record(torch.cuda.current_stream(self.device))   # the stream the copy above ran on
         if flat:
             device_flat = self._stage_dev[len(order):len(order) + len(flat)]
             self.table.view(-1)[device_flat] = self._stage_dev[len(order) + len(flat):size].to(torch.int32)

@@ -185,13 +185,44 @@ def test_a_ladder_smaller_than_the_steps_mixes_pieces_and_eager_steps(hf_generat
     assert f'tgi_forward_steps_total{{path="piecewise_graphs"}} {float(steps)}' in text
 
 
-def test_the_engine_runs_eagerly_when_the_self_check_fails(hf_generate, replays, monkeypatch):
-    monkeypatch.setattr(piecewise_graphs, "matches_eager", lambda *args, **kwargs: False)
+def _capture_fails(self):
+    raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@pytest.mark.parametrize("fault", ["check", "capture"])
+def test_the_engine_runs_eagerly_when_the_self_check_fails(hf_generate, replays, monkeypatch, fault):
+    """One rank alone falls back (with tensor parallelism a failed capture ends the start: test_tp_failures.py)."""
+    if fault == "check":
+        monkeypatch.setattr(piecewise_graphs, "matches_eager", lambda *args, **kwargs: False)
+    else:
+        monkeypatch.setattr(PiecewiseGraphs, "capture", _capture_fails)
     with engine_for("tiny-llama", piecewise_graphs=SIZES) as engine:
         assert engine.runner.piecewise_graph_sizes == []
         ids = engine.tokenizer.encode(TEXT)[:24]
         assert_generations_match(engine, "tiny-llama", hf_generate, [ids], [6])
     assert replays[0] == 0
+
+
+def test_forwards_that_cannot_be_captured_are_named_and_not_tried():
+    from engine.graph_check import end_capture_pool, uncapturable
+    from engine.layers.quantization.bitsandbytes import BitsAndBytesLinearMethod
+
+    cpu = torch.device("cpu")
+    with engine_for("tiny-llama") as engine:
+        model = engine.runner._rank0.model
+        assert uncapturable(model, cpu, torch.float32) is None
+        layer = next(m for m in model.modules() if hasattr(m, "method"))
+        kept = layer.method
+        try:
+            layer.method = BitsAndBytesLinearMethod("int8")
+            assert "bitsandbytes int8" in uncapturable(model, cpu, torch.float32)
+            layer.method = BitsAndBytesLinearMethod("nf4")
+            assert uncapturable(model, cpu, torch.float32) is None
+        finally:
+            layer.method = kept
+    with engine_for("tiny-mixtral") as engine:   # the MoE layers' torch path (the only one on CPU)
+        assert "MoE" in uncapturable(engine.runner._rank0.model, cpu, torch.float32)
+    end_capture_pool(cpu, (0, 1))   # no CUDA: nothing to end, and no error
 
 
 def test_off_unless_asked_on_cpu_and_with_eager(monkeypatch):

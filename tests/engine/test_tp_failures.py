@@ -90,24 +90,31 @@ def test_stall_reason_a_step_longer_than_the_step_timeout_while_every_rank_beats
     assert stall_reason(100.0, _ranks(r1=99.9), None, 5.0, 60.0) is None   # idle: no step to time
 
 
-# Rank 1 alone fails while it starts (its GPU full, say): a sitecustomize of the spawned ranks makes one RankWorker
-# method raise there. Rank 0 waits for it in a collective meanwhile.
+# Rank 1 alone fails while it starts (its GPU full, say): a sitecustomize of the spawned ranks makes one method
+# ("module:Class.method") raise there. Rank 0 is inside a collective meanwhile, or about to enter one.
 FAULT = '''
+import importlib
 import os
-import engine.worker as worker
-name = os.environ["TGI_HPC_TEST_FAULT"]
-original = getattr(worker.RankWorker, name)
-def failing(self, *args, **kwargs):
-    if self.rank == 1:
+from engine import distributed
+module, _, qualified = os.environ["TGI_HPC_TEST_FAULT"].partition(":")
+owner_name, name = qualified.split(".")
+owner = getattr(importlib.import_module(module), owner_name)
+original = getattr(owner, name)
+def failing(*args, **kwargs):
+    if distributed.tp_rank() == 1:
         raise MemoryError("out of memory on rank 1 (injected)")
-    return original(self, *args, **kwargs)
-setattr(worker.RankWorker, name, failing)
+    return original(*args, **kwargs)
+setattr(owner, name, failing)
 '''
 
 
-@pytest.mark.parametrize("method", ["_allocate_kv_cache", "_capture_piecewise"])
+@pytest.mark.parametrize("method", ["engine.worker:RankWorker._allocate_kv_cache",
+                                    "engine.worker:RankWorker._capture_piecewise",
+                                    "engine.piecewise_graphs:PiecewiseGraphs.capture"])
 def test_a_rank_failing_at_start_up_fails_the_engine_at_once_with_its_error(model_path, tmp_path, monkeypatch,
                                                                                method):
+    """The last case: a capture that fails on one rank only ends the start (the peers are in the self-check's
+    collectives), where one rank alone would fall back to eager steps."""
     from engine.config import EngineConfig
     from engine.model_config import ModelConfig
     from engine.model_runner import ModelRunner
@@ -118,7 +125,7 @@ def test_a_rank_failing_at_start_up_fails_the_engine_at_once_with_its_error(mode
     monkeypatch.setenv("TGI_HPC_TEST_FAULT", method)
     path = model_path("tiny-llama")
     config = EngineConfig(model_id=str(path), device="cpu", block_size=4, cpu_kv_cache_bytes=2**20, num_shard=2,
-                          master_port=0)
+                          master_port=0, piecewise_graphs=[1, 2, 4, 8, 16, 32])
     started = time.monotonic()
     with pytest.raises(RuntimeError) as failure:
         ModelRunner(config, ModelConfig.from_pretrained(path))
@@ -126,3 +133,5 @@ def test_a_rank_failing_at_start_up_fails_the_engine_at_once_with_its_error(mode
     message = str(failure.value)
     assert "rank 1" in message and "out of memory on rank 1 (injected)" in message, message
     assert "rank 1 died" in message or "rank 1 failed to start" in message, message
+    if method.endswith("PiecewiseGraphs.capture"):
+        assert "--piecewise-graphs 0" in message, message
