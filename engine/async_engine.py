@@ -229,7 +229,7 @@ class AsyncEngine:
     # --- step thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        device = getattr(self.engine.runner, "device", None)
+        device = getattr(getattr(self.engine, "runner", None), "device", None)
         if getattr(device, "type", None) == "cuda":     # a new thread starts on GPU 0 whatever --device said
             import torch
 

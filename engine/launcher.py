@@ -217,6 +217,10 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
                                   "for prefill, mixed and drafted steps, e.g. 16,64,256; 0 = none (default on a GPU: "
                                   "1,2,4,8, every 16 to 256, every 32 to 512; off CUDA an explicit "
                                   "list runs the same split forward uncaptured, for tests)")),
+    (("--async-scheduling",), "ASYNC_SCHEDULING",
+     dict(default="auto", choices=["auto", "on", "off"],
+          help="greedy decode steps: launch step N+1 before step N's tokens reach the host, which does N's work "
+               "while the device runs N+1 (auto: on with CUDA and one rank; on a CPU nothing overlaps)")),
     (("--attention-backend",), "ATTENTION_BACKEND",
      dict(default="auto", choices=ATTENTION_CHOICES,
           help="paged attention: auto = the first of flash-attn, triton (CUDA), cpu_paged (CPU) and portable "
@@ -336,6 +340,7 @@ def to_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         served_model_name=args.served_model_name or args.model_id, cpu_gemm=args.cpu_gemm, cpu_elementwise=args.cpu_elementwise,
         gpu_elementwise=args.gpu_elementwise,
         cuda_graphs=args.cuda_graphs, piecewise_graphs=args.piecewise_graphs,
+        async_scheduling=args.async_scheduling,
         attention_backend=args.attention_backend, block_size=args.block_size,
         speculate=AUTO_MAX_DRAFTS if args.speculate == "auto" else args.speculate,
         speculate_auto=args.speculate == "auto", speculative_layers=args.speculative_layers,

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from engine import async_scheduling
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.deferred_outputs import DeferredRows, expand
@@ -100,6 +101,7 @@ class EngineStats:
     speculative_method: str = ""                # "ngram" | "layers" | "draft" | "medusa" | "eagle3" ("" = none)
     num_speculative_paused_total: int = 0       # decodes --speculate auto left undrafted (drafting did not pay)
     forward_steps: dict[str, int] = field(default_factory=dict)  # target forwards by path (engine/worker.py)
+    num_steps_ahead_total: int = 0              # decode batches launched before the previous one's tokens were read
 
 
 class LLMEngine:
@@ -181,6 +183,12 @@ class LLMEngine:
         # step() (engine/deferred_text.py; AsyncEngine turns it on and fills every output it delivers), and their
         # plain decode rows' outputs built there too (engine/deferred_outputs.py)
         self.defer_text = False
+        # greedy decode batches launched before the previous one's tokens reach the host (engine/async_scheduling.py)
+        self.schedules_ahead = async_scheduling.resolve_mode(
+            config.async_scheduling, getattr(runner, "device", None),
+            config.num_shard * config.pipeline_parallel_size) and self.speculation is None
+        self._inflight: async_scheduling.InFlight | None = None
+        self._num_steps_ahead_total = 0     # batches launched before their previous one was resolved
         self._batch_size = 0
         self._num_prompt_tokens_total = 0
         self._num_generated_tokens_total = 0
@@ -247,6 +255,8 @@ class LLMEngine:
         one DeferredRows among them stands for the plain decode rows whose outputs the caller builds
         (engine/deferred_outputs.py: `expand`)."""
         outputs = self._apply_pending()
+        if self._inflight is not None:
+            return outputs + self._step_ahead()
         batch = self.scheduler.schedule()
         if any(span.images is not None for span in batch.spans):
             try:
@@ -286,6 +296,9 @@ class LLMEngine:
                     sampled.append(seq)
                     rows.append(row)
                 row += 1
+        if sampled is batch.seqs and self._can_pick_ahead(batch):   # its tokens are resolved by the next step
+            self._inflight = async_scheduling.pick(batch, last_logits, self._num_logprobs > 0)
+            return outputs
         if sampled:
             self._num_generated_tokens_total += len(sampled)
             logits = last_logits if len(sampled) == len(last_logits) else last_logits[rows]
@@ -297,6 +310,57 @@ class LLMEngine:
             outputs += self._append_verified(drafted, verify(drafted, [all_logits[s.seq_id] for s in drafted],
                                                              grammar_drafts))
         return outputs
+
+    def _can_pick_ahead(self, batch: ScheduledBatch) -> bool:
+        """Whether this decode batch's tokens can be picked on the device and resolved in the next step: every
+        live request plainly greedy, no grammar, LoRA or images, last-token logits only."""
+        return (self.schedules_ahead and not self._num_not_greedy and not self._num_guided
+                and not self.adapter_names
+                and all(span.logits == "last" and span.images is None and seq.images is None
+                        for seq, span in zip(batch.seqs, batch.spans)))
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Launch batch N+1 from the batch in flight (N) when it can be built, then resolve N: append its tokens,
+        end what they end, build its outputs, while the device runs N+1 (engine/async_scheduling.py)."""
+        inflight, self._inflight = self._inflight, None
+        ahead = async_scheduling.schedule_ahead(self.scheduler, inflight) if self._can_pick_ahead(inflight.batch) \
+            else None
+        launched, failure = None, None
+        if ahead is not None:
+            batch, rows = ahead
+            self._batch_size = len(batch)
+            ids = inflight.token_ids if len(rows) == len(inflight.batch) else \
+                inflight.token_ids[torch.tensor(rows, device=inflight.token_ids.device)]
+            try:
+                last_logits, _ = self.runner.run(batch.spans, input_ids=ids)
+                launched = async_scheduling.pick(batch, last_logits, self._num_logprobs > 0)
+            except Exception as e:  # noqa: BLE001 - N's tokens are still delivered; N+1's requests fail below
+                failure = e
+            self._num_steps_ahead_total += 1
+        outputs = self._resolve(inflight)
+        if ahead is not None:
+            batch = ahead[0]
+            live = ScheduledBatch([seq for seq in batch.seqs if not seq.is_finished],
+                                  [span for seq, span in zip(batch.seqs, batch.spans) if not seq.is_finished])
+            live.num_decode_tokens = len(live)
+            if failure is not None:
+                outputs += self._step_failed(live, failure)
+            else:
+                self.scheduler.on_run_done(live)    # after N's tokens are appended: the prefix cache reads them
+                self._inflight = launched
+        return outputs
+
+    def _resolve(self, inflight: async_scheduling.InFlight) -> list[Any]:
+        """Append a batch's picks to its sequences still running (an abort or a stop may have ended some)."""
+        out = inflight.resolve()
+        seqs = inflight.batch.seqs
+        live = [j for j, seq in enumerate(seqs) if not seq.is_finished]
+        if len(live) < len(seqs):
+            out = SamplerOutput([out.token_ids[j] for j in live], [out.logprobs[j] for j in live],
+                                [out.top_token_ids[j] for j in live], [out.top_logprobs[j] for j in live])
+            seqs = [seqs[j] for j in live]
+        self._num_generated_tokens_total += len(seqs)
+        return self._append_one_each(seqs, out) if seqs else []
 
     def _append_verified(self, seqs: list[Sequence], outs: list[SamplerOutput]) -> list[RequestOutput]:
         outputs = []
@@ -563,7 +627,7 @@ class LLMEngine:
                            self._num_draft_tokens_total, self._num_accepted_tokens_total,
                            spec.method if spec else "",
                            spec.adaptive.num_paused_total if spec and spec.adaptive else 0,
-                           dict(getattr(self.runner, "forward_steps", {})))
+                           dict(getattr(self.runner, "forward_steps", {})), self._num_steps_ahead_total)
 
     def close(self) -> None:
         if not self._closed:

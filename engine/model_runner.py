@@ -136,15 +136,18 @@ class ModelRunner:
         self._check_usable()
         return self._rank0.draft_heads(rows)
 
-    def run(self, spans: list[SeqSpan],
-            num_layers: int | None = None, draft: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def run(self, spans: list[SeqSpan], num_layers: int | None = None, draft: bool = False,
+            input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Forward one batch of spans (`num_layers`: through the first layers only, a layer-skip draft;
-        `draft`: through the draft model alone).
+        `draft`: through the draft model alone; `input_ids`: one rank only, the decode spans' tokens on the device
+        in place of their `token_ids`, engine/async_scheduling.py).
 
         Returns the float32 logits [n, vocab] of the last token of every span whose `logits` is not
         "none" (span order), and seq_id -> [len(span.token_ids), vocab] for spans asking for "all".
         """
         self._check_usable()
+        if input_ids is not None and self._workers:
+            raise ValueError("input_ids on the device need one rank: the others read the spans' tokens")
         if not spans:
             return torch.zeros(0, self.model_config.vocab_size, device=self.device), {}
         validate_spans(spans, self.block_size, self.num_kv_blocks, self.model_config.max_position_embeddings)
@@ -155,7 +158,7 @@ class ModelRunner:
                 self._fail(f"tensor-parallel rank {rank} is gone ({error})")
         self._step_started = time.monotonic()
         try:
-            logits = self._rank0.execute(spans, num_layers, draft)
+            logits = self._rank0.execute(spans, num_layers, draft, input_ids)
         except Exception as error:
             if not self._workers:
                 raise

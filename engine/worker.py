@@ -404,10 +404,12 @@ class RankWorker:
 
     @torch.inference_mode()
     def execute(self, spans: list[SeqSpan], num_layers: int | None = None,
-                draft: bool = False) -> torch.Tensor | None:
+                draft: bool = False, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward the spans; rank 0 gets float32 logits of the requested rows, other ranks None.
         `num_layers`: only the first layers, then the final norm and LM head (layer-skip drafting).
-        `draft`: the draft model alone; else the draft model (if any) follows the target on the same spans."""
+        `draft`: the draft model alone; else the draft model (if any) follows the target on the same spans.
+        `input_ids`: the spans' tokens on the device (one rank, one token each, no LoRA), read in place of their
+        `token_ids` (engine/async_scheduling.py: the picks of a step still on their way to the host)."""
         if self.kv_prefault is not None and not self.kv_prefault.done and spans:
             self.kv_prefault.note(max(span.block_table[(span.start_pos + len(span.token_ids) - 1) // self.block_size]
                                       for span in spans))
@@ -415,13 +417,15 @@ class RankWorker:
             return pipeline.run_stage(self, spans)
         if num_layers is None and not draft and self.graphs is not None and self.graphs.can_run(spans):
             self.forward_steps["decode_graph"] += 1
-            logits = self.model.compute_logits(self.graphs.run(spans))
+            logits = self.model.compute_logits(self.graphs.run(spans, input_ids))
             return None if logits is None else logits.float()
         restore = None
         if self.lora is not None:  # each adapter's tokens in one slice: a few GEMMs per adapter, no gathers
             spans, restore = order_by_adapter(spans)
         inputs = prepare_inputs(spans, self.block_size, self.device, self.attention, self.windows,
                                 self.block_tables)
+        if input_ids is not None:
+            inputs.input_ids.copy_(input_ids)
         try:
             if self.lora is not None:
                 self.lora.set_batch(spans, self.device)

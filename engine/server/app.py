@@ -138,6 +138,7 @@ def _build_info(llm: Any, config: EngineConfig) -> Info:
         model_impl=str(getattr(getattr(llm, "model_config", None), "impl", "native")),
         cuda_graphs=list(getattr(runner, "cuda_graph_sizes", [])),
         piecewise_graphs=list(getattr(runner, "piecewise_graph_sizes", [])), block_size=stats.block_size,
+        async_scheduling=bool(getattr(llm, "schedules_ahead", False)),
         lora_adapters=[name for name, _ in config.lora_adapters],
         lora_backend=str(getattr(runner, "lora_backend", "none")), lora_checks=dict(getattr(runner, "lora_checks", {})),
         speculate=config.speculate,

@@ -10,7 +10,7 @@ VALUE_FLAGS = {
     "--max-batch-prefill-tokens", "--max-batch-total-tokens", "--max-batch-size",
     "--waiting-served-ratio", "--cuda-memory-fraction", "--cors-allow-origin", "--load-format",
     "--served-model-name", "--kv-cache-bytes", "--cuda-graphs", "--piecewise-graphs", "--cpu-gemm", "--cpu-elementwise",
-    "--gpu-elementwise",
+    "--gpu-elementwise", "--async-scheduling",
     "--attention-backend", "--model-impl",
     "--block-size",
     "--cpu-threads", "--drain-timeout", "--max-new-tokens-default", "--prefix-caching", "--lora-adapters",

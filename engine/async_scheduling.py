@@ -1,0 +1,112 @@
+"""Async scheduling: decode step N+1 is scheduled and launched before step N's tokens reach the host.
+
+A synchronous step ends with the device idle: the sampled tokens are copied to the host, and only then does the
+host append them, check stops, build the outputs, schedule the next batch and prepare its inputs. Here, for plain
+decode batches, the tokens are picked on the device (greedy: argmax, and the chosen logprob when a row reports it)
+and copied to pinned memory asynchronously; the next `LLMEngine.step()` builds batch N+1 from batch N's sequences
+(one more position each, its token unknown: the runner reads it from N's device tensor of picks), launches it,
+and only then waits for N's tokens and does N's host work while the device runs N+1. The same idea as vLLM's and
+SGLang's overlap schedulers.
+
+What changes for a request: its tokens are delivered one step later than they are computed. A sequence that N's
+token ends (end of sequence, a stop string) has already been put in N+1: that row is computed and thrown away,
+and its blocks are freed (the device runs N+1 before any later batch that could reuse them, on one stream). One
+whose length ends it at N is known in advance and left out.
+
+When it applies (`engines_ahead`): one rank, every live request plainly greedy (no sampling, penalties, grammars,
+alternatives), no speculation, LoRA or images, a batch of decodes only. Batch N+1 is built only while nothing
+waits to be admitted and every sequence's next token fits in its blocks or a free one (no preemption); otherwise
+N is resolved on its own and the next step is scheduled as usual. `--async-scheduling` auto: on with CUDA.
+Off CUDA the runner is synchronous, so nothing overlaps; `on` there exercises the same state machine (tests).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.batch import SeqSpan
+from engine.sampler import NO_TOP, SamplerOutput
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+MODES = ("auto", "on", "off")
+
+
+def resolve_mode(mode: str, device: torch.device | None, num_ranks: int) -> bool:
+    """Whether an engine on `device` with `num_ranks` ranks schedules ahead ("auto": on CUDA, one rank)."""
+    if mode not in MODES:
+        raise ValueError(f"async_scheduling must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "off" or num_ranks != 1:
+        return False
+    return mode == "on" or getattr(device, "type", None) == "cuda"
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A launched decode batch whose picks are still on their way to the host."""
+
+    batch: ScheduledBatch
+    token_ids: torch.Tensor             # [n] on the device: the next step's input ids
+    host_ids: torch.Tensor              # pinned copies, written when `done` is reached
+    host_logprobs: torch.Tensor | None
+    done: torch.cuda.Event | None       # None off CUDA (the copies were synchronous)
+
+    def resolve(self) -> SamplerOutput:
+        """Wait for the copies; the picks as the sampler's output."""
+        if self.done is not None:
+            self.done.synchronize()
+        n = len(self.batch)
+        token_ids = self.host_ids[:n].tolist()
+        logprobs = self.host_logprobs[:n].tolist() if self.host_logprobs is not None else [float("nan")] * n
+        return SamplerOutput(token_ids, logprobs, [NO_TOP] * n, [NO_TOP] * n)
+
+
+def pick(batch: ScheduledBatch, logits: torch.Tensor, logprobs: bool) -> InFlight:
+    """Greedy picks of `logits` [n, vocab] on their device, their copy to the host started, not waited for."""
+    scores = logits.float()
+    token_ids = scores.argmax(dim=-1)
+    pinned = scores.device.type == "cuda"
+    host_ids = torch.empty(len(token_ids), dtype=torch.int64, pin_memory=pinned)
+    host_ids.copy_(token_ids, non_blocking=pinned)
+    host_logprobs = None
+    if logprobs:
+        chosen = scores.gather(1, token_ids[:, None]).squeeze(1) - scores.logsumexp(dim=-1)
+        host_logprobs = torch.empty(len(token_ids), dtype=torch.float32, pin_memory=pinned)
+        host_logprobs.copy_(chosen, non_blocking=pinned)
+    done = None
+    if pinned:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(scores.device))
+    return InFlight(batch, token_ids, host_ids, host_logprobs, done)
+
+
+def ends_at_length(seq: Sequence) -> bool:
+    """Whether the token in flight for `seq` is its last by length (max_new_tokens, max_tokens)."""
+    num_tokens = seq.num_tokens + 1
+    return num_tokens - seq.num_prompt_tokens >= seq.params.max_new_tokens or num_tokens >= seq.max_tokens
+
+
+def schedule_ahead(scheduler: Scheduler, inflight: InFlight) -> tuple[ScheduledBatch, list[int]] | None:
+    """Batch N+1 from batch N's running sequences, each one position on (its token in flight), and the rows of
+    N their input ids come from; None when it cannot be built without the scheduler's general path (a request
+    waits, or a sequence needs a block and none is free)."""
+    if scheduler.waiting:
+        return None
+    bm = scheduler.block_manager
+    block_size = bm.block_size
+    batch, rows = ScheduledBatch(), []
+    for row, seq in enumerate(inflight.batch.seqs):
+        if seq.status is not SequenceStatus.RUNNING or ends_at_length(seq):
+            continue
+        start = seq.num_tokens          # the position of the token in flight
+        table = seq.block_table
+        if start >= len(table) * block_size:
+            if not bm.num_free_blocks:
+                return None     # the blocks taken so far stay with their sequences: they need them next
+            table.append(bm.take_free_block())
+        batch.seqs.append(seq)
+        batch.spans.append(SeqSpan(seq.seq_id, [0], start, table, "last", seq.adapter, seq.block_table_version))
+        rows.append(row)
+    batch.num_decode_tokens = len(batch.seqs)
+    return (batch, rows) if batch.seqs else None

@@ -1,0 +1,215 @@
+"""Async scheduling (engine/async_scheduling.py): decode batch N+1 launched before N's tokens are read. On CPU the
+runner is synchronous, so `async_scheduling="on"` runs the same state machine without overlap: the tokens, texts,
+logprobs and endings must be those of the synchronous engine (and of transformers), whatever ends a request while
+its next row is already in flight (its length, EOS, a stop string, an abort, a failed step), and no block leaks."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from engine import async_scheduling  # noqa: E402
+from engine.launcher import parse_args, to_config  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from test_models_families import (TEXT, assert_generations_match, engine_for, hf_generate,  # noqa: E402,F401
+                                  mixed_requests)
+
+
+def final_fields(out):
+    return ([t.id for t in out.tokens], out.generated_text, out.finish_reason, out.num_generated_tokens,
+            [None if t.logprob is None else round(t.logprob, 4) for t in out.tokens])
+
+
+def generate_both(name, prompts, params, **config):
+    """The finals of the synchronous engine, then of the async one, and how many batches the latter ran ahead."""
+    finals = []
+    for mode in ("off", "on"):
+        with engine_for(name, async_scheduling=mode, **config) as engine:
+            outs = engine.generate(prompts, params)
+            finals.append([final_fields(out) for out in outs])
+            ahead = engine.stats().num_steps_ahead_total
+            assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks   # nothing held
+    return finals[0], finals[1], ahead
+
+
+def test_modes():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert async_scheduling.resolve_mode("auto", cuda, 1) and not async_scheduling.resolve_mode("auto", cpu, 1)
+    assert async_scheduling.resolve_mode("on", cpu, 1) and not async_scheduling.resolve_mode("on", cuda, 2)
+    assert not async_scheduling.resolve_mode("off", cuda, 1)
+    with pytest.raises(ValueError, match="auto, on, off"):
+        async_scheduling.resolve_mode("yes", cpu, 1)
+    env = {"MODEL_ID": "m"}
+    assert to_config(parse_args(["--async-scheduling", "off"], environ=env), "/m").async_scheduling == "off"
+    assert to_config(parse_args([], environ={**env, "ASYNC_SCHEDULING": "on"}), "/m").async_scheduling == "on"
+    assert to_config(parse_args([], environ=env), "/m").async_scheduling == "auto"
+    with pytest.raises(SystemExit):
+        parse_args(["--async-scheduling", "sometimes"], environ=env)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-moe", "tiny-gemma2"])
+def test_greedy_generations_match_transformers(name, hf_generate):
+    with engine_for(name, async_scheduling="on") as engine:
+        assert engine.schedules_ahead
+        prompts, new_tokens = mixed_requests(engine.tokenizer)
+        assert_generations_match(engine, name, hf_generate, prompts, new_tokens)
+        assert engine.stats().num_steps_ahead_total > 3
+
+
+def test_logprobs_lengths_and_stop_strings_equal_the_synchronous_engine():
+    with engine_for("tiny-llama") as engine:
+        ids = engine.tokenizer.encode(TEXT)
+        probe = engine.generate([ids[:9]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    stop = probe.tokens[5].text.strip() or probe.tokens[5].text     # ends that request mid-way
+    prompts = [ids[i:i + 4 + 2 * i] for i in range(10)] + [ids[:9]]
+    params = [SamplingParams(max_new_tokens=2 + i, ignore_eos=True, logprobs=i % 2 == 0) for i in range(10)]
+    params.append(SamplingParams(max_new_tokens=12, ignore_eos=True, stop=[stop], logprobs=True))
+    sync, ahead_run, ahead = generate_both("tiny-llama", prompts, params)
+    assert ahead > 5
+    assert sync[-1][2] == "stop_sequence" and sync[-1][3] < 12
+    for expected, got in zip(sync, ahead_run):
+        assert got[:4] == expected[:4]
+        assert got[4] == pytest.approx(expected[4], abs=1e-3)
+
+
+def test_a_request_its_length_ends_gets_no_row_past_its_last_token():
+    """Known in advance: the step that reads the last token launches nothing for it (no position past
+    max_total_tokens, no block past its table)."""
+    forwards = []
+    for mode in ("off", "on"):
+        with engine_for("tiny-llama", async_scheduling=mode, max_total_tokens=16) as engine:
+            ids = engine.tokenizer.encode(TEXT)
+            outs = engine.generate([ids[:6], ids[:10]], [SamplingParams(max_new_tokens=5, ignore_eos=True),
+                                                        SamplingParams(max_new_tokens=50, ignore_eos=True)])
+            assert [len(out.tokens) for out in outs] == [5, 6]     # the second one ends at max_total_tokens
+            forwards.append(sum(engine.stats().forward_steps.values()))
+    assert forwards[1] == forwards[0]
+
+
+def test_end_of_sequence_while_the_next_row_is_in_flight():
+    """The EOS token ends the request at the step it is read; the row already launched for it is dropped."""
+    with engine_for("tiny-llama") as engine:
+        ids = engine.tokenizer.encode(TEXT)
+        tokens = [t.id for t in engine.generate([ids[:7]], SamplingParams(max_new_tokens=10, ignore_eos=True))[0]
+                  .tokens]
+    eos = tokens[4]     # this token, taken as the model's EOS, ends the request after 5 tokens
+
+    def patched(name, prompts, params):
+        finals = []
+        for mode in ("off", "on"):
+            with engine_for(name, async_scheduling=mode) as engine:
+                engine.eos_token_ids = {eos}
+                outs = engine.generate(prompts, params)
+                finals.append([final_fields(out) for out in outs])
+                assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+                if mode == "on":
+                    assert engine.stats().num_steps_ahead_total > 0
+        return finals
+
+    sync, ahead_run = patched("tiny-llama", [ids[:7], ids[3:12]], [SamplingParams(max_new_tokens=10)] * 2)
+    assert sync[0][2] == "eos_token" and sync[0][3] == 5
+    assert ahead_run == sync
+
+
+def test_aborts_requests_arriving_and_a_full_cache():
+    """Requests added and aborted between steps, on a cache small enough that decodes wait for blocks (the
+    general path, preempting): every request ends once, the survivors as the synchronous engine's."""
+    config = dict(cpu_kv_cache_bytes=64 * 1024, block_size=4)
+    results = {}
+    for mode in ("off", "on"):
+        with engine_for("tiny-llama", async_scheduling=mode, **config) as engine:
+            ids = engine.tokenizer.encode(TEXT)
+            finals, steps = {}, 0
+            for i in range(4):
+                engine.add_request(f"r{i}", ids[i:i + 10], SamplingParams(max_new_tokens=40, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                steps += 1
+                if steps == 6:
+                    engine.abort("r1")
+                if steps == 9:
+                    engine.add_request("late", ids[20:30], SamplingParams(max_new_tokens=12, ignore_eos=True))
+                for out in async_scheduling_outputs(engine.step()):
+                    assert out.request_id not in finals, "a request ended twice"
+                    if out.finished:
+                        finals[out.request_id] = out
+            assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+            results[mode] = ({rid: (o.generated_text, o.finish_reason) for rid, o in finals.items()},
+                             engine.stats())
+    (sync, _), (ahead_run, stats) = results["off"], results["on"]
+    assert sorted(ahead_run) == sorted(sync) == ["late", "r0", "r1", "r2", "r3"]
+    assert ahead_run["r1"][1] == sync["r1"][1] == "aborted"
+    assert sync["r1"][0].startswith(ahead_run["r1"][0]) or ahead_run["r1"][0].startswith(sync["r1"][0])
+    for rid in ("late", "r0", "r2", "r3"):
+        assert ahead_run[rid] == sync[rid], rid
+    assert stats.num_steps_ahead_total > 0 and stats.num_preempted_total > 0
+
+
+def async_scheduling_outputs(outputs):
+    from engine.deferred_outputs import expand
+    return expand(outputs)
+
+
+def test_sampling_requests_are_read_each_step_and_async_resumes_after_them():
+    with engine_for("tiny-llama", async_scheduling="on") as engine:
+        ids = engine.tokenizer.encode(TEXT)
+        engine.generate([ids[:8]] * 3, SamplingParams(max_new_tokens=8, do_sample=True, seed=1))
+        assert engine.stats().num_steps_ahead_total == 0
+        engine.generate([ids[:8]] * 3, SamplingParams(max_new_tokens=8))
+        assert engine.stats().num_steps_ahead_total > 0
+
+
+def test_a_failed_step_ahead_fails_its_requests_and_the_engine_serves_on(monkeypatch):
+    with engine_for("tiny-llama", async_scheduling="on") as engine:
+        ids = engine.tokenizer.encode(TEXT)
+        run, calls = engine.runner.run, []
+
+        def failing_once(spans, *args, input_ids=None, **kwargs):
+            if input_ids is not None and not calls:
+                calls.append(len(spans))
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+            return run(spans, *args, input_ids=input_ids, **kwargs)
+
+        monkeypatch.setattr(engine.runner, "run", failing_once)
+        outs = engine.generate([ids[:6], ids[2:9]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        assert calls == [2]
+        for out in outs:    # the token of the step before the failure is delivered, then the error
+            assert out.error and "illegal memory access" in out.error and len(out.tokens) == 2, out
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        again = engine.generate([ids[:6]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+        assert again.error is None and len(again.tokens) == 6
+
+
+def test_the_server_streams_what_the_synchronous_engine_generates(model_path, tmp_path):
+    """Behind the HTTP server (its outputs built and their text decoded on the event loop: deferred_outputs.py,
+    deferred_text.py), streamed token by token to concurrent clients."""
+    import concurrent.futures
+    import json
+
+    import httpx
+    from test_clients import start_server, stop_server
+
+    path = model_path("tiny-llama")
+    prompts = ["The quick brown fox", "def add(a, b):", "Hello world, said", "Count: 1, 2, 3,"]
+    with engine_for("tiny-llama") as engine:
+        expected = [out.generated_text for out in engine.generate(
+            prompts, [SamplingParams(max_new_tokens=8 + 3 * i, ignore_eos=True) for i in range(4)])]
+    proc, url, log = start_server(path, tmp_path, "--async-scheduling", "on", "--dtype", "float32")
+    try:
+        assert httpx.get(f"{url}/info").json()["async_scheduling"] is True
+
+        def stream(i):
+            body = {"inputs": prompts[i], "parameters": {"max_new_tokens": 8 + 3 * i, "details": True}}
+            with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=60) as response:
+                events = [json.loads(line.removeprefix("data:")) for line in response.iter_lines()
+                          if line.startswith("data:")]
+            assert len(events) == 8 + 3 * i
+            return "".join(event["token"]["text"] for event in events), events[-1]["generated_text"]
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(stream, range(4)))
+        assert [text for text, _ in got] == expected
+        assert [final for _, final in got] == expected
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "tgi_steps_ahead_total" in metrics
+        ahead = [line for line in metrics.splitlines() if line.startswith("tgi_steps_ahead_total")]
+        assert float(ahead[0].split()[-1]) > 0, ahead
+    finally:
+        stop_server(proc)
