@@ -208,7 +208,7 @@ def build_engine(model_dir: Path, args: argparse.Namespace, device: torch.device
                           device=device.type, max_batch_prefill_tokens=most * args.prompt_len,
                           max_total_tokens=args.prompt_len + args.new_tokens + 16, max_batch_size=most,
                           cpu_gemm=args.cpu_gemm, gpu_elementwise=args.gpu_elementwise, cuda_graphs=args.cuda_graphs,
-                          enforce_eager=enforce_eager)
+                          enforce_eager=enforce_eager, async_scheduling=args.async_scheduling)
     if device.type == "cpu":
         config.cpu_kv_cache_bytes = max(config.cpu_kv_cache_bytes or 0, int(kv_bytes_per_token(model_dir, dtype)
                                                                        * (total_tokens + 64 * most) * 1.1))
@@ -489,6 +489,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="norm / RoPE / SiLU-and-mul on CUDA: fused Triton kernels or torch's ops (A/B)")
     parser.add_argument("--cuda-graphs", type=lambda s: [int(x) for x in s.split(",") if int(x) > 0],
                         help="decode batch sizes to capture (0 = none; default: the engine's)")
+    parser.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                        help="engine/async_scheduling.py (auto: on with CUDA)")
     parser.add_argument("--json-out", help="also write every number to this JSON file")
     host = parser.add_argument_group("--host-overhead (scripts/host_overhead.py): no model, logits at once")
     host.add_argument("--host-overhead", action="store_true",

@@ -25,6 +25,7 @@
 #   bench-8b    scripts/bench_engine.py, Llama-3.1-8B shape, random weights: batch-1 decode ms/token against
 #               weight bytes / copy bandwidth, batch sizes up to 256, 256 requests against HF `generate`
 #   bench-8b-aten  the same engine with torch's element-wise ops (--gpu-elementwise aten): the fused kernels' A/B
+#   bench-8b-sync  the same engine with --async-scheduling off: what launching step N+1 before reading N gains
 #   profile     scripts/profile_step.py: the 8B shape's decode step at batch 1, 64 and 256 under torch.profiler,
 #               kernels per step by kind and by name (where the time above the bandwidth floor goes)
 #   serve-8b    scripts/bench_http.py: the same 8B shape served over HTTP (python -m engine), 256 streaming
@@ -167,7 +168,7 @@ call_bench() {
     stage attention 10 bash -c 'echo "bench_attention.py times CUDA kernels only: not run in --dry-run"'
     stage bench-8b 150 "$PY" scripts/bench_engine.py --model-id tiny-llama --device cpu --dtype float32 \
       --batch-sizes 1,4 --prompt-len 16 --new-tokens 4 --runs 1 --hf-prompts 4 --hf-serial-max 1 \
-      --json-out "$LOGS/bench-8b.json"
+      --async-scheduling on --json-out "$LOGS/bench-8b.json"
     stage quant 150 "$PY" scripts/bench_quant.py --smoke --json "$LOGS/bench-quant.json"
     stage moe 150 "$PY" scripts/bench_moe.py --device cpu --sizes tiny --tokens 1,16 --repeats 1 --batch 2 \
       --prompt-len 8 --new-tokens 4
@@ -183,6 +184,9 @@ call_bench() {
     stage bench-8b-aten 60 "$PY" scripts/bench_engine.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
       --load-format dummy --device cuda --dtype bfloat16 --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 64 \
       --runs 1 --hf-prompts 256 --no-hf --gpu-elementwise aten --json-out "$LOGS/bench-8b-aten.json"
+    stage bench-8b-sync 60 "$PY" scripts/bench_engine.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
+      --load-format dummy --device cuda --dtype bfloat16 --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 64 \
+      --runs 1 --hf-prompts 256 --no-hf --async-scheduling off --json-out "$LOGS/bench-8b-sync.json"
     stage profile 90 "$PY" scripts/profile_step.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
       --load-format dummy --device cuda --dtype bfloat16 --batch-sizes 1,64,256 --prompt-len 128 --profile-steps 8 \
       --json-out "$LOGS/profile.json"
