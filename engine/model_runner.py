@@ -99,7 +99,7 @@ class ModelRunner:
         try:
             self._rank0 = RankWorker(config, model_config, 0, store)
         except Exception as error:
-            if not self._workers:
+            if not self._workers or isinstance(error, ValueError):  # bad input: every rank refuses it alike
                 raise
             cause = f"{self._failure}; " if self._failure else ""
             raise RuntimeError(f"tensor-parallel start-up failed ({cause}{self._worker_states()}): {error}"
@@ -160,7 +160,7 @@ class ModelRunner:
         try:
             logits = self._rank0.execute(spans, num_layers, draft, input_ids)
         except Exception as error:
-            if not self._workers:
+            if not self._workers or isinstance(error, ValueError):  # bad input: every rank refuses it alike
                 raise
             cause = f"{self._failure}; " if self._failure else ""   # the watchdog's reason, when it ended the step
             self._fail(f"tensor-parallel step failed ({cause}{self._worker_states()}): {error}{self._worker_errors()}")
