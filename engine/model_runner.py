@@ -160,7 +160,7 @@ class ModelRunner:
         try:
             logits = self._rank0.execute(spans, num_layers, draft, input_ids)
         except Exception as error:
-            if not self._workers or isinstance(error, ValueError):  # bad input: every rank refuses it alike
+            if not self._workers:
                 raise
             cause = f"{self._failure}; " if self._failure else ""   # the watchdog's reason, when it ended the step
             self._fail(f"tensor-parallel step failed ({cause}{self._worker_states()}): {error}{self._worker_errors()}")
