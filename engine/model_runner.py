@@ -101,9 +101,7 @@ class ModelRunner:
         except Exception as error:
             if not self._workers or isinstance(error, ValueError):  # bad input: every rank refuses it alike
                 raise
-            cause = f"{self._failure}; " if self._failure else ""
-            raise RuntimeError(f"tensor-parallel start-up failed ({cause}{self._worker_states()}): {error}"
-                               f"{self._worker_errors()}") from error
+            raise RuntimeError(self._peer_failure("start-up", error)) from error
         self._wait_for("ready")
         self._starting = False
 
@@ -162,8 +160,7 @@ class ModelRunner:
         except Exception as error:
             if not self._workers:
                 raise
-            cause = f"{self._failure}; " if self._failure else ""   # the watchdog's reason, when it ended the step
-            self._fail(f"tensor-parallel step failed ({cause}{self._worker_states()}): {error}{self._worker_errors()}")
+            self._fail(self._peer_failure("step", error))
         finally:
             self._step_started = None
         return split_logits(spans, logits)
@@ -234,6 +231,12 @@ class ModelRunner:
     def _fail(self, message: str) -> None:
         self._failure = message
         raise RuntimeError(message)
+
+    def _peer_failure(self, what: str, error: Exception) -> str:
+        """Rank 0's `error` in `what` with what became of the other ranks: the watchdog's reason when it ended
+        them, their states, and the errors they sent."""
+        cause = f"{self._failure}; " if self._failure else ""
+        return f"tensor-parallel {what} failed ({cause}{self._worker_states()}): {error}{self._worker_errors()}"
 
     def _worker_states(self, grace_s: float = 1.0) -> str:
         """'rank 1 died (exit code -9), ...' once a failed collective hints that a peer is gone."""
