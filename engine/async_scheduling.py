@@ -2,18 +2,20 @@
 
 A synchronous step ends with the device idle: the sampled tokens are copied to the host, and only then does the
 host append them, check stops, build the outputs, schedule the next batch and prepare its inputs. Here, for plain
-decode batches, the tokens are picked on the device (greedy: argmax, and the chosen logprob when a row reports it)
-and copied to pinned memory asynchronously; the next `LLMEngine.step()` builds batch N+1 from batch N's sequences
-(one more position each, its token unknown: the runner reads it from N's device tensor of picks), launches it,
-and only then waits for N's tokens and does N's host work while the device runs N+1. The same idea as vLLM's and
-SGLang's overlap schedulers.
+decode batches, the tokens are picked on the device (`sampler.pick_on_device`: greedy rows' argmax, sampling rows'
+draw with this step's uniform from their own generator, drawn on the host as the synchronous sampler would, and the
+chosen logprob when a row reports it) and copied to pinned memory asynchronously; the next `LLMEngine.step()` builds
+batch N+1 from batch N's sequences (one more position each, its token unknown: the runner reads it from N's device
+tensor of picks), launches it, and only then waits for N's tokens and does N's host work while the device runs N+1.
+The same idea as vLLM's and SGLang's overlap schedulers.
 
 What changes for a request: its tokens are delivered one step later than they are computed. A sequence that N's
 token ends (end of sequence, a stop string) has already been put in N+1: that row is computed and thrown away,
 and its blocks are freed (the device runs N+1 before any later batch that could reuse them, on one stream). One
 whose length ends it at N is known in advance and left out.
 
-When it applies (`engines_ahead`): one rank, every live request plainly greedy (no sampling, penalties, grammars,
+When it applies (`LLMEngine._can_pick_ahead`): one rank, every live request `device_pickable` (greedy or sampling
+with temperature, top-k, top-p, typical-p; no penalties, whose counts would miss the token in flight, no grammars or
 alternatives), no speculation, LoRA or images, a batch of decodes only. Batch N+1 is built only while nothing
 waits to be admitted and every sequence's next token fits in its blocks or a free one (no preemption); otherwise
 N is resolved on its own and the next step is scheduled as usual. `--async-scheduling` auto: on with CUDA.
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import SeqSpan
-from engine.sampler import NO_TOP, SamplerOutput
+from engine.sampler import NO_TOP, SamplerOutput, pick_on_device, to_device
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
@@ -63,22 +65,28 @@ class InFlight:
 
 
 def pick(batch: ScheduledBatch, logits: torch.Tensor, logprobs: bool) -> InFlight:
-    """Greedy picks of `logits` [n, vocab] on their device, their copy to the host started, not waited for."""
-    scores = logits.float()
-    token_ids = scores.argmax(dim=-1)
-    pinned = scores.device.type == "cuda"
+    """The picks of `logits` [n, vocab] on their device (`pick_on_device`), their copy to the host started, not
+    waited for."""
+    token_ids, chosen = pick_on_device(logits, batch.seqs, logprobs)
+    pinned = token_ids.device.type == "cuda"
     host_ids = torch.empty(len(token_ids), dtype=torch.int64, pin_memory=pinned)
     host_ids.copy_(token_ids, non_blocking=pinned)
     host_logprobs = None
-    if logprobs:
-        chosen = scores.gather(1, token_ids[:, None]).squeeze(1) - scores.logsumexp(dim=-1)
+    if chosen is not None:
         host_logprobs = torch.empty(len(token_ids), dtype=torch.float32, pin_memory=pinned)
         host_logprobs.copy_(chosen, non_blocking=pinned)
     done = None
     if pinned:
         done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(scores.device))
+        done.record(torch.cuda.current_stream(token_ids.device))
     return InFlight(batch, token_ids, host_ids, host_logprobs, done)
+
+
+def next_input_ids(inflight: InFlight, rows: list[int]) -> torch.Tensor:
+    """Batch N+1's input ids: the device picks of batch N (`inflight`) at `rows`, not waited for."""
+    if len(rows) == len(inflight.batch):
+        return inflight.token_ids
+    return inflight.token_ids.index_select(0, to_device(rows, torch.int64, inflight.token_ids.device))
 
 
 def ends_at_length(seq: Sequence) -> bool:

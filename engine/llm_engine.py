@@ -21,7 +21,8 @@ from engine.multimodal.prompt import MultiModalPrompt
 from engine.outputs import FinishReason, RequestOutput, TokenInfo
 from engine.penalty_counts import PenaltyCounts
 from engine.request_checks import check_request
-from engine.sampler import SamplerOutput, fresh_log_softmax, pick_seed, plain_greedy, sample, use_cpu_kernels
+from engine.sampler import (SamplerOutput, device_pickable, fresh_log_softmax, pick_seed, plain_greedy, sample,
+                            use_cpu_kernels)
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -176,6 +177,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._num_guided = 0                            # of those, with a grammar (no mask work in steps without)
         self._num_not_greedy = 0                        # of those, not `plain_greedy` (the sampler reads every row)
+        self._num_not_pickable = 0                      # of those, not `device_pickable` (no step launched ahead)
         self._num_logprobs = 0                          # of those, reporting logprobs
         self._seq_ids = count()
         self._penalty_counts = PenaltyCounts()         # penalties' token counts, kept between steps
@@ -183,7 +185,7 @@ class LLMEngine:
         # step() (engine/deferred_text.py; AsyncEngine turns it on and fills every output it delivers), and their
         # plain decode rows' outputs built there too (engine/deferred_outputs.py)
         self.defer_text = False
-        # greedy decode batches launched before the previous one's tokens reach the host (engine/async_scheduling.py)
+        # decode batches launched before the previous one's tokens reach the host (engine/async_scheduling.py)
         self.schedules_ahead = async_scheduling.resolve_mode(
             config.async_scheduling, getattr(runner, "device", None),
             config.num_shard * config.pipeline_parallel_size) and self.speculation is None
@@ -313,8 +315,9 @@ class LLMEngine:
 
     def _can_pick_ahead(self, batch: ScheduledBatch) -> bool:
         """Whether this decode batch's tokens can be picked on the device and resolved in the next step: every
-        live request plainly greedy, no grammar, LoRA or images, last-token logits only."""
-        return (self.schedules_ahead and not self._num_not_greedy and not self._num_guided
+        live request `device_pickable` (greedy or sampling, no penalties or alternatives), no grammar, LoRA or
+        images, last-token logits only."""
+        return (self.schedules_ahead and not self._num_not_pickable and not self._num_guided
                 and not self.adapter_names
                 and all(span.logits == "last" and span.images is None and seq.images is None
                         for seq, span in zip(batch.seqs, batch.spans)))
@@ -329,10 +332,8 @@ class LLMEngine:
         if ahead is not None:
             batch, rows = ahead
             self._batch_size = len(batch)
-            ids = inflight.token_ids if len(rows) == len(inflight.batch) else \
-                inflight.token_ids[torch.tensor(rows, device=inflight.token_ids.device)]
             try:
-                last_logits, _ = self.runner.run(batch.spans, input_ids=ids)
+                last_logits, _ = self.runner.run(batch.spans, input_ids=async_scheduling.next_input_ids(inflight, rows))
                 launched = async_scheduling.pick(batch, last_logits, self._num_logprobs > 0)
             except Exception as e:  # noqa: BLE001 - N's tokens are still delivered; N+1's requests fail below
                 failure = e
@@ -394,6 +395,7 @@ class LLMEngine:
                 self._seqs[item.request_id] = item
                 self._num_guided += item.grammar is not None
                 self._num_not_greedy += not plain_greedy(item.params)
+                self._num_not_pickable += not device_pickable(item.params)
                 self._num_logprobs += item.params.logprobs
                 self.scheduler.add(item)
             elif (seq := self._seqs.get(item)) is not None:
@@ -549,6 +551,7 @@ class LLMEngine:
         if self._seqs.pop(seq.request_id, None) is not None:
             self._num_guided -= seq.grammar is not None
             self._num_not_greedy -= not plain_greedy(seq.params)
+            self._num_not_pickable -= not device_pickable(seq.params)
             self._num_logprobs -= seq.params.logprobs
         with self._lock:
             self._live_ids.discard(seq.request_id)

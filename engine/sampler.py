@@ -308,6 +308,40 @@ def fresh_log_softmax(scores: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(scores, dim=-1)
 
 
+def device_pickable(params: SamplingParams) -> bool:
+    """Whether this request's tokens can be chosen on the device with nothing read back first (greedy, or sampling
+    with its temperature and warpers): no penalties, whose counts would miss the token still in flight, and no
+    alternatives to report (engine/async_scheduling.py)."""
+    return not params.top_n_tokens and params.repetition_penalty in (None, 1.0) and not params.frequency_penalty
+
+
+def pick_on_device(logits: torch.Tensor, rows: Sequence[SampleRow],
+                   logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's next token [n], left on the device, and with `logprobs` its logprob [n] in the processed
+    distribution (as `sample` reports it); nothing waits for the device. Greedy rows take the argmax; sampling
+    rows draw by inverse CDF over their warped distribution with this step's uniform from their own generator,
+    the one `sample` would draw, so a seed gives the same tokens either way (up to float32 rounding at a token's
+    boundary, as across devices). Every row must be `device_pickable`."""
+    params = [row.params for row in rows]
+    scores = logits.float()
+    sampling = [is_sampling(p) for p in params]
+    if not any(sampling):
+        ids = scores.argmax(dim=-1)
+        if not logprobs:
+            return ids, None
+        return ids, scores.gather(1, ids[:, None]).squeeze(1) - scores.logsumexp(dim=-1)
+    scores = apply_warpers(scores, params, sampling, reads_back=False)
+    all_logprobs = fresh_log_softmax(scores)
+    drawn = [r for r, s in enumerate(sampling) if s]
+    uniforms = to_device([draw_uniform(rows[r]) for r in drawn], torch.float64, scores.device)
+    if len(drawn) == len(rows):
+        ids = inverse_cdf_blocked(all_logprobs, uniforms)
+    else:
+        index = to_device(drawn, torch.int64, scores.device)
+        ids = scores.argmax(dim=-1).index_copy(0, index, inverse_cdf_blocked(all_logprobs[index], uniforms))
+    return ids, all_logprobs.gather(1, ids[:, None]).squeeze(1) if logprobs else None
+
+
 def plain_greedy(params: SamplingParams) -> bool:
     """Nothing processes this request's scores and it reports no alternatives: each token is the argmax."""
     return not _changes_scores(params) and not params.top_n_tokens
@@ -450,38 +484,50 @@ def apply_frequency_penalty(scores: torch.Tensor, rows: Sequence[SampleRow], cou
     return scores
 
 
-def apply_warpers(scores: torch.Tensor, params: list[SamplingParams], sampling: list[bool]) -> torch.Tensor:
-    """Temperature, top-k, top-p, typical-p, each on the rows that sample and set it."""
+def apply_warpers(scores: torch.Tensor, params: list[SamplingParams], sampling: list[bool], *,
+                  reads_back: bool = True) -> torch.Tensor:
+    """Temperature, top-k, top-p, typical-p, each on the rows that sample and set it. `reads_back` False: nothing
+    waits for the device (no top-k prefilter count before top-p, which then sorts the vocabulary)."""
     device, dtype = scores.device, scores.dtype
     temps = [p.temperature if s else 1.0 for p, s in zip(params, sampling)]
     if any(t != 1.0 for t in temps):
-        scores = scores / torch.tensor(temps, dtype=dtype, device=device)[:, None]
+        scores = scores / to_device(temps, dtype, device)[:, None]
     top_k = [(p.top_k or 0) if s else 0 for p, s in zip(params, sampling)]
     if any(top_k):
         rows = [r for r, k in enumerate(top_k) if k]  # rows without a top-k (greedy ones too) skip the topk
         scores = _on_rows(scores, rows, lambda sub: top_k_mask(
-            sub, torch.tensor([top_k[r] for r in rows], device=device), max(top_k)))
+            sub, to_device([top_k[r] for r in rows], torch.int64, device), max(top_k)))
     top_p = [p.top_p if s and p.top_p is not None else 1.0 for p, s in zip(params, sampling)]
     if any(v < 1.0 for v in top_p):
         rows = [r for r, v in enumerate(top_p) if v < 1.0]  # only these rows are sorted
         # top-k prefilter: when every top-p row also has a top-k, only its survivors need sorting (ties with
         # the k-th survive too, so they are counted, not assumed)
         max_kept = None
-        if all(top_k[r] for r in rows):
+        if reads_back and all(top_k[r] for r in rows):
             max_kept = max(1, int(torch.isfinite(scores[rows]).sum(dim=-1).max()))
         scores = _on_rows(scores, rows, lambda sub: top_p_mask(
-            sub, torch.tensor([top_p[r] for r in rows], dtype=dtype, device=device), max_kept))
+            sub, to_device([top_p[r] for r in rows], dtype, device), max_kept))
     typical = [p.typical_p if s and p.typical_p is not None else 1.0 for p, s in zip(params, sampling)]
     if any(v < 1.0 for v in typical):
-        scores = typical_mask(scores, torch.tensor(typical, dtype=dtype, device=device))
+        scores = typical_mask(scores, to_device(typical, dtype, device))
     return scores
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A short host list as a tensor on `device`. To a GPU through pinned memory without waiting: a copy from
+    pageable memory would first wait for the work already queued on the stream (a whole forward, when the
+    next step was launched before this one's picks: engine/async_scheduling.py)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _on_rows(scores: torch.Tensor, rows: list[int], mask: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """`mask` applied to `rows` of scores only (all of them: in place of the whole); out of place."""
     if len(rows) == scores.shape[0]:
         return mask(scores)
-    index = torch.tensor(rows, device=scores.device)
+    index = to_device(rows, torch.int64, scores.device)
     return scores.index_copy(0, index, mask(scores.index_select(0, index)))
 
 

@@ -147,12 +147,67 @@ def async_scheduling_outputs(outputs):
     return expand(outputs)
 
 
-def test_sampling_requests_are_read_each_step_and_async_resumes_after_them():
+SAMPLED = [dict(do_sample=True), dict(temperature=0.7), dict(top_k=5), dict(top_p=0.9), dict(top_k=40, top_p=0.8),
+           dict(temperature=1.3, top_p=0.95), dict(typical_p=0.9), dict(temperature=0.5, top_k=3, logprobs=True)]
+
+
+def test_seeded_sampling_gives_the_synchronous_engine_tokens():
+    """Sampling rows are drawn on the device with the uniform the synchronous sampler would draw at that step,
+    so a seeded request's tokens (and logprobs) do not depend on the mode, beside greedy rows and rows ending."""
+    with engine_for("tiny-llama") as engine:
+        ids = engine.tokenizer.encode(TEXT)
+    prompts = [ids[i:i + 5 + i] for i in range(len(SAMPLED) + 2)]
+    params = [SamplingParams(max_new_tokens=30 - 2 * i, ignore_eos=True, seed=100 + i, **kwargs)
+              for i, kwargs in enumerate(SAMPLED)]
+    params += [SamplingParams(max_new_tokens=12, ignore_eos=True), SamplingParams(max_new_tokens=25, logprobs=True,
+                                                                                  ignore_eos=True)]
+    sync, ahead_run, ahead = generate_both("tiny-llama", prompts, params)
+    assert ahead > 10
+    for expected, got in zip(sync, ahead_run):
+        assert got[:4] == expected[:4]
+        assert got[4] == pytest.approx(expected[4], abs=1e-3)
+    assert len({tuple(fields[0]) for fields in sync[:len(SAMPLED)]}) == len(SAMPLED)     # they did sample
+
+
+@pytest.mark.gpu
+def test_gpu_steps_ahead_give_the_synchronous_tokens(model_path):
+    """On CUDA, where N+1 really runs while N's picks travel (pinned copies, an event) and decodes replay graphs:
+    greedy and seeded sampling rows, with logprobs, some ended by length while the next row is in flight, give
+    the synchronous engine's tokens."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    finals, stats = [], []
+    for mode in ("off", "on"):
+        config = EngineConfig(model_id=str(model_path("tiny-llama")), device="cuda", dtype="float32",
+                              gpu_memory_utilization=0.05, async_scheduling=mode)
+        with LLMEngine(config) as engine:
+            ids = engine.tokenizer.encode(TEXT)
+            prompts = [ids[i:i + 5 + i] for i in range(len(SAMPLED) + 2)]
+            params = [SamplingParams(max_new_tokens=40 - 3 * i, ignore_eos=True, seed=7 + i, logprobs=i % 2 == 0,
+                                     **kwargs) for i, kwargs in enumerate(SAMPLED)]
+            params += [SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=True),
+                       SamplingParams(max_new_tokens=33, ignore_eos=True)]
+            finals.append([final_fields(out) for out in engine.generate(prompts, params)])
+            stats.append(engine.stats())
+            assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert stats[0].num_steps_ahead_total == 0 and stats[1].num_steps_ahead_total > 20
+    assert stats[1].forward_steps.get("decode_graph", 0) > 20
+    for expected, got in zip(*finals):
+        assert got[:4] == expected[:4]
+        assert got[4] == pytest.approx(expected[4], abs=1e-3)
+
+
+@pytest.mark.parametrize("kwargs", [dict(repetition_penalty=1.2), dict(frequency_penalty=0.5),
+                                    dict(top_n_tokens=2), dict(do_sample=True, repetition_penalty=1.1)])
+def test_penalties_and_alternatives_are_read_each_step_and_async_resumes_after_them(kwargs):
+    """Penalties count the tokens generated so far (the one in flight too) and alternatives are reported from
+    the host: such a request resolves each step; once it ends, batches go ahead again."""
     with engine_for("tiny-llama", async_scheduling="on") as engine:
         ids = engine.tokenizer.encode(TEXT)
-        engine.generate([ids[:8]] * 3, SamplingParams(max_new_tokens=8, do_sample=True, seed=1))
+        engine.generate([ids[:8]] * 3, SamplingParams(max_new_tokens=8, seed=1, **kwargs))
         assert engine.stats().num_steps_ahead_total == 0
-        engine.generate([ids[:8]] * 3, SamplingParams(max_new_tokens=8))
+        engine.generate([ids[:8]] * 3, SamplingParams(max_new_tokens=8, do_sample=True))
         assert engine.stats().num_steps_ahead_total > 0
 
 
