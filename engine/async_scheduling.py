@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import SeqSpan
-from engine.sampler import NO_TOP, SamplerOutput, pick_on_device, to_device
+from engine.device_copy import list_to_device
+from engine.sampler import NO_TOP, SamplerOutput, pick_on_device
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
@@ -86,7 +87,7 @@ def next_input_ids(inflight: InFlight, rows: list[int]) -> torch.Tensor:
     """Batch N+1's input ids: the device picks of batch N (`inflight`) at `rows`, not waited for."""
     if len(rows) == len(inflight.batch):
         return inflight.token_ids
-    return inflight.token_ids.index_select(0, to_device(rows, torch.int64, inflight.token_ids.device))
+    return inflight.token_ids.index_select(0, list_to_device(rows, torch.int64, inflight.token_ids.device))
 
 
 def ends_at_length(seq: Sequence) -> bool:

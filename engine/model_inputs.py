@@ -11,6 +11,7 @@ from engine.attention import AttentionBackend, AttentionMetadata, build_metadata
 from engine.attention.block_tables import BlockTables
 from engine.attention.portable import PortableBackend
 from engine.batch import SeqSpan
+from engine.device_copy import to_device
 
 
 STEP_FALLBACK = PortableBackend()
@@ -81,4 +82,4 @@ def prepare_inputs(spans: list[SeqSpan], block_size: int, device: torch.device, 
 
 def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
     # through numpy: 3x cheaper than torch.tensor(list) on the host (6 vs 16 us for 256 values)
-    return torch.from_numpy(np.array(values, dtype=np.int64)).to(device, non_blocking=True)
+    return to_device(torch.from_numpy(np.array(values, dtype=np.int64)), device)

@@ -32,6 +32,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from engine import candidate_sampling
+from engine.device_copy import list_to_device
 from engine.penalty_counts import PenaltyCounts
 from engine.sampling_params import SamplingParams
 from engine.structured.masks import TokenBitmask, apply_token_bitmask
@@ -333,11 +334,11 @@ def pick_on_device(logits: torch.Tensor, rows: Sequence[SampleRow],
     scores = apply_warpers(scores, params, sampling, reads_back=False)
     all_logprobs = fresh_log_softmax(scores)
     drawn = [r for r, s in enumerate(sampling) if s]
-    uniforms = to_device([draw_uniform(rows[r]) for r in drawn], torch.float64, scores.device)
+    uniforms = list_to_device([draw_uniform(rows[r]) for r in drawn], torch.float64, scores.device)
     if len(drawn) == len(rows):
         ids = inverse_cdf_blocked(all_logprobs, uniforms)
     else:
-        index = to_device(drawn, torch.int64, scores.device)
+        index = list_to_device(drawn, torch.int64, scores.device)
         ids = scores.argmax(dim=-1).index_copy(0, index, inverse_cdf_blocked(all_logprobs[index], uniforms))
     return ids, all_logprobs.gather(1, ids[:, None]).squeeze(1) if logprobs else None
 
@@ -491,12 +492,12 @@ def apply_warpers(scores: torch.Tensor, params: list[SamplingParams], sampling: 
     device, dtype = scores.device, scores.dtype
     temps = [p.temperature if s else 1.0 for p, s in zip(params, sampling)]
     if any(t != 1.0 for t in temps):
-        scores = scores / to_device(temps, dtype, device)[:, None]
+        scores = scores / list_to_device(temps, dtype, device)[:, None]
     top_k = [(p.top_k or 0) if s else 0 for p, s in zip(params, sampling)]
     if any(top_k):
         rows = [r for r, k in enumerate(top_k) if k]  # rows without a top-k (greedy ones too) skip the topk
         scores = _on_rows(scores, rows, lambda sub: top_k_mask(
-            sub, to_device([top_k[r] for r in rows], torch.int64, device), max(top_k)))
+            sub, list_to_device([top_k[r] for r in rows], torch.int64, device), max(top_k)))
     top_p = [p.top_p if s and p.top_p is not None else 1.0 for p, s in zip(params, sampling)]
     if any(v < 1.0 for v in top_p):
         rows = [r for r, v in enumerate(top_p) if v < 1.0]  # only these rows are sorted
@@ -506,28 +507,18 @@ def apply_warpers(scores: torch.Tensor, params: list[SamplingParams], sampling: 
         if reads_back and all(top_k[r] for r in rows):
             max_kept = max(1, int(torch.isfinite(scores[rows]).sum(dim=-1).max()))
         scores = _on_rows(scores, rows, lambda sub: top_p_mask(
-            sub, to_device([top_p[r] for r in rows], dtype, device), max_kept))
+            sub, list_to_device([top_p[r] for r in rows], dtype, device), max_kept))
     typical = [p.typical_p if s and p.typical_p is not None else 1.0 for p, s in zip(params, sampling)]
     if any(v < 1.0 for v in typical):
-        scores = typical_mask(scores, to_device(typical, dtype, device))
+        scores = typical_mask(scores, list_to_device(typical, dtype, device))
     return scores
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A short host list as a tensor on `device`. To a GPU through pinned memory without waiting: a copy from
-    pageable memory would first wait for the work already queued on the stream (a whole forward, when the
-    next step was launched before this one's picks: engine/async_scheduling.py)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _on_rows(scores: torch.Tensor, rows: list[int], mask: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """`mask` applied to `rows` of scores only (all of them: in place of the whole); out of place."""
     if len(rows) == scores.shape[0]:
         return mask(scores)
-    index = to_device(rows, torch.int64, scores.device)
+    index = list_to_device(rows, torch.int64, scores.device)
     return scores.index_copy(0, index, mask(scores.index_select(0, index)))
 
 

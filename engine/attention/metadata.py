@@ -16,6 +16,7 @@ import torch
 
 from engine.attention.block_tables import BlockTables
 from engine.batch import SeqSpan
+from engine.device_copy import to_device
 
 
 @dataclass(slots=True)
@@ -83,4 +84,4 @@ def _host(values: list[int], dtype: type) -> torch.Tensor:
 
 
 def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
+    return tensor if device.type == "cpu" else to_device(tensor, device)
