@@ -1,13 +1,16 @@
-"""Async scheduling: decode step N+1 is scheduled and launched before step N's tokens reach the host.
+"""Async scheduling: step N+1 is scheduled and launched before step N's tokens reach the host.
 
 A synchronous step ends with the device idle: the sampled tokens are copied to the host, and only then does the
-host append them, check stops, build the outputs, schedule the next batch and prepare its inputs. Here, for plain
-decode batches, the tokens are picked on the device (`sampler.pick_on_device`: greedy rows' argmax, sampling rows'
-draw with this step's uniform from their own generator, drawn on the host as the synchronous sampler would, and the
-chosen logprob when a row reports it) and copied to pinned memory asynchronously; the next `LLMEngine.step()` builds
-batch N+1 from batch N's sequences (one more position each, its token unknown: the runner reads it from N's device
-tensor of picks), launches it, and only then waits for N's tokens and does N's host work while the device runs N+1.
-The same idea as vLLM's and SGLang's overlap schedulers.
+host append them, check stops, build the outputs, schedule the next batch and prepare its inputs. Here the tokens
+are picked on the device (`sampler.pick_on_device`: greedy rows' argmax, sampling rows' draw with this step's
+uniform from their own generator, drawn on the host as the synchronous sampler would, and the chosen logprob when
+a row reports it) and copied to pinned memory asynchronously; the next `LLMEngine.step()` builds batch N+1
+(`schedule_ahead`) and launches it, and only then waits for N's tokens and does N's host work while the device
+runs N+1. Batch N+1: a decode for each sequence N samples, one position on, its token unknown (the runner reads it
+from N's device tensor of picks, these rows first); then, as the scheduler would, the next prompt chunk of each
+running sequence in its prompt and the waiting requests admitted, under the step's prefill budget (their tokens
+are the host's). So traffic that keeps arriving rides in the steps ahead. The same idea as vLLM's and SGLang's
+overlap schedulers.
 
 What changes for a request: its tokens are delivered one step later than they are computed. A sequence that N's
 token ends (end of sequence, a stop string) has already been put in N+1: that row is computed and thrown away,
@@ -16,10 +19,10 @@ whose length ends it at N is known in advance and left out.
 
 When it applies (`LLMEngine._can_pick_ahead`): one rank, every live request `device_pickable` (greedy or sampling
 with temperature, top-k, top-p, typical-p; no penalties, whose counts would miss the token in flight, no grammars or
-alternatives), no speculation, LoRA or images, a batch of decodes only. Batch N+1 is built only while nothing
-waits to be admitted and every sequence's next token fits in its blocks or a free one (no preemption); otherwise
-N is resolved on its own and the next step is scheduled as usual. `--async-scheduling` auto: on with CUDA.
-Off CUDA the runner is synchronous, so nothing overlaps; `on` there exercises the same state machine (tests).
+alternatives), no speculation, LoRA, images or prompt logprobs. Batch N+1 is built only while every sequence's
+next token or chunk fits in its blocks or free ones (no preemption ahead); otherwise N is resolved on its own and
+the next step is scheduled as usual. `--async-scheduling` auto: on with CUDA. Off CUDA the runner is synchronous,
+so nothing overlaps; `on` there exercises the same state machine (tests).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from engine.batch import SeqSpan
 from engine.device_copy import list_to_device
 from engine.sampler import NO_TOP, SamplerOutput, pick_on_device
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence
 
 MODES = ("auto", "on", "off")
 
@@ -47,10 +50,11 @@ def resolve_mode(mode: str, device: torch.device | None, num_ranks: int) -> bool
 
 @dataclass(slots=True)
 class InFlight:
-    """A launched decode batch whose picks are still on their way to the host."""
+    """A launched batch whose picks are still on their way to the host."""
 
     batch: ScheduledBatch
-    token_ids: torch.Tensor             # [n] on the device: the next step's input ids
+    sampled: list[Sequence]             # the sequences that get a token, one per pick (decodes, finished prompts)
+    token_ids: torch.Tensor             # [len(sampled)] on the device: the next step's input ids
     host_ids: torch.Tensor              # pinned copies, written when `done` is reached
     host_logprobs: torch.Tensor | None
     done: torch.cuda.Event | None       # None off CUDA (the copies were synchronous)
@@ -59,16 +63,16 @@ class InFlight:
         """Wait for the copies; the picks as the sampler's output."""
         if self.done is not None:
             self.done.synchronize()
-        n = len(self.batch)
+        n = len(self.sampled)
         token_ids = self.host_ids[:n].tolist()
         logprobs = self.host_logprobs[:n].tolist() if self.host_logprobs is not None else [float("nan")] * n
         return SamplerOutput(token_ids, logprobs, [NO_TOP] * n, [NO_TOP] * n)
 
 
-def pick(batch: ScheduledBatch, logits: torch.Tensor, logprobs: bool) -> InFlight:
-    """The picks of `logits` [n, vocab] on their device (`pick_on_device`), their copy to the host started, not
-    waited for."""
-    token_ids, chosen = pick_on_device(logits, batch.seqs, logprobs)
+def pick(batch: ScheduledBatch, sampled: list[Sequence], logits: torch.Tensor, logprobs: bool) -> InFlight:
+    """The picks of `logits` [len(sampled), vocab] on their device (`pick_on_device`), their copy to the host
+    started, not waited for."""
+    token_ids, chosen = pick_on_device(logits, sampled, logprobs)
     pinned = token_ids.device.type == "cuda"
     host_ids = torch.empty(len(token_ids), dtype=torch.int64, pin_memory=pinned)
     host_ids.copy_(token_ids, non_blocking=pinned)
@@ -80,12 +84,12 @@ def pick(batch: ScheduledBatch, logits: torch.Tensor, logprobs: bool) -> InFligh
     if pinned:
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(token_ids.device))
-    return InFlight(batch, token_ids, host_ids, host_logprobs, done)
+    return InFlight(batch, sampled, token_ids, host_ids, host_logprobs, done)
 
 
 def next_input_ids(inflight: InFlight, rows: list[int]) -> torch.Tensor:
     """Batch N+1's input ids: the device picks of batch N (`inflight`) at `rows`, not waited for."""
-    if len(rows) == len(inflight.batch):
+    if rows == list(range(len(inflight.sampled))):
         return inflight.token_ids
     return inflight.token_ids.index_select(0, list_to_device(rows, torch.int64, inflight.token_ids.device))
 
@@ -97,16 +101,27 @@ def ends_at_length(seq: Sequence) -> bool:
 
 
 def schedule_ahead(scheduler: Scheduler, inflight: InFlight) -> tuple[ScheduledBatch, list[int]] | None:
-    """Batch N+1 from batch N's running sequences, each one position on (its token in flight), and the rows of
-    N their input ids come from; None when it cannot be built without the scheduler's general path (a request
-    waits, or a sequence needs a block and none is free)."""
-    if scheduler.waiting:
+    """Batch N+1 while N is in flight: first a decode for each running sequence N samples (one position on, its
+    token the one in flight), then the next prompt chunk of each running sequence in its prompt and the waiting
+    requests admitted, as the scheduler would, under one prefill budget; and the rows of N's picks the decodes
+    read. None when the scheduler's general path must build it: a running sequence neither sampled by N nor in
+    its prompt, a waiting request that reports prompt logprobs or has images, or a sequence that needs a block
+    and none is free (no preemption ahead)."""
+    if any(seq.images is not None or seq.wants_prefill_logprobs for seq in scheduler.waiting):
         return None
     bm = scheduler.block_manager
     block_size = bm.block_size
-    batch, rows = ScheduledBatch(), []
-    for row, seq in enumerate(inflight.batch.seqs):
-        if seq.status is not SequenceStatus.RUNNING or ends_at_length(seq):
+    row_of = {seq.seq_id: row for row, seq in enumerate(inflight.sampled)}
+    batch, rows, prompts = ScheduledBatch(), [], []
+    for seq in scheduler.running:
+        row = row_of.get(seq.seq_id)
+        if row is None:     # its token is on the host: a prompt (or a recompute) goes on, a decode cannot be here
+            if seq.images is not None or (seq.num_uncomputed_tokens == 1
+                                          and seq.num_computed_tokens >= seq.num_prompt_tokens):
+                return None
+            prompts.append(seq)
+            continue
+        if ends_at_length(seq):
             continue
         start = seq.num_tokens          # the position of the token in flight
         table = seq.block_table
@@ -118,4 +133,6 @@ def schedule_ahead(scheduler: Scheduler, inflight: InFlight) -> tuple[ScheduledB
         batch.spans.append(SeqSpan(seq.seq_id, [0], start, table, "last", seq.adapter, seq.block_table_version))
         rows.append(row)
     batch.num_decode_tokens = len(batch.seqs)
+    if (prompts or scheduler.waiting) and not scheduler.add_prefills_ahead(batch, prompts):
+        return None
     return (batch, rows) if batch.seqs else None

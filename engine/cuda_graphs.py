@@ -139,7 +139,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, spans: list[SeqSpan], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [len(spans), hidden] of the spans' tokens (replays the padded graph); `input_ids`: the
-        tokens on the device, in place of the spans' (engine/async_scheduling.py)."""
+        tokens of the first spans on the device, in place of theirs (engine/async_scheduling.py)."""
         count = len(spans)
         size = next(s for s in self.batch_sizes if s >= count)
         bs, scratch = self.block_size, self.scratch_block
@@ -165,8 +165,8 @@ class DecodeGraphs:
             target = buffer[:size]
             target.copy_(self.staging[offset:offset + size])  # device-side, int64 -> the buffer's dtype
             offset += size
-        if input_ids is not None:
-            self.input_ids[:count].copy_(input_ids)
+        if input_ids is not None:   # the first spans' tokens (a last prompt token after them is the host's)
+            self.input_ids[:len(input_ids)].copy_(input_ids)
         width = tables.shape[1]
         self.block_tables[:count, :width].copy_(tables)
         self.block_tables[:count, width:].fill_(0)

@@ -102,7 +102,7 @@ class EngineStats:
     speculative_method: str = ""                # "ngram" | "layers" | "draft" | "medusa" | "eagle3" ("" = none)
     num_speculative_paused_total: int = 0       # decodes --speculate auto left undrafted (drafting did not pay)
     forward_steps: dict[str, int] = field(default_factory=dict)  # target forwards by path (engine/worker.py)
-    num_steps_ahead_total: int = 0              # decode batches launched before the previous one's tokens were read
+    num_steps_ahead_total: int = 0              # batches launched before the previous one's tokens were read
 
 
 class LLMEngine:
@@ -298,8 +298,9 @@ class LLMEngine:
                     sampled.append(seq)
                     rows.append(row)
                 row += 1
-        if sampled is batch.seqs and self._can_pick_ahead(batch):   # its tokens are resolved by the next step
-            self._inflight = async_scheduling.pick(batch, last_logits, self._num_logprobs > 0)
+        if sampled and not drafted and self._can_pick_ahead(batch):    # its tokens are resolved by the next step
+            logits = last_logits if len(sampled) == len(last_logits) else last_logits[rows]
+            self._inflight = async_scheduling.pick(batch, sampled, logits, self._num_logprobs > 0)
             return outputs
         if sampled:
             self._num_generated_tokens_total += len(sampled)
@@ -314,12 +315,12 @@ class LLMEngine:
         return outputs
 
     def _can_pick_ahead(self, batch: ScheduledBatch) -> bool:
-        """Whether this decode batch's tokens can be picked on the device and resolved in the next step: every
-        live request `device_pickable` (greedy or sampling, no penalties or alternatives), no grammar, LoRA or
-        images, last-token logits only."""
+        """Whether this batch's tokens can be picked on the device and resolved in the next step: every live
+        request `device_pickable` (greedy or sampling, no penalties or alternatives), no grammar, LoRA, drafts or
+        images, no prompt logprobs."""
         return (self.schedules_ahead and not self._num_not_pickable and not self._num_guided
-                and not self.adapter_names
-                and all(span.logits == "last" and span.images is None and seq.images is None
+                and not self.adapter_names and not batch.num_draft_tokens
+                and all(span.logits != "all" and span.images is None and seq.images is None
                         for seq, span in zip(batch.seqs, batch.spans)))
 
     def _step_ahead(self) -> list[RequestOutput]:
@@ -334,16 +335,17 @@ class LLMEngine:
             self._batch_size = len(batch)
             try:
                 last_logits, _ = self.runner.run(batch.spans, input_ids=async_scheduling.next_input_ids(inflight, rows))
-                launched = async_scheduling.pick(batch, last_logits, self._num_logprobs > 0)
+                sampled = [seq for seq, span in zip(batch.seqs, batch.spans) if span.logits == "last"]
+                launched = async_scheduling.pick(batch, sampled, last_logits, self._num_logprobs > 0)
+                self._num_steps_ahead_total += 1
+                self._num_prompt_tokens_total += batch.num_prefill_tokens
             except Exception as e:  # noqa: BLE001 - N's tokens are still delivered; N+1's requests fail below
                 failure = e
-            self._num_steps_ahead_total += 1
         outputs = self._resolve(inflight)
         if ahead is not None:
             batch = ahead[0]
             live = ScheduledBatch([seq for seq in batch.seqs if not seq.is_finished],
                                   [span for seq, span in zip(batch.seqs, batch.spans) if not seq.is_finished])
-            live.num_decode_tokens = len(live)
             if failure is not None:
                 outputs += self._step_failed(live, failure)
             else:
@@ -354,7 +356,7 @@ class LLMEngine:
     def _resolve(self, inflight: async_scheduling.InFlight) -> list[Any]:
         """Append a batch's picks to its sequences still running (an abort or a stop may have ended some)."""
         out = inflight.resolve()
-        seqs = inflight.batch.seqs
+        seqs = inflight.sampled
         live = [j for j, seq in enumerate(seqs) if not seq.is_finished]
         if len(live) < len(seqs):
             out = SamplerOutput([out.token_ids[j] for j in live], [out.logprobs[j] for j in live],

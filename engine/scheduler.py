@@ -110,6 +110,26 @@ class Scheduler:
             self._admit_waiting(batch, budget)
         return batch
 
+    def add_prefills_ahead(self, batch: ScheduledBatch, seqs: list[Sequence]) -> bool:
+        """Into `batch`, for a step launched before the previous one's tokens are read (engine/async_scheduling.py):
+        the next prompt chunk of each of `seqs` (running, in their prompt), then waiting sequences admitted as
+        `schedule` admits them, under one prefill budget, and never a preemption. False when a chunk needs blocks
+        that only a preemption would free (`batch` may hold some spans then; their blocks stay with their
+        sequences, which need them next)."""
+        budget = self.max_batch_prefill_tokens
+        bm = self.block_manager
+        for seq in seqs:
+            num_new = self._num_tokens_to_run(seq, budget)
+            if num_new == 0:
+                continue    # the budget is spent: it goes on in a later step
+            if not bm.can_append(seq, seq.num_computed_tokens + num_new):
+                return False
+            bm.append(seq, seq.num_computed_tokens + num_new)
+            self._add_span(batch, seq, num_new)
+            budget -= num_new
+        self._admit_waiting(batch, budget)
+        return True
+
     def _plain_decode(self, batch: ScheduledBatch, seq: Sequence) -> bool:
         """The common case of `schedule`'s loop in one call (~4x cheaper at batch 256): a decode without
         drafts whose next token fits in its blocks or in a free one. False: nothing done, take the general

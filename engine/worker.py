@@ -408,8 +408,9 @@ class RankWorker:
         """Forward the spans; rank 0 gets float32 logits of the requested rows, other ranks None.
         `num_layers`: only the first layers, then the final norm and LM head (layer-skip drafting).
         `draft`: the draft model alone; else the draft model (if any) follows the target on the same spans.
-        `input_ids`: the spans' tokens on the device (one rank, one token each, no LoRA), read in place of their
-        `token_ids` (engine/async_scheduling.py: the picks of a step still on their way to the host)."""
+        `input_ids` [k]: the first k spans' tokens on the device (one rank, decode spans of one token each, no
+        LoRA), read in place of their `token_ids` (engine/async_scheduling.py: the picks of a step still on their
+        way to the host); the spans after them are prefill chunks whose tokens the host has."""
         if self.kv_prefault is not None and not self.kv_prefault.done and spans:
             self.kv_prefault.note(max(span.block_table[(span.start_pos + len(span.token_ids) - 1) // self.block_size]
                                       for span in spans))
@@ -425,7 +426,7 @@ class RankWorker:
         inputs = prepare_inputs(spans, self.block_size, self.device, self.attention, self.windows,
                                 self.block_tables)
         if input_ids is not None:
-            inputs.input_ids.copy_(input_ids)
+            inputs.input_ids[:len(input_ids)].copy_(input_ids)
         try:
             if self.lora is not None:
                 self.lora.set_batch(spans, self.device)

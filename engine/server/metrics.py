@@ -66,7 +66,7 @@ class _EngineGauges:
             "tgi_prefix_cache_hit_tokens": ("Prompt tokens found in the prefix cache", "num_prefix_cache_hit_tokens"),
             "tgi_speculative_proposed_tokens": ("Draft tokens scored (--speculate)", "num_speculative_proposed_total"),
             "tgi_speculative_accepted_tokens": ("Draft tokens accepted", "num_speculative_accepted_total"),
-            "tgi_steps_ahead": ("Decode batches launched before the previous one's tokens were read "
+            "tgi_steps_ahead": ("Batches launched before the previous one's tokens were read "
                                 "(--async-scheduling)", "num_steps_ahead_total"),
         }
         for name, (doc, attr) in counters.items():  # exposed as NAME_total

@@ -142,6 +142,41 @@ def test_aborts_requests_arriving_and_a_full_cache():
     assert stats.num_steps_ahead_total > 0 and stats.num_preempted_total > 0
 
 
+def test_requests_arriving_every_step_join_the_steps_ahead():
+    """Continuous traffic: a request arrives at most steps, its prompt chunked over steps (a 40-token budget),
+    some sharing a prefix that the cache holds, some ending while the next row is in flight. The prompts ride
+    in the steps launched ahead (no step falls back to the synchronous path for them), and every request gets
+    the synchronous engine's tokens and logprobs."""
+    results = {}
+    for mode in ("off", "on"):
+        with engine_for("tiny-llama", async_scheduling=mode, block_size=8) as engine:
+            ids = engine.tokenizer.encode(TEXT * 3)
+            finals, steps, added = {}, 0, 0
+            while added < 24 or engine.has_unfinished_requests():
+                if added < 24 and steps % 3 != 2:
+                    prompt = ids[:48] + ids[60 + added:70 + 2 * added] if added % 3 == 0 else \
+                        ids[added:added + 5 + (7 * added) % 60]
+                    params = SamplingParams(max_new_tokens=3 + (5 * added) % 17, ignore_eos=True, seed=added,
+                                            logprobs=added % 2 == 0, do_sample=added % 4 == 1)
+                    engine.add_request(f"r{added}", prompt, params)
+                    added += 1
+                steps += 1
+                for out in async_scheduling_outputs(engine.step()):
+                    assert out.request_id not in finals, "a request ended twice"
+                    if out.finished:
+                        finals[out.request_id] = final_fields(out)
+            assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks    # cached ones count
+            results[mode] = finals, engine.stats(), steps
+            assert engine.block_manager.num_hit_tokens > 0
+    (sync, _, _), (ahead_run, stats, steps) = results["off"], results["on"]
+    assert sorted(ahead_run) == sorted(sync) and len(sync) == 24
+    for rid, expected in sync.items():
+        assert ahead_run[rid][:4] == expected[:4], rid
+        assert ahead_run[rid][4] == pytest.approx(expected[4], abs=1e-3), rid
+    assert stats.num_steps_ahead_total >= steps - 4, (stats.num_steps_ahead_total, steps)
+    assert stats.num_prompt_tokens_total > 0
+
+
 def async_scheduling_outputs(outputs):
     from engine.deferred_outputs import expand
     return expand(outputs)
@@ -225,8 +260,8 @@ def test_a_failed_step_ahead_fails_its_requests_and_the_engine_serves_on(monkeyp
         monkeypatch.setattr(engine.runner, "run", failing_once)
         outs = engine.generate([ids[:6], ids[2:9]], SamplingParams(max_new_tokens=6, ignore_eos=True))
         assert calls == [2]
-        for out in outs:    # the token of the step before the failure is delivered, then the error
-            assert out.error and "illegal memory access" in out.error and len(out.tokens) == 2, out
+        for out in outs:    # the prompt step's token is delivered, then the error of the first step ahead
+            assert out.error and "illegal memory access" in out.error and len(out.tokens) == 1, out
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         again = engine.generate([ids[:6]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
         assert again.error is None and len(again.tokens) == 6
