@@ -16,6 +16,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.deferred_outputs import DeferredRows, expand
 from engine.deferred_text import DeferredText
+from engine.device_copy import list_to_device
 from engine.detokenizer import IncrementalDetokenizer
 from engine.multimodal.prompt import MultiModalPrompt
 from engine.outputs import FinishReason, RequestOutput, TokenInfo
@@ -299,7 +300,8 @@ class LLMEngine:
                     rows.append(row)
                 row += 1
         if sampled and not drafted and self._can_pick_ahead(batch):    # its tokens are resolved by the next step
-            logits = last_logits if len(sampled) == len(last_logits) else last_logits[rows]
+            logits = last_logits if len(sampled) == len(last_logits) else \
+                last_logits.index_select(0, list_to_device(rows, torch.int64, last_logits.device))
             self._inflight = async_scheduling.pick(batch, sampled, logits, self._num_logprobs > 0)
             return outputs
         if sampled:

@@ -142,39 +142,48 @@ def test_aborts_requests_arriving_and_a_full_cache():
     assert stats.num_steps_ahead_total > 0 and stats.num_preempted_total > 0
 
 
-def test_requests_arriving_every_step_join_the_steps_ahead():
-    """Continuous traffic: a request arrives at most steps, its prompt chunked over steps (a 40-token budget),
-    some sharing a prefix that the cache holds, some ending while the next row is in flight. The prompts ride
-    in the steps launched ahead (no step falls back to the synchronous path for them), and every request gets
-    the synchronous engine's tokens and logprobs."""
-    results = {}
-    for mode in ("off", "on"):
-        with engine_for("tiny-llama", async_scheduling=mode, block_size=8) as engine:
-            ids = engine.tokenizer.encode(TEXT * 3)
-            finals, steps, added = {}, 0, 0
-            while added < 24 or engine.has_unfinished_requests():
-                if added < 24 and steps % 3 != 2:
-                    prompt = ids[:48] + ids[60 + added:70 + 2 * added] if added % 3 == 0 else \
-                        ids[added:added + 5 + (7 * added) % 60]
-                    params = SamplingParams(max_new_tokens=3 + (5 * added) % 17, ignore_eos=True, seed=added,
-                                            logprobs=added % 2 == 0, do_sample=added % 4 == 1)
-                    engine.add_request(f"r{added}", prompt, params)
-                    added += 1
-                steps += 1
-                for out in async_scheduling_outputs(engine.step()):
-                    assert out.request_id not in finals, "a request ended twice"
-                    if out.finished:
-                        finals[out.request_id] = final_fields(out)
-            assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks    # cached ones count
-            results[mode] = finals, engine.stats(), steps
-            assert engine.block_manager.num_hit_tokens > 0
-    (sync, _, _), (ahead_run, stats, steps) = results["off"], results["on"]
-    assert sorted(ahead_run) == sorted(sync) and len(sync) == 24
+def arriving_traffic(engine, count=24):
+    """A request arrives at two steps of three, its prompt chunked over steps where long (with the tests' 40-token
+    budget), one in three sharing a 48-token prefix, every fourth sampling, every other reporting logprobs, each
+    ending by length; run to the end. The final fields by request, and the number of steps."""
+    ids = engine.tokenizer.encode(TEXT * 3)
+    finals, steps, added = {}, 0, 0
+    while added < count or engine.has_unfinished_requests():
+        if added < count and steps % 3 != 2:
+            prompt = ids[:48] + ids[60 + added:70 + 2 * added] if added % 3 == 0 else \
+                ids[added:added + 5 + (7 * added) % 60]
+            params = SamplingParams(max_new_tokens=3 + (5 * added) % 17, ignore_eos=True, seed=added,
+                                    logprobs=added % 2 == 0, do_sample=added % 4 == 1)
+            engine.add_request(f"r{added}", prompt, params)
+            added += 1
+        steps += 1
+        for out in async_scheduling_outputs(engine.step()):
+            assert out.request_id not in finals, "a request ended twice"
+            if out.finished:
+                finals[out.request_id] = final_fields(out)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks    # cached ones count
+    assert engine.block_manager.num_hit_tokens > 0
+    return finals, steps
+
+
+def assert_same_finals(sync, ahead_run, count=24):
+    assert sorted(ahead_run) == sorted(sync) and len(sync) == count
     for rid, expected in sync.items():
         assert ahead_run[rid][:4] == expected[:4], rid
         assert ahead_run[rid][4] == pytest.approx(expected[4], abs=1e-3), rid
+
+
+def test_requests_arriving_every_step_join_the_steps_ahead():
+    """Continuous traffic: the prompts ride in the steps launched ahead (no step falls back to the synchronous
+    path for them), and every request gets the synchronous engine's tokens and logprobs."""
+    results = {}
+    for mode in ("off", "on"):
+        with engine_for("tiny-llama", async_scheduling=mode, block_size=8) as engine:
+            finals, steps = arriving_traffic(engine)
+            results[mode] = finals, engine.stats(), steps
+    (sync, _, _), (ahead_run, stats, steps) = results["off"], results["on"]
+    assert_same_finals(sync, ahead_run)
     assert stats.num_steps_ahead_total >= steps - 4, (stats.num_steps_ahead_total, steps)
-    assert stats.num_prompt_tokens_total > 0
 
 
 def async_scheduling_outputs(outputs):
@@ -231,6 +240,15 @@ def test_gpu_steps_ahead_give_the_synchronous_tokens(model_path):
     for expected, got in zip(*finals):
         assert got[:4] == expected[:4]
         assert got[4] == pytest.approx(expected[4], abs=1e-3)
+    traffic = {}
+    for mode in ("off", "on"):     # arrivals: mixed steps ahead replay the piecewise graphs
+        config = EngineConfig(model_id=str(model_path("tiny-llama")), device="cuda", dtype="float32",
+                              gpu_memory_utilization=0.05, async_scheduling=mode, max_batch_prefill_tokens=40)
+        with LLMEngine(config) as engine:
+            traffic[mode] = (*arriving_traffic(engine), engine.stats())
+    assert_same_finals(traffic["off"][0], traffic["on"][0])
+    _, steps, stats = traffic["on"]
+    assert stats.num_steps_ahead_total >= steps - 4 and stats.forward_steps.get("piecewise_graphs", 0) > 0
 
 
 @pytest.mark.parametrize("kwargs", [dict(repetition_penalty=1.2), dict(frequency_penalty=0.5),
