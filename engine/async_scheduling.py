@@ -1,14 +1,14 @@
 """Async scheduling: step N+1 is scheduled and launched before step N's tokens reach the host.
 
-A synchronous step ends with the device idle: the sampled tokens are copied to the host, and only then does the
-host append them, check stops, build the outputs, schedule the next batch and prepare its inputs. Here the tokens
-are picked on the device (`sampler.pick_on_device`: greedy rows' argmax, sampling rows' draw with this step's
-uniform from their own generator, drawn on the host as the synchronous sampler would, and the chosen logprob when
-a row reports it) and copied to pinned memory asynchronously; the next `LLMEngine.step()` builds batch N+1
-(`schedule_ahead`) and launches it, and only then waits for N's tokens and does N's host work while the device
-runs N+1. Batch N+1: a decode for each sequence N samples, one position on, its token unknown (the runner reads it
-from N's device tensor of picks, these rows first); then, as the scheduler would, the next prompt chunk of each
-running sequence in its prompt and the waiting requests admitted, under the step's prefill budget (their tokens
+A synchronous step ends with the device idle: the sampled tokens are copied to the host, and only then does the host
+append them, check stops, build the outputs, schedule the next batch and prepare its inputs. Here the tokens are
+picked on the device (`sampler.pick_on_device`: greedy rows' argmax, sampling rows' draw with this step's uniform
+from their own generator, drawn on the host as the synchronous sampler would, and the chosen logprob and
+alternatives when a row reports them) and copied to pinned memory asynchronously; the next `LLMEngine.step()` builds
+batch N+1 (`schedule_ahead`) and launches it, and only then waits for N's tokens and does N's host work while the
+device runs N+1. Batch N+1: a decode for each sequence N samples, one position on, its token unknown (the runner
+reads it from N's device tensor of picks, these rows first); then, as the scheduler would, the next prompt chunk of
+each running sequence in its prompt and the waiting requests admitted, under the step's prefill budget (their tokens
 are the host's). So traffic that keeps arriving rides in the steps ahead. The same idea as vLLM's and SGLang's
 overlap schedulers.
 
@@ -18,11 +18,11 @@ and its blocks are freed (the device runs N+1 before any later batch that could 
 whose length ends it at N is known in advance and left out.
 
 When it applies (`LLMEngine._can_pick_ahead`): one rank, every live request `device_pickable` (greedy or sampling
-with temperature, top-k, top-p, typical-p; no penalties, whose counts would miss the token in flight, no grammars or
-alternatives), no speculation, LoRA, images or prompt logprobs. Batch N+1 is built only while every sequence's
+with temperature, top-k, top-p, typical-p, alternatives or not; no penalties, whose counts would miss the token in
+flight), no grammars, speculation, LoRA, images or prompt logprobs. Batch N+1 is built only while every sequence's
 next token or chunk fits in its blocks or free ones (no preemption ahead); otherwise N is resolved on its own and
-the next step is scheduled as usual. `--async-scheduling` auto: on with CUDA. Off CUDA the runner is synchronous,
-so nothing overlaps; `on` there exercises the same state machine (tests).
+the next step is scheduled as usual. `--async-scheduling` auto: on with CUDA. Off CUDA the runner is synchronous, so
+nothing overlaps; `on` there exercises the same state machine (tests).
 """
 from __future__ import annotations
 
@@ -55,36 +55,41 @@ class InFlight:
     batch: ScheduledBatch
     sampled: list[Sequence]             # the sequences that get a token, one per pick (decodes, finished prompts)
     token_ids: torch.Tensor             # [len(sampled)] on the device: the next step's input ids
-    host_ids: torch.Tensor              # pinned copies, written when `done` is reached
-    host_logprobs: torch.Tensor | None
-    done: torch.cuda.Event | None       # None off CUDA (the copies were synchronous)
+    host: list[torch.Tensor | None]     # pinned copies of the picks' ids, logprobs, top ids and logprobs
+    done: torch.cuda.Event | None       # when they are written; None off CUDA (the copies were synchronous)
 
     def resolve(self) -> SamplerOutput:
         """Wait for the copies; the picks as the sampler's output."""
         if self.done is not None:
             self.done.synchronize()
         n = len(self.sampled)
-        token_ids = self.host_ids[:n].tolist()
-        logprobs = self.host_logprobs[:n].tolist() if self.host_logprobs is not None else [float("nan")] * n
-        return SamplerOutput(token_ids, logprobs, [NO_TOP] * n, [NO_TOP] * n)
+        ids, logprobs, top_ids, top_logprobs = (None if t is None else t.tolist() for t in self.host)
+        if logprobs is None:
+            logprobs = [float("nan")] * n
+        if top_ids is None:
+            return SamplerOutput(ids, logprobs, [NO_TOP] * n, [NO_TOP] * n)
+        wanted = [seq.params.top_n_tokens for seq in self.sampled]
+        return SamplerOutput(ids, logprobs, [row[:k] if k else NO_TOP for row, k in zip(top_ids, wanted)],
+                             [row[:k] if k else NO_TOP for row, k in zip(top_logprobs, wanted)])
 
 
 def pick(batch: ScheduledBatch, sampled: list[Sequence], logits: torch.Tensor, logprobs: bool) -> InFlight:
     """The picks of `logits` [len(sampled), vocab] on their device (`pick_on_device`), their copy to the host
     started, not waited for."""
-    token_ids, chosen = pick_on_device(logits, sampled, logprobs)
-    pinned = token_ids.device.type == "cuda"
-    host_ids = torch.empty(len(token_ids), dtype=torch.int64, pin_memory=pinned)
-    host_ids.copy_(token_ids, non_blocking=pinned)
-    host_logprobs = None
-    if chosen is not None:
-        host_logprobs = torch.empty(len(token_ids), dtype=torch.float32, pin_memory=pinned)
-        host_logprobs.copy_(chosen, non_blocking=pinned)
+    picks = pick_on_device(logits, sampled, logprobs)
+    pinned = picks.token_ids.device.type == "cuda"
+    host = []
+    for tensor in (picks.token_ids, picks.logprobs, picks.top_token_ids, picks.top_logprobs):
+        if tensor is not None:
+            copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+            copy.copy_(tensor, non_blocking=pinned)
+            tensor = copy
+        host.append(tensor)
     done = None
     if pinned:
         done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(token_ids.device))
-    return InFlight(batch, sampled, token_ids, host_ids, host_logprobs, done)
+        done.record(torch.cuda.current_stream(picks.token_ids.device))
+    return InFlight(batch, sampled, picks.token_ids, host, done)
 
 
 def next_input_ids(inflight: InFlight, rows: list[int]) -> torch.Tensor:

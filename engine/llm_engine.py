@@ -318,7 +318,7 @@ class LLMEngine:
 
     def _can_pick_ahead(self, batch: ScheduledBatch) -> bool:
         """Whether this batch's tokens can be picked on the device and resolved in the next step: every live
-        request `device_pickable` (greedy or sampling, no penalties or alternatives), no grammar, LoRA, drafts or
+        request `device_pickable` (greedy or sampling, no penalties), no grammar, LoRA, drafts or
         images, no prompt logprobs."""
         return (self.schedules_ahead and not self._num_not_pickable and not self._num_guided
                 and not self.adapter_names and not batch.num_draft_tokens

@@ -311,36 +311,53 @@ def fresh_log_softmax(scores: torch.Tensor) -> torch.Tensor:
 
 def device_pickable(params: SamplingParams) -> bool:
     """Whether this request's tokens can be chosen on the device with nothing read back first (greedy, or sampling
-    with its temperature and warpers): no penalties, whose counts would miss the token still in flight, and no
-    alternatives to report (engine/async_scheduling.py)."""
-    return not params.top_n_tokens and params.repetition_penalty in (None, 1.0) and not params.frequency_penalty
+    with its temperature and warpers, alternatives or not): no penalties, whose counts would miss the token still
+    in flight (engine/async_scheduling.py)."""
+    return params.repetition_penalty in (None, 1.0) and not params.frequency_penalty
 
 
-def pick_on_device(logits: torch.Tensor, rows: Sequence[SampleRow],
-                   logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each row's next token [n], left on the device, and with `logprobs` its logprob [n] in the processed
-    distribution (as `sample` reports it); nothing waits for the device. Greedy rows take the argmax; sampling
-    rows draw by inverse CDF over their warped distribution with this step's uniform from their own generator,
-    the one `sample` would draw, so a seed gives the same tokens either way (up to float32 rounding at a token's
-    boundary, as across devices). Every row must be `device_pickable`."""
+@dataclass(slots=True)
+class DevicePicks:
+    """`pick_on_device`'s result, on the device."""
+
+    token_ids: torch.Tensor                 # [n] int64
+    logprobs: torch.Tensor | None           # [n] the chosen tokens' (when asked for)
+    top_token_ids: torch.Tensor | None      # [n, max top_n_tokens] the best alternatives, when a row asks for them
+    top_logprobs: torch.Tensor | None
+
+
+def pick_on_device(logits: torch.Tensor, rows: Sequence[SampleRow], logprobs: bool) -> DevicePicks:
+    """Each row's next token, left on the device, with `logprobs` its logprob in the processed distribution, and
+    the best `top_n_tokens` alternatives of the rows that ask (as `sample` reports them); nothing waits for the
+    device. Greedy rows take the argmax; sampling rows draw by inverse CDF over their warped distribution with
+    this step's uniform from their own generator, the one `sample` would draw, so a seed gives the same tokens
+    either way (up to float32 rounding at a token's boundary, as across devices). Every row must be
+    `device_pickable`."""
     params = [row.params for row in rows]
     scores = logits.float()
     sampling = [is_sampling(p) for p in params]
-    if not any(sampling):
+    top_n = max((p.top_n_tokens for p in params), default=0)
+    if not any(sampling) and not top_n:
         ids = scores.argmax(dim=-1)
-        if not logprobs:
-            return ids, None
-        return ids, scores.gather(1, ids[:, None]).squeeze(1) - scores.logsumexp(dim=-1)
-    scores = apply_warpers(scores, params, sampling, reads_back=False)
+        chosen = scores.gather(1, ids[:, None]).squeeze(1) - scores.logsumexp(dim=-1) if logprobs else None
+        return DevicePicks(ids, chosen, None, None)
+    if any(sampling):
+        scores = apply_warpers(scores, params, sampling, reads_back=False)
     all_logprobs = fresh_log_softmax(scores)
+    ids = scores.argmax(dim=-1)
     drawn = [r for r, s in enumerate(sampling) if s]
-    uniforms = list_to_device([draw_uniform(rows[r]) for r in drawn], torch.float64, scores.device)
-    if len(drawn) == len(rows):
-        ids = inverse_cdf_blocked(all_logprobs, uniforms)
-    else:
-        index = list_to_device(drawn, torch.int64, scores.device)
-        ids = scores.argmax(dim=-1).index_copy(0, index, inverse_cdf_blocked(all_logprobs[index], uniforms))
-    return ids, all_logprobs.gather(1, ids[:, None]).squeeze(1) if logprobs else None
+    if drawn:
+        uniforms = list_to_device([draw_uniform(rows[r]) for r in drawn], torch.float64, scores.device)
+        if len(drawn) == len(rows):
+            ids = inverse_cdf_blocked(all_logprobs, uniforms)
+        else:
+            index = list_to_device(drawn, torch.int64, scores.device)
+            ids = ids.index_copy(0, index, inverse_cdf_blocked(all_logprobs[index], uniforms))
+    chosen = all_logprobs.gather(1, ids[:, None]).squeeze(1) if logprobs or top_n else None
+    if not top_n:
+        return DevicePicks(ids, chosen, None, None)
+    top = all_logprobs.topk(min(top_n, all_logprobs.shape[-1]), dim=-1)
+    return DevicePicks(ids, chosen, top.indices, top.values)
 
 
 def plain_greedy(params: SamplingParams) -> bool:

@@ -14,8 +14,10 @@ from test_models_families import (TEXT, assert_generations_match, engine_for, hf
 
 
 def final_fields(out):
+    """Tokens, text, ending, count; then the logprobs and the alternatives (ids, logprobs), compared approximately."""
     return ([t.id for t in out.tokens], out.generated_text, out.finish_reason, out.num_generated_tokens,
-            [None if t.logprob is None else round(t.logprob, 4) for t in out.tokens])
+            [None if t.logprob is None else round(t.logprob, 4) for t in out.tokens]
+            + [value for t in out.tokens for a in t.top_tokens for value in (a.id, round(a.logprob, 4))])
 
 
 def generate_both(name, prompts, params, **config):
@@ -192,7 +194,8 @@ def async_scheduling_outputs(outputs):
 
 
 SAMPLED = [dict(do_sample=True), dict(temperature=0.7), dict(top_k=5), dict(top_p=0.9), dict(top_k=40, top_p=0.8),
-           dict(temperature=1.3, top_p=0.95), dict(typical_p=0.9), dict(temperature=0.5, top_k=3, logprobs=True)]
+           dict(temperature=1.3, top_p=0.95), dict(typical_p=0.9), dict(temperature=0.5, top_k=3, logprobs=True),
+           dict(top_p=0.9, top_n_tokens=3), dict(top_n_tokens=2, logprobs=True)]
 
 
 def test_seeded_sampling_gives_the_synchronous_engine_tokens():
@@ -252,10 +255,10 @@ def test_gpu_steps_ahead_give_the_synchronous_tokens(model_path):
 
 
 @pytest.mark.parametrize("kwargs", [dict(repetition_penalty=1.2), dict(frequency_penalty=0.5),
-                                    dict(top_n_tokens=2), dict(do_sample=True, repetition_penalty=1.1)])
-def test_penalties_and_alternatives_are_read_each_step_and_async_resumes_after_them(kwargs):
-    """Penalties count the tokens generated so far (the one in flight too) and alternatives are reported from
-    the host: such a request resolves each step; once it ends, batches go ahead again."""
+                                    dict(do_sample=True, repetition_penalty=1.1)])
+def test_penalties_are_read_each_step_and_async_resumes_after_them(kwargs):
+    """Penalties count the tokens generated so far (the one in flight too): such a request resolves each step;
+    once it ends, batches go ahead again."""
     with engine_for("tiny-llama", async_scheduling="on") as engine:
         ids = engine.tokenizer.encode(TEXT)
         engine.generate([ids[:8]] * 3, SamplingParams(max_new_tokens=8, seed=1, **kwargs))

@@ -127,25 +127,29 @@ def test_seeded_rows_are_reproducible_whatever_the_batch():
 
 PICKABLE = [dict(), dict(do_sample=True), dict(temperature=0.6), dict(top_k=4), dict(top_k=1, temperature=2.0),
             dict(top_p=0.7), dict(top_k=10, top_p=0.5), dict(typical_p=0.8), dict(temperature=3.0, top_p=0.99),
-            dict(logprobs=True)]
+            dict(logprobs=True), dict(top_n_tokens=3), dict(top_p=0.8, top_n_tokens=5)]
 
 
 def test_picks_on_the_device_are_the_samplers_picks():
     """What async scheduling draws without reading back (the dense path, its top-p sorting the vocabulary) equals
     `sample` (which takes its candidate lists and CPU kernels) step after step from the same seeds, beside greedy
-    rows, token and logprob; penalties and alternatives are not pickable."""
+    rows, token, logprob and alternatives; penalties are not pickable."""
     assert not any(device_pickable(SamplingParams(**kw)) for kw in
-                   (dict(repetition_penalty=1.3), dict(frequency_penalty=0.2), dict(top_n_tokens=3)))
+                   (dict(repetition_penalty=1.3), dict(frequency_penalty=0.2)))
     assert all(device_pickable(SamplingParams(**kw)) for kw in PICKABLE)
     rows = {mode: [row(seed=50 + i, **kw) for i, kw in enumerate(PICKABLE * 3)] for mode in ("sample", "device")}
     for step in range(25):
         logits = random_logits(len(PICKABLE) * 3, seed=step) * (1 + step % 3)
         expected = sample(logits, rows["sample"])
-        ids, chosen = pick_on_device(logits, rows["device"], logprobs=True)
-        assert ids.tolist() == expected.token_ids
-        assert chosen.tolist() == pytest.approx(expected.logprobs, abs=1e-5)
-        only_ids, none = pick_on_device(logits[:1], rows["device"][:1], logprobs=False)     # greedy row alone
-        assert none is None and only_ids.tolist() == [int(logits[0].argmax())]
+        picks = pick_on_device(logits, rows["device"], logprobs=True)
+        assert picks.token_ids.tolist() == expected.token_ids
+        assert picks.logprobs.tolist() == pytest.approx(expected.logprobs, abs=1e-5)
+        for r, (ids, lps) in enumerate(zip(expected.top_token_ids, expected.top_logprobs)):
+            assert picks.top_token_ids[r, :len(ids)].tolist() == ids
+            assert picks.top_logprobs[r, :len(ids)].tolist() == pytest.approx(lps, abs=1e-5)
+        alone = pick_on_device(logits[:1], rows["device"][:1], logprobs=False)     # a greedy row alone
+        assert alone.logprobs is None and alone.top_token_ids is None
+        assert alone.token_ids.tolist() == [int(logits[0].argmax())]
 
 
 def test_sampling_follows_the_distribution():
