@@ -32,7 +32,7 @@ import torch
 
 from engine.batch import SeqSpan
 from engine.device_copy import list_to_device
-from engine.sampler import NO_TOP, SamplerOutput, pick_on_device
+from engine.sampler import SamplerOutput, host_output, pick_on_device
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 
@@ -62,15 +62,8 @@ class InFlight:
         """Wait for the copies; the picks as the sampler's output."""
         if self.done is not None:
             self.done.synchronize()
-        n = len(self.sampled)
-        ids, logprobs, top_ids, top_logprobs = (None if t is None else t.tolist() for t in self.host)
-        if logprobs is None:
-            logprobs = [float("nan")] * n
-        if top_ids is None:
-            return SamplerOutput(ids, logprobs, [NO_TOP] * n, [NO_TOP] * n)
-        wanted = [seq.params.top_n_tokens for seq in self.sampled]
-        return SamplerOutput(ids, logprobs, [row[:k] if k else NO_TOP for row, k in zip(top_ids, wanted)],
-                             [row[:k] if k else NO_TOP for row, k in zip(top_logprobs, wanted)])
+        return host_output(*(None if t is None else t.tolist() for t in self.host),
+                           [seq.params for seq in self.sampled])
 
 
 def pick(batch: ScheduledBatch, sampled: list[Sequence], logits: torch.Tensor, logprobs: bool) -> InFlight:

@@ -299,14 +299,13 @@ class LLMEngine:
                     sampled.append(seq)
                     rows.append(row)
                 row += 1
-        if sampled and not drafted and self._can_pick_ahead(batch):    # its tokens are resolved by the next step
+        if sampled:
             logits = last_logits if len(sampled) == len(last_logits) else \
                 last_logits.index_select(0, list_to_device(rows, torch.int64, last_logits.device))
-            self._inflight = async_scheduling.pick(batch, sampled, logits, self._num_logprobs > 0)
-            return outputs
-        if sampled:
+            if not drafted and self._can_pick_ahead(batch):     # its tokens are resolved by the next step
+                self._inflight = async_scheduling.pick(batch, sampled, logits, self._num_logprobs > 0)
+                return outputs
             self._num_generated_tokens_total += len(sampled)
-            logits = last_logits if len(sampled) == len(last_logits) else last_logits[rows]
             bitmask = masks.for_rows(sampled) if masks is not None else None
             out = sample(logits, sampled, bitmask, counts=self._penalty_counts, all_greedy=not self._num_not_greedy,
                          any_logprobs=self._num_logprobs > 0)

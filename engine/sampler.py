@@ -110,10 +110,10 @@ def process(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitma
     return _warped(penalized(logits, rows, bitmask, counts), [row.params for row in rows])
 
 
-def _warped(scores: torch.Tensor, params: list[SamplingParams]) -> ProcessedScores:
+def _warped(scores: torch.Tensor, params: list[SamplingParams], reads_back: bool = True) -> ProcessedScores:
     sampling = [is_sampling(p) for p in params]
     if any(sampling):
-        scores = apply_warpers(scores, params, sampling)
+        scores = apply_warpers(scores, params, sampling, reads_back=reads_back)
     return ProcessedScores(scores, fresh_log_softmax(scores), sampling)
 
 
@@ -195,13 +195,17 @@ def _dense(scores: torch.Tensor, rows: Sequence[SampleRow], params: list[Samplin
            uniforms: dict[int, float]) -> SamplerOutput:
     """Warpers, log_softmax and the draw over the whole vocabulary; `uniforms`: the sampling rows' draws."""
     processed = _warped(scores, params)
-    if all(sampling):   # no row takes the argmax
-        next_ids = _draw(processed.logprobs, None, sampling, uniforms)
-    else:
-        next_ids = processed.scores.argmax(dim=-1)
-        if any(sampling):
-            next_ids = _draw(processed.logprobs, next_ids, sampling, uniforms)
-    return report(processed.logprobs, next_ids, params)
+    return report(processed.logprobs, _chosen_ids(processed, uniforms), params)
+
+
+def _chosen_ids(processed: ProcessedScores, uniforms: dict[int, float]) -> torch.Tensor:
+    """Each row's token [n] on the scores' device: the argmax, or a sampling row's draw by its uniform."""
+    if all(processed.sampling):   # no row takes the argmax
+        return _draw(processed.logprobs, None, processed.sampling, uniforms)
+    next_ids = processed.scores.argmax(dim=-1)
+    if any(processed.sampling):
+        next_ids = _draw(processed.logprobs, next_ids, processed.sampling, uniforms)
+    return next_ids
 
 
 _cpu_kernels: Any = None           # engine.kernels.cpu_log_softmax once `use_cpu_kernels` turned it on
@@ -318,46 +322,30 @@ def device_pickable(params: SamplingParams) -> bool:
 
 @dataclass(slots=True)
 class DevicePicks:
-    """`pick_on_device`'s result, on the device."""
+    """The chosen tokens, their logprobs and the alternatives asked for, on the device (`reported`)."""
 
     token_ids: torch.Tensor                 # [n] int64
-    logprobs: torch.Tensor | None           # [n] the chosen tokens' (when asked for)
+    logprobs: torch.Tensor | None           # [n] the chosen tokens' (None: not asked for)
     top_token_ids: torch.Tensor | None      # [n, max top_n_tokens] the best alternatives, when a row asks for them
     top_logprobs: torch.Tensor | None
 
 
 def pick_on_device(logits: torch.Tensor, rows: Sequence[SampleRow], logprobs: bool) -> DevicePicks:
-    """Each row's next token, left on the device, with `logprobs` its logprob in the processed distribution, and
-    the best `top_n_tokens` alternatives of the rows that ask (as `sample` reports them); nothing waits for the
-    device. Greedy rows take the argmax; sampling rows draw by inverse CDF over their warped distribution with
+    """Each row's next token, left on the device, its logprob in the processed distribution (for a batch of plain
+    greedy rows only with `logprobs`), and the best `top_n_tokens` alternatives of the rows that ask (as `sample`
+    reports them); nothing waits for the device. Greedy rows take the argmax; sampling rows draw by inverse CDF over their warped distribution with
     this step's uniform from their own generator, the one `sample` would draw, so a seed gives the same tokens
     either way (up to float32 rounding at a token's boundary, as across devices). Every row must be
     `device_pickable`."""
     params = [row.params for row in rows]
     scores = logits.float()
-    sampling = [is_sampling(p) for p in params]
-    top_n = max((p.top_n_tokens for p in params), default=0)
-    if not any(sampling) and not top_n:
+    if all(map(plain_greedy, params)):
         ids = scores.argmax(dim=-1)
         chosen = scores.gather(1, ids[:, None]).squeeze(1) - scores.logsumexp(dim=-1) if logprobs else None
         return DevicePicks(ids, chosen, None, None)
-    if any(sampling):
-        scores = apply_warpers(scores, params, sampling, reads_back=False)
-    all_logprobs = fresh_log_softmax(scores)
-    ids = scores.argmax(dim=-1)
-    drawn = [r for r, s in enumerate(sampling) if s]
-    if drawn:
-        uniforms = list_to_device([draw_uniform(rows[r]) for r in drawn], torch.float64, scores.device)
-        if len(drawn) == len(rows):
-            ids = inverse_cdf_blocked(all_logprobs, uniforms)
-        else:
-            index = list_to_device(drawn, torch.int64, scores.device)
-            ids = ids.index_copy(0, index, inverse_cdf_blocked(all_logprobs[index], uniforms))
-    chosen = all_logprobs.gather(1, ids[:, None]).squeeze(1) if logprobs or top_n else None
-    if not top_n:
-        return DevicePicks(ids, chosen, None, None)
-    top = all_logprobs.topk(min(top_n, all_logprobs.shape[-1]), dim=-1)
-    return DevicePicks(ids, chosen, top.indices, top.values)
+    processed = _warped(scores, params, reads_back=False)
+    uniforms = {r: draw_uniform(rows[r]) for r, s in enumerate(processed.sampling) if s}
+    return reported(processed.logprobs, _chosen_ids(processed, uniforms), params)
 
 
 def plain_greedy(params: SamplingParams) -> bool:
@@ -374,16 +362,34 @@ def _changes_scores(p: SamplingParams) -> bool:
 
 def report(logprobs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
     """The chosen tokens' logprobs and each row's top_n_tokens alternatives."""
+    picks = reported(logprobs, token_ids, params)
+    return host_output(*(None if t is None else t.tolist() for t in
+                         (picks.token_ids, picks.logprobs, picks.top_token_ids, picks.top_logprobs)), params)
+
+
+def reported(logprobs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> DevicePicks:
+    """`report`'s tensors, left where `logprobs` [n, vocab] is: the chosen tokens' logprobs and the best
+    max(top_n_tokens) alternatives of every row."""
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     top_n = max((p.top_n_tokens for p in params), default=0)
-    top_ids: list[list[int]] = [NO_TOP] * len(params)
-    top_lps: list[list[float]] = [NO_TOP] * len(params)
-    if top_n > 0:
-        top = logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1)
-        all_ids, all_lps = top.indices.tolist(), top.values.tolist()
-        for r, p in enumerate(params):
-            top_ids[r], top_lps[r] = all_ids[r][:p.top_n_tokens], all_lps[r][:p.top_n_tokens]
-    return SamplerOutput(token_ids.tolist(), chosen.tolist(), top_ids, top_lps)
+    if top_n == 0:
+        return DevicePicks(token_ids, chosen, None, None)
+    top = logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1)
+    return DevicePicks(token_ids, chosen, top.indices, top.values)
+
+
+def host_output(token_ids: list[int], logprobs: list[float] | None, top_ids: list[list[int]] | None,
+                top_logprobs: list[list[float]] | None, params: Sequence[SamplingParams]) -> SamplerOutput:
+    """A `DevicePicks` read back (as lists) as the sampler's output: each row's own top_n_tokens of the
+    alternatives, logprobs nan when none were computed."""
+    n = len(token_ids)
+    if logprobs is None:
+        logprobs = [float("nan")] * n
+    if top_ids is None:
+        return SamplerOutput(token_ids, logprobs, [NO_TOP] * n, [NO_TOP] * n)
+    wanted = [p.top_n_tokens for p in params]
+    return SamplerOutput(token_ids, logprobs, [row[:k] if k else NO_TOP for row, k in zip(top_ids, wanted)],
+                         [row[:k] if k else NO_TOP for row, k in zip(top_logprobs, wanted)])
 
 
 def generator_for(row: SampleRow) -> torch.Generator:
@@ -438,13 +444,12 @@ def _draw(logprobs: torch.Tensor, next_ids: torch.Tensor | None, sampling: list[
     # same draws on any device and batch; the vocab-wide work is a float32 exp, block sums and one block's
     # cumsum per row. `next_ids` None: every row samples.
     idx = [r for r, s in enumerate(sampling) if s]
-    drawn = inverse_cdf_blocked(logprobs if next_ids is None else logprobs[idx],
-                                torch.tensor([uniforms[r] for r in idx], dtype=torch.float64))
+    device = logprobs.device
+    uniform = list_to_device([uniforms[r] for r in idx], torch.float64, device)
     if next_ids is None:
-        return drawn
-    next_ids = next_ids.clone()
-    next_ids[torch.tensor(idx, device=next_ids.device)] = drawn
-    return next_ids
+        return inverse_cdf_blocked(logprobs, uniform)
+    index = list_to_device(idx, torch.int64, device)
+    return next_ids.index_copy(0, index, inverse_cdf_blocked(logprobs.index_select(0, index), uniform))
 
 
 def _padded_ids(rows: Sequence[SampleRow], which: list[int], generated_only: bool,

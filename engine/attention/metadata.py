@@ -67,11 +67,11 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device,
     if block_tables is None:
         width = max(len(span.block_table) for span in spans)
         padded = [span.block_table + [0] * (width - len(span.block_table)) for span in spans]
-        block_tables = _to(torch.tensor(padded, dtype=torch.int32), device)
+        block_tables = to_device(torch.tensor(padded, dtype=torch.int32), device)
     return AttentionMetadata(
-        slot_mapping=_to(slot_mapping, device),
-        cu_seqlens_q=_to(_host(cu_seqlens, np.int32), device),
-        seq_lens=_to(_host(seq_lens, np.int32), device),
+        slot_mapping=to_device(slot_mapping, device),
+        cu_seqlens_q=to_device(_host(cu_seqlens, np.int32), device),
+        seq_lens=to_device(_host(seq_lens, np.int32), device),
         block_tables=block_tables,
         block_size=block_size, num_seqs=len(spans), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
         query_lens_host=query_lens, seq_lens_host=seq_lens,
@@ -82,6 +82,3 @@ def _host(values: list[int], dtype: type) -> torch.Tensor:
     """A CPU tensor of `values` through numpy: 3x cheaper than torch.tensor(list) (6 vs 16 us for 256)."""
     return torch.from_numpy(np.array(values, dtype=dtype))
 
-
-def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return tensor if device.type == "cpu" else to_device(tensor, device)

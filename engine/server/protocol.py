@@ -176,7 +176,7 @@ class Info(_Wire):
     model_impl: str = "native"      # "native" (engine/models/) | "transformers" (--model-impl)
     cuda_graphs: list[int] = []
     piecewise_graphs: list[int] = []   # step token counts replayed as graphs cut at attention (piecewise_graphs.py)
-    async_scheduling: bool = False     # decode batches launched ahead of the host (async_scheduling.py)
+    async_scheduling: bool = False     # batches launched ahead of the host (async_scheduling.py)
     block_size: int
     speculate: int = 0      # n-gram draft tokens per step (--speculate); 0 = off
     # LoRA: the --lora-adapters names a request may pick (adapter_id / OpenAI model), and how they run
