@@ -171,6 +171,11 @@ class DistributedRunner:
             except Exception:  # noqa: BLE001 - best effort: they also exit when the store goes
                 logger.exception("telling the other ranks to stop failed")
         self._worker.close()
+        # the control group goes now, while the interpreter is whole: a gloo group freed during finalisation (the
+        # engine held by a module global) may release its work's tensors from a gloo thread as the GIL goes, which
+        # aborts the process ("terminate called without an active exception" after a clean run, rank 0 only). The
+        # store stays: the other ranks' watches read it until they stop.
+        self._control = None
 
     def __enter__(self) -> DistributedRunner:
         return self
