@@ -17,9 +17,10 @@ token ends (end of sequence, a stop string) has already been put in N+1: that ro
 and its blocks are freed (the device runs N+1 before any later batch that could reuse them, on one stream). One
 whose length ends it at N is known in advance and left out.
 
-When it applies (`LLMEngine._can_pick_ahead`): one rank, every live request `device_pickable` (greedy or sampling
-with temperature, top-k, top-p, typical-p, alternatives or not; no penalties, whose counts would miss the token in
-flight), no grammars, speculation, LoRA, images or prompt logprobs. Batch N+1 is built only while every sequence's
+When it applies (`LLMEngine._can_pick_ahead`): one rank, greedy or sampling requests (temperature, top-k, top-p,
+typical-p, penalties, alternatives or not), no grammars, speculation, LoRA, images or prompt logprobs. Penalties
+read the history up to the token in flight, so while a live request has one, N+1 is launched first and picked once
+N's tokens are appended (only the pick waits for N, not the forward). Batch N+1 is built only while every sequence's
 next token or chunk fits in its blocks or free ones (no preemption ahead); otherwise N is resolved on its own and
 the next step is scheduled as usual. `--async-scheduling` auto: on with CUDA. Off CUDA the runner is synchronous, so
 nothing overlaps; `on` there exercises the same state machine (tests).
@@ -32,6 +33,7 @@ import torch
 
 from engine.batch import SeqSpan
 from engine.device_copy import list_to_device
+from engine.penalty_counts import PenaltyCounts
 from engine.sampler import SamplerOutput, host_output, pick_on_device
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -66,10 +68,11 @@ class InFlight:
                            [seq.params for seq in self.sampled])
 
 
-def pick(batch: ScheduledBatch, sampled: list[Sequence], logits: torch.Tensor, logprobs: bool) -> InFlight:
-    """The picks of `logits` [len(sampled), vocab] on their device (`pick_on_device`), their copy to the host
-    started, not waited for."""
-    picks = pick_on_device(logits, sampled, logprobs)
+def pick(batch: ScheduledBatch, sampled: list[Sequence], logits: torch.Tensor, logprobs: bool,
+         counts: PenaltyCounts | None = None) -> InFlight:
+    """The picks of `logits` [len(sampled), vocab] on their device (`pick_on_device`; `counts`: the engine's
+    penalty counts), their copy to the host started, not waited for."""
+    picks = pick_on_device(logits, sampled, logprobs, counts)
     pinned = picks.token_ids.device.type == "cuda"
     host = []
     for tensor in (picks.token_ids, picks.logprobs, picks.top_token_ids, picks.top_logprobs):

@@ -219,7 +219,7 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
                                   "list runs the same split forward uncaptured, for tests)")),
     (("--async-scheduling",), "ASYNC_SCHEDULING",
      dict(default="auto", choices=["auto", "on", "off"],
-          help="steps without penalties: launch step N+1 before step N's tokens reach the host, which does N's work "
+          help="launch step N+1 before step N's tokens reach the host, which does N's work "
                "while the device runs N+1 (auto: on with CUDA and one rank; on a CPU nothing overlaps)")),
     (("--attention-backend",), "ATTENTION_BACKEND",
      dict(default="auto", choices=ATTENTION_CHOICES,

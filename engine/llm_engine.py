@@ -22,7 +22,7 @@ from engine.multimodal.prompt import MultiModalPrompt
 from engine.outputs import FinishReason, RequestOutput, TokenInfo
 from engine.penalty_counts import PenaltyCounts
 from engine.request_checks import check_request
-from engine.sampler import (SamplerOutput, device_pickable, fresh_log_softmax, pick_seed, plain_greedy, sample,
+from engine.sampler import (SamplerOutput, fresh_log_softmax, has_penalties, pick_seed, plain_greedy, sample,
                             use_cpu_kernels)
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -178,7 +178,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._num_guided = 0                            # of those, with a grammar (no mask work in steps without)
         self._num_not_greedy = 0                        # of those, not `plain_greedy` (the sampler reads every row)
-        self._num_not_pickable = 0                      # of those, not `device_pickable` (no step launched ahead)
+        self._num_penalized = 0                         # of those, with penalties (a step ahead picks after N)
         self._num_logprobs = 0                          # of those, reporting logprobs
         self._seq_ids = count()
         self._penalty_counts = PenaltyCounts()         # penalties' token counts, kept between steps
@@ -303,7 +303,8 @@ class LLMEngine:
             logits = last_logits if len(sampled) == len(last_logits) else \
                 last_logits.index_select(0, list_to_device(rows, torch.int64, last_logits.device))
             if not drafted and self._can_pick_ahead(batch):     # its tokens are resolved by the next step
-                self._inflight = async_scheduling.pick(batch, sampled, logits, self._num_logprobs > 0)
+                self._inflight = async_scheduling.pick(batch, sampled, logits, self._num_logprobs > 0,
+                                                       self._penalty_counts)
                 return outputs
             self._num_generated_tokens_total += len(sampled)
             bitmask = masks.for_rows(sampled) if masks is not None else None
@@ -316,33 +317,40 @@ class LLMEngine:
         return outputs
 
     def _can_pick_ahead(self, batch: ScheduledBatch) -> bool:
-        """Whether this batch's tokens can be picked on the device and resolved in the next step: every live
-        request `device_pickable` (greedy or sampling, no penalties), no grammar, LoRA, drafts or
-        images, no prompt logprobs."""
-        return (self.schedules_ahead and not self._num_not_pickable and not self._num_guided
+        """Whether this batch's tokens can be picked on the device and resolved in the next step: no grammar, LoRA,
+        drafts or images, no prompt logprobs."""
+        return (self.schedules_ahead and not self._num_guided
                 and not self.adapter_names and not batch.num_draft_tokens
                 and all(span.logits != "all" and span.images is None and seq.images is None
                         for seq, span in zip(batch.seqs, batch.spans)))
 
     def _step_ahead(self) -> list[RequestOutput]:
         """Launch batch N+1 from the batch in flight (N) when it can be built, then resolve N: append its tokens,
-        end what they end, build its outputs, while the device runs N+1 (engine/async_scheduling.py)."""
+        end what they end, build its outputs, while the device runs N+1 (engine/async_scheduling.py). While a live
+        request has penalties, which read the token in flight, N+1 is picked after N is resolved."""
         inflight, self._inflight = self._inflight, None
         ahead = async_scheduling.schedule_ahead(self.scheduler, inflight) if self._can_pick_ahead(inflight.batch) \
             else None
-        launched, failure = None, None
+        launched, failure, pick_after = None, None, self._num_penalized > 0
         if ahead is not None:
             batch, rows = ahead
             self._batch_size = len(batch)
+            sampled = [seq for seq, span in zip(batch.seqs, batch.spans) if span.logits == "last"]
             try:
                 last_logits, _ = self.runner.run(batch.spans, input_ids=async_scheduling.next_input_ids(inflight, rows))
-                sampled = [seq for seq, span in zip(batch.seqs, batch.spans) if span.logits == "last"]
-                launched = async_scheduling.pick(batch, sampled, last_logits, self._num_logprobs > 0)
+                if not pick_after:
+                    launched = async_scheduling.pick(batch, sampled, last_logits, self._num_logprobs > 0)
                 self._num_steps_ahead_total += 1
                 self._num_prompt_tokens_total += batch.num_prefill_tokens
             except Exception as e:  # noqa: BLE001 - N's tokens are still delivered; N+1's requests fail below
                 failure = e
         outputs = self._resolve(inflight)
+        if ahead is not None and pick_after and failure is None:
+            try:    # the histories now hold N's tokens, as the synchronous step's would
+                launched = async_scheduling.pick(ahead[0], sampled, last_logits, self._num_logprobs > 0,
+                                                 self._penalty_counts)
+            except Exception as e:  # noqa: BLE001 - as a failed launch
+                failure = e
         if ahead is not None:
             batch = ahead[0]
             live = ScheduledBatch([seq for seq in batch.seqs if not seq.is_finished],
@@ -398,7 +406,7 @@ class LLMEngine:
                 self._seqs[item.request_id] = item
                 self._num_guided += item.grammar is not None
                 self._num_not_greedy += not plain_greedy(item.params)
-                self._num_not_pickable += not device_pickable(item.params)
+                self._num_penalized += has_penalties(item.params)
                 self._num_logprobs += item.params.logprobs
                 self.scheduler.add(item)
             elif (seq := self._seqs.get(item)) is not None:
@@ -554,7 +562,7 @@ class LLMEngine:
         if self._seqs.pop(seq.request_id, None) is not None:
             self._num_guided -= seq.grammar is not None
             self._num_not_greedy -= not plain_greedy(seq.params)
-            self._num_not_pickable -= not device_pickable(seq.params)
+            self._num_penalized -= has_penalties(seq.params)
             self._num_logprobs -= seq.params.logprobs
         with self._lock:
             self._live_ids.discard(seq.request_id)

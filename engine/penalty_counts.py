@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from engine.device_copy import list_to_device, to_device
 from engine.token_histories import TokenHistories
 
 
@@ -59,10 +60,10 @@ class PenaltyCounts:
             order.append(entry[0])
         table = self.tables[kind]
         if token_ids:
-            index = (torch.frombuffer(slot_ids, dtype=torch.int64).to(device, non_blocking=True),
-                     torch.frombuffer(token_ids, dtype=torch.int64).to(device, non_blocking=True))
+            index = (to_device(torch.frombuffer(slot_ids, dtype=torch.int64), device),
+                     to_device(torch.frombuffer(token_ids, dtype=torch.int64), device))
             table.index_put_(index, torch.ones((), dtype=table.dtype, device=device), accumulate=True)
-        picked = table[torch.tensor(order, device=device)]
+        picked = table[list_to_device(order, torch.int64, device)]
         self.free[kind] += one_off            # rows counted from their history alone go back at once
         return picked
 

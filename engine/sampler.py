@@ -32,7 +32,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from engine import candidate_sampling
-from engine.device_copy import list_to_device
+from engine.device_copy import list_to_device, to_device
 from engine.penalty_counts import PenaltyCounts
 from engine.sampling_params import SamplingParams
 from engine.structured.masks import TokenBitmask, apply_token_bitmask
@@ -313,11 +313,10 @@ def fresh_log_softmax(scores: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(scores, dim=-1)
 
 
-def device_pickable(params: SamplingParams) -> bool:
-    """Whether this request's tokens can be chosen on the device with nothing read back first (greedy, or sampling
-    with its temperature and warpers, alternatives or not): no penalties, whose counts would miss the token still
-    in flight (engine/async_scheduling.py)."""
-    return params.repetition_penalty in (None, 1.0) and not params.frequency_penalty
+def has_penalties(params: SamplingParams) -> bool:
+    """Whether a repetition or frequency penalty reads this request's history: a step ahead picks its token only
+    once the token in flight is appended (engine/async_scheduling.py)."""
+    return params.repetition_penalty not in (None, 1.0) or bool(params.frequency_penalty)
 
 
 @dataclass(slots=True)
@@ -330,19 +329,22 @@ class DevicePicks:
     top_logprobs: torch.Tensor | None
 
 
-def pick_on_device(logits: torch.Tensor, rows: Sequence[SampleRow], logprobs: bool) -> DevicePicks:
+def pick_on_device(logits: torch.Tensor, rows: Sequence[SampleRow], logprobs: bool,
+                   counts: PenaltyCounts | None = None) -> DevicePicks:
     """Each row's next token, left on the device, its logprob in the processed distribution (for a batch of plain
     greedy rows only with `logprobs`), and the best `top_n_tokens` alternatives of the rows that ask (as `sample`
-    reports them); nothing waits for the device. Greedy rows take the argmax; sampling rows draw by inverse CDF over their warped distribution with
-    this step's uniform from their own generator, the one `sample` would draw, so a seed gives the same tokens
-    either way (up to float32 rounding at a token's boundary, as across devices). Every row must be
-    `device_pickable`."""
+    reports them); nothing waits for the device. Greedy rows take the argmax; sampling rows draw by inverse CDF over
+    their warped distribution with this step's uniform from their own generator, the one `sample` would draw, so a
+    seed gives the same tokens either way (up to float32 rounding at a token's boundary, as across devices).
+    Penalties read each row's history as it is on the host (`counts`: the engine's, as for `sample`), their inputs
+    copied through pinned memory."""
     params = [row.params for row in rows]
-    scores = logits.float()
     if all(map(plain_greedy, params)):
+        scores = logits.float()
         ids = scores.argmax(dim=-1)
         chosen = scores.gather(1, ids[:, None]).squeeze(1) - scores.logsumexp(dim=-1) if logprobs else None
         return DevicePicks(ids, chosen, None, None)
+    scores = penalized(logits, rows, None, counts) if any(map(has_penalties, params)) else logits.float()
     processed = _warped(scores, params, reads_back=False)
     uniforms = {r: draw_uniform(rows[r]) for r, s in enumerate(processed.sampling) if s}
     return reported(processed.logprobs, _chosen_ids(processed, uniforms), params)
@@ -469,22 +471,21 @@ def _padded_ids(rows: Sequence[SampleRow], which: list[int], generated_only: boo
             ids[j, :len(row_ids)] = torch.frombuffer(array("q", row_ids), dtype=torch.int64)
             ids[j, len(row_ids):] = row_ids[0]
             mask[j, :len(row_ids)] = 1.0
-    return ids.to(device), mask.to(device)
+    return to_device(ids, device), to_device(mask, device)
 
 
 def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow], counts: PenaltyCounts | None = None,
                              histories: TokenHistories | None = None) -> torch.Tensor:
     which = [r for r, row in enumerate(rows) if row.params.repetition_penalty not in (None, 1.0)]
-    penalty = torch.tensor([rows[r].params.repetition_penalty for r in which],
-                           dtype=scores.dtype, device=scores.device)[:, None]
+    penalty = list_to_device([rows[r].params.repetition_penalty for r in which], scores.dtype, scores.device)[:, None]
+    index = list_to_device(which, torch.int64, scores.device)
     if counts is not None:
         present = counts.presence(rows, which, scores.shape[-1], scores.device)
-        index = torch.tensor(which, device=scores.device)
         picked = scores[index]
         picked = torch.where(present, torch.where(picked < 0, picked * penalty, picked / penalty), picked)
         return scores.index_copy(0, index, picked)      # out of place: the caller's logits stay
     ids, _ = _padded_ids(rows, which, generated_only=False, device=scores.device, histories=histories)
-    row_ids = torch.tensor(which, device=scores.device)[:, None].expand_as(ids)
+    row_ids = index[:, None].expand_as(ids)
     picked = scores[row_ids, ids]       # only the penalised entries: no copy of the penalised rows
     picked = torch.where(picked < 0, picked * penalty, picked / penalty)
     # out of place (the caller's logits stay as they were); padding repeats a row's first id, same value
@@ -494,17 +495,15 @@ def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow], co
 def apply_frequency_penalty(scores: torch.Tensor, rows: Sequence[SampleRow], counts: PenaltyCounts | None = None,
                             histories: TokenHistories | None = None) -> torch.Tensor:
     which = [r for r, row in enumerate(rows) if row.params.frequency_penalty]
-    penalty = torch.tensor([rows[r].params.frequency_penalty for r in which],
-                           dtype=scores.dtype, device=scores.device)[:, None]
+    penalty = list_to_device([rows[r].params.frequency_penalty for r in which], scores.dtype, scores.device)[:, None]
     if counts is not None:
         times = counts.generated(rows, which, scores.shape[-1], scores.device).to(scores.dtype)
     else:
         ids, mask = _padded_ids(rows, which, generated_only=True, device=scores.device, histories=histories)
         times = torch.zeros(len(which), scores.shape[-1], dtype=scores.dtype, device=scores.device)
         times.scatter_add_(1, ids, mask.to(scores.dtype))
-    scores = scores.clone()
-    scores[which] = scores[which] - penalty * times
-    return scores
+    index = list_to_device(which, torch.int64, scores.device)
+    return scores.index_copy(0, index, scores[index] - penalty * times)     # out of place
 
 
 def apply_warpers(scores: torch.Tensor, params: list[SamplingParams], sampling: list[bool], *,

@@ -13,6 +13,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from engine.device_copy import to_device
+
 IDLE_CALLS = 64
 
 
@@ -39,7 +41,7 @@ class TokenHistories:
         mask = (np.arange(width) < lengths[:, None]).astype(np.float32)
         if len(self.kept) > 2 * len(which) + IDLE_CALLS:
             self.kept = {k: e for k, e in self.kept.items() if e[3] >= self.calls - IDLE_CALLS}
-        return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
+        return to_device(torch.from_numpy(ids), device), to_device(torch.from_numpy(mask), device)
 
     def _history(self, row: Any) -> np.ndarray:
         token_ids = row.token_ids

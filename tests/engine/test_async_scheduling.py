@@ -219,8 +219,8 @@ def test_seeded_sampling_gives_the_synchronous_engine_tokens():
 @pytest.mark.gpu
 def test_gpu_steps_ahead_give_the_synchronous_tokens(model_path):
     """On CUDA, where N+1 really runs while N's picks travel (pinned copies, an event) and decodes replay graphs:
-    greedy and seeded sampling rows, with logprobs, some ended by length while the next row is in flight, give
-    the synchronous engine's tokens."""
+    greedy, seeded sampling and penalised rows (kept counts on the device), with logprobs, some ended by length
+    while the next row is in flight, give the synchronous engine's tokens."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
@@ -230,11 +230,12 @@ def test_gpu_steps_ahead_give_the_synchronous_tokens(model_path):
                               gpu_memory_utilization=0.05, async_scheduling=mode)
         with LLMEngine(config) as engine:
             ids = engine.tokenizer.encode(TEXT)
-            prompts = [ids[i:i + 5 + i] for i in range(len(SAMPLED) + 2)]
+            prompts = [ids[i:i + 5 + i] for i in range(len(SAMPLED) + 2 + len(PENALISED))]
             params = [SamplingParams(max_new_tokens=40 - 3 * i, ignore_eos=True, seed=7 + i, logprobs=i % 2 == 0,
                                      **kwargs) for i, kwargs in enumerate(SAMPLED)]
             params += [SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=True),
                        SamplingParams(max_new_tokens=33, ignore_eos=True)]
+            params += [SamplingParams(max_new_tokens=26, ignore_eos=True, seed=3, **kwargs) for kwargs in PENALISED]
             finals.append([final_fields(out) for out in engine.generate(prompts, params)])
             stats.append(engine.stats())
             assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -254,17 +255,30 @@ def test_gpu_steps_ahead_give_the_synchronous_tokens(model_path):
     assert stats.num_steps_ahead_total >= steps - 4 and stats.forward_steps.get("piecewise_graphs", 0) > 0
 
 
-@pytest.mark.parametrize("kwargs", [dict(repetition_penalty=1.2), dict(frequency_penalty=0.5),
-                                    dict(do_sample=True, repetition_penalty=1.1)])
-def test_penalties_are_read_each_step_and_async_resumes_after_them(kwargs):
-    """Penalties count the tokens generated so far (the one in flight too): such a request resolves each step;
-    once it ends, batches go ahead again."""
-    with engine_for("tiny-llama", async_scheduling="on") as engine:
+PENALISED = [dict(repetition_penalty=3.0), dict(frequency_penalty=2.0), dict(do_sample=True, repetition_penalty=1.5),
+             dict(repetition_penalty=0.6, frequency_penalty=-1.0, top_n_tokens=2),
+             dict(frequency_penalty=1.0, top_k=8, temperature=0.8, logprobs=True)]
+
+
+def test_penalised_requests_go_ahead_and_give_the_synchronous_tokens():
+    """Penalties read the history up to the token in flight: a step ahead is launched, then picked once N's tokens
+    are appended, so penalised requests (greedy or sampling, beside plain ones) get the synchronous engine's tokens
+    and the steps still go ahead."""
+    with engine_for("tiny-llama") as engine:
         ids = engine.tokenizer.encode(TEXT)
-        engine.generate([ids[:8]] * 3, SamplingParams(max_new_tokens=8, seed=1, **kwargs))
-        assert engine.stats().num_steps_ahead_total == 0
-        engine.generate([ids[:8]] * 3, SamplingParams(max_new_tokens=8, do_sample=True))
-        assert engine.stats().num_steps_ahead_total > 0
+    prompts = [ids[i:i + 6 + 2 * i] for i in range(len(PENALISED) + 2)]
+    params = [SamplingParams(max_new_tokens=24 - i, ignore_eos=True, seed=40 + i, **kwargs)
+              for i, kwargs in enumerate(PENALISED)]
+    params += [SamplingParams(max_new_tokens=16, ignore_eos=True), SamplingParams(max_new_tokens=20, ignore_eos=True,
+                                                                                  do_sample=True, seed=3)]
+    sync, ahead_run, ahead = generate_both("tiny-llama", prompts, params)
+    assert ahead > 15
+    for expected, got in zip(sync, ahead_run):
+        assert got[:4] == expected[:4]
+        assert got[4] == pytest.approx(expected[4], abs=1e-3)
+    unpenalised, _, _ = generate_both("tiny-llama", prompts[:2], [SamplingParams(max_new_tokens=24, ignore_eos=True),
+                                                                 SamplingParams(max_new_tokens=23, ignore_eos=True)])
+    assert [f[0] for f in sync[:2]] != [f[0] for f in unpenalised]      # the penalties did change the tokens
 
 
 def test_a_failed_step_ahead_fails_its_requests_and_the_engine_serves_on(monkeypatch):

@@ -84,3 +84,31 @@ def test_the_callers_logits_are_left_alone():
     logits = torch.ones(1, 4)
     apply_repetition_penalty(logits, [row], counts)
     assert torch.equal(logits, torch.ones(1, 4))
+
+
+@pytest.mark.gpu
+def test_gpu_penalised_picks_do_not_wait_for_the_queued_forward():
+    """A step ahead picks a penalised batch (kept counts, warpers, draws) while the device still runs the forward:
+    nothing it copies to the device waits for the queued kernels, and the picks are the CPU sampler's."""
+    from engine.sampler import pick_on_device
+
+    device, counts = torch.device("cuda"), PenaltyCounts(rows=4)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 9))] for _ in range(12)]
+    kinds = [params(rng) for _ in prompts]
+    rows = {where: [Row(i, p, list(prompt), len(prompt), seed=i) for i, (p, prompt) in enumerate(zip(kinds, prompts))]
+            for where in ("cuda", "cpu")}
+    for step in range(6):
+        logits = torch.randn(len(prompts), VOCAB, generator=torch.Generator().manual_seed(step)) * 3
+        on = logits.to(device)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000_000)     # the forward still running
+        queued = torch.cuda.Event()
+        queued.record()
+        picks = pick_on_device(on, rows["cuda"], logprobs=True, counts=counts)
+        assert not queued.query(), "the penalised pick waited for the kernels queued before it"
+        expected = sample(logits, rows["cpu"]).token_ids
+        assert picks.token_ids.tolist() == expected
+        for where in rows:
+            for r, token in zip(rows[where], expected):
+                r.token_ids.append(token)

@@ -12,8 +12,9 @@ from transformers.generation.logits_process import (  # noqa: E402
     TypicalLogitsWarper,
 )
 
-from engine.sampler import (device_pickable, is_sampling, pick_on_device, pick_seed, sample, top_k_mask,  # noqa: E402
+from engine.sampler import (has_penalties, is_sampling, pick_on_device, pick_seed, sample, top_k_mask,  # noqa: E402
                             top_p_mask, typical_mask)
+from engine.penalty_counts import PenaltyCounts  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 
@@ -127,29 +128,39 @@ def test_seeded_rows_are_reproducible_whatever_the_batch():
 
 PICKABLE = [dict(), dict(do_sample=True), dict(temperature=0.6), dict(top_k=4), dict(top_k=1, temperature=2.0),
             dict(top_p=0.7), dict(top_k=10, top_p=0.5), dict(typical_p=0.8), dict(temperature=3.0, top_p=0.99),
-            dict(logprobs=True), dict(top_n_tokens=3), dict(top_p=0.8, top_n_tokens=5)]
+            dict(logprobs=True), dict(top_n_tokens=3), dict(top_p=0.8, top_n_tokens=5),
+            dict(repetition_penalty=1.8), dict(frequency_penalty=1.5, top_n_tokens=2),
+            dict(repetition_penalty=0.7, frequency_penalty=-0.5, do_sample=True),
+            dict(repetition_penalty=2.5, top_k=6, temperature=0.8)]
 
 
-def test_picks_on_the_device_are_the_samplers_picks():
+@pytest.mark.parametrize("kept_counts", [False, True])
+def test_picks_on_the_device_are_the_samplers_picks(kept_counts):
     """What async scheduling draws without reading back (the dense path, its top-p sorting the vocabulary) equals
     `sample` (which takes its candidate lists and CPU kernels) step after step from the same seeds, beside greedy
-    rows, token, logprob and alternatives; penalties are not pickable."""
-    assert not any(device_pickable(SamplingParams(**kw)) for kw in
-                   (dict(repetition_penalty=1.3), dict(frequency_penalty=0.2)))
-    assert all(device_pickable(SamplingParams(**kw)) for kw in PICKABLE)
+    rows, token, logprob and alternatives; penalties read the histories as they grow, with the engine's kept
+    counts or without."""
+    assert [has_penalties(SamplingParams(**kw)) for kw in PICKABLE[-5:]] == [False, True, True, True, True]
     rows = {mode: [row(seed=50 + i, **kw) for i, kw in enumerate(PICKABLE * 3)] for mode in ("sample", "device")}
+    counts = {mode: PenaltyCounts() if kept_counts else None for mode in rows}
+    changed = 0
     for step in range(25):
         logits = random_logits(len(PICKABLE) * 3, seed=step) * (1 + step % 3)
-        expected = sample(logits, rows["sample"])
-        picks = pick_on_device(logits, rows["device"], logprobs=True)
+        expected = sample(logits, rows["sample"], counts=counts["sample"])
+        picks = pick_on_device(logits, rows["device"], logprobs=True, counts=counts["device"])
         assert picks.token_ids.tolist() == expected.token_ids
         assert picks.logprobs.tolist() == pytest.approx(expected.logprobs, abs=1e-5)
         for r, (ids, lps) in enumerate(zip(expected.top_token_ids, expected.top_logprobs)):
             assert picks.top_token_ids[r, :len(ids)].tolist() == ids
             assert picks.top_logprobs[r, :len(ids)].tolist() == pytest.approx(lps, abs=1e-5)
+        changed += int(logits[12].argmax()) != expected.token_ids[12]      # the greedy row's penalty bites
+        for mode in rows:
+            for seq, token in zip(rows[mode], expected.token_ids):
+                seq.append_token(token)
         alone = pick_on_device(logits[:1], rows["device"][:1], logprobs=False)     # a greedy row alone
         assert alone.logprobs is None and alone.top_token_ids is None
         assert alone.token_ids.tolist() == [int(logits[0].argmax())]
+    assert changed >= 3
 
 
 def test_sampling_follows_the_distribution():
