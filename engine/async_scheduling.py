@@ -18,12 +18,13 @@ and its blocks are freed (the device runs N+1 before any later batch that could 
 whose length ends it at N is known in advance and left out.
 
 When it applies (`LLMEngine._can_pick_ahead`): one rank, greedy or sampling requests (temperature, top-k, top-p,
-typical-p, penalties, alternatives or not), no grammars, speculation, LoRA, images or prompt logprobs. Penalties
-read the history up to the token in flight, so while a live request has one, N+1 is launched first and picked once
-N's tokens are appended (only the pick waits for N, not the forward). Batch N+1 is built only while every sequence's
-next token or chunk fits in its blocks or free ones (no preemption ahead); otherwise N is resolved on its own and
-the next step is scheduled as usual. `--async-scheduling` auto: on with CUDA. Off CUDA the runner is synchronous, so
-nothing overlaps; `on` there exercises the same state machine (tests).
+typical-p, penalties, grammars, alternatives or not), no speculation, LoRA, images or prompt logprobs. Penalties and
+grammars read the history up to the token in flight, so while a live request has one, N+1 is launched first and
+picked once N's tokens are appended (its grammar masks filled then, while the device runs N+1's forward: only the
+pick waits for N). Batch N+1 is built only while every sequence's next token or chunk fits in its blocks or free
+ones (no preemption ahead); otherwise N is resolved on its own and the next step is scheduled as usual.
+`--async-scheduling` auto: on with CUDA. Off CUDA the runner is synchronous, so nothing overlaps; `on` there
+exercises the same state machine (tests).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from engine.penalty_counts import PenaltyCounts
 from engine.sampler import SamplerOutput, host_output, pick_on_device
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
+from engine.structured.masks import TokenBitmask
 
 MODES = ("auto", "on", "off")
 
@@ -69,10 +71,11 @@ class InFlight:
 
 
 def pick(batch: ScheduledBatch, sampled: list[Sequence], logits: torch.Tensor, logprobs: bool,
-         counts: PenaltyCounts | None = None) -> InFlight:
+         counts: PenaltyCounts | None = None, bitmask: TokenBitmask | None = None) -> InFlight:
     """The picks of `logits` [len(sampled), vocab] on their device (`pick_on_device`; `counts`: the engine's
-    penalty counts), their copy to the host started, not waited for."""
-    picks = pick_on_device(logits, sampled, logprobs, counts)
+    penalty counts; `bitmask`: the grammar masks of the rows it names), their copy to the host started, not waited
+    for."""
+    picks = pick_on_device(logits, sampled, logprobs, counts, bitmask)
     pinned = picks.token_ids.device.type == "cuda"
     host = []
     for tensor in (picks.token_ids, picks.logprobs, picks.top_token_ids, picks.top_logprobs):

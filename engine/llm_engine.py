@@ -302,12 +302,12 @@ class LLMEngine:
         if sampled:
             logits = last_logits if len(sampled) == len(last_logits) else \
                 last_logits.index_select(0, list_to_device(rows, torch.int64, last_logits.device))
+            bitmask = masks.for_rows(sampled) if masks is not None else None
             if not drafted and self._can_pick_ahead(batch):     # its tokens are resolved by the next step
                 self._inflight = async_scheduling.pick(batch, sampled, logits, self._num_logprobs > 0,
-                                                       self._penalty_counts)
+                                                       self._penalty_counts, bitmask)
                 return outputs
             self._num_generated_tokens_total += len(sampled)
-            bitmask = masks.for_rows(sampled) if masks is not None else None
             out = sample(logits, sampled, bitmask, counts=self._penalty_counts, all_greedy=not self._num_not_greedy,
                          any_logprobs=self._num_logprobs > 0)
             outputs += self._append_one_each(sampled, out)
@@ -317,21 +317,21 @@ class LLMEngine:
         return outputs
 
     def _can_pick_ahead(self, batch: ScheduledBatch) -> bool:
-        """Whether this batch's tokens can be picked on the device and resolved in the next step: no grammar, LoRA,
-        drafts or images, no prompt logprobs."""
-        return (self.schedules_ahead and not self._num_guided
-                and not self.adapter_names and not batch.num_draft_tokens
+        """Whether this batch's tokens can be picked on the device and resolved in the next step: no LoRA, drafts
+        or images, no prompt logprobs."""
+        return (self.schedules_ahead and not self.adapter_names and not batch.num_draft_tokens
                 and all(span.logits != "all" and span.images is None and seq.images is None
                         for seq, span in zip(batch.seqs, batch.spans)))
 
     def _step_ahead(self) -> list[RequestOutput]:
         """Launch batch N+1 from the batch in flight (N) when it can be built, then resolve N: append its tokens,
         end what they end, build its outputs, while the device runs N+1 (engine/async_scheduling.py). While a live
-        request has penalties, which read the token in flight, N+1 is picked after N is resolved."""
+        request has penalties or a grammar, which read the token in flight, N+1 is picked after N is resolved (its
+        grammar masks filled then, from the matchers N's tokens advanced)."""
         inflight, self._inflight = self._inflight, None
         ahead = async_scheduling.schedule_ahead(self.scheduler, inflight) if self._can_pick_ahead(inflight.batch) \
             else None
-        launched, failure, pick_after = None, None, self._num_penalized > 0
+        launched, failure, pick_after = None, None, self._num_penalized > 0 or self._num_guided > 0
         if ahead is not None:
             batch, rows = ahead
             self._batch_size = len(batch)
@@ -346,9 +346,10 @@ class LLMEngine:
                 failure = e
         outputs = self._resolve(inflight)
         if ahead is not None and pick_after and failure is None:
-            try:    # the histories now hold N's tokens, as the synchronous step's would
+            try:    # the histories and matchers now hold N's tokens, as the synchronous step's would
+                masks = self._start_masks(ahead[0], live_only=True) if self._num_guided else None
                 launched = async_scheduling.pick(ahead[0], sampled, last_logits, self._num_logprobs > 0,
-                                                 self._penalty_counts)
+                                                 self._penalty_counts, masks.for_rows(sampled) if masks else None)
             except Exception as e:  # noqa: BLE001 - as a failed launch
                 failure = e
         if ahead is not None:
@@ -387,9 +388,11 @@ class LLMEngine:
                 self.scheduler.commit_draft(seq, num_accepted)
         return outputs
 
-    def _start_masks(self, batch: ScheduledBatch) -> PendingMasks | None:
-        # the rows that sample this step under a grammar: their masks are filled while the forward runs
+    def _start_masks(self, batch: ScheduledBatch, live_only: bool = False) -> PendingMasks | None:
+        # the rows that sample this step under a grammar: their masks are filled while the forward runs; `live_only`:
+        # not those a token resolved meanwhile ended (a step ahead: their rows are thrown away unmasked)
         guided = [seq for seq, span in zip(batch.seqs, batch.spans) if seq.grammar is not None
+                  and not (live_only and seq.is_finished)
                   and span.logits != "none" and span.start_pos + len(span.token_ids) == seq.num_tokens]
         if not guided:
             return None

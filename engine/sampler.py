@@ -330,21 +330,22 @@ class DevicePicks:
 
 
 def pick_on_device(logits: torch.Tensor, rows: Sequence[SampleRow], logprobs: bool,
-                   counts: PenaltyCounts | None = None) -> DevicePicks:
+                   counts: PenaltyCounts | None = None, bitmask: TokenBitmask | None = None) -> DevicePicks:
     """Each row's next token, left on the device, its logprob in the processed distribution (for a batch of plain
     greedy rows only with `logprobs`), and the best `top_n_tokens` alternatives of the rows that ask (as `sample`
     reports them); nothing waits for the device. Greedy rows take the argmax; sampling rows draw by inverse CDF over
     their warped distribution with this step's uniform from their own generator, the one `sample` would draw, so a
     seed gives the same tokens either way (up to float32 rounding at a token's boundary, as across devices).
-    Penalties read each row's history as it is on the host (`counts`: the engine's, as for `sample`), their inputs
-    copied through pinned memory."""
+    Penalties read each row's history as it is on the host (`counts`: the engine's, as for `sample`), and the rows
+    `bitmask` names keep only the tokens their grammar allows; their inputs are copied through pinned memory."""
     params = [row.params for row in rows]
-    if all(map(plain_greedy, params)):
+    if bitmask is None and all(map(plain_greedy, params)):
         scores = logits.float()
         ids = scores.argmax(dim=-1)
         chosen = scores.gather(1, ids[:, None]).squeeze(1) - scores.logsumexp(dim=-1) if logprobs else None
         return DevicePicks(ids, chosen, None, None)
-    scores = penalized(logits, rows, None, counts) if any(map(has_penalties, params)) else logits.float()
+    scores = penalized(logits, rows, bitmask, counts) if bitmask is not None or any(map(has_penalties, params)) \
+        else logits.float()
     processed = _warped(scores, params, reads_back=False)
     uniforms = {r: draw_uniform(rows[r]) for r, s in enumerate(processed.sampling) if s}
     return reported(processed.logprobs, _chosen_ids(processed, uniforms), params)

@@ -11,6 +11,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from engine.device_copy import to_device
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,7 +37,7 @@ def apply_token_bitmask(scores: torch.Tensor, mask: TokenBitmask) -> torch.Tenso
     allowed[mask.rows, unpacked.shape[1]:] = 0      # padded vocabulary rows beyond the tokenizer
     # a row with nothing allowed is a matcher bug; leave it unconstrained rather than sample from NaNs
     allowed[[r for r, row in zip(mask.rows, unpacked) if not row.any()]] = 1
-    blocked = torch.from_numpy(allowed[:, :vocab] == 0).to(scores.device)
+    blocked = to_device(torch.from_numpy(allowed[:, :vocab] == 0), scores.device)
     return scores.masked_fill(blocked, float("-inf"))
 
 

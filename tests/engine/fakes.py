@@ -8,7 +8,7 @@ generated tokens, and the tests compare against `reference_greedy`, which needs 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -68,10 +68,13 @@ class FakeRunner:
         assert block < len(span.block_table), f"seq {span.seq_id}: position {pos} has no block"
         return span.block_table[block] * self.block_size + pos % self.block_size
 
-    def run(self, spans: list[SeqSpan]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def run(self, spans: list[SeqSpan], input_ids: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected failure")
+        if input_ids is not None:   # async scheduling: the first spans' tokens are the picks in flight
+            spans = [replace(s, token_ids=[t]) for s, t in zip(spans, input_ids.tolist())] + spans[len(input_ids):]
         self.calls.append([SeqSpan(s.seq_id, list(s.token_ids), s.start_pos, list(s.block_table), s.logits)
                            for s in spans])
         for span in spans:

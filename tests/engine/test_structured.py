@@ -303,3 +303,31 @@ def test_tool_arguments_are_closed_to_undeclared_properties(compiler, tokenizer)
     free = Tool("f", "", {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True})
     spec = tool_call_grammar([free], FORMATS["json"], allow_text=False)
     assert accepts(compiler, spec, '{"name": "f", "arguments": {"a": 1, "b": 2}}', tokenizer)
+
+
+def test_grammars_go_ahead_under_async_scheduling_with_the_synchronous_tokens(tokenizer):
+    """A step ahead is launched before N's tokens are known; its masks are filled once they are appended (the
+    matchers advanced), then it is picked: the same valid outputs as the synchronous engine, through chunked
+    prompts, penalties, sampling and requests the grammar ends while their next row is in flight."""
+    spec = json_schema_spec(SCHEMA, "s")
+    date = regex_spec(r"(19|20)\d\d-(0[1-9]|1[0-2])-[0-2]\d", "r")
+    prompts = [tokenizer.encode(f"Describe animal number {i} of the zoo in JSON please:") for i in range(5)]
+    prompts += [tokenizer.encode("A date:"), tokenizer.encode("Free text:")]
+    params = [SamplingParams(max_new_tokens=80, grammar=spec, do_sample=i % 2 == 1, seed=i,
+                             repetition_penalty=1.3 if i == 2 else None, top_n_tokens=2 if i == 3 else 0)
+              for i in range(5)]
+    params += [SamplingParams(max_new_tokens=20, grammar=date), SamplingParams(max_new_tokens=30, ignore_eos=True)]
+    finals, ahead = {}, {}
+    for mode in ("off", "on"):
+        engine, _ = make_engine(tokenizer, max_batch_prefill_tokens=8, async_scheduling=mode)
+        outs = engine.generate(prompts, params)
+        finals[mode] = [([t.id for t in o.tokens], o.text, o.finish_reason,
+                         [[(a.id, round(a.logprob, 3)) for a in t.top_tokens] for t in o.tokens]) for o in outs]
+        ahead[mode] = engine.stats().num_steps_ahead_total
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        for out in outs[:5]:
+            assert out.finish_reason == "eos_token", out.text
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+        assert re.fullmatch(r"(19|20)\d\d-(0[1-9]|1[0-2])-[0-2]\d", outs[5].text)
+    assert finals["on"] == finals["off"]
+    assert ahead["off"] == 0 and ahead["on"] > 20
