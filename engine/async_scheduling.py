@@ -18,7 +18,8 @@ and its blocks are freed (the device runs N+1 before any later batch that could 
 whose length ends it at N is known in advance and left out.
 
 When it applies (`LLMEngine._can_pick_ahead`): one rank, greedy or sampling requests (temperature, top-k, top-p,
-typical-p, penalties, grammars, alternatives or not), no speculation, LoRA, images or prompt logprobs. Penalties and
+typical-p, penalties, grammars, alternatives or not), LoRA adapters or not (the worker moves each decode's input id
+with its span when it groups the spans by adapter), no speculation, images or prompt logprobs. Penalties and
 grammars read the history up to the token in flight, so while a live request has one, N+1 is launched first and
 picked once N's tokens are appended (its grammar masks filled then, while the device runs N+1's forward: only the
 pick waits for N). Batch N+1 is built only while every sequence's next token or chunk fits in its blocks or free

@@ -317,9 +317,9 @@ class LLMEngine:
         return outputs
 
     def _can_pick_ahead(self, batch: ScheduledBatch) -> bool:
-        """Whether this batch's tokens can be picked on the device and resolved in the next step: no LoRA, drafts
-        or images, no prompt logprobs."""
-        return (self.schedules_ahead and not self.adapter_names and not batch.num_draft_tokens
+        """Whether this batch's tokens can be picked on the device and resolved in the next step: no drafts or
+        images, no prompt logprobs."""
+        return (self.schedules_ahead and not batch.num_draft_tokens
                 and all(span.logits != "all" and span.images is None and seq.images is None
                         for seq, span in zip(batch.seqs, batch.spans)))
 

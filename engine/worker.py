@@ -22,6 +22,7 @@ from engine.attention.flash import flash_version
 from engine.attention.selection import choose_backend
 from engine.batch import SeqSpan
 from engine.config import EngineConfig
+from engine.device_copy import list_to_device
 from engine.host_memory import cpu_kv_budget
 from engine.kv_budget import kv_budget
 from engine.kv_prefault import KVPrefault
@@ -408,8 +409,8 @@ class RankWorker:
         """Forward the spans; rank 0 gets float32 logits of the requested rows, other ranks None.
         `num_layers`: only the first layers, then the final norm and LM head (layer-skip drafting).
         `draft`: the draft model alone; else the draft model (if any) follows the target on the same spans.
-        `input_ids` [k]: the first k spans' tokens on the device (one rank, decode spans of one token each, no
-        LoRA), read in place of their `token_ids` (engine/async_scheduling.py: the picks of a step still on their
+        `input_ids` [k]: the first k spans' tokens on the device (one rank, decode spans of one token each),
+        read in place of their `token_ids` (engine/async_scheduling.py: the picks of a step still on their
         way to the host); the spans after them are prefill chunks whose tokens the host has."""
         if self.kv_prefault is not None and not self.kv_prefault.done and spans:
             self.kv_prefault.note(max(span.block_table[(span.start_pos + len(span.token_ids) - 1) // self.block_size]
@@ -420,13 +421,19 @@ class RankWorker:
             self.forward_steps["decode_graph"] += 1
             logits = self.model.compute_logits(self.graphs.run(spans, input_ids))
             return None if logits is None else logits.float()
-        restore = None
+        restore, given = None, spans
         if self.lora is not None:  # each adapter's tokens in one slice: a few GEMMs per adapter, no gathers
             spans, restore = order_by_adapter(spans)
         inputs = prepare_inputs(spans, self.block_size, self.device, self.attention, self.windows,
                                 self.block_tables)
-        if input_ids is not None:
+        if input_ids is not None and restore is None:
             inputs.input_ids[:len(input_ids)].copy_(input_ids)
+        elif input_ids is not None:     # the decodes moved with their adapter's tokens: each to its new row
+            first, row = {}, 0
+            for span in spans:
+                first[id(span)], row = row, row + len(span.token_ids)
+            rows = list_to_device([first[id(span)] for span in given[:len(input_ids)]], torch.int64, self.device)
+            inputs.input_ids.index_copy_(0, rows, input_ids.to(inputs.input_ids.dtype))
         try:
             if self.lora is not None:
                 self.lora.set_batch(spans, self.device)
@@ -460,7 +467,7 @@ class RankWorker:
             return hidden.new_zeros(0, self.model_config.vocab_size, dtype=torch.float32)
         logits = (self.draft.model if draft else self.model).compute_logits(hidden[inputs.logits_rows])
         if logits is not None and restore is not None:
-            logits = logits[torch.tensor(restore, device=logits.device)]
+            logits = logits[list_to_device(restore, torch.int64, logits.device)]
         return None if logits is None else logits.float()
 
     @torch.inference_mode()

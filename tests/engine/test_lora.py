@@ -116,6 +116,20 @@ def test_piecewise_graphs_give_each_row_its_adapter_in_mixed_steps(tiny, monkeyp
         assert [t.id for t in out.tokens] == hf_greedy(tiny["merged"][a], prompts[i], 12), (i, a)
 
 
+def test_steps_ahead_give_each_row_its_adapter(tiny):
+    """Async scheduling with adapters: a step ahead's decodes read their tokens from the picks in flight, then the
+    worker groups the spans by adapter, so each input id must follow its span to its new row. Every row against its
+    merged model, mixed with prompt chunks, and most steps ahead."""
+    with engine_with(tiny["base"], [("a1", tiny["a1"]), ("a2", tiny["a2"])], max_batch_prefill_tokens=24,
+                     async_scheduling="on") as engine:
+        prompts = [engine.tokenizer.encode(t) for t in TEXTS]
+        pairs = [(i, a) for a in ("a1", None, "a2") for i in range(len(prompts))]
+        outs = engine.generate([prompts[i] for i, _ in pairs], [greedy(a) for _, a in pairs])
+        assert engine.stats().num_steps_ahead_total > 8
+    for (i, a), out in zip(pairs, outs):
+        assert [t.id for t in out.tokens] == hf_greedy(tiny["merged"][a], prompts[i], 12), (i, a)
+
+
 def test_the_prefix_cache_never_shares_blocks_between_adapters():
     bm = BlockManager(num_blocks=16, block_size=4)
     tokens = list(range(13))
