@@ -102,7 +102,7 @@ def test_gpu_penalised_picks_do_not_wait_for_the_queued_forward():
         logits = torch.randn(len(prompts), VOCAB, generator=torch.Generator().manual_seed(step)) * 3
         on = logits.to(device)
         torch.cuda.synchronize()
-        torch.cuda._sleep(1_000_000_000)     # the forward still running
+        torch.cuda._sleep(2_000_000_000)     # about a second: the forward still running
         queued = torch.cuda.Event()
         queued.record()
         picks = pick_on_device(on, rows["cuda"], logprobs=True, counts=counts)
