@@ -345,22 +345,23 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - N's tokens are still delivered; N+1's requests fail below
                 failure = e
         outputs = self._resolve(inflight)
-        if ahead is not None and pick_after and failure is None:
-            try:    # the histories and matchers now hold N's tokens, as the synchronous step's would
-                masks = self._start_masks(ahead[0], live_only=True) if self._num_guided else None
-                launched = async_scheduling.pick(ahead[0], sampled, last_logits, self._num_logprobs > 0,
+        if ahead is None:
+            return outputs
+        live = ScheduledBatch([seq for seq in batch.seqs if not seq.is_finished],
+                              [span for seq, span in zip(batch.seqs, batch.spans) if not seq.is_finished])
+        if pick_after and failure is None:
+            try:    # the histories and matchers now hold N's tokens, as the synchronous step's would; the rows N's
+                # tokens ended are thrown away, unmasked
+                masks = self._start_masks(live) if self._num_guided else None
+                launched = async_scheduling.pick(batch, sampled, last_logits, self._num_logprobs > 0,
                                                  self._penalty_counts, masks.for_rows(sampled) if masks else None)
             except Exception as e:  # noqa: BLE001 - as a failed launch
                 failure = e
-        if ahead is not None:
-            batch = ahead[0]
-            live = ScheduledBatch([seq for seq in batch.seqs if not seq.is_finished],
-                                  [span for seq, span in zip(batch.seqs, batch.spans) if not seq.is_finished])
-            if failure is not None:
-                outputs += self._step_failed(live, failure)
-            else:
-                self.scheduler.on_run_done(live)    # after N's tokens are appended: the prefix cache reads them
-                self._inflight = launched
+        if failure is not None:
+            outputs += self._step_failed(live, failure)
+        else:
+            self.scheduler.on_run_done(live)    # after N's tokens are appended: the prefix cache reads them
+            self._inflight = launched
         return outputs
 
     def _resolve(self, inflight: async_scheduling.InFlight) -> list[Any]:
@@ -388,11 +389,9 @@ class LLMEngine:
                 self.scheduler.commit_draft(seq, num_accepted)
         return outputs
 
-    def _start_masks(self, batch: ScheduledBatch, live_only: bool = False) -> PendingMasks | None:
-        # the rows that sample this step under a grammar: their masks are filled while the forward runs; `live_only`:
-        # not those a token resolved meanwhile ended (a step ahead: their rows are thrown away unmasked)
+    def _start_masks(self, batch: ScheduledBatch) -> PendingMasks | None:
+        # the rows that sample this step under a grammar: their masks are filled while the forward runs
         guided = [seq for seq, span in zip(batch.seqs, batch.spans) if seq.grammar is not None
-                  and not (live_only and seq.is_finished)
                   and span.logits != "none" and span.start_pos + len(span.token_ids) == seq.num_tokens]
         if not guided:
             return None

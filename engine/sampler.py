@@ -344,9 +344,7 @@ def pick_on_device(logits: torch.Tensor, rows: Sequence[SampleRow], logprobs: bo
         ids = scores.argmax(dim=-1)
         chosen = scores.gather(1, ids[:, None]).squeeze(1) - scores.logsumexp(dim=-1) if logprobs else None
         return DevicePicks(ids, chosen, None, None)
-    scores = penalized(logits, rows, bitmask, counts) if bitmask is not None or any(map(has_penalties, params)) \
-        else logits.float()
-    processed = _warped(scores, params, reads_back=False)
+    processed = _warped(penalized(logits, rows, bitmask, counts), params, reads_back=False)
     uniforms = {r: draw_uniform(rows[r]) for r, s in enumerate(processed.sampling) if s}
     return reported(processed.logprobs, _chosen_ids(processed, uniforms), params)
 
