@@ -19,7 +19,7 @@ from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampler import sample  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.structured.compiler import GrammarCompiler  # noqa: E402
-from engine.structured.masks import TokenBitmask, apply_token_bitmask  # noqa: E402
+from engine.structured.masks import TokenBitmask, apply_token_bitmask, masked_on_device  # noqa: E402
 from engine.structured.spec import GrammarError, json_schema_spec, lark_spec, regex_spec  # noqa: E402
 from engine.structured.tool_calls import (FORMATS, Tool, ToolCall, ToolCallStream, call_text,  # noqa: E402
                                           detect_format, parse_tool_call, tool_call_grammar)
@@ -132,9 +132,10 @@ def test_bitmask_rows_greedy_and_sampled():
         assert picked[0] in allowed[0] and picked[2] in allowed[1]
 
 
-def test_bitmask_hostile_shapes():
+@pytest.mark.parametrize("apply", [apply_token_bitmask, masked_on_device], ids=["cpu", "unpacked-on-device"])
+def test_bitmask_hostile_shapes(apply):
     scores = torch.zeros(2, 70)                          # logits wider than the tokenizer's mask (2 words = 64)
-    out = apply_token_bitmask(scores, TokenBitmask([0, 1], bitmask_allowing([{5}, set()], 64)))
+    out = apply(scores, TokenBitmask([0, 1], bitmask_allowing([{5}, set()], 64)))
     assert torch.isfinite(out[0]).tolist() == [i == 5 for i in range(70)]
     assert torch.isfinite(out[1]).all()                  # nothing allowed (a matcher bug): left unconstrained
     assert torch.equal(scores, torch.zeros(2, 70))       # the input is not modified
