@@ -19,13 +19,14 @@ whose length ends it at N is known in advance and left out.
 
 When it applies (`LLMEngine._can_pick_ahead`): one rank, greedy or sampling requests (temperature, top-k, top-p,
 typical-p, penalties, grammars, alternatives or not), LoRA adapters or not (the worker moves each decode's input id
-with its span when it groups the spans by adapter), no speculation, images or prompt logprobs. Penalties and
-grammars read the history up to the token in flight, so while a live request has one, N+1 is launched first and
-picked once N's tokens are appended (its grammar masks filled then, while the device runs N+1's forward: only the
-pick waits for N). Batch N+1 is built only while every sequence's next token or chunk fits in its blocks or free
-ones (no preemption ahead); otherwise N is resolved on its own and the next step is scheduled as usual.
-`--async-scheduling` auto: on with CUDA. Off CUDA the runner is synchronous, so nothing overlaps; `on` there
-exercises the same state machine (tests).
+with its span when it groups the spans by adapter), no speculation, images or prompt logprobs. Penalties read the
+history up to the token in flight: N+1's decodes read that token from N's picks on the device, and the penalty
+counts add it there (engine/penalty_counts.py), so nothing waits. A grammar's mask needs the token on the host:
+while a live request has a grammar, N+1 is launched first and picked once N's tokens are appended (its masks filled
+then, while the device runs N+1's forward: only the pick waits for N). Batch N+1 is built only while every
+sequence's next token or chunk fits in its blocks or free ones (no preemption ahead); otherwise N is resolved on its
+own and the next step is scheduled as usual. `--async-scheduling` auto: on with CUDA. Off CUDA the runner is
+synchronous, so nothing overlaps; `on` there exercises the same state machine (tests).
 """
 from __future__ import annotations
 
@@ -72,11 +73,12 @@ class InFlight:
 
 
 def pick(batch: ScheduledBatch, sampled: list[Sequence], logits: torch.Tensor, logprobs: bool,
-         counts: PenaltyCounts | None = None, bitmask: TokenBitmask | None = None) -> InFlight:
+         counts: PenaltyCounts | None = None, bitmask: TokenBitmask | None = None,
+         in_flight: torch.Tensor | None = None) -> InFlight:
     """The picks of `logits` [len(sampled), vocab] on their device (`pick_on_device`; `counts`: the engine's
-    penalty counts; `bitmask`: the grammar masks of the rows it names), their copy to the host started, not waited
-    for."""
-    picks = pick_on_device(logits, sampled, logprobs, counts, bitmask)
+    penalty counts; `bitmask`: the grammar masks of the rows it names; `in_flight`: the first rows' tokens in
+    flight, which their penalties count), their copy to the host started, not waited for."""
+    picks = pick_on_device(logits, sampled, logprobs, counts, bitmask, in_flight)
     pinned = picks.token_ids.device.type == "cuda"
     host = []
     for tensor in (picks.token_ids, picks.logprobs, picks.top_token_ids, picks.top_logprobs):

@@ -22,7 +22,7 @@ from engine.multimodal.prompt import MultiModalPrompt
 from engine.outputs import FinishReason, RequestOutput, TokenInfo
 from engine.penalty_counts import PenaltyCounts
 from engine.request_checks import check_request
-from engine.sampler import (SamplerOutput, fresh_log_softmax, has_penalties, pick_seed, plain_greedy, sample,
+from engine.sampler import (SamplerOutput, fresh_log_softmax, pick_seed, plain_greedy, sample,
                             use_cpu_kernels)
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -178,7 +178,6 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._num_guided = 0                            # of those, with a grammar (no mask work in steps without)
         self._num_not_greedy = 0                        # of those, not `plain_greedy` (the sampler reads every row)
-        self._num_penalized = 0                         # of those, with penalties (a step ahead picks after N)
         self._num_logprobs = 0                          # of those, reporting logprobs
         self._seq_ids = count()
         self._penalty_counts = PenaltyCounts()         # penalties' token counts, kept between steps
@@ -325,21 +324,24 @@ class LLMEngine:
 
     def _step_ahead(self) -> list[RequestOutput]:
         """Launch batch N+1 from the batch in flight (N) when it can be built, then resolve N: append its tokens,
-        end what they end, build its outputs, while the device runs N+1 (engine/async_scheduling.py). While a live
-        request has penalties or a grammar, which read the token in flight, N+1 is picked after N is resolved (its
-        grammar masks filled then, from the matchers N's tokens advanced)."""
+        end what they end, build its outputs, while the device runs N+1 (engine/async_scheduling.py). Penalties
+        count the decodes' tokens in flight on the device. While a live request has a grammar, whose mask needs the
+        token in flight on the host, N+1 is picked after N is resolved (its masks filled then, from the matchers N's
+        tokens advanced)."""
         inflight, self._inflight = self._inflight, None
         ahead = async_scheduling.schedule_ahead(self.scheduler, inflight) if self._can_pick_ahead(inflight.batch) \
             else None
-        launched, failure, pick_after = None, None, self._num_penalized > 0 or self._num_guided > 0
+        launched, failure, pick_after = None, None, self._num_guided > 0
         if ahead is not None:
             batch, rows = ahead
             self._batch_size = len(batch)
             sampled = [seq for seq, span in zip(batch.seqs, batch.spans) if span.logits == "last"]
             try:
-                last_logits, _ = self.runner.run(batch.spans, input_ids=async_scheduling.next_input_ids(inflight, rows))
+                in_flight = async_scheduling.next_input_ids(inflight, rows)    # the first rows of `sampled`
+                last_logits, _ = self.runner.run(batch.spans, input_ids=in_flight)
                 if not pick_after:
-                    launched = async_scheduling.pick(batch, sampled, last_logits, self._num_logprobs > 0)
+                    launched = async_scheduling.pick(batch, sampled, last_logits, self._num_logprobs > 0,
+                                                     self._penalty_counts, in_flight=in_flight)
                 self._num_steps_ahead_total += 1
                 self._num_prompt_tokens_total += batch.num_prefill_tokens
             except Exception as e:  # noqa: BLE001 - N's tokens are still delivered; N+1's requests fail below
@@ -408,7 +410,6 @@ class LLMEngine:
                 self._seqs[item.request_id] = item
                 self._num_guided += item.grammar is not None
                 self._num_not_greedy += not plain_greedy(item.params)
-                self._num_penalized += has_penalties(item.params)
                 self._num_logprobs += item.params.logprobs
                 self.scheduler.add(item)
             elif (seq := self._seqs.get(item)) is not None:
@@ -564,7 +565,6 @@ class LLMEngine:
         if self._seqs.pop(seq.request_id, None) is not None:
             self._num_guided -= seq.grammar is not None
             self._num_not_greedy -= not plain_greedy(seq.params)
-            self._num_penalized -= has_penalties(seq.params)
             self._num_logprobs -= seq.params.logprobs
         with self._lock:
             self._live_ids.discard(seq.request_id)

@@ -7,6 +7,10 @@ into tensors. A row is rebuilt from the history when the sequence is new to the 
 got shorter than what was counted, or when its row was given to another sequence meanwhile (least
 recently used first, when the table is full). Rows without a `seq_id` (the verifier's draft positions)
 are counted from their history each time. One instance per engine: sequence ids are its own.
+Under async scheduling the first rows of a step ahead have a token in flight: picked on the device by the step
+before, not yet in their histories. `in_flight` (those tokens, still on the device) adds each to its row of
+the step's counts, not to the tables, so the pick needs nothing from the host; the tables count the token from
+the history once it is appended.
 On CPU the sampler reads the histories themselves instead, kept as arrays between steps by `histories`.
 """
 from __future__ import annotations
@@ -29,13 +33,30 @@ class PenaltyCounts:
         self.calls = 0
         self.histories = TokenHistories()    # the CPU path's (engine/token_histories.py)
 
-    def presence(self, rows: Sequence, which: list[int], vocab: int, device: torch.device) -> torch.Tensor:
-        """[len(which), vocab] bool: the ids in each row's prompt + generated tokens."""
-        return self._gather("presence", rows, which, vocab, device) > 0
+    def presence(self, rows: Sequence, which: list[int], vocab: int, device: torch.device,
+                 in_flight: torch.Tensor | None = None) -> torch.Tensor:
+        """[len(which), vocab] bool: the ids in each row's prompt + generated tokens (+ its token in flight:
+        `in_flight[r]` for rows r < len(in_flight))."""
+        return self._with_in_flight(self._gather("presence", rows, which, vocab, device), which, in_flight) > 0
 
-    def generated(self, rows: Sequence, which: list[int], vocab: int, device: torch.device) -> torch.Tensor:
-        """[len(which), vocab] int32: how often each id was generated (the prompt not counted)."""
-        return self._gather("generated", rows, which, vocab, device)
+    def generated(self, rows: Sequence, which: list[int], vocab: int, device: torch.device,
+                  in_flight: torch.Tensor | None = None) -> torch.Tensor:
+        """[len(which), vocab] int32: how often each id was generated (the prompt not counted; the token in flight
+        counted, as for `presence`)."""
+        return self._with_in_flight(self._gather("generated", rows, which, vocab, device), which, in_flight)
+
+    @staticmethod
+    def _with_in_flight(picked: torch.Tensor, which: list[int], in_flight: torch.Tensor | None) -> torch.Tensor:
+        """`picked` (a copy of the tables' rows) with each row's token in flight added, on the device."""
+        if in_flight is None:
+            return picked
+        flying = [(j, r) for j, r in enumerate(which) if r < len(in_flight)]
+        if flying:
+            device = picked.device
+            tokens = in_flight.index_select(0, list_to_device([r for _, r in flying], torch.int64, device))
+            picked.index_put_((list_to_device([j for j, _ in flying], torch.int64, device), tokens),
+                              torch.ones((), dtype=picked.dtype, device=device), accumulate=True)
+        return picked
 
     def _gather(self, kind: str, rows: Sequence, which: list[int], vocab: int, device: torch.device) -> torch.Tensor:
         self.calls += 1
@@ -63,7 +84,7 @@ class PenaltyCounts:
             index = (to_device(torch.frombuffer(slot_ids, dtype=torch.int64), device),
                      to_device(torch.frombuffer(token_ids, dtype=torch.int64), device))
             table.index_put_(index, torch.ones((), dtype=table.dtype, device=device), accumulate=True)
-        picked = table[list_to_device(order, torch.int64, device)]
+        picked = table[list_to_device(order, torch.int64, device)]     # a copy: the in-flight add leaves the table
         self.free[kind] += one_off            # rows counted from their history alone go back at once
         return picked
 

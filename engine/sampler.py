@@ -86,20 +86,22 @@ class ProcessedScores:
 
 
 def penalized(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: TokenBitmask | None = None,
-              counts: PenaltyCounts | None = None) -> torch.Tensor:
-    """The scores after each row's grammar mask and penalties (float32; the logits themselves left alone)."""
+              counts: PenaltyCounts | None = None, in_flight: torch.Tensor | None = None) -> torch.Tensor:
+    """The scores after each row's grammar mask and penalties (float32; the logits themselves left alone).
+    `in_flight`: the tokens in flight of the first rows, on the device and not yet in their histories (a step
+    ahead's decodes, engine/async_scheduling.py); the penalties count them through `counts`, which must be given."""
     params = [row.params for row in rows]
     scores = logits.float()
     histories = None
-    if counts is not None and scores.device.type == "cpu":
+    if counts is not None and scores.device.type == "cpu" and in_flight is None:
         # on CPU the sparse per-history path wins (kept counts cost vocabulary-wide passes); its histories are kept
         histories, counts = counts.histories, None
     if bitmask is not None:
         scores = apply_token_bitmask(scores, bitmask)
     if any(p.repetition_penalty not in (None, 1.0) for p in params):
-        scores = apply_repetition_penalty(scores, rows, counts, histories)
+        scores = apply_repetition_penalty(scores, rows, counts, histories, in_flight)
     if any(p.frequency_penalty for p in params):
-        scores = apply_frequency_penalty(scores, rows, counts, histories)
+        scores = apply_frequency_penalty(scores, rows, counts, histories, in_flight)
     return scores
 
 
@@ -313,12 +315,6 @@ def fresh_log_softmax(scores: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(scores, dim=-1)
 
 
-def has_penalties(params: SamplingParams) -> bool:
-    """Whether a repetition or frequency penalty reads this request's history: a step ahead picks its token only
-    once the token in flight is appended (engine/async_scheduling.py)."""
-    return params.repetition_penalty not in (None, 1.0) or bool(params.frequency_penalty)
-
-
 @dataclass(slots=True)
 class DevicePicks:
     """The chosen tokens, their logprobs and the alternatives asked for, on the device (`reported`)."""
@@ -330,21 +326,23 @@ class DevicePicks:
 
 
 def pick_on_device(logits: torch.Tensor, rows: Sequence[SampleRow], logprobs: bool,
-                   counts: PenaltyCounts | None = None, bitmask: TokenBitmask | None = None) -> DevicePicks:
+                   counts: PenaltyCounts | None = None, bitmask: TokenBitmask | None = None,
+                   in_flight: torch.Tensor | None = None) -> DevicePicks:
     """Each row's next token, left on the device, its logprob in the processed distribution (for a batch of plain
     greedy rows only with `logprobs`), and the best `top_n_tokens` alternatives of the rows that ask (as `sample`
     reports them); nothing waits for the device. Greedy rows take the argmax; sampling rows draw by inverse CDF over
     their warped distribution with this step's uniform from their own generator, the one `sample` would draw, so a
     seed gives the same tokens either way (up to float32 rounding at a token's boundary, as across devices).
-    Penalties read each row's history as it is on the host (`counts`: the engine's, as for `sample`), and the rows
-    `bitmask` names keep only the tokens their grammar allows; their inputs are copied through pinned memory."""
+    Penalties read each row's history as it is on the host (`counts`: the engine's, as for `sample`) and, for the
+    first rows, its token in flight (`in_flight`, on the device: `penalized`); the rows `bitmask` names keep only
+    the tokens their grammar allows; their inputs are copied through pinned memory."""
     params = [row.params for row in rows]
     if bitmask is None and all(map(plain_greedy, params)):
         scores = logits.float()
         ids = scores.argmax(dim=-1)
         chosen = scores.gather(1, ids[:, None]).squeeze(1) - scores.logsumexp(dim=-1) if logprobs else None
         return DevicePicks(ids, chosen, None, None)
-    processed = _warped(penalized(logits, rows, bitmask, counts), params, reads_back=False)
+    processed = _warped(penalized(logits, rows, bitmask, counts, in_flight), params, reads_back=False)
     uniforms = {r: draw_uniform(rows[r]) for r, s in enumerate(processed.sampling) if s}
     return reported(processed.logprobs, _chosen_ids(processed, uniforms), params)
 
@@ -474,12 +472,13 @@ def _padded_ids(rows: Sequence[SampleRow], which: list[int], generated_only: boo
 
 
 def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow], counts: PenaltyCounts | None = None,
-                             histories: TokenHistories | None = None) -> torch.Tensor:
+                             histories: TokenHistories | None = None,
+                             in_flight: torch.Tensor | None = None) -> torch.Tensor:
     which = [r for r, row in enumerate(rows) if row.params.repetition_penalty not in (None, 1.0)]
     penalty = list_to_device([rows[r].params.repetition_penalty for r in which], scores.dtype, scores.device)[:, None]
     index = list_to_device(which, torch.int64, scores.device)
     if counts is not None:
-        present = counts.presence(rows, which, scores.shape[-1], scores.device)
+        present = counts.presence(rows, which, scores.shape[-1], scores.device, in_flight)
         picked = scores[index]
         picked = torch.where(present, torch.where(picked < 0, picked * penalty, picked / penalty), picked)
         return scores.index_copy(0, index, picked)      # out of place: the caller's logits stay
@@ -492,11 +491,12 @@ def apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SampleRow], co
 
 
 def apply_frequency_penalty(scores: torch.Tensor, rows: Sequence[SampleRow], counts: PenaltyCounts | None = None,
-                            histories: TokenHistories | None = None) -> torch.Tensor:
+                            histories: TokenHistories | None = None,
+                            in_flight: torch.Tensor | None = None) -> torch.Tensor:
     which = [r for r, row in enumerate(rows) if row.params.frequency_penalty]
     penalty = list_to_device([rows[r].params.frequency_penalty for r in which], scores.dtype, scores.device)[:, None]
     if counts is not None:
-        times = counts.generated(rows, which, scores.shape[-1], scores.device).to(scores.dtype)
+        times = counts.generated(rows, which, scores.shape[-1], scores.device, in_flight).to(scores.dtype)
     else:
         ids, mask = _padded_ids(rows, which, generated_only=True, device=scores.device, histories=histories)
         times = torch.zeros(len(which), scores.shape[-1], dtype=scores.dtype, device=scores.device)

@@ -261,9 +261,9 @@ PENALISED = [dict(repetition_penalty=3.0), dict(frequency_penalty=2.0), dict(do_
 
 
 def test_penalised_requests_go_ahead_and_give_the_synchronous_tokens():
-    """Penalties read the history up to the token in flight: a step ahead is launched, then picked once N's tokens
-    are appended, so penalised requests (greedy or sampling, beside plain ones) get the synchronous engine's tokens
-    and the steps still go ahead."""
+    """Penalties read the history up to the token in flight: a step ahead's penalty counts add each decode's token
+    in flight on the device, so penalised requests (greedy or sampling, beside plain ones) get the synchronous
+    engine's tokens and the steps still go ahead."""
     with engine_for("tiny-llama") as engine:
         ids = engine.tokenizer.encode(TEXT)
     prompts = [ids[i:i + 6 + 2 * i] for i in range(len(PENALISED) + 2)]
@@ -279,6 +279,37 @@ def test_penalised_requests_go_ahead_and_give_the_synchronous_tokens():
     unpenalised, _, _ = generate_both("tiny-llama", prompts[:2], [SamplingParams(max_new_tokens=24, ignore_eos=True),
                                                                  SamplingParams(max_new_tokens=23, ignore_eos=True)])
     assert [f[0] for f in sync[:2]] != [f[0] for f in unpenalised]      # the penalties did change the tokens
+
+
+def test_penalised_steps_ahead_are_picked_before_the_step_in_flight_is_resolved(monkeypatch):
+    """Nothing of a penalised step ahead waits for N's tokens: each is picked right after its launch, before N's
+    read-back and host work."""
+    from engine.llm_engine import LLMEngine
+
+    calls: list[list[str]] = []
+    step_ahead, resolve, pick = LLMEngine._step_ahead, LLMEngine._resolve, async_scheduling.pick
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            if calls:
+                calls[-1].append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    def step_ahead_recorded(self):
+        calls.append([])
+        return step_ahead(self)
+
+    monkeypatch.setattr(LLMEngine, "_step_ahead", step_ahead_recorded)
+    monkeypatch.setattr(LLMEngine, "_resolve", recorded("resolve", resolve))
+    monkeypatch.setattr(async_scheduling, "pick", recorded("pick", pick))
+    with engine_for("tiny-llama", async_scheduling="on") as engine:
+        ids = engine.tokenizer.encode(TEXT)
+        engine.generate([ids[:5 + i] for i in range(len(PENALISED))],
+                        [SamplingParams(max_new_tokens=12, ignore_eos=True, seed=i, **kw)
+                         for i, kw in enumerate(PENALISED)])
+    launched = [c for c in calls if "pick" in c]
+    assert len(launched) >= 10 and all(c == ["pick", "resolve"] for c in launched), calls
 
 
 def test_a_failed_step_ahead_fails_its_requests_and_the_engine_serves_on(monkeypatch):

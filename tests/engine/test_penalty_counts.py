@@ -86,10 +86,56 @@ def test_the_callers_logits_are_left_alone():
     assert torch.equal(logits, torch.ones(1, 4))
 
 
+def picks_ahead_equal_picks_after(seed: int, device: torch.device) -> None:
+    """A step ahead's picks (engine/async_scheduling.py): the first k rows' last tokens are still in flight, on the
+    device and not in their histories (k changes every step, the other rows' tokens are appended), and the
+    penalties count them from `in_flight`. The picks, logprobs and alternatives equal those of the same rows with
+    every token appended."""
+    from engine.sampler import pick_on_device
+
+    rng = random.Random(seed)
+    prompts = [[rng.choice([0, VOCAB - 1, rng.randrange(VOCAB)]) for _ in range(rng.randrange(1, 9))]
+               for _ in range(12)]
+    kinds = [params(rng) for _ in prompts]
+    kinds[0] = SamplingParams(repetition_penalty=1.8, frequency_penalty=1.0, top_n_tokens=3)  # greedy, both kinds
+    rows = {mode: [Row(i, p, list(prompt), len(prompt), seed=i) for i, (p, prompt) in enumerate(zip(kinds, prompts))]
+            for mode in ("after", "ahead")}
+    counts = {mode: PenaltyCounts(rows=4) for mode in rows}
+    in_flight = None
+    for step in range(30):
+        logits = (torch.randn(len(prompts), VOCAB, generator=torch.Generator().manual_seed(step)) * 3).to(device)
+        expected = pick_on_device(logits, rows["after"], logprobs=True, counts=counts["after"])
+        picks = pick_on_device(logits, rows["ahead"], logprobs=True, counts=counts["ahead"], in_flight=in_flight)
+        if in_flight is not None:           # N resolved after N+1 is picked, as the engine does
+            for r, token in zip(rows["ahead"], in_flight.tolist()):
+                r.token_ids.append(token)
+        assert picks.token_ids.tolist() == expected.token_ids.tolist()
+        assert picks.logprobs.tolist() == pytest.approx(expected.logprobs.tolist(), abs=1e-5)
+        assert torch.equal(picks.top_token_ids, expected.top_token_ids)
+        tokens, k = expected.token_ids.tolist(), rng.randrange(len(prompts) + 1)
+        for r, token in zip(rows["after"], tokens):
+            r.token_ids.append(token)
+        for r, token in zip(rows["ahead"][k:], tokens[k:]):
+            r.token_ids.append(token)
+        in_flight = picks.token_ids[:k]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tokens_in_flight_are_counted_as_if_appended(seed):
+    picks_ahead_equal_picks_after(seed, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_gpu_tokens_in_flight_are_counted_as_if_appended():
+    for seed in range(2):
+        picks_ahead_equal_picks_after(seed, torch.device("cuda"))
+
+
 @pytest.mark.gpu
 def test_gpu_penalised_picks_do_not_wait_for_the_queued_forward():
-    """A step ahead picks a penalised batch (kept counts, warpers, draws) while the device still runs the forward:
-    nothing it copies to the device waits for the queued kernels, and the picks are the CPU sampler's."""
+    """A step ahead picks a penalised batch (kept counts, warpers, draws; half its rows with their token in flight)
+    while the device still runs the forward: nothing it copies to the device waits for the queued kernels, and the
+    picks are the CPU sampler's."""
     from engine.sampler import pick_on_device
 
     device, counts = torch.device("cuda"), PenaltyCounts(rows=4)
@@ -98,6 +144,7 @@ def test_gpu_penalised_picks_do_not_wait_for_the_queued_forward():
     kinds = [params(rng) for _ in prompts]
     rows = {where: [Row(i, p, list(prompt), len(prompt), seed=i) for i, (p, prompt) in enumerate(zip(kinds, prompts))]
             for where in ("cuda", "cpu")}
+    in_flight = None
     for step in range(6):
         logits = torch.randn(len(prompts), VOCAB, generator=torch.Generator().manual_seed(step)) * 3
         on = logits.to(device)
@@ -105,10 +152,15 @@ def test_gpu_penalised_picks_do_not_wait_for_the_queued_forward():
         torch.cuda._sleep(2_000_000_000)     # about a second: the forward still running
         queued = torch.cuda.Event()
         queued.record()
-        picks = pick_on_device(on, rows["cuda"], logprobs=True, counts=counts)
+        picks = pick_on_device(on, rows["cuda"], logprobs=True, counts=counts, in_flight=in_flight)
         assert not queued.query(), "the penalised pick waited for the kernels queued before it"
+        if in_flight is not None:
+            for r, token in zip(rows["cuda"], in_flight.tolist()):
+                r.token_ids.append(token)
         expected = sample(logits, rows["cpu"]).token_ids
         assert picks.token_ids.tolist() == expected
-        for where in rows:
-            for r, token in zip(rows[where], expected):
-                r.token_ids.append(token)
+        for r, token in zip(rows["cpu"], expected):
+            r.token_ids.append(token)
+        for r, token in zip(rows["cuda"][6:], expected[6:]):
+            r.token_ids.append(token)
+        in_flight = picks.token_ids[:6]

@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (  # noqa: E402
     TypicalLogitsWarper,
 )
 
-from engine.sampler import (has_penalties, is_sampling, pick_on_device, pick_seed, sample, top_k_mask,  # noqa: E402
+from engine.sampler import (is_sampling, pick_on_device, pick_seed, sample, top_k_mask,  # noqa: E402
                             top_p_mask, typical_mask)
 from engine.penalty_counts import PenaltyCounts  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -140,7 +140,6 @@ def test_picks_on_the_device_are_the_samplers_picks(kept_counts):
     `sample` (which takes its candidate lists and CPU kernels) step after step from the same seeds, beside greedy
     rows, token, logprob and alternatives; penalties read the histories as they grow, with the engine's kept
     counts or without."""
-    assert [has_penalties(SamplingParams(**kw)) for kw in PICKABLE[-5:]] == [False, True, True, True, True]
     rows = {mode: [row(seed=50 + i, **kw) for i, kw in enumerate(PICKABLE * 3)] for mode in ("sample", "device")}
     counts = {mode: PenaltyCounts() if kept_counts else None for mode in rows}
     changed = 0
