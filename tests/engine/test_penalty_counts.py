@@ -120,15 +120,10 @@ def picks_ahead_equal_picks_after(seed: int, device: torch.device) -> None:
         in_flight = picks.token_ids[:k]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("seed", range(4))
-def test_tokens_in_flight_are_counted_as_if_appended(seed):
-    picks_ahead_equal_picks_after(seed, torch.device("cpu"))
-
-
-@pytest.mark.gpu
-def test_gpu_tokens_in_flight_are_counted_as_if_appended():
-    for seed in range(2):
-        picks_ahead_equal_picks_after(seed, torch.device("cuda"))
+def test_tokens_in_flight_are_counted_as_if_appended(seed, device):
+    picks_ahead_equal_picks_after(seed, torch.device(device))
 
 
 @pytest.mark.gpu
