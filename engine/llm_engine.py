@@ -354,7 +354,7 @@ class LLMEngine:
         if pick_after and failure is None:
             try:    # the histories and matchers now hold N's tokens, as the synchronous step's would; the rows N's
                 # tokens ended are thrown away, unmasked
-                masks = self._start_masks(live) if self._num_guided else None
+                masks = self._start_masks(live)
                 launched = async_scheduling.pick(batch, sampled, last_logits, self._num_logprobs > 0,
                                                  self._penalty_counts, masks.for_rows(sampled) if masks else None)
             except Exception as e:  # noqa: BLE001 - as a failed launch

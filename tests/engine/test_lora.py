@@ -61,6 +61,17 @@ def greedy(adapter, n=12):
     return SamplingParams(max_new_tokens=n, adapter_id=adapter)
 
 
+def generate_with_each_adapter(engine, prompts):
+    """Every prompt with a1, the base and a2, interleaved in one batch: the (prompt, adapter) pairs, the outputs."""
+    pairs = [(i, a) for a in ("a1", None, "a2") for i in range(len(prompts))]
+    return pairs, engine.generate([prompts[i] for i, _ in pairs], [greedy(a) for _, a in pairs])
+
+
+def assert_each_row_is_its_merged_model(tiny, prompts, pairs, outs):
+    for (i, a), out in zip(pairs, outs):
+        assert [t.id for t in out.tokens] == hf_greedy(tiny["merged"][a], prompts[i], 12), (i, a)
+
+
 def test_greedy_tokens_equal_the_merged_peft_model_and_the_adapters_change_them(tiny):
     with engine_with(tiny["base"], [("a1", tiny["a1"]), ("a2", tiny["a2"])]) as engine:
         assert engine.runner.lora_backend == "grouped"
@@ -81,8 +92,7 @@ def test_one_batch_mixing_adapters_and_the_base_gives_each_row_its_own_tokens(ti
                  for i, p in enumerate(prompts) for a in ("a1", "a2", None)}
         # the same prompts again, every (prompt, adapter) pair in one batch, interleaved; the prefix cache is
         # warm now, so a shared KV block between adapters would change tokens
-        pairs = [(i, a) for a in ("a1", None, "a2") for i in range(len(prompts))]
-        outs = engine.generate([prompts[i] for i, _ in pairs], [greedy(a) for _, a in pairs])
+        pairs, outs = generate_with_each_adapter(engine, prompts)
     for (i, a), out in zip(pairs, outs):
         assert [t.id for t in out.tokens] == alone[(i, a)], (i, a)
 
@@ -92,11 +102,9 @@ def test_speculative_decoding_verifies_drafts_with_each_rows_adapter(tiny):
     prompts_text = ["a b c a b c a b c a b", "one two one two one two one"]
     with engine_with(tiny["base"], [("a1", tiny["a1"]), ("a2", tiny["a2"])], speculate=3) as engine:
         prompts = [engine.tokenizer.encode(t) for t in prompts_text]
-        pairs = [(i, a) for a in ("a1", None, "a2") for i in range(len(prompts))]
-        outs = engine.generate([prompts[i] for i, _ in pairs], [greedy(a) for _, a in pairs])
+        pairs, outs = generate_with_each_adapter(engine, prompts)
         assert engine.stats().num_speculative_proposed_total > 0
-    for (i, a), out in zip(pairs, outs):
-        assert [t.id for t in out.tokens] == hf_greedy(tiny["merged"][a], prompts[i], 12), (i, a)
+    assert_each_row_is_its_merged_model(tiny, prompts, pairs, outs)
 
 
 def test_piecewise_graphs_give_each_row_its_adapter_in_mixed_steps(tiny, monkeypatch):
@@ -109,11 +117,9 @@ def test_piecewise_graphs_give_each_row_its_adapter_in_mixed_steps(tiny, monkeyp
                      piecewise_graphs=sizes, speculate=2) as engine:
         assert engine.runner.piecewise_graph_sizes == sizes
         prompts = [engine.tokenizer.encode(t) for t in TEXTS + ["a b c a b c a b c a b"]]
-        pairs = [(i, a) for a in ("a1", None, "a2") for i in range(len(prompts))]
-        outs = engine.generate([prompts[i] for i, _ in pairs], [greedy(a) for _, a in pairs])
+        pairs, outs = generate_with_each_adapter(engine, prompts)
     assert len(replays) > 3
-    for (i, a), out in zip(pairs, outs):
-        assert [t.id for t in out.tokens] == hf_greedy(tiny["merged"][a], prompts[i], 12), (i, a)
+    assert_each_row_is_its_merged_model(tiny, prompts, pairs, outs)
 
 
 def test_steps_ahead_give_each_row_its_adapter(tiny):
@@ -123,11 +129,9 @@ def test_steps_ahead_give_each_row_its_adapter(tiny):
     with engine_with(tiny["base"], [("a1", tiny["a1"]), ("a2", tiny["a2"])], max_batch_prefill_tokens=24,
                      async_scheduling="on") as engine:
         prompts = [engine.tokenizer.encode(t) for t in TEXTS]
-        pairs = [(i, a) for a in ("a1", None, "a2") for i in range(len(prompts))]
-        outs = engine.generate([prompts[i] for i, _ in pairs], [greedy(a) for _, a in pairs])
+        pairs, outs = generate_with_each_adapter(engine, prompts)
         assert engine.stats().num_steps_ahead_total > 8
-    for (i, a), out in zip(pairs, outs):
-        assert [t.id for t in out.tokens] == hf_greedy(tiny["merged"][a], prompts[i], 12), (i, a)
+    assert_each_row_is_its_merged_model(tiny, prompts, pairs, outs)
 
 
 def test_the_prefix_cache_never_shares_blocks_between_adapters():
@@ -342,10 +346,8 @@ def test_gpu_triton_lora_backend_matches_merged_and_the_cpu_tokens(tiny):
         assert engine.runner.lora_backend == "triton", engine.runner.lora_checks
         assert engine.runner.cuda_graph_sizes == []
         prompts = [engine.tokenizer.encode(t) for t in TEXTS]
-        pairs = [(i, a) for a in ("a1", None, "a2") for i in range(len(prompts))]
-        outs = engine.generate([prompts[i] for i, _ in pairs], [greedy(a) for _, a in pairs])
-    for (i, a), out in zip(pairs, outs):
-        assert [t.id for t in out.tokens] == hf_greedy(tiny["merged"][a], prompts[i], 12), (i, a)
+        pairs, outs = generate_with_each_adapter(engine, prompts)
+    assert_each_row_is_its_merged_model(tiny, prompts, pairs, outs)
 
 
 def test_the_launcher_exits_with_one_line_for_a_bad_adapter(tiny, tmp_path):
