@@ -19,14 +19,15 @@ whose length ends it at N is known in advance and left out.
 
 When it applies (`LLMEngine._can_pick_ahead`): one rank, greedy or sampling requests (temperature, top-k, top-p,
 typical-p, penalties, grammars, alternatives or not), LoRA adapters or not (the worker moves each decode's input id
-with its span when it groups the spans by adapter), no speculation, images or prompt logprobs. Penalties read the
-history up to the token in flight: N+1's decodes read that token from N's picks on the device, and the penalty
-counts add it there (engine/penalty_counts.py), so nothing waits. A grammar's mask needs the token on the host:
-while a live request has a grammar, N+1 is launched first and picked once N's tokens are appended (its masks filled
-then, while the device runs N+1's forward: only the pick waits for N). Batch N+1 is built only while every
-sequence's next token or chunk fits in its blocks or free ones (no preemption ahead); otherwise N is resolved on its
-own and the next step is scheduled as usual. `--async-scheduling` auto: on with CUDA. Off CUDA the runner is
-synchronous, so nothing overlaps; `on` there exercises the same state machine (tests).
+with its span when it groups the spans by adapter), images or not (a step ahead runs the vision encoder for its
+prompt chunks before its launch, as the synchronous step does; decodes keep their M-RoPE offset), no speculation or
+prompt logprobs. Penalties read the history up to the token in flight: N+1's decodes read that token from N's picks
+on the device, and the penalty counts add it there (engine/penalty_counts.py), so nothing waits. A grammar's mask
+needs the token on the host: while a live request has a grammar, N+1 is launched first and picked once N's tokens
+are appended (its masks filled then, while the device runs N+1's forward: only the pick waits for N). Batch N+1 is
+built only while every sequence's next token or chunk fits in its blocks or free ones (no preemption ahead);
+otherwise N is resolved on its own and the next step is scheduled as usual. `--async-scheduling` auto: on with
+CUDA. Off CUDA the runner is synchronous, so nothing overlaps; `on` there exercises the same state machine (tests).
 """
 from __future__ import annotations
 
@@ -111,10 +112,11 @@ def schedule_ahead(scheduler: Scheduler, inflight: InFlight) -> tuple[ScheduledB
     """Batch N+1 while N is in flight: first a decode for each running sequence N samples (one position on, its
     token the one in flight), then the next prompt chunk of each running sequence in its prompt and the waiting
     requests admitted, as the scheduler would, under one prefill budget; and the rows of N's picks the decodes
-    read. None when the scheduler's general path must build it: a running sequence neither sampled by N nor in
-    its prompt, a waiting request that reports prompt logprobs or has images, or a sequence that needs a block
-    and none is free (no preemption ahead)."""
-    if any(seq.images is not None or seq.wants_prefill_logprobs for seq in scheduler.waiting):
+    read. A decode past a prompt's images keeps its M-RoPE offset; a prompt chunk with images is encoded by the
+    caller before the launch. None when the scheduler's general path must build it: a running sequence neither
+    sampled by N nor in its prompt, a prompt that reports prompt logprobs, or a sequence that needs a block and
+    none is free (no preemption ahead)."""
+    if any(seq.wants_prefill_logprobs for seq in scheduler.waiting):
         return None
     bm = scheduler.block_manager
     block_size = bm.block_size
@@ -123,8 +125,8 @@ def schedule_ahead(scheduler: Scheduler, inflight: InFlight) -> tuple[ScheduledB
     for seq in scheduler.running:
         row = row_of.get(seq.seq_id)
         if row is None:     # its token is on the host: a prompt (or a recompute) goes on, a decode cannot be here
-            if seq.images is not None or (seq.num_uncomputed_tokens == 1
-                                          and seq.num_computed_tokens >= seq.num_prompt_tokens):
+            if seq.wants_prefill_logprobs or (seq.num_uncomputed_tokens == 1
+                                              and seq.num_computed_tokens >= seq.num_prompt_tokens):
                 return None
             prompts.append(seq)
             continue
@@ -137,7 +139,8 @@ def schedule_ahead(scheduler: Scheduler, inflight: InFlight) -> tuple[ScheduledB
                 return None     # the blocks taken so far stay with their sequences: they need them next
             table.append(bm.take_free_block())
         batch.seqs.append(seq)
-        batch.spans.append(SeqSpan(seq.seq_id, [0], start, table, "last", seq.adapter, seq.block_table_version))
+        batch.spans.append(SeqSpan(seq.seq_id, [0], start, table, "last", seq.adapter, seq.block_table_version,
+                                   None, 0 if seq.images is None else seq.images.rope_delta))
         rows.append(row)
     batch.num_decode_tokens = len(batch.seqs)
     if (prompts or scheduler.waiting) and not scheduler.add_prefills_ahead(batch, prompts):

@@ -316,11 +316,9 @@ class LLMEngine:
         return outputs
 
     def _can_pick_ahead(self, batch: ScheduledBatch) -> bool:
-        """Whether this batch's tokens can be picked on the device and resolved in the next step: no drafts or
-        images, no prompt logprobs."""
-        return (self.schedules_ahead and not batch.num_draft_tokens
-                and all(span.logits != "all" and span.images is None and seq.images is None
-                        for seq, span in zip(batch.seqs, batch.spans)))
+        """Whether this batch's tokens can be picked on the device and resolved in the next step: no drafts, no
+        prompt logprobs."""
+        return self.schedules_ahead and not batch.num_draft_tokens and all(span.logits != "all" for span in batch.spans)
 
     def _step_ahead(self) -> list[RequestOutput]:
         """Launch batch N+1 from the batch in flight (N) when it can be built, then resolve N: append its tokens,
@@ -331,23 +329,26 @@ class LLMEngine:
         inflight, self._inflight = self._inflight, None
         ahead = async_scheduling.schedule_ahead(self.scheduler, inflight) if self._can_pick_ahead(inflight.batch) \
             else None
-        launched, failure, pick_after = None, None, self._num_guided > 0
+        launched, failure, pick_after, failed_images = None, None, self._num_guided > 0, []
         if ahead is not None:
             batch, rows = ahead
-            self._batch_size = len(batch)
-            sampled = [seq for seq, span in zip(batch.seqs, batch.spans) if span.logits == "last"]
             try:
-                in_flight = async_scheduling.next_input_ids(inflight, rows)    # the first rows of `sampled`
-                last_logits, _ = self.runner.run(batch.spans, input_ids=in_flight)
-                if not pick_after:
-                    launched = async_scheduling.pick(batch, sampled, last_logits, self._num_logprobs > 0,
-                                                     self._penalty_counts, in_flight=in_flight)
-                self._num_steps_ahead_total += 1
-                self._num_prompt_tokens_total += batch.num_prefill_tokens
+                if any(span.images is not None for span in batch.spans):
+                    failed_images = self._encode_images(batch)  # only prompt chunks leave: the decodes stay first
+                self._batch_size = len(batch)
+                sampled = [seq for seq, span in zip(batch.seqs, batch.spans) if span.logits == "last"]
+                if batch.seqs:
+                    in_flight = async_scheduling.next_input_ids(inflight, rows)    # the first rows of `sampled`
+                    last_logits, _ = self.runner.run(batch.spans, input_ids=in_flight)
+                    if not pick_after:
+                        launched = async_scheduling.pick(batch, sampled, last_logits, self._num_logprobs > 0,
+                                                         self._penalty_counts, in_flight=in_flight)
+                    self._num_steps_ahead_total += 1
+                    self._num_prompt_tokens_total += batch.num_prefill_tokens
             except Exception as e:  # noqa: BLE001 - N's tokens are still delivered; N+1's requests fail below
                 failure = e
-        outputs = self._resolve(inflight)
-        if ahead is None:
+        outputs = failed_images + self._resolve(inflight)
+        if ahead is None or not batch.seqs:     # nothing launched: the encoder failed on every request of N+1
             return outputs
         live = ScheduledBatch([seq for seq in batch.seqs if not seq.is_finished],
                               [span for seq, span in zip(batch.seqs, batch.spans) if not seq.is_finished])

@@ -7,13 +7,15 @@ Over HTTP that request gets TGI's 424 and the server keeps serving. A real tiny 
 it cannot take (a zero image size, batched with a good image; four channels, as an unconverted CMYK image would
 give). The bad requests end with the encoder's error; the good image and a text-only request in the same step
 still give transformers' greedy tokens; nothing of the failed requests stays in the KV cache; the engine keeps
-serving. The unit test drives the retry logic with a scripted encoder."""
+serving, also when the failed request's images are encoded for a step launched ahead (async scheduling). The unit
+test drives the retry logic with a scripted encoder."""
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("PIL")
 
 from engine.batch import SeqSpan  # noqa: E402
+from engine.deferred_outputs import expand  # noqa: E402
 from engine.multimodal.encoder_cache import EncoderCache  # noqa: E402
 from engine.multimodal.image_source import ImageLimits, decode  # noqa: E402
 from engine.multimodal.processor import VisionProcessor  # noqa: E402
@@ -61,6 +63,57 @@ def test_an_encoder_failure_fails_only_its_request():
     reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     for (ids, images), got in zip([good, text, (zero_size[0], images)], token_ids([outputs[0], outputs[2], again[1]])):
         assert got == hf_greedy(reference, ids, images, NEW_TOKENS)
+
+
+def run_arriving(engine, first, arriving, params):
+    """`first` runs alone for a step (its token then in flight with async scheduling), then `arriving` comes; each
+    request's (token ids, error), by its index."""
+    results = {i: ([], None) for i in range(1 + len(arriving))}
+
+    def collect(outputs):
+        for out in expand(outputs):
+            tokens, error = results[int(out.request_id)]
+            results[int(out.request_id)] = (tokens + [t.id for t in out.tokens], error or out.error)
+
+    engine.add_request("0", first[0], params[0], first[1])
+    collect(engine.step())
+    for i, (ids, images) in enumerate(arriving, start=1):
+        engine.add_request(str(i), ids, params[i], images)
+    while engine.has_unfinished_requests():
+        collect(engine.step())
+    return results
+
+
+def test_an_encoder_failure_in_a_step_launched_ahead_fails_only_its_request():
+    """Async scheduling encodes the images of a step launched ahead before its launch (LLMEngine._step_ahead): the
+    request whose images fail ends with the encoder's error, and the others are the synchronous engine's, both when
+    others go on in that step and when the failed request was all of it (nothing is launched then)."""
+    path = test_model_path("tiny-llava-next")
+    runs = {}
+    for mode in ("off", "on"):
+        with engine_for("tiny-llava-next", max_batch_prefill_tokens=512, async_scheduling=mode) as engine:
+            vision = VisionProcessor.from_pretrained(path, engine.model_config.image_token_id, ImageLimits(), 4)
+            good = vision.process(f"Describe {vision.placeholder} please", [decode(png(1, 40, 30), ImageLimits())])
+            ids, images = vision.process(f"What is {vision.placeholder} here", [decode(png(2, 30, 40), ImageLimits())])
+            bad = (ids, tampered(images, image_sizes=torch.tensor([[0, 0]])))
+            text = (engine.tokenizer.encode("only words in this one"), None)
+            many = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+            together = run_arriving(engine, text, [good, bad], [many] * 3)  # the text request decodes on
+            ahead = engine.stats().num_steps_ahead_total
+            alone = run_arriving(engine, text, [bad], [one, many])  # its one token ends the first: N+1 is all bad
+            assert engine.stats().num_steps_ahead_total == ahead    # so no step launched: not an empty one
+            runs[mode] = (together, alone, run_arriving(engine, text, [good], [one, many]))  # the engine serves on
+            if mode == "on":
+                assert engine.stats().num_steps_ahead_total > NEW_TOKENS
+            assert engine.runner._rank0.encoder_cache.features == {}
+            assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    (together, alone, after), off = runs["on"], runs["off"]
+    for results in (together, alone):
+        tokens, error = results[len(results) - 1]
+        assert tokens == [] and error.startswith("the vision encoder failed on this request's images"), error
+    assert [len(tokens) for tokens, _ in together.values()] == [NEW_TOKENS, NEW_TOKENS, 0]
+    assert (together, alone, after) == off
 
 
 def test_a_tiny_second_image_fails_its_request_alone():

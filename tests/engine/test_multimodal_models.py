@@ -6,13 +6,15 @@ and 2 images and a
 text-only one in one batch, under a prefill budget small enough that chunk boundaries fall inside images, give
 transformers' greedy tokens for the same processor output; the encoder runs once per request; the prefix cache
 shares the blocks of a repeated image and not those of a different one. Gemma 3, whose image tokens attend to each
-other both ways, is computed one whole image per prefill chunk and matches transformers' logprobs too."""
+other both ways, is computed one whole image per prefill chunk and matches transformers' logprobs too. Under async
+scheduling, image prompt chunks and M-RoPE decodes ride in the steps launched ahead with the synchronous tokens."""
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("PIL")
 
 from engine.config import EngineConfig  # noqa: E402
+from engine.deferred_outputs import expand  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.multimodal.image_source import ImageLimits, decode  # noqa: E402
 from engine.multimodal.processor import VisionProcessor  # noqa: E402
@@ -70,6 +72,42 @@ def test_greedy_tokens_equal_transformers_with_one_and_two_images(name):
     reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     for (ids, images), got in zip(requests, token_ids(outputs)):
         assert got == hf_greedy(reference, ids, images, NEW_TOKENS), f"{name}: prompt of {len(ids)} tokens"
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl", "tiny-qwen3-vl"])
+def test_steps_ahead_with_images_give_the_synchronous_tokens(name):
+    """Async scheduling (engine/async_scheduling.py): image prompt chunks ride in the steps launched ahead, the
+    encoder run before the launch once per request, and the decodes after M-RoPE images keep their offset. The
+    tokens and logprobs are the synchronous engine's, and every step that can goes ahead."""
+    path = test_model_path(name)
+    results = {}
+    for mode in ("off", "on"):
+        with engine_for(name, async_scheduling=mode) as engine:
+            vision = VisionProcessor.from_pretrained(path, engine.model_config.image_token_id, ImageLimits(), 4)
+            pictures = [decode(png(seed, 40 + 10 * seed, 30 + 5 * seed), ImageLimits()) for seed in range(2)]
+            requests = [(engine.tokenizer.encode("some text first, no image"), None),
+                        vision.process(f"Describe {vision.placeholder} please", pictures[:1]),
+                        vision.process(f"First {vision.placeholder} then {vision.placeholder}: compare", pictures)]
+            params = SamplingParams(max_new_tokens=NEW_TOKENS + 4, logprobs=True, ignore_eos=True)
+            tokens, steps = {i: [] for i in range(len(requests))}, 0
+            engine.add_request("0", *requests[0][:1], params)
+            while engine.has_unfinished_requests():
+                if steps == 2:  # the image requests arrive while the first one runs
+                    for i, (ids, images) in enumerate(requests[1:], start=1):
+                        engine.add_request(str(i), ids, params, images)
+                for out in expand(engine.step()):
+                    tokens[int(out.request_id)] += [(t.id, round(t.logprob, 4)) for t in out.tokens]
+                steps += 1
+                assert steps < 200
+            results[mode] = tokens
+            assert engine.runner._rank0.encoder_cache.num_encoded == 2     # once per request with images
+            if mode == "on":
+                # all but the first prompt's two chunks (nothing in flight: the first samples nothing) and the last
+                # step (it resolves the last token, nothing to launch)
+                assert engine.stats().num_steps_ahead_total == steps - 3
+            assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert results["on"] == results["off"]
+    assert all(len(got) == NEW_TOKENS + 4 for got in results["off"].values())
 
 
 def test_prefix_cache_shares_a_repeated_image_not_a_different_one():
