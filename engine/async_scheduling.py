@@ -20,8 +20,9 @@ whose length ends it at N is known in advance and left out.
 When it applies (`LLMEngine._can_pick_ahead`): one rank, greedy or sampling requests (temperature, top-k, top-p,
 typical-p, penalties, grammars, alternatives or not), LoRA adapters or not (the worker moves each decode's input id
 with its span when it groups the spans by adapter), images or not (a step ahead runs the vision encoder for its
-prompt chunks before its launch, as the synchronous step does; decodes keep their M-RoPE offset), no speculation or
-prompt logprobs. Penalties read the history up to the token in flight: N+1's decodes read that token from N's picks
+prompt chunks before its launch, as the synchronous step does; decodes keep their M-RoPE offset), prompt logprobs
+or not (a chunk's are computed on the device at the launch and copied with the picks: engine/prompt_logprobs.py),
+no speculation. Penalties read the history up to the token in flight: N+1's decodes read that token from N's picks
 on the device, and the penalty counts add it there (engine/penalty_counts.py), so nothing waits. A grammar's mask
 needs the token on the host: while a live request has a grammar, N+1 is launched first and picked once N's tokens
 are appended (its masks filled then, while the device runs N+1's forward: only the pick waits for N). Batch N+1 is
@@ -31,13 +32,14 @@ CUDA. Off CUDA the runner is synchronous, so nothing overlaps; `on` there exerci
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.batch import SeqSpan
 from engine.device_copy import list_to_device
 from engine.penalty_counts import PenaltyCounts
+from engine.prompt_logprobs import PromptLogprobs
 from engine.sampler import SamplerOutput, host_output, pick_on_device
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -64,6 +66,7 @@ class InFlight:
     token_ids: torch.Tensor             # [len(sampled)] on the device: the next step's input ids
     host: list[torch.Tensor | None]     # pinned copies of the picks' ids, logprobs, top ids and logprobs
     done: torch.cuda.Event | None       # when they are written; None off CUDA (the copies were synchronous)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)     # its chunks' prompt logprobs
 
     def resolve(self) -> SamplerOutput:
         """Wait for the copies; the picks as the sampler's output."""
@@ -102,6 +105,20 @@ def next_input_ids(inflight: InFlight, rows: list[int]) -> torch.Tensor:
     return inflight.token_ids.index_select(0, list_to_device(rows, torch.int64, inflight.token_ids.device))
 
 
+def sampled_rows(batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
+    """The sequences of a batch built ahead that sample (its decodes, first, and the prompts it completes) and
+    their rows among the logits the runner returns (a row per span that asks for logits)."""
+    sampled, rows, row = [], [], 0
+    for seq, span in zip(batch.seqs, batch.spans):
+        if span.logits == "none":
+            continue
+        if span.logits == "last" or span.start_pos + len(span.token_ids) == seq.num_tokens:
+            sampled.append(seq)
+            rows.append(row)
+        row += 1
+    return sampled, rows
+
+
 def ends_at_length(seq: Sequence) -> bool:
     """Whether the token in flight for `seq` is its last by length (max_new_tokens, max_tokens)."""
     num_tokens = seq.num_tokens + 1
@@ -114,10 +131,7 @@ def schedule_ahead(scheduler: Scheduler, inflight: InFlight) -> tuple[ScheduledB
     requests admitted, as the scheduler would, under one prefill budget; and the rows of N's picks the decodes
     read. A decode past a prompt's images keeps its M-RoPE offset; a prompt chunk with images is encoded by the
     caller before the launch. None when the scheduler's general path must build it: a running sequence neither
-    sampled by N nor in its prompt, a prompt that reports prompt logprobs, or a sequence that needs a block and
-    none is free (no preemption ahead)."""
-    if any(seq.wants_prefill_logprobs for seq in scheduler.waiting):
-        return None
+    sampled by N nor in its prompt, or a sequence that needs a block and none is free (no preemption ahead)."""
     bm = scheduler.block_manager
     block_size = bm.block_size
     row_of = {seq.seq_id: row for row, seq in enumerate(inflight.sampled)}
@@ -125,8 +139,7 @@ def schedule_ahead(scheduler: Scheduler, inflight: InFlight) -> tuple[ScheduledB
     for seq in scheduler.running:
         row = row_of.get(seq.seq_id)
         if row is None:     # its token is on the host: a prompt (or a recompute) goes on, a decode cannot be here
-            if seq.wants_prefill_logprobs or (seq.num_uncomputed_tokens == 1
-                                              and seq.num_computed_tokens >= seq.num_prompt_tokens):
+            if seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 return None
             prompts.append(seq)
             continue

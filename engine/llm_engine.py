@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine import async_scheduling
+from engine import async_scheduling, prompt_logprobs
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.deferred_outputs import DeferredRows, expand
@@ -22,8 +22,7 @@ from engine.multimodal.prompt import MultiModalPrompt
 from engine.outputs import FinishReason, RequestOutput, TokenInfo
 from engine.penalty_counts import PenaltyCounts
 from engine.request_checks import check_request
-from engine.sampler import (SamplerOutput, fresh_log_softmax, pick_seed, plain_greedy, sample,
-                            use_cpu_kernels)
+from engine.sampler import SamplerOutput, pick_seed, plain_greedy, sample, use_cpu_kernels
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -290,8 +289,9 @@ class LLMEngine:
             for seq, span in zip(batch.seqs, batch.spans):
                 if seq.draft_token_ids:
                     drafted.append(seq)
-                elif span.logits == "all":
-                    self._add_prefill_logprobs(seq, span.start_pos, all_logits[seq.seq_id])
+                elif span.logits == "all" and (scored := prompt_logprobs.start(seq, span.start_pos,
+                                                                             all_logits[seq.seq_id])):
+                    scored.finish(self.token_texts)
                 if span.logits == "none":
                     continue
                 if seq.num_computed_tokens == seq.num_tokens and not seq.draft_token_ids:
@@ -316,9 +316,8 @@ class LLMEngine:
         return outputs
 
     def _can_pick_ahead(self, batch: ScheduledBatch) -> bool:
-        """Whether this batch's tokens can be picked on the device and resolved in the next step: no drafts, no
-        prompt logprobs."""
-        return self.schedules_ahead and not batch.num_draft_tokens and all(span.logits != "all" for span in batch.spans)
+        """Whether this batch's tokens can be picked on the device and resolved in the next step: no drafts."""
+        return self.schedules_ahead and not batch.num_draft_tokens
 
     def _step_ahead(self) -> list[RequestOutput]:
         """Launch batch N+1 from the batch in flight (N) when it can be built, then resolve N: append its tokens,
@@ -336,10 +335,15 @@ class LLMEngine:
                 if any(span.images is not None for span in batch.spans):
                     failed_images = self._encode_images(batch)  # only prompt chunks leave: the decodes stay first
                 self._batch_size = len(batch)
-                sampled = [seq for seq, span in zip(batch.seqs, batch.spans) if span.logits == "last"]
+                sampled, logits_rows = async_scheduling.sampled_rows(batch)
                 if batch.seqs:
                     in_flight = async_scheduling.next_input_ids(inflight, rows)    # the first rows of `sampled`
-                    last_logits, _ = self.runner.run(batch.spans, input_ids=in_flight)
+                    last_logits, all_logits = self.runner.run(batch.spans, input_ids=in_flight)
+                    scored = [scored for seq, span in zip(batch.seqs, batch.spans) if span.logits == "all"
+                              and (scored := prompt_logprobs.start(seq, span.start_pos, all_logits[seq.seq_id]))]
+                    if len(logits_rows) < len(last_logits):     # prompt-logprob chunks with prompt left to run
+                        last_logits = last_logits.index_select(0, list_to_device(logits_rows, torch.int64,
+                                                                                 last_logits.device))
                     if not pick_after:
                         launched = async_scheduling.pick(batch, sampled, last_logits, self._num_logprobs > 0,
                                                          self._penalty_counts, in_flight=in_flight)
@@ -364,12 +368,17 @@ class LLMEngine:
             outputs += self._step_failed(live, failure)
         else:
             self.scheduler.on_run_done(live)    # after N's tokens are appended: the prefix cache reads them
+            launched.prompt_logprobs = scored
             self._inflight = launched
         return outputs
 
     def _resolve(self, inflight: async_scheduling.InFlight) -> list[Any]:
-        """Append a batch's picks to its sequences still running (an abort or a stop may have ended some)."""
+        """Append a batch's prompt logprobs and picks to its sequences still running (an abort or a stop may have
+        ended some)."""
         out = inflight.resolve()
+        for scored in inflight.prompt_logprobs:
+            if not scored.seq.is_finished:
+                scored.finish(self.token_texts)
         seqs = inflight.sampled
         live = [j for j, seq in enumerate(seqs) if not seq.is_finished]
         if len(live) < len(seqs):
@@ -417,25 +426,6 @@ class LLMEngine:
                 self.scheduler.finish(seq, "aborted")
                 outputs.append(self._final_output(seq, [], "" if seq.deferred is not None else seq.stop.flush()))
         return outputs
-
-    def _add_prefill_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
-        # row j predicts token start + j + 1; prompt logprobs use the raw distribution, as in TGI.
-        # A recompute after preemption starts over: skip the tokens already scored.
-        first = max(start, len(seq.prefill_tokens) - 1)
-        end = min(start + len(logits), seq.num_prompt_tokens - 1)
-        if end <= first:
-            return
-        targets = seq.token_ids[first + 1:end + 1]
-        logprobs = fresh_log_softmax(logits[first - start:end - start].float())
-        values = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
-        texts, k = self.token_texts, seq.params.top_n_tokens
-        tops: list[list[TokenInfo]] = [[] for _ in targets]
-        if k:  # the prompt's alternatives too (OpenAI echo + logprobs)
-            top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-            tops = [[TokenInfo(i, texts.text(i), lp, texts.is_special(i)) for i, lp in zip(ids, lps)]
-                    for ids, lps in zip(top.indices.tolist(), top.values.tolist())]
-        seq.prefill_tokens += [TokenInfo(t, texts.text(t), lp, texts.is_special(t), top)
-                               for t, lp, top in zip(targets, values, tops)]
 
     def _append_run(self, seq: Sequence, out: SamplerOutput, rows: Iterable[int]) -> RequestOutput:
         """Append `out`'s tokens at `rows` to `seq` in order, stopping at the first that ends it (a stop

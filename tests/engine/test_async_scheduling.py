@@ -188,6 +188,55 @@ def test_requests_arriving_every_step_join_the_steps_ahead():
     assert stats.num_steps_ahead_total >= steps - 4, (stats.num_steps_ahead_total, steps)
 
 
+def prompt_logprob_traffic(engine, count=12):
+    """A request arrives every other step, its prompt of 10 to 89 tokens (chunked over steps with the tests' 40-token
+    budget), every other one reporting prompt logprobs, every fourth with 2 alternatives, every third sampling. By
+    request: its token ids, and its prompt tokens' (id, logprob, alternatives) from the first output; the number
+    of steps."""
+    ids = engine.tokenizer.encode(TEXT * 3)
+    got, steps, added = {}, 0, 0
+    while added < count or engine.has_unfinished_requests():
+        if added < count and steps % 2 == 0:
+            params = SamplingParams(max_new_tokens=2 + added % 5, ignore_eos=True, seed=added, do_sample=added % 3 == 1,
+                                    prefill_logprobs=added % 2 == 0, top_n_tokens=2 if added % 4 == 0 else 0)
+            engine.add_request(f"r{added}", ids[added:added + 10 + (17 * added) % 80], params)
+            added += 1
+        steps += 1
+        for out in async_scheduling_outputs(engine.step()):
+            tokens, prompt = got.get(out.request_id, ([], []))
+            got[out.request_id] = (tokens + [t.id for t in out.tokens], prompt + [
+                (t.id, t.logprob, [(a.id, a.logprob) for a in t.top_tokens]) for t in out.prefill_tokens or []])
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return got, steps
+
+
+def test_prompt_logprobs_ride_in_the_steps_ahead():
+    """A prompt-logprob chunk goes ahead like any other (engine/prompt_logprobs.py: computed on the device at the
+    launch, appended when the step is resolved): every step but the first goes ahead, and each request gets the
+    synchronous engine's tokens and prompt tokens, logprobs and alternatives."""
+    runs = {}
+    for mode in ("off", "on"):
+        with engine_for("tiny-llama", async_scheduling=mode) as engine:
+            runs[mode] = prompt_logprob_traffic(engine), engine.stats().num_steps_ahead_total
+    ((sync, _), _), ((ahead_run, steps), ahead) = runs["off"], runs["on"]
+    assert ahead == steps - 2, (ahead, steps)   # the first step, and the last (it resolves, nothing to launch)
+    assert_same_prompt_logprobs(sync, ahead_run)
+
+
+def assert_same_prompt_logprobs(sync, ahead_run):
+    assert sorted(ahead_run) == sorted(sync) and len(sync) == 12
+    for rid, (tokens, prompt) in sync.items():
+        assert ahead_run[rid][0] == tokens, rid
+        got = ahead_run[rid][1]
+        assert [(i, [a for a, _ in top]) for i, _, top in got] == [(i, [a for a, _ in top]) for i, _, top in prompt]
+        assert [lp for _, lp, _ in got[1:]] == pytest.approx([lp for _, lp, _ in prompt[1:]], abs=1e-4), rid
+        assert [lp for *_, top in got for _, lp in top] == pytest.approx([lp for *_, top in prompt for _, lp in top],
+                                                                         abs=1e-4), rid
+        number = int(rid[1:])
+        assert len(prompt) == (10 + (17 * number) % 80 if number % 2 == 0 else 0), rid
+        assert all(len(top) == (2 if number % 4 == 0 else 0) for *_, top in prompt[1:]), rid
+
+
 def async_scheduling_outputs(outputs):
     from engine.deferred_outputs import expand
     return expand(outputs)
@@ -220,7 +269,8 @@ def test_seeded_sampling_gives_the_synchronous_engine_tokens():
 def test_gpu_steps_ahead_give_the_synchronous_tokens(model_path):
     """On CUDA, where N+1 really runs while N's picks travel (pinned copies, an event) and decodes replay graphs:
     greedy, seeded sampling and penalised rows (kept counts on the device), with logprobs, some ended by length
-    while the next row is in flight, give the synchronous engine's tokens."""
+    while the next row is in flight, give the synchronous engine's tokens; so do arriving requests, and prompt
+    logprobs too."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
@@ -253,6 +303,13 @@ def test_gpu_steps_ahead_give_the_synchronous_tokens(model_path):
     assert_same_finals(traffic["off"][0], traffic["on"][0])
     _, steps, stats = traffic["on"]
     assert stats.num_steps_ahead_total >= steps - 4 and stats.forward_steps.get("piecewise_graphs", 0) > 0
+    scored = {}
+    for mode in ("off", "on"):     # prompt logprobs copied to pinned memory with the picks
+        config = EngineConfig(model_id=str(model_path("tiny-llama")), device="cuda", dtype="float32",
+                              gpu_memory_utilization=0.05, async_scheduling=mode, max_batch_prefill_tokens=40)
+        with LLMEngine(config) as engine:
+            scored[mode] = prompt_logprob_traffic(engine)
+    assert_same_prompt_logprobs(scored["off"][0], scored["on"][0])
 
 
 PENALISED = [dict(repetition_penalty=3.0), dict(frequency_penalty=2.0), dict(do_sample=True, repetition_penalty=1.5),
