@@ -17,7 +17,8 @@ token ends (end of sequence, a stop string) has already been put in N+1: that ro
 and its blocks are freed (the device runs N+1 before any later batch that could reuse them, on one stream). One
 whose length ends it at N is known in advance and left out.
 
-When it applies (`LLMEngine._can_pick_ahead`): one rank, greedy or sampling requests (temperature, top-k, top-p,
+When it applies (`LLMEngine._can_pick_ahead`): one rank or one node's tensor ranks (rank 0 broadcasts the decodes'
+input ids to the others on the device: `RankWorker.execute`), greedy or sampling requests (temperature, top-k, top-p,
 typical-p, penalties, grammars, alternatives or not), LoRA adapters or not (the worker moves each decode's input id
 with its span when it groups the spans by adapter), images or not (a step ahead runs the vision encoder for its
 prompt chunks before its launch, as the synchronous step does; decodes keep their M-RoPE offset), prompt logprobs
@@ -48,11 +49,13 @@ from engine.structured.masks import TokenBitmask
 MODES = ("auto", "on", "off")
 
 
-def resolve_mode(mode: str, device: torch.device | None, num_ranks: int) -> bool:
-    """Whether an engine on `device` with `num_ranks` ranks schedules ahead ("auto": on CUDA, one rank)."""
+def resolve_mode(mode: str, device: torch.device | None, device_input_ids: bool) -> bool:
+    """Whether an engine on `device` schedules ahead ("auto": on CUDA); `device_input_ids`: whether its runner
+    takes a step's input ids on the device (`ModelRunner`: one rank, or one node's tensor ranks, which rank 0
+    broadcasts them to; not the stages or nodes of an external launch)."""
     if mode not in MODES:
         raise ValueError(f"async_scheduling must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == "off" or num_ranks != 1:
+    if mode == "off" or not device_input_ids:
         return False
     return mode == "on" or getattr(device, "type", None) == "cuda"
 

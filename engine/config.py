@@ -53,7 +53,7 @@ class EngineConfig:
     enforce_eager: bool = False             # no CUDA graphs, no fused CPU decode step (--enforce-eager)
     cuda_graphs: list[int] | None = None    # decode batch sizes to capture; None = 1,2,4..256; [] = none
     piecewise_graphs: list[int] | None = None  # step token counts (engine/piecewise_graphs.py); None = the ladder
-    async_scheduling: str = "auto"          # "auto" (CUDA, one rank) | "on" | "off": engine/async_scheduling.py
+    async_scheduling: str = "auto"          # "auto" (CUDA, one node) | "on" | "off": engine/async_scheduling.py
     attention_backend: str = "auto"         # "auto" | "cpu_paged" | "portable" | "triton" | "flash-attn"
     cpu_gemm: str = "auto"                  # "auto" | "onednn" | "aten": linear layers on CPU
     cpu_elementwise: str = "auto"           # "auto" | "fused" | "aten": norm, RoPE, SiLU-and-mul on CPU

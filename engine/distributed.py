@@ -104,6 +104,13 @@ def all_reduce_min(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
+def broadcast_from_rank0(tensor: torch.Tensor) -> torch.Tensor:
+    """The stage's tensor rank 0's `tensor` on every tensor rank, in place; a no-op on one rank."""
+    if tp_size() > 1:
+        dist.broadcast(tensor, src=_tp_ranks[0], group=_tp_group)
+    return tensor
+
+
 def gather_to_rank0(tensor: torch.Tensor) -> torch.Tensor | None:
     """Concatenate the stage's tensor ranks' `tensor` along the last dim on its tensor rank 0; None elsewhere."""
     if tp_size() == 1:

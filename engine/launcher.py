@@ -220,7 +220,7 @@ _FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--async-scheduling",), "ASYNC_SCHEDULING",
      dict(default="auto", choices=["auto", "on", "off"],
           help="launch step N+1 before step N's tokens reach the host, which does N's work "
-               "while the device runs N+1 (auto: on with CUDA and one rank; on a CPU nothing overlaps)")),
+               "while the device runs N+1 (auto: on with CUDA, on one node; on a CPU nothing overlaps)")),
     (("--attention-backend",), "ATTENTION_BACKEND",
      dict(default="auto", choices=ATTENTION_CHOICES,
           help="paged attention: auto = the first of flash-attn, triton (CUDA), cpu_paged (CPU) and portable "

@@ -187,7 +187,7 @@ class LLMEngine:
         # decode batches launched before the previous one's tokens reach the host (engine/async_scheduling.py)
         self.schedules_ahead = async_scheduling.resolve_mode(
             config.async_scheduling, getattr(runner, "device", None),
-            config.num_shard * config.pipeline_parallel_size) and self.speculation is None
+            getattr(runner, "takes_device_input_ids", False)) and self.speculation is None
         self._inflight: async_scheduling.InFlight | None = None
         self._num_steps_ahead_total = 0     # batches launched before their previous one was resolved
         self._batch_size = 0

@@ -37,6 +37,8 @@ class ModelRunner:
     `block_size` tokens) and writes/reads the slots the spans' block tables name.
     """
 
+    takes_device_input_ids = True   # run(input_ids=...): rank 0 broadcasts them to the other tensor ranks
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         if config.num_shard < 1:
             raise ValueError(f"num_shard must be >= 1, got {config.num_shard}")
@@ -137,21 +139,19 @@ class ModelRunner:
     def run(self, spans: list[SeqSpan], num_layers: int | None = None, draft: bool = False,
             input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Forward one batch of spans (`num_layers`: through the first layers only, a layer-skip draft;
-        `draft`: through the draft model alone; `input_ids`: one rank only, the decode spans' tokens on the device
-        in place of their `token_ids`, engine/async_scheduling.py).
+        `draft`: through the draft model alone; `input_ids`: the first spans' tokens on rank 0's device in place
+        of their `token_ids`, broadcast from there to the other ranks, engine/async_scheduling.py).
 
         Returns the float32 logits [n, vocab] of the last token of every span whose `logits` is not
         "none" (span order), and seq_id -> [len(span.token_ids), vocab] for spans asking for "all".
         """
         self._check_usable()
-        if input_ids is not None and self._workers:
-            raise ValueError("input_ids on the device need one rank: the others read the spans' tokens")
         if not spans:
             return torch.zeros(0, self.model_config.vocab_size, device=self.device), {}
         validate_spans(spans, self.block_size, self.num_kv_blocks, self.model_config.max_position_embeddings)
         for rank, (_, conn) in enumerate(self._workers, start=1):
             try:
-                conn.send(("run", spans, num_layers, draft))
+                conn.send(("run", spans, num_layers, draft, None, 0 if input_ids is None else len(input_ids)))
             except OSError as error:
                 self._fail(f"tensor-parallel rank {rank} is gone ({error})")
         self._step_started = time.monotonic()

@@ -404,19 +404,24 @@ class RankWorker:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def execute(self, spans: list[SeqSpan], num_layers: int | None = None,
-                draft: bool = False, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    def execute(self, spans: list[SeqSpan], num_layers: int | None = None, draft: bool = False,
+                input_ids: torch.Tensor | None = None, num_device_ids: int = 0) -> torch.Tensor | None:
         """Forward the spans; rank 0 gets float32 logits of the requested rows, other ranks None.
         `num_layers`: only the first layers, then the final norm and LM head (layer-skip drafting).
         `draft`: the draft model alone; else the draft model (if any) follows the target on the same spans.
         `input_ids` [k]: the first k spans' tokens on the device (one rank, decode spans of one token each),
         read in place of their `token_ids` (engine/async_scheduling.py: the picks of a step still on their
-        way to the host); the spans after them are prefill chunks whose tokens the host has."""
+        way to the host); the spans after them are prefill chunks whose tokens the host has. Under tensor
+        parallelism rank 0 has them and broadcasts them; `num_device_ids`: on the other ranks, how many."""
         if self.kv_prefault is not None and not self.kv_prefault.done and spans:
             self.kv_prefault.note(max(span.block_table[(span.start_pos + len(span.token_ids) - 1) // self.block_size]
                                       for span in spans))
         if self.layout.pp_size > 1:
             return pipeline.run_stage(self, spans)
+        if num_device_ids:  # a tensor rank after the first: the ids come from rank 0's device
+            input_ids = torch.empty(num_device_ids, dtype=torch.int64, device=self.device)
+        if input_ids is not None and self.layout.tp_size > 1:
+            input_ids = distributed.broadcast_from_rank0(input_ids.to(torch.int64).contiguous())
         if num_layers is None and not draft and self.graphs is not None and self.graphs.can_run(spans):
             self.forward_steps["decode_graph"] += 1
             logits = self.model.compute_logits(self.graphs.run(spans, input_ids))

@@ -34,11 +34,11 @@ def generate_both(name, prompts, params, **config):
 
 def test_modes():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert async_scheduling.resolve_mode("auto", cuda, 1) and not async_scheduling.resolve_mode("auto", cpu, 1)
-    assert async_scheduling.resolve_mode("on", cpu, 1) and not async_scheduling.resolve_mode("on", cuda, 2)
-    assert not async_scheduling.resolve_mode("off", cuda, 1)
+    assert async_scheduling.resolve_mode("auto", cuda, True) and not async_scheduling.resolve_mode("auto", cpu, True)
+    assert async_scheduling.resolve_mode("on", cpu, True) and not async_scheduling.resolve_mode("on", cuda, False)
+    assert not async_scheduling.resolve_mode("off", cuda, True)
     with pytest.raises(ValueError, match="auto, on, off"):
-        async_scheduling.resolve_mode("yes", cpu, 1)
+        async_scheduling.resolve_mode("yes", cpu, True)
     env = {"MODEL_ID": "m"}
     assert to_config(parse_args(["--async-scheduling", "off"], environ=env), "/m").async_scheduling == "off"
     assert to_config(parse_args([], environ={**env, "ASYNC_SCHEDULING": "on"}), "/m").async_scheduling == "on"
@@ -235,6 +235,20 @@ def assert_same_prompt_logprobs(sync, ahead_run):
         number = int(rid[1:])
         assert len(prompt) == (10 + (17 * number) % 80 if number % 2 == 0 else 0), rid
         assert all(len(top) == (2 if number % 4 == 0 else 0) for *_, top in prompt[1:]), rid
+
+
+def test_two_tensor_ranks_go_ahead_and_give_the_synchronous_tokens():
+    """Under tensor parallelism rank 0 broadcasts the decodes' input ids in flight to the other rank (gloo here,
+    NCCL on GPUs): arriving traffic goes ahead as on one rank, with the synchronous engine's tokens and logprobs."""
+    results = {}
+    for mode in ("off", "on"):
+        with engine_for("tiny-llama", async_scheduling=mode, block_size=8, num_shard=2) as engine:
+            assert len(engine.runner.worker_pids) == 1 and engine.schedules_ahead == (mode == "on")
+            finals, steps = arriving_traffic(engine)
+            results[mode] = finals, engine.stats(), steps
+    (sync, _, _), (ahead_run, stats, steps) = results["off"], results["on"]
+    assert_same_finals(sync, ahead_run)
+    assert stats.num_steps_ahead_total >= steps - 4, (stats.num_steps_ahead_total, steps)
 
 
 def async_scheduling_outputs(outputs):
