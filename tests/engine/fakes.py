@@ -52,6 +52,8 @@ class FakeModelConfig:
 
 
 class FakeRunner:
+    takes_device_input_ids = True   # run(input_ids=...) as ModelRunner's, so async scheduling can be on
+
     def __init__(self, vocab_size: int = 1024, num_kv_blocks: int = 64, block_size: int = 4):
         self.vocab_size = vocab_size
         self.num_kv_blocks = num_kv_blocks
