@@ -295,8 +295,8 @@ def test_gpu_steps_ahead_give_the_synchronous_tokens(model_path):
         with LLMEngine(config) as engine:
             ids = engine.tokenizer.encode(TEXT)
             prompts = [ids[i:i + 5 + i] for i in range(len(SAMPLED) + 2 + len(PENALISED))]
-            params = [SamplingParams(max_new_tokens=40 - 3 * i, ignore_eos=True, seed=7 + i, logprobs=i % 2 == 0,
-                                     **kwargs) for i, kwargs in enumerate(SAMPLED)]
+            params = [SamplingParams(max_new_tokens=40 - 3 * i, ignore_eos=True, seed=7 + i,
+                                     **{"logprobs": i % 2 == 0, **kwargs}) for i, kwargs in enumerate(SAMPLED)]
             params += [SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=True),
                        SamplingParams(max_new_tokens=33, ignore_eos=True)]
             params += [SamplingParams(max_new_tokens=26, ignore_eos=True, seed=3, **kwargs) for kwargs in PENALISED]
