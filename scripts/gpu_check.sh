@@ -7,6 +7,7 @@
 #                                             .gpu-bundle, ignored by git, < 40 MiB): wheels + SmolLM2 tokenizer
 #   scripts/gpu_check.sh --call kernels|bench|all [--out DIR] [--bundle DIR] [--budget S] [--only/--skip STAGE,...]
 #                        [-k EXPR]                  (pytest -k for the kernels and gpu-tests stages)
+#                        [--runs N]                 (bench-8b*: runs per batch size, median; default 1)
 #   scripts/gpu_check.sh --dry-run --out DIR  both calls on this CPU, Triton interpreted, small shapes
 #
 # On the device (the bundle travels as a carried path):
@@ -50,6 +51,7 @@ ONLY=""
 SKIP=""
 PREPARE=""
 KEXPR=()
+RUNS=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --prepare) PREPARE=${2:-.gpu-bundle}; [ $# -gt 1 ] && shift; shift ;;
@@ -62,7 +64,8 @@ while [ $# -gt 0 ]; do
     --only) ONLY=",$2,"; shift 2 ;;
     --skip) SKIP=",$2,"; shift 2 ;;
     -k) KEXPR=(-k "$2"); shift 2 ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    --runs) RUNS=$2; shift 2 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -180,13 +183,13 @@ call_bench() {
     stage attention 60 "$PY" scripts/bench_attention.py --json "$LOGS/attention.json"
     stage bench-8b 240 "$PY" scripts/bench_engine.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
       --load-format dummy --device cuda --dtype bfloat16 --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 64 \
-      --runs 1 --hf-prompts 256 --hf-serial-max 2 --json-out "$LOGS/bench-8b.json"
+      --runs "$RUNS" --hf-prompts 256 --hf-serial-max 2 --json-out "$LOGS/bench-8b.json"
     stage bench-8b-aten 60 "$PY" scripts/bench_engine.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
       --load-format dummy --device cuda --dtype bfloat16 --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 64 \
-      --runs 1 --hf-prompts 256 --no-hf --gpu-elementwise aten --json-out "$LOGS/bench-8b-aten.json"
-    stage bench-8b-sync 60 "$PY" scripts/bench_engine.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
+      --runs "$RUNS" --hf-prompts 256 --no-hf --gpu-elementwise aten --json-out "$LOGS/bench-8b-aten.json"
+    stage bench-8b-sync 90 "$PY" scripts/bench_engine.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
       --load-format dummy --device cuda --dtype bfloat16 --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 64 \
-      --runs 1 --hf-prompts 256 --no-hf --async-scheduling off --json-out "$LOGS/bench-8b-sync.json"
+      --runs "$RUNS" --hf-prompts 256 --no-hf --async-scheduling off --json-out "$LOGS/bench-8b-sync.json"
     stage profile 90 "$PY" scripts/profile_step.py --model-id "${TGI_HPC_TOKENIZER_DIR:-smollm2}" --config-like 8b \
       --load-format dummy --device cuda --dtype bfloat16 --batch-sizes 1,64,256 --prompt-len 128 --profile-steps 8 \
       --json-out "$LOGS/profile.json"
