@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.batch import SeqSpan
-from engine.device_copy import list_to_device
+from engine.device_copy import copies_done, list_to_device, to_host
 from engine.penalty_counts import PenaltyCounts
 from engine.prompt_logprobs import PromptLogprobs
 from engine.sampler import SamplerOutput, host_output, pick_on_device
@@ -67,7 +67,7 @@ class InFlight:
     batch: ScheduledBatch
     sampled: list[Sequence]             # the sequences that get a token, one per pick (decodes, finished prompts)
     token_ids: torch.Tensor             # [len(sampled)] on the device: the next step's input ids
-    host: list[torch.Tensor | None]     # pinned copies of the picks' ids, logprobs, top ids and logprobs
+    host: list[torch.Tensor | None]     # the picks' ids, logprobs, top ids and logprobs (pinned copies on CUDA)
     done: torch.cuda.Event | None       # when they are written; None off CUDA (the copies were synchronous)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)     # its chunks' prompt logprobs
 
@@ -86,19 +86,8 @@ def pick(batch: ScheduledBatch, sampled: list[Sequence], logits: torch.Tensor, l
     penalty counts; `bitmask`: the grammar masks of the rows it names; `in_flight`: the first rows' tokens in
     flight, which their penalties count), their copy to the host started, not waited for."""
     picks = pick_on_device(logits, sampled, logprobs, counts, bitmask, in_flight)
-    pinned = picks.token_ids.device.type == "cuda"
-    host = []
-    for tensor in (picks.token_ids, picks.logprobs, picks.top_token_ids, picks.top_logprobs):
-        if tensor is not None:
-            copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
-            copy.copy_(tensor, non_blocking=pinned)
-            tensor = copy
-        host.append(tensor)
-    done = None
-    if pinned:
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(picks.token_ids.device))
-    return InFlight(batch, sampled, picks.token_ids, host, done)
+    host = [to_host(t) for t in (picks.token_ids, picks.logprobs, picks.top_token_ids, picks.top_logprobs)]
+    return InFlight(batch, sampled, picks.token_ids, host, copies_done(picks.token_ids.device))
 
 
 def next_input_ids(inflight: InFlight, rows: list[int]) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.device_copy import list_to_device
+from engine.device_copy import copies_done, list_to_device, to_host
 from engine.outputs import TokenInfo
 from engine.sampler import fresh_log_softmax
 from engine.sequence import Sequence
@@ -58,16 +58,5 @@ def start(seq: Sequence, start_pos: int, logits: torch.Tensor) -> PromptLogprobs
     top_ids = top_values = None
     if k := seq.params.top_n_tokens:  # the prompt's alternatives too (OpenAI echo + logprobs)
         top_values, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-    done = None
-    if values.device.type == "cuda":
-        values, top_ids, top_values = (_to_host(t) for t in (values, top_ids, top_values))
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(logits.device))
-    return PromptLogprobs(seq, targets, values, top_ids, top_values, done)
-
-
-def _to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    if tensor is None:
-        return None
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return copy.copy_(tensor, non_blocking=True)
+    values, top_ids, top_values = (to_host(t) for t in (values, top_ids, top_values))
+    return PromptLogprobs(seq, targets, values, top_ids, top_values, copies_done(logits.device))

@@ -288,11 +288,13 @@ def test_gpu_steps_ahead_give_the_synchronous_tokens(model_path):
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
+    def cuda_engine(mode, **config):
+        return LLMEngine(EngineConfig(model_id=str(model_path("tiny-llama")), device="cuda", dtype="float32",
+                                      gpu_memory_utilization=0.05, async_scheduling=mode, **config))
+
     finals, stats = [], []
     for mode in ("off", "on"):
-        config = EngineConfig(model_id=str(model_path("tiny-llama")), device="cuda", dtype="float32",
-                              gpu_memory_utilization=0.05, async_scheduling=mode)
-        with LLMEngine(config) as engine:
+        with cuda_engine(mode) as engine:
             ids = engine.tokenizer.encode(TEXT)
             prompts = [ids[i:i + 5 + i] for i in range(len(SAMPLED) + 2 + len(PENALISED))]
             params = [SamplingParams(max_new_tokens=40 - 3 * i, ignore_eos=True, seed=7 + i,
@@ -310,18 +312,14 @@ def test_gpu_steps_ahead_give_the_synchronous_tokens(model_path):
         assert got[4] == pytest.approx(expected[4], abs=1e-3)
     traffic = {}
     for mode in ("off", "on"):     # arrivals: mixed steps ahead replay the piecewise graphs
-        config = EngineConfig(model_id=str(model_path("tiny-llama")), device="cuda", dtype="float32",
-                              gpu_memory_utilization=0.05, async_scheduling=mode, max_batch_prefill_tokens=40)
-        with LLMEngine(config) as engine:
+        with cuda_engine(mode, max_batch_prefill_tokens=40) as engine:
             traffic[mode] = (*arriving_traffic(engine), engine.stats())
     assert_same_finals(traffic["off"][0], traffic["on"][0])
     _, steps, stats = traffic["on"]
     assert stats.num_steps_ahead_total >= steps - 4 and stats.forward_steps.get("piecewise_graphs", 0) > 0
     scored = {}
     for mode in ("off", "on"):     # prompt logprobs copied to pinned memory with the picks
-        config = EngineConfig(model_id=str(model_path("tiny-llama")), device="cuda", dtype="float32",
-                              gpu_memory_utilization=0.05, async_scheduling=mode, max_batch_prefill_tokens=40)
-        with LLMEngine(config) as engine:
+        with cuda_engine(mode, max_batch_prefill_tokens=40) as engine:
             scored[mode] = prompt_logprob_traffic(engine)
     assert_same_prompt_logprobs(scored["off"][0], scored["on"][0])
 
