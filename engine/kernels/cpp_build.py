@@ -45,13 +45,14 @@ def _cpu_key() -> str:
         return platform.processor() or platform.machine()
 
 
-def build(name: str, source: str, log: logging.Logger = logger) -> ctypes.CDLL:
-    """The library compiled from `source`, from the cache when it is there (`name` prefixes the file)."""
+def build(name: str, source: str, log: logging.Logger = logger, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The library compiled from `source`, from the cache when it is there (`name` prefixes the file). `extra` flags
+    go after FLAGS (tests build narrower vector widths than the CPU's with e.g. -mno-avx512f)."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError(f"no C++ compiler: {os.environ.get('CXX', 'g++')} is not on PATH")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\n".join([source, *FLAGS, version, _cpu_key()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([source, *FLAGS, *extra, version, _cpu_key()]).encode()).hexdigest()[:16]
     path = cache_dir() / f"{name}_{key}.so"
     start = time.monotonic()
     if not path.exists():
@@ -60,7 +61,7 @@ def build(name: str, source: str, log: logging.Logger = logger) -> ctypes.CDLL:
         partial = path.with_suffix(f".{os.getpid()}.so")
         cpp.write_text(source)
         try:
-            built = subprocess.run([cxx, *FLAGS, str(cpp), "-o", str(partial)], capture_output=True, text=True,
+            built = subprocess.run([cxx, *FLAGS, *extra, str(cpp), "-o", str(partial)], capture_output=True, text=True,
                                    timeout=300)
             if built.returncode != 0:
                 raise RuntimeError(f"{cxx} failed ({built.returncode}): {built.stderr.strip()[-2000:]}")
@@ -90,15 +91,16 @@ def address(library: ctypes.CDLL, function: str) -> int:
 
 class Library:
     """One kernel library: built (or found in the cache) on first use, loaded once per process, with the
-    ctypes signatures of its functions set: {"fn": (restype, [argtypes...])}."""
+    ctypes signatures of its functions set: {"fn": (restype, [argtypes...])}; `extra` compiler flags as `build`'s."""
 
-    def __init__(self, name: str, source: str, signatures: dict[str, tuple], log: logging.Logger = logger) -> None:
-        self.name, self.source, self.signatures, self.log = name, source, signatures, log
+    def __init__(self, name: str, source: str, signatures: dict[str, tuple], log: logging.Logger = logger,
+                 extra: tuple[str, ...] = ()) -> None:
+        self.name, self.source, self.signatures, self.log, self.extra = name, source, signatures, log, extra
         self.handle: ctypes.CDLL | None = None
 
     def load(self) -> ctypes.CDLL:
         if self.handle is None:
-            library = build(self.name, self.source, self.log)
+            library = build(self.name, self.source, self.log, self.extra)
             for function, (restype, argtypes) in self.signatures.items():
                 getattr(library, function).restype = restype
                 getattr(library, function).argtypes = argtypes

@@ -44,53 +44,75 @@ constexpr int64_t AHEAD = 32;
 // the same distance in bytes for weights of type W (k steps of 16 weights); bfloat16 panels take two k steps a line
 template <typename W> constexpr int64_t ahead() { return AHEAD * 4 / static_cast<int64_t>(sizeof(W)); }
 
+// A panel row (16 output features) is PER16 native vectors (cpu_simd.py's fnv): one with AVX-512, two with AVX2.
+// The tiles follow the register file: AVX-512 has 32 registers of 16 floats, AVX2 16 of 8, so AVX2 tiles take fewer
+// rows at once (NARROW_ROWS). Lanes are summed in the same order either way: within one build the float32 and the
+// bfloat16 panels give the same bits.
+#ifdef __AVX512F__
+constexpr bool WIDE = true;
+#else
+constexpr bool WIDE = false;
+#endif
+constexpr int NARROW_ROWS = 6;  // rows of one AVX2 pass: 12 ymm accumulators, beside the weights and a broadcast
+
 // a panel's accumulator sets summed in order (set 0 first), the bias added, into y
 template <int M, int KU>
-inline void store_panel(f16x (&acc)[KU][M], const float* bias, float* y, int64_t y_stride, int64_t cols) {
-  f16x b = {};
+inline void store_panel(fnv (&acc)[KU][M][PER16], const float* bias, float* y, int64_t y_stride, int64_t cols) {
+  float b[16] = {};
   if (bias != nullptr)
     for (int64_t c = 0; c < cols; ++c) b[c] = bias[c];
-  for (int m = 0; m < M; ++m) {
-    f16x s = acc[0][m];
-    for (int u = 1; u < KU; ++u) s += acc[u][m];
-    s += b;
-    if (cols == 16) *reinterpret_cast<f16x*>(y + m * y_stride) = s;
-    else for (int64_t c = 0; c < cols; ++c) y[m * y_stride + c] = s[c];
-  }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < PER16; ++h) {
+      fnv s = acc[0][m][h];
+      for (int u = 1; u < KU; ++u) s += acc[u][m][h];
+      s += loadnv(b + h * NV);
+      if (cols == 16) *reinterpret_cast<fnv*>(y + m * y_stride + h * NV) = s;
+      else for (int64_t c = 0; c < NV && h * NV + c < cols; ++c) y[m * y_stride + h * NV + c] = s[c];
+    }
 }
 
 // bfloat16 panels hold their k steps in pairs: line j (64 bytes) has columns 0..15 of steps 2j and 2j + 1 interleaved
 // (c0 k0, c0 k1, c1 k0, ...), so each 32-bit lane is one column's two weights, whose float32s are the lane shifted up
-// and the lane masked (exact: a bfloat16's bits are its float's upper half): two vector ops widen 32 weights, where
-// one line per step took a zero-extending shuffle and a shift for 16. An odd K's last line has zeros for step K.
-inline void wpair(const uint16_t* line, f16x& lo, f16x& hi) {
-  const u32x v = *reinterpret_cast<const u32x*>(line);
-  lo = __builtin_bit_cast(f16x, v << 16);
-  hi = __builtin_bit_cast(f16x, v & 0xffff0000u);
+// and the lane masked (exact: a bfloat16's bits are its float's upper half): two vector ops widen a vector of pairs,
+// where one line per step took a zero-extending shuffle and a shift. An odd K's last line has zeros for step K.
+inline void wpair(const uint16_t* line, fnv (&lo)[PER16], fnv (&hi)[PER16]) {
+  for (int h = 0; h < PER16; ++h) {
+    const unv v = *reinterpret_cast<const unv*>(line + h * 2 * NV);
+    lo[h] = __builtin_bit_cast(fnv, v << 16);
+    hi[h] = __builtin_bit_cast(fnv, v & 0xffff0000u);
+  }
 }
 // the weights one panel takes: K lines of float32, or K rounded up to even half-lines of bfloat16 pairs
 inline int64_t panel_size(const float*, int64_t K) { return K * 16; }
 inline int64_t panel_size(const uint16_t*, int64_t K) { return (K + 1) / 2 * 32; }
+
+// acc[m][h] += xm * w[h] for the M rows of one k step (xk: the step's 16 row values, rows from 0)
+template <int M>
+inline void fma_rows(fnv (&acc)[M][PER16], const float* xk, const fnv (&w)[PER16]) {
+  for (int m = 0; m < M; ++m) {
+    const float xm = xk[m];
+    for (int h = 0; h < PER16; ++h) acc[m][h] += xm * w[h];
+  }
+}
 
 // one panel (16 output features) for M rows; KU interleaved accumulator sets hide the FMA latency when
 // M is small (few independent chains): k step k goes to set k % KU, the last K % KU steps to set 0
 template <int M, int KU>
 inline void panel(const float* xt, const float* w, int64_t K, const float* bias, float* y, int64_t y_stride,
                   int64_t cols) {
-  f16x acc[KU][M];
-  for (int u = 0; u < KU; ++u)
-    for (int m = 0; m < M; ++m) acc[u][m] = f16x{};
+  fnv acc[KU][M][PER16] = {};
   int64_t k = 0;
   for (; k + KU <= K; k += KU)
     for (int u = 0; u < KU; ++u) {
-      const f16x wv = load16(w + (k + u) * 16);
+      fnv wv[PER16];
+      for (int h = 0; h < PER16; ++h) wv[h] = loadnv(w + (k + u) * 16 + h * NV);
       __builtin_prefetch(w + (k + u + ahead<float>()) * 16, 0, 0);
-      const float* xk = xt + (k + u) * 16;
-      for (int m = 0; m < M; ++m) acc[u][m] += xk[m] * wv;
+      fma_rows<M>(acc[u], xt + (k + u) * 16, wv);
     }
   for (; k < K; ++k) {
-    const f16x wv = load16(w + k * 16);
-    for (int m = 0; m < M; ++m) acc[0][m] += xt[k * 16 + m] * wv;
+    fnv wv[PER16];
+    for (int h = 0; h < PER16; ++h) wv[h] = loadnv(w + k * 16 + h * NV);
+    fma_rows<M>(acc[0], xt + k * 16, wv);
   }
   store_panel<M, KU>(acc, bias, y, y_stride, cols);
 }
@@ -101,59 +123,50 @@ template <int M, int KU>
 inline void panel(const float* xt, const uint16_t* w, int64_t K, const float* bias, float* y, int64_t y_stride,
                   int64_t cols) {
   static_assert(KU == 1 || KU == 2 || KU == 4, "k steps come in pairs");
-  f16x acc[KU][M];
-  for (int u = 0; u < KU; ++u)
-    for (int m = 0; m < M; ++m) acc[u][m] = f16x{};
+  fnv acc[KU][M][PER16] = {};
   const int64_t body = K - K % KU;       // steps k < body go to set k % KU
   int64_t k = 0;
   for (; k + (KU == 4 ? 4 : 2) <= body; k += (KU == 4 ? 4 : 2)) {
-    f16x lo, hi;
+    fnv lo[PER16], hi[PER16];
     wpair(w + k * 16, lo, hi);
     __builtin_prefetch(w + (k + ahead<uint16_t>()) * 16, 0, 0);
     const float* xk = xt + k * 16;
-    if constexpr (KU == 1) {
-      for (int m = 0; m < M; ++m) acc[0][m] += xk[m] * lo;
-      for (int m = 0; m < M; ++m) acc[0][m] += xk[16 + m] * hi;
-    } else {
-      for (int m = 0; m < M; ++m) acc[0][m] += xk[m] * lo;
-      for (int m = 0; m < M; ++m) acc[1][m] += xk[16 + m] * hi;
-    }
+    fma_rows<M>(acc[0], xk, lo);
+    fma_rows<M>(acc[KU == 1 ? 0 : 1], xk + 16, hi);
     if constexpr (KU == 4) {
       wpair(w + (k + 2) * 16, lo, hi);
-      for (int m = 0; m < M; ++m) acc[2][m] += xk[32 + m] * lo;
-      for (int m = 0; m < M; ++m) acc[3][m] += xk[48 + m] * hi;
+      fma_rows<M>(acc[2], xk + 32, lo);
+      fma_rows<M>(acc[3], xk + 48, hi);
     }
   }
   for (; k < K; k += 2) {                // the rest, into set 0 in order
-    f16x lo, hi;
+    fnv lo[PER16], hi[PER16];
     wpair(w + k * 16, lo, hi);
-    for (int m = 0; m < M; ++m) acc[0][m] += xt[k * 16 + m] * lo;
-    if (k + 1 < K)
-      for (int m = 0; m < M; ++m) acc[0][m] += xt[(k + 1) * 16 + m] * hi;
+    fma_rows<M>(acc[0], xt + k * 16, lo);
+    if (k + 1 < K) fma_rows<M>(acc[0], xt + (k + 1) * 16, hi);
   }
   store_panel<M, KU>(acc, bias, y, y_stride, cols);
 }
 
-// three whole panels (48 output features) for MR <= 8 rows from r0: 24 accumulators, and each broadcast of a row
-// value feeds three FMAs (on the Zen 4 VM at 9-16 rows this ran 120 SmolLM2 linears in 22.4 ms against 25.1 one
-// panel at a time; on a Zen 5 VM at 8 rows, 13.0 ms against 16.2)
+// three whole panels (48 output features) for MR <= 8 rows from r0 (AVX-512 only): 24 accumulators, and each
+// broadcast of a row value feeds three FMAs (on the Zen 4 VM at 9-16 rows this ran 120 SmolLM2 linears in 22.4 ms
+// against 25.1 one panel at a time; on a Zen 5 VM at 8 rows, 13.0 ms against 16.2)
 template <int MR>
 inline void triple(const float* xt, const float* w, int64_t K, const float* bias, float* y, int64_t y_stride, int r0) {
-  f16x acc[3][MR];
+  fnv acc[3][MR][PER16];
   for (int p = 0; p < 3; ++p)
-    for (int m = 0; m < MR; ++m) acc[p][m] = bias == nullptr ? f16x{} : *reinterpret_cast<const f16x*>(bias + 16 * p);
+    for (int m = 0; m < MR; ++m)
+      for (int h = 0; h < PER16; ++h) acc[p][m][h] = bias == nullptr ? fnv{} : loadnv(bias + 16 * p + h * NV);
   for (int64_t k = 0; k < K; ++k) {
-    f16x wv[3];
-    for (int p = 0; p < 3; ++p) wv[p] = load16(w + p * K * 16 + k * 16);
+    fnv wv[3][PER16];
+    for (int p = 0; p < 3; ++p)
+      for (int h = 0; h < PER16; ++h) wv[p][h] = loadnv(w + p * K * 16 + k * 16 + h * NV);
     for (int p = 0; p < 3; ++p) __builtin_prefetch(w + p * K * 16 + (k + ahead<float>()) * 16, 0, 0);
-    const float* xk = xt + k * 16 + r0;
-    for (int m = 0; m < MR; ++m) {
-      const float xm = xk[m];
-      for (int p = 0; p < 3; ++p) acc[p][m] += xm * wv[p];
-    }
+    for (int p = 0; p < 3; ++p) fma_rows<MR>(acc[p], xt + k * 16 + r0, wv[p]);
   }
   for (int p = 0; p < 3; ++p)
-    for (int m = 0; m < MR; ++m) *reinterpret_cast<f16x*>(y + (r0 + m) * y_stride + 16 * p) = acc[p][m];
+    for (int m = 0; m < MR; ++m)
+      for (int h = 0; h < PER16; ++h) *reinterpret_cast<fnv*>(y + (r0 + m) * y_stride + 16 * p + h * NV) = acc[p][m][h];
 }
 
 // the same over bfloat16 pairs (each accumulator's products in the float32 order)
@@ -161,58 +174,71 @@ template <int MR>
 inline void triple(const float* xt, const uint16_t* w, int64_t K, const float* bias, float* y, int64_t y_stride,
                    int r0) {
   const int64_t size = panel_size(w, K);
-  f16x acc[3][MR];
+  fnv acc[3][MR][PER16];
   for (int p = 0; p < 3; ++p)
-    for (int m = 0; m < MR; ++m) acc[p][m] = bias == nullptr ? f16x{} : *reinterpret_cast<const f16x*>(bias + 16 * p);
+    for (int m = 0; m < MR; ++m)
+      for (int h = 0; h < PER16; ++h) acc[p][m][h] = bias == nullptr ? fnv{} : loadnv(bias + 16 * p + h * NV);
   int64_t k = 0;
   for (; k + 2 <= K; k += 2) {
-    f16x lo[3], hi[3];
+    fnv lo[3][PER16], hi[3][PER16];
     for (int p = 0; p < 3; ++p) wpair(w + p * size + k * 16, lo[p], hi[p]);
     for (int p = 0; p < 3; ++p) __builtin_prefetch(w + p * size + (k + ahead<uint16_t>()) * 16, 0, 0);
-    const float* xk = xt + k * 16 + r0;
-    for (int m = 0; m < MR; ++m) {
-      const float xm = xk[m];
-      for (int p = 0; p < 3; ++p) acc[p][m] += xm * lo[p];
-    }
-    for (int m = 0; m < MR; ++m) {
-      const float xm = xk[16 + m];
-      for (int p = 0; p < 3; ++p) acc[p][m] += xm * hi[p];
-    }
+    for (int p = 0; p < 3; ++p) fma_rows<MR>(acc[p], xt + k * 16 + r0, lo[p]);
+    for (int p = 0; p < 3; ++p) fma_rows<MR>(acc[p], xt + (k + 1) * 16 + r0, hi[p]);
   }
   if (k < K) {      // an odd K's last step (its pair's second half is padding)
-    f16x lo[3], hi[3];
+    fnv lo[3][PER16], hi[3][PER16];
     for (int p = 0; p < 3; ++p) wpair(w + p * size + k * 16, lo[p], hi[p]);
-    for (int m = 0; m < MR; ++m)
-      for (int p = 0; p < 3; ++p) acc[p][m] += xt[k * 16 + r0 + m] * lo[p];
+    for (int p = 0; p < 3; ++p) fma_rows<MR>(acc[p], xt + k * 16 + r0, lo[p]);
   }
   for (int p = 0; p < 3; ++p)
-    for (int m = 0; m < MR; ++m) *reinterpret_cast<f16x*>(y + (r0 + m) * y_stride + 16 * p) = acc[p][m];
+    for (int m = 0; m < MR; ++m)
+      for (int h = 0; h < PER16; ++h) *reinterpret_cast<fnv*>(y + (r0 + m) * y_stride + 16 * p + h * NV) = acc[p][m][h];
+}
+
+// one panel for M rows in passes of at most NARROW_ROWS (AVX2), each a pass over the panel (again from cache)
+template <int M, typename W>
+inline void narrow_panel(const float* xt, const W* w, int64_t K, const float* bias, float* y, int64_t y_stride,
+                         int64_t cols) {
+  if constexpr (M <= NARROW_ROWS) {
+    panel<M, (M == 1 ? 4 : (M == 2 ? 2 : 1))>(xt, w, K, bias, y, y_stride, cols);
+  } else {
+    panel<NARROW_ROWS, 1>(xt, w, K, bias, y, y_stride, cols);
+    narrow_panel<M - NARROW_ROWS>(xt + NARROW_ROWS, w, K, bias, y + NARROW_ROWS * y_stride, y_stride, cols);
+  }
 }
 
 template <int M, typename W>
 void panels(const float* xt, const W* w, const float* bias, int64_t N, int64_t K, float* y, int64_t y_stride,
             int threads) {
   const int64_t count = (N + 15) / 16;
-  // 3-16 rows: whole panels three at a time, rows in groups of 8 (the second group reads the triple from cache;
-  // one pass of 16 rows over one panel, or over K in chunks of both groups, measured slower)
-  const int64_t triples = M > 2 ? N / 48 : 0;
-  const int64_t tasks = triples + count - 3 * triples;
   const int64_t size = panel_size(w, K);
+  if constexpr (!WIDE) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (count > 1)
+    for (int64_t p = 0; p < count; ++p)
+      narrow_panel<M>(xt, w + p * size, K, bias == nullptr ? nullptr : bias + p * 16, y + p * 16, y_stride,
+                      std::min<int64_t>(16, N - p * 16));
+  } else {
+    // 3-16 rows: whole panels three at a time, rows in groups of 8 (the second group reads the triple from cache;
+    // one pass of 16 rows over one panel, or over K in chunks of both groups, measured slower)
+    const int64_t triples = M > 2 ? N / 48 : 0;
+    const int64_t tasks = triples + count - 3 * triples;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1)
-  for (int64_t t = 0; t < tasks; ++t) {
-    if (t < triples) {
-      const float* bt = bias == nullptr ? nullptr : bias + t * 48;
-      triple<(M < 8 ? (M > 2 ? M : 3) : 8)>(xt, w + t * 3 * size, K, bt, y + t * 48, y_stride, 0);
-      if (M > 8) triple<(M > 8 ? M - 8 : 1)>(xt, w + t * 3 * size, K, bt, y + t * 48, y_stride, 8);
-      continue;
+    for (int64_t t = 0; t < tasks; ++t) {
+      if (t < triples) {
+        const float* bt = bias == nullptr ? nullptr : bias + t * 48;
+        triple<(M < 8 ? (M > 2 ? M : 3) : 8)>(xt, w + t * 3 * size, K, bt, y + t * 48, y_stride, 0);
+        if (M > 8) triple<(M > 8 ? M - 8 : 1)>(xt, w + t * 3 * size, K, bt, y + t * 48, y_stride, 8);
+        continue;
+      }
+      const int64_t p = 3 * triples + (t - triples);
+      const int64_t cols = std::min<int64_t>(16, N - p * 16);
+      const W* wp = w + p * size;
+      const float* bp = bias == nullptr ? nullptr : bias + p * 16;
+      if (M <= 2) panel<M, 4>(xt, wp, K, bp, y + p * 16, y_stride, cols);
+      else if (M <= 6) panel<M, 2>(xt, wp, K, bp, y + p * 16, y_stride, cols);
+      else panel<M, 1>(xt, wp, K, bp, y + p * 16, y_stride, cols);
     }
-    const int64_t p = 3 * triples + (t - triples);
-    const int64_t cols = std::min<int64_t>(16, N - p * 16);
-    const W* wp = w + p * size;
-    const float* bp = bias == nullptr ? nullptr : bias + p * 16;
-    if (M <= 2) panel<M, 4>(xt, wp, K, bp, y + p * 16, y_stride, cols);
-    else if (M <= 6) panel<M, 2>(xt, wp, K, bp, y + p * 16, y_stride, cols);
-    else panel<M, 1>(xt, wp, K, bp, y + p * 16, y_stride, cols);
   }
 }
 

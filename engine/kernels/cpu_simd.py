@@ -12,6 +12,20 @@ typedef float f16x __attribute__((vector_size(64), aligned(4)));
 typedef int32_t i16x __attribute__((vector_size(64), aligned(4)));
 typedef float f4x __attribute__((vector_size(16), aligned(4)));
 inline f16x load16(const float* p) { return *reinterpret_cast<const f16x*>(p); }
+// the target's own vector: 16 floats (one zmm) with AVX-512, 8 (one ymm) with AVX, 4 otherwise. Kernels that keep
+// arrays of accumulators use it: gcc keeps an array of f16x in ymm registers poorly without AVX-512 (stack round
+// trips on every FMA; cpu_gemv.py's 16-row linears ran 12x slower than oneDNN on an AVX2 VM)
+#if defined(__AVX512F__)
+typedef float fnv __attribute__((vector_size(64), aligned(4)));
+#elif defined(__AVX__)
+typedef float fnv __attribute__((vector_size(32), aligned(4)));
+#else
+typedef float fnv __attribute__((vector_size(16), aligned(4)));
+#endif
+typedef uint32_t unv __attribute__((vector_size(sizeof(fnv)), aligned(4)));
+constexpr int NV = sizeof(fnv) / sizeof(float);  // lanes of fnv
+constexpr int PER16 = 16 / NV;                   // fnv vectors in 16 floats
+inline fnv loadnv(const float* p) { return *reinterpret_cast<const fnv*>(p); }
 inline i16x load16i(const int32_t* p) { return *reinterpret_cast<const i16x*>(p); }
 inline void store16(float* p, f16x x) { *reinterpret_cast<f16x*>(p) = x; }
 
