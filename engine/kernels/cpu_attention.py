@@ -73,14 +73,16 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// acc[0 : 16 * SLICES] += sum over t < n of p[t] * v[t * stride + ...], the accumulator held in registers
+// acc[0 : 16 * SLICES] += sum over t < n of p[t] * v[t * stride + ...], the accumulator held in registers (native
+// vectors: arrays of f16x go through the stack without AVX-512, cpu_simd.py)
 template <int SLICES>
 inline void accumulate(float* acc, const float* p, const float* v, int64_t n, int64_t stride) {
-  f16x sum[SLICES];
-  for (int i = 0; i < SLICES; ++i) sum[i] = *reinterpret_cast<const f16x*>(acc + 16 * i);
+  constexpr int DV = SLICES * PER16;
+  fnv sum[DV];
+  for (int i = 0; i < DV; ++i) sum[i] = loadnv(acc + NV * i);
   for (int64_t t = 0; t < n; ++t)
-    for (int i = 0; i < SLICES; ++i) sum[i] += p[t] * *reinterpret_cast<const f16x*>(v + t * stride + 16 * i);
-  for (int i = 0; i < SLICES; ++i) *reinterpret_cast<f16x*>(acc + 16 * i) = sum[i];
+    for (int i = 0; i < DV; ++i) sum[i] += p[t] * loadnv(v + t * stride + NV * i);
+  for (int i = 0; i < DV; ++i) *reinterpret_cast<fnv*>(acc + NV * i) = sum[i];
 }
 
 
@@ -96,7 +98,7 @@ inline float hmax(f16x x) {
 }
 
 // a loaded vector kept in a register: gcc would fold the load into every FMA that uses it (one load per row)
-inline f16x pinned(f16x x) {
+inline fnv pinned(fnv x) {
 #ifdef __AVX512F__
   asm("" : "+v"(x));
 #endif
@@ -129,36 +131,38 @@ struct Ahead {
   void rest() { step(k_left + v_left); }
 };
 
-// NR rows that read the same kv head, scored together: 4 keys at a time, their sums reduced together (hsum4)
+// NR rows that read the same kv head, scored together: 4 keys at a time, their sums reduced together (hsum4nv);
+// DS slices of 16 floats a row, DV native vectors
 template <int DS, int NR>
 inline void score_group(const float* q, const int64_t* rows, int64_t D, const float* k, int64_t n, int64_t stride,
                         float* s, int64_t s_stride, Ahead& ahead) {
-  f16x qv[NR][DS];
+  constexpr int DV = DS * PER16;
+  fnv qv[NR][DV];
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < DS; ++i) qv[r][i] = *reinterpret_cast<const f16x*>(q + rows[r] * D + 16 * i);
+    for (int i = 0; i < DV; ++i) qv[r][i] = loadnv(q + rows[r] * D + NV * i);
   int64_t t0 = 0;
   for (; t0 + 4 <= n; t0 += 4) {
     ahead.step(4 * ahead.per);
-    f16x a[NR][4];
+    fnv a[NR][4];
     for (int j = 0; j < 4; ++j) {  // each key's vectors loaded once for the NR rows
-      f16x kv[DS];
-      for (int i = 0; i < DS; ++i) kv[i] = pinned(load16(k + (t0 + j) * stride + 16 * i));
+      fnv kv[DV];
+      for (int i = 0; i < DV; ++i) kv[i] = pinned(loadnv(k + (t0 + j) * stride + NV * i));
       for (int r = 0; r < NR; ++r) {
         a[r][j] = qv[r][0] * kv[0];
-        for (int i = 1; i < DS; ++i) a[r][j] += qv[r][i] * kv[i];
+        for (int i = 1; i < DV; ++i) a[r][j] += qv[r][i] * kv[i];
       }
     }
     for (int r = 0; r < NR; ++r)
-      *reinterpret_cast<f4x*>(s + rows[r] * s_stride + t0) = hsum4(a[r][0], a[r][1], a[r][2], a[r][3]);
+      *reinterpret_cast<f4x*>(s + rows[r] * s_stride + t0) = hsum4nv(a[r][0], a[r][1], a[r][2], a[r][3]);
   }
   for (int64_t t = t0; t < n; ++t) {
     ahead.step(ahead.per);
-    f16x kv[DS];
-    for (int i = 0; i < DS; ++i) kv[i] = load16(k + t * stride + 16 * i);
+    fnv kv[DV];
+    for (int i = 0; i < DV; ++i) kv[i] = loadnv(k + t * stride + NV * i);
     for (int r = 0; r < NR; ++r) {
-      f16x acc = qv[r][0] * kv[0];
-      for (int i = 1; i < DS; ++i) acc += qv[r][i] * kv[i];
-      s[rows[r] * s_stride + t] = hsum(acc);
+      fnv acc = qv[r][0] * kv[0];
+      for (int i = 1; i < DV; ++i) acc += qv[r][i] * kv[i];
+      s[rows[r] * s_stride + t] = hsumnv(acc);
     }
   }
 }
@@ -167,20 +171,21 @@ inline void score_group(const float* q, const int64_t* rows, int64_t D, const fl
 template <int DS, int NR>
 inline void accumulate_group(float* acc, const int64_t* rows, int64_t D, const float* p, int64_t p_stride,
                              const float* v, int64_t n, int64_t stride, Ahead& ahead) {
-  f16x sum[NR][DS];
+  constexpr int DV = DS * PER16;
+  fnv sum[NR][DV];
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < DS; ++i) sum[r][i] = *reinterpret_cast<const f16x*>(acc + rows[r] * D + 16 * i);
+    for (int i = 0; i < DV; ++i) sum[r][i] = loadnv(acc + rows[r] * D + NV * i);
   for (int64_t t = 0; t < n; ++t) {
     ahead.step(ahead.per);
-    f16x vv[DS];
-    for (int i = 0; i < DS; ++i) vv[i] = pinned(load16(v + t * stride + 16 * i));
+    fnv vv[DV];
+    for (int i = 0; i < DV; ++i) vv[i] = pinned(loadnv(v + t * stride + NV * i));
     for (int r = 0; r < NR; ++r) {
       const float pr = p[rows[r] * p_stride + t];
-      for (int i = 0; i < DS; ++i) sum[r][i] += pr * vv[i];
+      for (int i = 0; i < DV; ++i) sum[r][i] += pr * vv[i];
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < DS; ++i) *reinterpret_cast<f16x*>(acc + rows[r] * D + 16 * i) = sum[r][i];
+    for (int i = 0; i < DV; ++i) *reinterpret_cast<fnv*>(acc + rows[r] * D + NV * i) = sum[r][i];
 }
 
 template <int DS>

@@ -8,13 +8,14 @@ block of QB queries): the rows of that block that read that kv head (queries x t
 are scored together against tiles of 64 keys, so each key is read once for all of them (in float32 straight
 from the cache; bf16 and fp16 tiles are converted once). Queries are held transposed ([d, rows]) and scores
 as [keys, rows], so the register-tiled score and P.V micro-kernels and the online softmax (fp32) between
-them run across rows in 16-lane vectors. Tiles past a block's last query are never visited (causal), nor
-those before its sliding window; on the diagonal, keys past a row group's last position are skipped.
-OpenMP spreads the tasks over threads, the longest first.
+them run across rows in vectors (the tiles sized to AVX-512's registers or AVX2's). Tiles past a block's last
+query are never visited (causal), nor those before its sliding window; on the diagonal, keys past a row group's
+last position are skipped. OpenMP spreads the tasks over threads, the longest first.
 
 Reference: paged_attention_reference (engine/kernels/attention_reference.py), float64. `self_check` runs the
 kernel against it at start-up, on the model's head layouts, and the engine falls back to SDPA
-(engine/attention/portable.py) when the kernel does not build or disagrees; `TGI_HPC_CPU_PREFILL_ATTENTION`
+(engine/attention/portable.py) when the kernel does not build or disagrees, and on CPUs without AVX-512 (where
+SDPA measured faster); `TGI_HPC_CPU_PREFILL_ATTENTION`
 (auto | kernel | sdpa) overrides the choice, and /info's attention_checks shows it.
 """
 from __future__ import annotations
@@ -57,24 +58,34 @@ inline void store(float x, bf16* dst) {  // round to nearest even, as torch does
 }
 
 """ + VECTORS + r"""
-// st[t][RV * 16 rows] = k row t . qt[D][rows], for 4 keys t at a time: 4 x RV accumulators; each key value is
-// broadcast from the cache where it lies, each qt vector loaded once for the 4 keys
+// The tiles' accumulators are native vectors (cpu_simd.py's fnv: arrays of f16x go through the stack without
+// AVX-512), and their sizes follow the register file: AVX-512's 32 registers of 16 floats take up to 4 slices of 16
+// rows (score tiles) or columns (sums), AVX2's 16 of 8 one slice
+#ifdef __AVX512F__
+constexpr int64_t SLICES = 4;
+#else
+constexpr int64_t SLICES = 1;
+#endif
+
+// st[t][RV * 16 rows] = k row t . qt[D][rows], for 4 keys t at a time: 4 x RV slices of accumulators; each key value
+// is broadcast from the cache where it lies, each qt vector loaded once for the 4 keys
 template <int RV>
 inline void score_tile(const float* const* krow, int64_t n, int64_t D, const float* qt, int64_t RP, float* st) {
+  constexpr int V = RV * PER16;
   for (int64_t t = 0; t < n; t += 4) {
-    f16x acc[4][RV] = {};
+    fnv acc[4][V] = {};
     const float *k0 = krow[t], *k1 = krow[t + 1], *k2 = krow[t + 2], *k3 = krow[t + 3];
     for (int64_t d = 0; d < D; ++d) {
-      f16x q[RV];
-      for (int i = 0; i < RV; ++i) {
-        f16x x = load16(qt + d * RP + 16 * i);
+      fnv q[V];
+      for (int i = 0; i < V; ++i) {
+        fnv x = loadnv(qt + d * RP + NV * i);
 #ifdef __AVX512F__
         asm("" : "+v"(x));  // in a register: gcc would fold this load into each of the 4 keys' FMAs (4x the loads)
 #endif
         q[i] = x;
       }
       const float x0 = k0[d], x1 = k1[d], x2 = k2[d], x3 = k3[d];
-      for (int i = 0; i < RV; ++i) {
+      for (int i = 0; i < V; ++i) {
         acc[0][i] += x0 * q[i];
         acc[1][i] += x1 * q[i];
         acc[2][i] += x2 * q[i];
@@ -82,7 +93,7 @@ inline void score_tile(const float* const* krow, int64_t n, int64_t D, const flo
       }
     }
     for (int j = 0; j < 4; ++j)
-      for (int i = 0; i < RV; ++i) store16(st + (t + j) * RP + 16 * i, acc[j][i]);
+      for (int i = 0; i < V; ++i) *reinterpret_cast<fnv*>(st + (t + j) * RP + NV * i) = acc[j][i];
   }
 }
 
@@ -90,19 +101,20 @@ inline void score_tile(const float* const* krow, int64_t n, int64_t D, const flo
 template <int DS>
 inline void accumulate_tile(float* acc, int64_t D, const float* p, int64_t RP, const float* const* vrow,
                             int64_t d0, int64_t n) {
-  f16x a[NR][DS];
+  constexpr int V = DS * PER16;
+  fnv a[NR][V];
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < DS; ++i) a[r][i] = load16(acc + r * D + 16 * i);
+    for (int i = 0; i < V; ++i) a[r][i] = loadnv(acc + r * D + NV * i);
   for (int64_t t = 0; t < n; ++t) {
-    f16x x[DS];
-    for (int i = 0; i < DS; ++i) x[i] = load16(vrow[t] + d0 + 16 * i);
+    fnv x[V];
+    for (int i = 0; i < V; ++i) x[i] = loadnv(vrow[t] + d0 + NV * i);
     for (int r = 0; r < NR; ++r) {
       const float w = p[t * RP + r];
-      for (int i = 0; i < DS; ++i) a[r][i] += w * x[i];
+      for (int i = 0; i < V; ++i) a[r][i] += w * x[i];
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < DS; ++i) store16(acc + r * D + 16 * i, a[r][i]);
+    for (int i = 0; i < V; ++i) *reinterpret_cast<fnv*>(acc + r * D + NV * i) = a[r][i];
 }
 
 template <typename T>
@@ -181,8 +193,8 @@ void attend(const Args<T>& a, T* out, const Task& task, float* buf) {
   for (int64_t k0 = k_lo / KB * KB; k0 < k_hi; k0 += KB) {
     const int64_t n = std::min(KB, k_hi - k0), n4 = (n + 3) / 4 * 4;
     tile_rows(a, table, g, k0, n, kf, vf, zeros, krow, vrow);
-    for (int64_t r0 = 0; r0 < RP; r0 += 64) {
-      const int64_t width = std::min<int64_t>(4, (RP - r0) / 16);
+    for (int64_t r0 = 0; r0 < RP; r0 += 16 * SLICES) {
+      const int64_t width = std::min<int64_t>(SLICES, (RP - r0) / 16);
       // keys past the last row's position are masked for all these rows: not scored (on the diagonal)
       const int64_t keys = std::min(n4, (pos[r0 + 16 * width - 1] - k0 + 4) / 4 * 4);
       if (keys <= 0) continue;
@@ -230,9 +242,9 @@ void attend(const Args<T>& a, T* out, const Task& task, float* buf) {
       }
     for (int64_t r = 0; r < RP; r += NR) {
       const int64_t keys = std::min<int64_t>(n, pos[r + NR - 1] - k0 + 1);  // the rest have probability 0
-      for (int64_t d0 = 0; d0 < D && keys > 0; d0 += 64) {
+      for (int64_t d0 = 0; d0 < D && keys > 0; d0 += 16 * SLICES) {
         float* ar = acc + r * D + d0;
-        switch (std::min<int64_t>(4, (D - d0) / 16)) {
+        switch (std::min<int64_t>(SLICES, (D - d0) / 16)) {
           case 1: accumulate_tile<1>(ar, D, st + r, RP, vrow, d0, keys); break;
           case 2: accumulate_tile<2>(ar, D, st + r, RP, vrow, d0, keys); break;
           case 3: accumulate_tile<3>(ar, D, st + r, RP, vrow, d0, keys); break;
@@ -305,6 +317,9 @@ extern "C" int tgi_prefill_attention(int dtype, void* out, const void* q, int64_
   }
   return 1;
 }
+
+// floats in one vector register of this build (16 with AVX-512, 8 with AVX2, 4 with SSE): `choose` reads it
+extern "C" int tgi_prefill_vector_floats() { return NV; }
 """
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -317,12 +332,18 @@ _LIBRARY = Library("cpu_prefill_attention", SOURCE, {
     "tgi_prefill_attention": (ctypes.c_int, [
         ctypes.c_int, *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 3, ctypes.c_int64,
         ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]),
+    "tgi_prefill_vector_floats": (ctypes.c_int, []),
 }, logger)
 
 
 def load() -> ctypes.CDLL:
     """The compiled kernel: built once per CPU type and compiler into the cache, loaded once per process."""
     return _LIBRARY.load()
+
+
+def vector_floats() -> int:
+    """Floats in one vector register of the kernel's build: 16 with AVX-512, 8 with AVX2, 4 with SSE."""
+    return int(load().tgi_prefill_vector_floats())
 
 
 def supports(dtype: torch.dtype, head_dim: int) -> bool:
@@ -351,18 +372,29 @@ def prefill_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
 
 def choose(layouts: set[tuple[int, int, int, int | None, float | None]], dtype: torch.dtype) -> tuple[bool, str]:
     """(use the kernel, what /info shows: 'kernel' or 'sdpa (why)') for prefill chunks of these
-    (heads, kv heads, head dim, window, softcap) layouts: the kernel when it builds and matches the reference
-    on every one; $TGI_HPC_CPU_PREFILL_ATTENTION (auto | kernel | sdpa) overrides, and 'kernel' there
-    raises when the kernel cannot serve."""
+    (heads, kv heads, head dim, window, softcap) layouts: the kernel when it builds, matches the reference on every
+    one and the CPU has AVX-512 (without it, AVX2's 16 registers of 8 floats, its tiles measured slower than SDPA: a
+    1,024-token SmolLM2 prefill 1.22x the time, 128 over 1,024 cached 1.32x, docs/benchmarks.md);
+    $TGI_HPC_CPU_PREFILL_ATTENTION (auto | kernel | sdpa) overrides, and 'kernel' there raises when the kernel cannot
+    serve."""
     wanted = os.environ.get("TGI_HPC_CPU_PREFILL_ATTENTION", "auto")
     if wanted not in CHOICES:
         raise ValueError(f"TGI_HPC_CPU_PREFILL_ATTENTION={wanted!r}; use one of {', '.join(CHOICES)}")
     reason = "TGI_HPC_CPU_PREFILL_ATTENTION=sdpa" if wanted == "sdpa" else unusable_reason(layouts, dtype)
+    if reason is None and wanted == "auto":
+        reason = width_reason()
     if reason is not None and wanted == "kernel":
         raise ValueError(f"the CPU prefill attention kernel cannot serve this model: {reason}")
     if reason is not None:
         logger.info("CPU prefill attention kernel not used (%s): SDPA", reason)
     return reason is None, "kernel" if reason is None else f"sdpa ({reason})"
+
+
+def width_reason() -> str | None:
+    """Why 'auto' leaves prefill chunks to SDPA on this CPU: None where it has AVX-512 (see `choose`)."""
+    floats = vector_floats()
+    return None if floats >= 16 else f"no AVX-512 here: SDPA is faster than the kernel's tiles at {floats} floats a " \
+                                     "register"
 
 
 def unusable_reason(layouts, dtype: torch.dtype) -> str | None:

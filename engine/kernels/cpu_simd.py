@@ -69,6 +69,39 @@ inline f4x hsum4(f16x a0, f16x a1, f16x a2, f16x a3) {
   z += __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   return __builtin_shufflevector(z, z, 0, 4, 8, 12);
 }
+
+// hsum4 and one vector's lane sum at the native width
+#if defined(__AVX512F__)
+inline f4x hsum4nv(fnv a0, fnv a1, fnv a2, fnv a3) { return hsum4(a0, a1, a2, a3); }
+inline float hsumnv(fnv a) {
+  a += __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  a += __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  a += __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  return a[0] + a[1];
+}
+#elif defined(__AVX__)
+inline f4x hsum4nv(fnv a0, fnv a1, fnv a2, fnv a3) {
+  const fnv x = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11)
+              + __builtin_shufflevector(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
+  const fnv y = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11)
+              + __builtin_shufflevector(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
+  const fnv z = __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13)
+              + __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(z, z, 0, 2, 4, 6) + __builtin_shufflevector(z, z, 1, 3, 5, 7);
+}
+inline float hsumnv(fnv a) {
+  a += __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
+  a += __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1);
+  return a[0] + a[1];
+}
+#else
+inline f4x hsum4nv(fnv a0, fnv a1, fnv a2, fnv a3) {
+  const fnv x = __builtin_shufflevector(a0, a1, 0, 1, 4, 5) + __builtin_shufflevector(a0, a1, 2, 3, 6, 7);
+  const fnv y = __builtin_shufflevector(a2, a3, 0, 1, 4, 5) + __builtin_shufflevector(a2, a3, 2, 3, 6, 7);
+  return __builtin_shufflevector(x, y, 0, 2, 4, 6) + __builtin_shufflevector(x, y, 1, 3, 5, 7);
+}
+inline float hsumnv(fnv a) { return (a[0] + a[2]) + (a[1] + a[3]); }
+#endif
 """
 
 BFLOAT16 = r"""

@@ -12,10 +12,11 @@ torch = pytest.importorskip("torch")
 from engine.attention import selection  # noqa: E402
 from engine.attention.cpu_paged import CpuPagedBackend  # noqa: E402
 from engine.attention.portable import PortableBackend  # noqa: E402
-from engine.kernels import cpu_attention  # noqa: E402
+from engine.kernels import cpu_attention, cpu_prefill_attention  # noqa: E402
 from engine.kernels.attention_reference import paged_attention_reference  # noqa: E402
 from engine.layers.attention import Attention  # noqa: E402
 from test_attention_backends import MIXES, random_batch, run_backend  # noqa: E402
+from vector_widths import narrower_build, narrower_than_here  # noqa: E402
 
 pytestmark = pytest.mark.skipif(cpu_attention.compiler() is None, reason="no C++ compiler (g++) here")
 
@@ -83,6 +84,21 @@ def test_kernel_matches_the_reference(dtype, heads, kv_heads, dim, window, softc
         atol, rtol = TOLERANCE[dtype]
         torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol, msg=lambda m: (
             f"{m}\nq_lens {q_lens}, contexts {contexts}, block {block_size}, {layout}"))
+
+
+@pytest.mark.parametrize("narrower", narrower_than_here(), ids=str)
+def test_each_narrower_vector_width_matches_the_reference(monkeypatch, narrower):
+    """The row groups' accumulators are native vectors (16, 8 or 4 floats): a build for a narrower CPU than this one
+    scores and sums as the reference does, head sizes 64 and 128 (the grouped paths) and 80, rows in groups of 1-4."""
+    monkeypatch.setattr(cpu_attention, "_LIBRARY", narrower_build(cpu_attention, narrower))
+    rng = random.Random(7)
+    for seed, (heads, kv_heads, dim) in enumerate([(9, 3, 64), (8, 2, 128), (6, 2, 80), (8, 8, 64)]):
+        for dtype in (torch.float32, torch.bfloat16):
+            q_lens, contexts = spans_batch(rng, 5, 16)
+            out, expected = kernel_case(q_lens, contexts, heads, kv_heads, dim, 16, 24 if seed % 2 else None,
+                                        None, dtype, seed)
+            atol, rtol = TOLERANCE[dtype]
+            torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (6, 2, 80)])
@@ -175,7 +191,8 @@ def test_auto_picks_cpu_paged_on_cpu():
     backend, block_size, report = selection.choose_backend("auto", torch.device("cpu"), torch.float32,
                                                            smollm2_layers(), None)
     assert backend.name == "cpu_paged" and block_size == 16
-    assert report == {"cpu_paged": "ok", "cpu_paged prefill": "kernel"}  # its prefill kernel too
+    why = cpu_prefill_attention.width_reason()      # its prefill kernel too, where the CPU has AVX-512
+    assert report == {"cpu_paged": "ok", "cpu_paged prefill": "kernel" if why is None else f"sdpa ({why})"}
 
 
 def test_a_kernel_that_does_not_build_falls_back_to_portable(monkeypatch):

@@ -1,6 +1,5 @@
 """The few-row float32 linear (engine/kernels/cpu_gemv.py) against F.linear: random shapes around its panel
 and row-pass edges, strided rows, biases, and hostile values; and its self-check."""
-import platform
 import random
 
 import pytest
@@ -9,7 +8,8 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from engine.kernels import cpu_gemv  # noqa: E402
-from engine.kernels.cpp_build import Library, compiler  # noqa: E402
+from engine.kernels.cpp_build import compiler  # noqa: E402
+from vector_widths import narrower_build, narrower_than_here  # noqa: E402
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler (g++) here")
 
@@ -64,14 +64,12 @@ def test_self_check_passes_here_and_reports_a_wrong_kernel(monkeypatch):
     assert "disagrees with F.linear" in cpu_gemv.self_check()
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 vector-width flags")
-@pytest.mark.parametrize("narrower", [("-mno-avx512f",), ("-mno-avx",)], ids=["avx2", "sse"])
-def test_each_vector_width_a_cpu_may_have_gives_f_linear(monkeypatch, narrower):
-    """The kernel's tiles follow the vector registers (AVX-512, AVX2, SSE: 16, 8 or 4 floats a register); a build
-    for a narrower CPU than this one runs here too, so every tiling is checked on any x86 machine: every row count
-    of one pass and the next, panel tails, and the bfloat16 panels bit for bit."""
-    variant = Library("cpu_gemv_test", cpu_gemv.SOURCE, cpu_gemv._LIBRARY.signatures, extra=narrower)
-    monkeypatch.setattr(cpu_gemv, "_LIBRARY", variant)
+@pytest.mark.parametrize("narrower", narrower_than_here(), ids=str)
+def test_each_narrower_vector_width_gives_f_linear(monkeypatch, narrower):
+    """The kernel's tiles follow the vector registers (AVX-512, AVX2, SSE: 16, 8 or 4 floats a register), and a
+    build for a narrower CPU runs here: every row count of one pass and the next, panel tails, and the bfloat16
+    panels bit for bit."""
+    monkeypatch.setattr(cpu_gemv, "_LIBRARY", narrower_build(cpu_gemv, narrower))
     assert cpu_gemv.self_check() is None
     gen = torch.Generator().manual_seed(len(narrower[0]))
     for rows in (1, 2, 3, 6, 7, 12, 13, 16, 17):

@@ -13,6 +13,7 @@ from engine.kernels import cpu_prefill_attention  # noqa: E402
 from engine.kernels.attention_reference import paged_attention_reference  # noqa: E402
 from engine.layers.attention import Attention  # noqa: E402
 from test_attention_backends import MIXES, random_batch, run_backend  # noqa: E402
+from vector_widths import narrower_build, narrower_than_here  # noqa: E402
 
 pytestmark = pytest.mark.skipif(cpu_prefill_attention.compiler() is None, reason="no C++ compiler (g++) here")
 
@@ -61,6 +62,19 @@ def test_kernel_matches_the_reference(heads, kv_heads, dim, window, softcap):
             f"{m}\nq_lens {q_lens}, contexts {contexts}, block {block_size}, query block {query_block}"))
 
 
+@pytest.mark.parametrize("narrower", narrower_than_here(), ids=str)
+def test_each_narrower_vector_width_matches_the_reference(monkeypatch, narrower):
+    """Tiles of native vectors, sized to the registers: a build for a narrower CPU than this one (AVX2 or SSE) gives
+    the reference's results too, head dims of one to four 16-float slices, row groups of 1-4 slices."""
+    monkeypatch.setattr(cpu_prefill_attention, "_LIBRARY", narrower_build(cpu_prefill_attention, narrower))
+    rng = random.Random(11)
+    for heads, kv_heads, dim, window in ((9, 3, 64, None), (8, 2, 128, 37), (16, 2, 16, None), (6, 2, 80, None)):
+        q_lens = [rng.choice([9, 64, 65, rng.randint(2, 150)]) for _ in range(2)]
+        contexts = [rng.choice([0, 16, rng.randint(1, 200)]) for _ in q_lens]
+        out, expected = kernel_case(q_lens, contexts, heads, kv_heads, dim, 16, window, None, torch.float32, dim)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_precision_caches(dtype):
     out, expected = kernel_case([70, 1, 130], [0, 40, 77], 9, 3, 64, 16, None, None, dtype, seed=7)
@@ -88,6 +102,12 @@ def test_large_scores_stay_finite():
                                          seq_lens=torch.tensor([150]), block_tables=tables, scale=1.0)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(autouse=True)
+def avx512(monkeypatch):
+    """The backend's choice as on a CPU with AVX-512 (the kernel runs on any; on AVX2 'auto' takes SDPA)."""
+    monkeypatch.setattr(cpu_prefill_attention, "vector_floats", lambda: 16)
 
 
 @pytest.mark.parametrize("mix", ["prefill only", "chunked + decode", "one long chunk"])
@@ -165,6 +185,24 @@ def test_the_environment_overrides_the_choice(monkeypatch):
     monkeypatch.setenv("TGI_HPC_CPU_PREFILL_ATTENTION", "fast")
     with pytest.raises(ValueError, match="use one of auto, kernel, sdpa"):
         cpu_prefill_attention.choose({(9, 3, 64, None, None)}, torch.float32)
+
+
+@pytest.mark.parametrize("floats", [8, 4])
+def test_without_avx512_auto_takes_sdpa_and_the_environment_still_takes_the_kernel(monkeypatch, floats):
+    monkeypatch.setattr(cpu_prefill_attention, "vector_floats", lambda: floats)
+    why = f"no AVX-512 here: SDPA is faster than the kernel's tiles at {floats} floats a register"
+    assert cpu_prefill_attention.choose({(9, 3, 64, None, None)}, torch.float32) == (False, f"sdpa ({why})")
+    backend, _, report = selection.choose_backend("auto", torch.device("cpu"), torch.float32, smollm2_layers(), None)
+    assert backend.name == "cpu_paged" and not backend.prefill_layouts and report["cpu_paged prefill"] == f"sdpa ({why})"
+    monkeypatch.setenv("TGI_HPC_CPU_PREFILL_ATTENTION", "kernel")
+    assert cpu_prefill_attention.choose({(9, 3, 64, None, None)}, torch.float32) == (True, "kernel")
+
+
+def test_the_build_reports_its_vector_width():
+    assert cpu_prefill_attention.vector_floats.__name__ == "<lambda>"    # the fixture's
+    real = cpu_prefill_attention.load().tgi_prefill_vector_floats()
+    flags = open("/proc/cpuinfo").read()
+    assert real == (16 if " avx512f" in flags else 8 if " avx" in flags else 4)
 
 
 def test_empty_chunks_write_nothing():

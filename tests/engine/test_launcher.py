@@ -152,7 +152,10 @@ def test_real_server_with_env_api_key(model_path, tmp_path):
         info = httpx.get(f"{url}/info").json()
         assert info["attention_backend"] == "cpu_paged" and info["cuda_graphs"] == []
         # what start-up tried, and why it chose
-        assert info["attention_checks"] == {"cpu_paged": "ok", "cpu_paged prefill": "kernel"}
+        from engine.kernels import cpu_prefill_attention
+        why = cpu_prefill_attention.width_reason()  # the prefill kernel where the CPU has AVX-512, else SDPA
+        assert info["attention_checks"] == {"cpu_paged": "ok",
+                                             "cpu_paged prefill": "kernel" if why is None else f"sdpa ({why})"}
         assert info["linear_backend"] in ("onednn", "aten")  # oneDNN unless this torch build lacks it
         assert info["elementwise_backend"] == "fused"  # float32 on CPU: the one-pass C++ kernels
         assert info["sampler_backend"] == "fused"  # logprobs and greedy picks: kernels/cpu_log_softmax.py
