@@ -318,7 +318,7 @@ extern "C" int tgi_prefill_attention(int dtype, void* out, const void* q, int64_
   return 1;
 }
 
-// floats in one vector register of this build (16 with AVX-512, 8 with AVX2, 4 with SSE): `choose` reads it
+// floats in one vector register of this build (16 with AVX-512, else 8): `choose` reads it
 extern "C" int tgi_prefill_vector_floats() { return NV; }
 """
 
@@ -342,7 +342,7 @@ def load() -> ctypes.CDLL:
 
 
 def vector_floats() -> int:
-    """Floats in one vector register of the kernel's build: 16 with AVX-512, 8 with AVX2, 4 with SSE."""
+    """Floats in one vector register of the kernel's build: 16 with AVX-512, else 8."""
     return int(load().tgi_prefill_vector_floats())
 
 

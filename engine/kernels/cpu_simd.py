@@ -12,15 +12,13 @@ typedef float f16x __attribute__((vector_size(64), aligned(4)));
 typedef int32_t i16x __attribute__((vector_size(64), aligned(4)));
 typedef float f4x __attribute__((vector_size(16), aligned(4)));
 inline f16x load16(const float* p) { return *reinterpret_cast<const f16x*>(p); }
-// the target's own vector: 16 floats (one zmm) with AVX-512, 8 (one ymm) with AVX, 4 otherwise. Kernels that keep
-// arrays of accumulators use it: gcc keeps an array of f16x in ymm registers poorly without AVX-512 (stack round
-// trips on every FMA; cpu_gemv.py's 16-row linears ran 12x slower than oneDNN on an AVX2 VM)
+// the target's own vector: 16 floats (one zmm) with AVX-512, else 8 (one ymm with AVX2; older CPUs split it).
+// Kernels that keep arrays of accumulators use it: gcc keeps an array of f16x in ymm registers poorly without
+// AVX-512 (stack round trips on every FMA; cpu_gemv.py's 16-row linears ran 12x slower than oneDNN on an AVX2 VM)
 #if defined(__AVX512F__)
 typedef float fnv __attribute__((vector_size(64), aligned(4)));
-#elif defined(__AVX__)
-typedef float fnv __attribute__((vector_size(32), aligned(4)));
 #else
-typedef float fnv __attribute__((vector_size(16), aligned(4)));
+typedef float fnv __attribute__((vector_size(32), aligned(4)));
 #endif
 typedef uint32_t unv __attribute__((vector_size(sizeof(fnv)), aligned(4)));
 constexpr int NV = sizeof(fnv) / sizeof(float);  // lanes of fnv
@@ -79,7 +77,7 @@ inline float hsumnv(fnv a) {
   a += __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
   return a[0] + a[1];
 }
-#elif defined(__AVX__)
+#else
 inline f4x hsum4nv(fnv a0, fnv a1, fnv a2, fnv a3) {
   const fnv x = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11)
               + __builtin_shufflevector(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
@@ -94,13 +92,6 @@ inline float hsumnv(fnv a) {
   a += __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1);
   return a[0] + a[1];
 }
-#else
-inline f4x hsum4nv(fnv a0, fnv a1, fnv a2, fnv a3) {
-  const fnv x = __builtin_shufflevector(a0, a1, 0, 1, 4, 5) + __builtin_shufflevector(a0, a1, 2, 3, 6, 7);
-  const fnv y = __builtin_shufflevector(a2, a3, 0, 1, 4, 5) + __builtin_shufflevector(a2, a3, 2, 3, 6, 7);
-  return __builtin_shufflevector(x, y, 0, 2, 4, 6) + __builtin_shufflevector(x, y, 1, 3, 5, 7);
-}
-inline float hsumnv(fnv a) { return (a[0] + a[2]) + (a[1] + a[3]); }
 #endif
 """
 

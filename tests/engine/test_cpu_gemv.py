@@ -9,7 +9,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from engine.kernels import cpu_gemv  # noqa: E402
 from engine.kernels.cpp_build import compiler  # noqa: E402
-from vector_widths import narrower_build, narrower_than_here  # noqa: E402
+from vector_widths import build_for, widths_here  # noqa: E402
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler (g++) here")
 
@@ -64,14 +64,14 @@ def test_self_check_passes_here_and_reports_a_wrong_kernel(monkeypatch):
     assert "disagrees with F.linear" in cpu_gemv.self_check()
 
 
-@pytest.mark.parametrize("narrower", narrower_than_here(), ids=str)
-def test_each_narrower_vector_width_gives_f_linear(monkeypatch, narrower):
-    """The kernel's tiles follow the vector registers (AVX-512, AVX2, SSE: 16, 8 or 4 floats a register), and a
-    build for a narrower CPU runs here: every row count of one pass and the next, panel tails, and the bfloat16
-    panels bit for bit."""
-    monkeypatch.setattr(cpu_gemv, "_LIBRARY", narrower_build(cpu_gemv, narrower))
+@pytest.mark.parametrize("extra", widths_here(), ids=lambda extra: " ".join(extra) or "native")
+def test_each_vector_width_gives_f_linear(monkeypatch, extra):
+    """The kernel's tiles follow the vector registers (16 floats a register with AVX-512: three panels x 8 rows;
+    8 with AVX2: 6 rows a pass), and on an AVX-512 CPU a build without it runs too: every row count of one pass and
+    the next, panel tails, and the bfloat16 panels bit for bit."""
+    monkeypatch.setattr(cpu_gemv, "_LIBRARY", build_for(cpu_gemv, extra))
     assert cpu_gemv.self_check() is None
-    gen = torch.Generator().manual_seed(len(narrower[0]))
+    gen = torch.Generator().manual_seed(len(extra))
     for rows in (1, 2, 3, 6, 7, 12, 13, 16, 17):
         for out_features, in_features in ((48, 33), (130, 64), (3 * 48 + 16, 7)):
             weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16).float()
