@@ -62,10 +62,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
     f16x acc = {};
     for (int64_t i = 0; i < n; i += 16)
       acc += *reinterpret_cast<const f16x*>(a + i) * *reinterpret_cast<const f16x*>(b + i);
-    acc += __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    acc += __builtin_shufflevector(acc, acc, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-    acc += __builtin_shufflevector(acc, acc, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-    return acc[0] + acc[1];
+    return hsum(acc);
   }
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -103,13 +100,6 @@ inline fnv pinned(fnv x) {
   asm("" : "+v"(x));
 #endif
   return x;
-}
-
-inline float hsum(f16x acc) {
-  acc += __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  acc += __builtin_shufflevector(acc, acc, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-  acc += __builtin_shufflevector(acc, acc, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-  return acc[0] + acc[1];
 }
 
 // the next run's K and V lines, prefetched a few at a time while this run is scored and summed: a burst of

@@ -48,11 +48,7 @@ template <typename W> constexpr int64_t ahead() { return AHEAD * 4 / static_cast
 // The tiles follow the register file: AVX-512 has 32 registers of 16 floats, AVX2 16 of 8, so AVX2 tiles take fewer
 // rows at once (NARROW_ROWS). Lanes are summed in the same order either way: within one build the float32 and the
 // bfloat16 panels give the same bits.
-#ifdef __AVX512F__
-constexpr bool WIDE = true;
-#else
-constexpr bool WIDE = false;
-#endif
+constexpr bool WIDE = NV == 16;
 constexpr int NARROW_ROWS = 6;  // rows of one AVX2 pass: 12 ymm accumulators, beside the weights and a broadcast
 
 // a panel's accumulator sets summed in order (set 0 first), the bias added, into y

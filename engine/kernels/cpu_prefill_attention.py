@@ -61,11 +61,7 @@ inline void store(float x, bf16* dst) {  // round to nearest even, as torch does
 // The tiles' accumulators are native vectors (cpu_simd.py's fnv: arrays of f16x go through the stack without
 // AVX-512), and their sizes follow the register file: AVX-512's 32 registers of 16 floats take up to 4 slices of 16
 // rows (score tiles) or columns (sums), AVX2's 16 of 8 one slice
-#ifdef __AVX512F__
-constexpr int64_t SLICES = 4;
-#else
-constexpr int64_t SLICES = 1;
-#endif
+constexpr int64_t SLICES = NV == 16 ? 4 : 1;
 
 // st[t][RV * 16 rows] = k row t . qt[D][rows], for 4 keys t at a time: 4 x RV slices of accumulators; each key value
 // is broadcast from the cache where it lies, each qt vector loaded once for the 4 keys

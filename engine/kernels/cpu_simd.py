@@ -68,15 +68,18 @@ inline f4x hsum4(f16x a0, f16x a1, f16x a2, f16x a3) {
   return __builtin_shufflevector(z, z, 0, 4, 8, 12);
 }
 
-// hsum4 and one vector's lane sum at the native width
-#if defined(__AVX512F__)
-inline f4x hsum4nv(fnv a0, fnv a1, fnv a2, fnv a3) { return hsum4(a0, a1, a2, a3); }
-inline float hsumnv(fnv a) {
+// the sum of the 16 lanes: a tree (gcc's own reduction ends in 16 dependent scalar adds)
+inline float hsum(f16x a) {
   a += __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   a += __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
   a += __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
   return a[0] + a[1];
 }
+
+// hsum4 and hsum at the native width
+#if defined(__AVX512F__)
+inline f4x hsum4nv(fnv a0, fnv a1, fnv a2, fnv a3) { return hsum4(a0, a1, a2, a3); }
+inline float hsumnv(fnv a) { return hsum(a); }
 #else
 inline f4x hsum4nv(fnv a0, fnv a1, fnv a2, fnv a3) {
   const fnv x = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11)
