@@ -16,7 +16,13 @@ ENV_FILE=$(TGI_HPC_CLUSTER_FRESH="${TGI_HPC_CLUSTER_FRESH:-1}" bash scripts/loca
 export TGI_HPC_REQUIRE_CLUSTER=1 PYTHONUNBUFFERED=1
 "$VENV/bin/python" scripts/make_models.py all >/dev/null
 set +e
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+# Two workers (pytest-xdist; tests/conftest.py sends each file whole to one, and every cluster test to the
+# same one), each with one torch thread: one process on the cores leaves them ~40% idle while it waits on
+# the engines it starts, and two workers with two threads each would oversubscribe the cores.
+# TGI_HPC_TEST_WORKERS=0 runs everything in this process.
+WORKERS=${TGI_HPC_TEST_WORKERS:-2}
+[ "$WORKERS" = 0 ] || export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "$WORKERS" "$@"
 status=$?
 set -e
 # pytest's 5 means "no tests collected": a suite that ran nothing has not passed.

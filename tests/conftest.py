@@ -69,6 +69,26 @@ def pytest_configure(config):
     config.pluginmanager.import_plugin("support.skip_guard")   # CI fails on an unexpected skip
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """With pytest-xdist (scripts/test.sh runs two workers): each test file runs whole on one worker, so its
+    module fixtures are built once, and every test under tests/cluster runs on one worker, one after another,
+    as the suite alone: jobs from two tests at once would wait for each other's nodes (PENDING (Resources)).
+    (`--dist loadgroup` cannot say this under pytest 9: it renames node ids, which pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesAndTheCluster(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return cluster_or_file(nodeid)
+
+    return FilesAndTheCluster(config, log)
+
+
+def cluster_or_file(nodeid: str) -> str:
+    """The scheduling unit of a test: tests/cluster as a whole, else its file."""
+    path = nodeid.split("::", 1)[0]
+    return "tests/cluster" if path.startswith("tests/cluster/") else path
+
+
 def pytest_collection_modifyitems(config, items):
     has_cuda = _has_cuda()
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
