@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import cluster_or_file
+from support.worker_scopes import cluster_or_file
 
 TESTS = Path(__file__).resolve().parent
 
@@ -17,12 +17,13 @@ def test_every_cluster_test_is_one_unit_and_every_other_file_its_own():
     assert units == others
 
 
-def test_the_scheduler_hook_is_what_pytest_xdist_calls():
+def test_the_scheduler_hook_is_what_pytest_xdist_calls(pytestconfig):
     import xdist.newhooks
-    import conftest
 
     assert hasattr(xdist.newhooks, "pytest_xdist_make_scheduler")
-    scheduler = conftest.pytest_xdist_make_scheduler(_Config(), log=None)
+    root = next(p for p in pytestconfig.pluginmanager.get_plugins()
+                if getattr(p, "__file__", None) == str(TESTS / "conftest.py"))   # not tests/cluster/conftest.py
+    scheduler = root.pytest_xdist_make_scheduler(_Config(), log=None)
     assert scheduler._split_scope("tests/cluster/test_laptop.py::test_a") == "tests/cluster"
     assert scheduler._split_scope("tests/engine/test_clients.py::test_a") == "tests/engine/test_clients.py"
 
