@@ -76,13 +76,18 @@ def pytest_xdist_make_scheduler(config, log):
     (`--dist loadgroup` cannot say this under pytest 9: it renames node ids, which pytest 9 no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
-    from support.worker_scopes import cluster_or_file
-
     class FilesAndTheCluster(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return cluster_or_file(nodeid)
 
     return FilesAndTheCluster(config, log)
+
+
+def cluster_or_file(nodeid: str) -> str:
+    """A test's unit on the workers: tests/cluster as a whole (its tests submit jobs to the one local cluster: one
+    at a time), else the test's file (its module fixtures are built once)."""
+    path = nodeid.split("::", 1)[0]
+    return "tests/cluster" if path.startswith("tests/cluster/") else path
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,12 +3,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from support.worker_scopes import cluster_or_file
-
 TESTS = Path(__file__).resolve().parent
 
 
-def test_every_cluster_test_is_one_unit_and_every_other_file_its_own():
+def _root_conftest(config):
+    """tests/conftest.py as pytest loaded it (`import conftest` may find tests/cluster/conftest.py instead)."""
+    return next(p for p in config.pluginmanager.get_plugins()
+                if getattr(p, "__file__", None) == str(TESTS / "conftest.py"))
+
+
+def test_every_cluster_test_is_one_unit_and_every_other_file_its_own(pytestconfig):
+    cluster_or_file = _root_conftest(pytestconfig).cluster_or_file
     cluster = sorted(p.relative_to(TESTS.parent).as_posix() for p in (TESTS / "cluster").glob("test_*.py"))
     others = sorted(p.relative_to(TESTS.parent).as_posix() for p in (TESTS / "engine").glob("test_*.py"))
     assert len(cluster) > 10 and len(others) > 10
@@ -21,9 +26,7 @@ def test_the_scheduler_hook_is_what_pytest_xdist_calls(pytestconfig):
     import xdist.newhooks
 
     assert hasattr(xdist.newhooks, "pytest_xdist_make_scheduler")
-    root = next(p for p in pytestconfig.pluginmanager.get_plugins()
-                if getattr(p, "__file__", None) == str(TESTS / "conftest.py"))   # not tests/cluster/conftest.py
-    scheduler = root.pytest_xdist_make_scheduler(_Config(), log=None)
+    scheduler = _root_conftest(pytestconfig).pytest_xdist_make_scheduler(_Config(), log=None)
     assert scheduler._split_scope("tests/cluster/test_laptop.py::test_a") == "tests/cluster"
     assert scheduler._split_scope("tests/engine/test_clients.py::test_a") == "tests/engine/test_clients.py"
 
