@@ -27,6 +27,16 @@ TRIM_THRESHOLD = (1 << 31) - 1                # mallopt takes an int
 _applied: bool | None = None
 
 
+def glibc_mallopt():
+    """The C library's `mallopt(param, value)` (nonzero when taken), typed; None where it has none."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt
+
+
 def apply() -> bool:
     """Set both thresholds (once per process); True when glibc took them."""
     global _applied
@@ -36,11 +46,9 @@ def apply() -> bool:
     if os.environ.get(ENV, "1") == "0":
         logger.info("malloc: left at glibc's defaults (%s=0)", ENV)
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    mallopt = glibc_mallopt()
+    if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     if _applied:
         logger.info("malloc: freed activations kept for reuse (mmap threshold %d MiB, trim threshold %d MiB)",

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # OMP_NUM_THREADS=1 (as the suite's workers do: CI saw 0). Held, every block above 128 KiB is mapped and faulted in
 # at every step, which shows the count can see what malloc_reuse removes.
 SCRIPT = textwrap.dedent("""
-    import ctypes, os, resource, sys
+    import os, resource, sys
     import torch
     from engine import malloc_reuse
     from engine.batch import SeqSpan
@@ -41,8 +41,7 @@ SCRIPT = textwrap.dedent("""
             runner.run([span])
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
-    mallopt = ctypes.CDLL(None).mallopt
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    mallopt = malloc_reuse.glibc_mallopt()
     assert mallopt(malloc_reuse.M_MMAP_THRESHOLD, 128 << 10) and mallopt(malloc_reuse.M_TRIM_THRESHOLD, 128 << 10)
     defaults = faults()
     assert malloc_reuse.apply() is False      # decided once per process: off, as the environment said
